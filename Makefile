@@ -1,0 +1,44 @@
+# pd-middleware developer entry points. Everything runs inside .venv in the repo root.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test bench reliability setup-sglang test-sglang clean
+
+# Create or update .venv: system library check, torch (CPU) if absent, the Mooncake
+# wheel that fits this machine, the project with its test extras and the plugin
+# distributions under plugins/.
+setup:
+	@ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "setup: installing libibverbs1 (needed by the Mooncake engine)"; \
+	    (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null; \
+	  else echo "setup: the Mooncake engine needs libibverbs1: sudo apt-get install libibverbs1"; exit 1; fi; }
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || { echo "setup: installing $(TORCH) (CPU)"; $(PIP) install -q $(TORCH); }
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then mc=mooncake; else mc=mooncake-cpu; fi; \
+	  $(PIP) install -q -e ".[test,$$mc]" -e plugins/pd-middleware-full
+	@echo "setup: $(VENV) ready"
+
+demo: setup
+	$(VENV)/bin/pd-middleware ab configs/ab.toml
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+reliability: setup
+	$(PY) reliability/run_all.py
+
+# Optional tier: the real SGLang package (CPU import only), for tests marked `sglang`.
+setup-sglang: setup
+	$(PIP) install -q -r requirements-sglang.txt
+
+test-sglang: setup-sglang
+	$(PY) -m pytest -q -m sglang
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,0 +1,63 @@
+"""pd-middleware: decode-side proposal middleware for PD-disaggregated speculative decoding.
+
+This module only re-exports; each concept lives in its own module.
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    ConfigError,
+    ExactnessError,
+    NoSlotError,
+    OptionValueError,
+    PDMiddlewareError,
+    PluginError,
+    TransferError,
+    ValidationError,
+    WireError,
+)
+from .contracts import (
+    EncodedBatch,
+    NoOptions,
+    PluginContext,
+    PluginSpec,
+    ProposalEncoder,
+    ReceiveContext,
+    ReceiveHook,
+    Synthesizer,
+)
+from .metrics import Metrics
+from .payload import DenseEncoding, Payload, Provenance, SparseEncoding
+from .proposal import DenseProposal, OneHotProposal, Proposal, SparseProposal
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DenseEncoding",
+    "DenseProposal",
+    "EncodedBatch",
+    "ExactnessError",
+    "Metrics",
+    "NoOptions",
+    "NoSlotError",
+    "OneHotProposal",
+    "OptionValueError",
+    "PDMiddlewareError",
+    "Payload",
+    "PluginContext",
+    "PluginError",
+    "PluginSpec",
+    "Proposal",
+    "ProposalEncoder",
+    "Provenance",
+    "ReceiveContext",
+    "ReceiveHook",
+    "SparseEncoding",
+    "SparseProposal",
+    "Synthesizer",
+    "TransferError",
+    "ValidationError",
+    "WireError",
+    "__version__",
+]

@@ -1,0 +1,110 @@
+"""The error hierarchy: one root, one family per concern.
+
+Every error carries its context as attributes so that callers (and tests) can act on
+it without parsing messages:
+
+- :class:`ConfigError` ``.path`` is the full key path (``synthesizer.options.top_k``)
+  and ``.source`` the file it came from, if any.
+- :class:`PluginError` ``.plugin`` names the plugin and ``.key`` the config key that
+  selected it.
+- :class:`ValidationError` (and its wire subclass) ``.field`` and ``.request_id``.
+- :class:`TransferError` ``.op``, ``.code`` and ``.peer``.
+- :class:`ExactnessError` ``.reason``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PDMiddlewareError(Exception):
+    """Root of every error pd-middleware raises on purpose."""
+
+
+class ConfigError(PDMiddlewareError):
+    """A config file or mapping is malformed; ``.path`` names the offending key."""
+
+    def __init__(self, message: str, *, path: str = "", source: str | None = None) -> None:
+        self.path = path
+        self.source = source
+        where = f" at {path}" if path else ""
+        origin = f" ({source})" if source else ""
+        super().__init__(f"config error{where}{origin}: {message}")
+        self.detail = message
+
+
+class PluginError(PDMiddlewareError):
+    """A plugin could not be found, loaded, registered or built.
+
+    ``.plugin`` is the plugin's name (or entry-point/``module:attr`` string) and ``.key``
+    the config key that selected it, when one did.
+    """
+
+    def __init__(self, message: str, *, plugin: Any = None, key: str | None = None) -> None:
+        self.plugin = plugin
+        self.key = key
+        where = f" (config key {key})" if key else ""
+        super().__init__(f"plugin error{where}: {message}")
+        self.detail = message
+
+
+class ValidationError(PDMiddlewareError):
+    """A payload or proposal failed validation.
+
+    ``.field`` names the offending field and ``.request_id`` the request it belongs to
+    (``None`` when the request id itself could not be read).
+    """
+
+    def __init__(self, message: str, *, field: str, request_id: str | None = None) -> None:
+        self.field = field
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r}: field {field!r}: {message}")
+        self.detail = message
+
+
+class WireError(ValidationError):
+    """A control message or tensor frame broke the wire schema."""
+
+
+class TransferError(PDMiddlewareError):
+    """A data-plane (Mooncake) or control-plane operation failed.
+
+    ``.op`` is the operation (``transfer_sync_write``, ``send_probe``...), ``.code`` the
+    engine's integer return code (``None`` if there was none) and ``.peer`` the remote
+    endpoint.
+    """
+
+    def __init__(
+        self, message: str, *, op: str, code: int | None = None, peer: str | None = None
+    ) -> None:
+        self.op = op
+        self.code = code
+        self.peer = peer
+        super().__init__(f"{op} failed (code={code}, peer={peer}): {message}")
+        self.detail = message
+
+
+class NoSlotError(TransferError):
+    """Every receive slot stayed busy for longer than the configured wait."""
+
+
+class ExactnessError(PDMiddlewareError):
+    """A proposal/drafting combination would bias the verifier's output law."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class OptionValueError(ValueError):
+    """Raised by a config struct's ``__post_init__`` to reject one field's value.
+
+    The loader turns it into a :class:`ConfigError` whose path is the struct's own
+    location plus ``field`` (``arms[1].weight``), so nested structs need not know
+    where they sit. (A ``ValueError`` because that is what msgspec locates.)
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")

@@ -1,0 +1,202 @@
+"""The proposal assembler: per-request descriptors in, the verifier's FP32 tensor out.
+
+It owns persistent buffers of shape ``(max_batch, S, V)`` float32 (S = draft steps)
+and returns *views* of them: ``(B, V)`` for single-layer EAGLE (S = 1) and ``(B, S, V)``
+for a multi-layer chain. A CUDA graph captured on :meth:`ProposalAssembler.graph_buffer`
+therefore reads the values of the latest build at replay.
+
+Cost per batch does not grow with V for one-hot and sparse rows: what the previous
+build wrote is remembered as flat indices and cleared by one ``index_fill_``; the new
+entries are written by one scatter. Only dense rows (and sparse rows with a uniform
+floor) touch a whole row, because their content is a whole row.
+
+Invariant: after :meth:`build`, every position of the buffer outside the new
+proposals is 0.0, including rows past the new batch size, whatever earlier builds
+wrote (tests/test_assembler.py checks it against a freshly zeroed reference).
+
+View lifetime: the tensor returned by :meth:`build` is valid until the build that
+reuses its buffer, i.e. for ``num_buffers - 1`` further builds. With the default
+``num_buffers=1`` it is valid until the next build. Overlap schedulers that keep batch
+N in flight while building batch N+1 use ``num_buffers=2`` (see docs/assembler.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from .proposal import DenseProposal, OneHotProposal, SparseProposal
+
+if TYPE_CHECKING:
+    from .proposal import Proposal
+
+
+class _BufferState:
+    __slots__ = ("buf", "dirty_idx", "dirty_rows")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        # Flat indices written by scatter in the last build of this buffer.
+        self.dirty_idx: torch.Tensor | None = None
+        # Flat row ids (b * S + s) written whole (dense or floor rows).
+        self.dirty_rows: list[int] = []
+
+
+class ProposalAssembler:
+    """Builds ``draft_probs`` batches into persistent, graph-safe buffers.
+
+    Parameters: ``vocab_size`` V, ``num_steps`` S (1 = single-layer, 2-D views),
+    ``max_batch`` rows, ``device`` of the buffers, ``num_buffers`` to rotate through.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_steps: int = 1,
+        max_batch: int = 64,
+        *,
+        device: str | torch.device = "cpu",
+        num_buffers: int = 1,
+    ) -> None:
+        if vocab_size < 1 or num_steps < 1 or max_batch < 1 or num_buffers < 1:
+            raise ValueError("vocab_size, num_steps, max_batch and num_buffers must be >= 1")
+        self.vocab_size = vocab_size
+        self.num_steps = num_steps
+        self.max_batch = max_batch
+        self.device = torch.device(device)
+        self._states = [
+            _BufferState(torch.zeros(max_batch, num_steps, vocab_size, dtype=torch.float32, device=self.device))
+            for _ in range(num_buffers)
+        ]
+        self._next = 0
+        self._row_stride = num_steps * vocab_size
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._states)
+
+    def graph_buffer(self, index: int = 0) -> torch.Tensor:
+        """The whole persistent buffer ``index``: (max_batch, V) or (max_batch, S, V)."""
+        buf = self._states[index].buf
+        return buf.view(self.max_batch, self.vocab_size) if self.num_steps == 1 else buf
+
+    def build(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+        """Write one batch and return its view, or ``None`` if no proposal is attached.
+
+        ``proposals``: one descriptor per request, in batch order (all ``None`` when
+        rejection sampling is off). Raises ValueError for a batch larger than
+        ``max_batch``, a mix of ``None`` and proposals, a wrong step count or an
+        out-of-range index; the buffer is then left as the previous build left it.
+        """
+        b = len(proposals)
+        if b > self.max_batch:
+            raise ValueError(f"batch of {b} exceeds max_batch={self.max_batch}")
+        n_none = sum(1 for p in proposals if p is None)
+        if n_none == b:
+            return None
+        if n_none:
+            raise ValueError(f"{n_none} of {b} requests have no proposal; a batch needs all or none")
+
+        v, s_steps = self.vocab_size, self.num_steps
+        stride = self._row_stride
+        oh_idx: list[int] = []
+        sp_idx: list[torch.Tensor] = []
+        sp_raw: list[torch.Tensor] = []
+        sp_val: list[torch.Tensor] = []
+        floor_rows: list[int] = []
+        floor_vals: list[float] = []
+        dense: list[tuple[int, DenseProposal]] = []
+        steps_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+        # Validate and flatten every descriptor before touching the buffer.
+        for i, p in enumerate(proposals):
+            if type(p) is OneHotProposal:
+                toks = p.tokens
+                if len(toks) != s_steps:
+                    raise ValueError(f"request {i}: one-hot proposal has {len(toks)} steps, expected {s_steps}")
+                base = i * stride
+                for s, t in enumerate(toks):
+                    if not 0 <= t < v:
+                        raise ValueError(f"request {i}: token {t} outside [0, {v})")
+                    oh_idx.append(base + s * v + t)
+            elif type(p) is SparseProposal:
+                lengths = p.lengths
+                if len(lengths) != s_steps:
+                    raise ValueError(f"request {i}: sparse proposal has {len(lengths)} steps, expected {s_steps}")
+                if s_steps == 1:
+                    offs = i * stride
+                else:
+                    steps = steps_cache.get(lengths)
+                    if steps is None:
+                        steps = torch.repeat_interleave(torch.arange(s_steps), torch.tensor(lengths)) * v
+                        steps_cache[lengths] = steps
+                    offs = steps + i * stride
+                sp_raw.append(p.indices)
+                sp_idx.append(p.indices + offs)
+                sp_val.append(p.values)
+                for s, f in enumerate(p.floor):
+                    if f != 0.0:
+                        floor_rows.append(i * s_steps + s)
+                        floor_vals.append(f)
+            elif type(p) is DenseProposal:
+                if tuple(p.probs.shape) != (s_steps, v):
+                    raise ValueError(
+                        f"request {i}: dense proposal has shape {tuple(p.probs.shape)}, expected ({s_steps}, {v})"
+                    )
+                dense.append((i, p))
+            else:
+                raise ValueError(f"request {i}: unknown proposal type {type(p).__name__}")
+
+        idx = None
+        val = None
+        if sp_idx:
+            raw = torch.cat(sp_raw)
+            # Flat indices cannot see row boundaries: check the per-row range first.
+            if raw.numel() and (int(raw.min()) < 0 or int(raw.max()) >= v):
+                raise ValueError("sparse proposal index outside [0, vocab_size)")
+            idx = torch.cat(sp_idx)
+            val = torch.cat(sp_val)
+            if oh_idx:
+                idx = torch.cat([torch.tensor(oh_idx, dtype=torch.int64), idx])
+                val = torch.cat([torch.ones(len(oh_idx), dtype=torch.float32), val.float()])
+        elif oh_idx:
+            idx = torch.tensor(oh_idx, dtype=torch.int64)
+
+        st = self._states[self._next]
+        self._next = (self._next + 1) % len(self._states)
+        flat = st.buf.view(-1)
+        rows2d = st.buf.view(self.max_batch * s_steps, v)
+        dev = self.device
+
+        # 1. Clear what the previous build of this buffer wrote.
+        if st.dirty_idx is not None:
+            flat.index_fill_(0, st.dirty_idx, 0.0)
+        dense_rows = {i * s_steps + s for i, _ in dense for s in range(s_steps)}
+        stale_rows = [r for r in st.dirty_rows if r not in dense_rows]
+        if stale_rows:
+            rows2d.index_fill_(0, torch.tensor(stale_rows, device=dev), 0.0)
+
+        # 2. Whole rows: dense copies and uniform floors.
+        for i, p in dense:
+            dst = rows2d[i * s_steps : (i + 1) * s_steps]
+            dst.copy_(p.probs, non_blocking=True)
+            dst.mul_(p.scale.to(dev, non_blocking=True).view(-1, 1))
+        if floor_rows:
+            fr = torch.tensor(floor_rows, device=dev)
+            fv = torch.tensor(floor_vals, dtype=torch.float32, device=dev).view(-1, 1).expand(-1, v)
+            rows2d.index_copy_(0, fr, fv)
+
+        # 3. One scatter for every one-hot and sparse entry.
+        if idx is not None:
+            idx = idx.to(dev, non_blocking=True)
+            if val is None:
+                flat.index_fill_(0, idx, 1.0)
+            else:
+                flat.index_copy_(0, idx, val.to(dev, non_blocking=True))
+        st.dirty_idx = idx
+        st.dirty_rows = sorted(dense_rows) + floor_rows
+
+        if s_steps == 1:
+            return st.buf.view(self.max_batch, v)[:b]
+        return st.buf[:b]

@@ -1,0 +1,312 @@
+"""One typed, frozen, strict config schema, loaded from TOML or YAML by file extension.
+
+Unknown keys and bad values are :class:`~pd_middleware.ConfigError` with the full key
+path (``synthesizer.options.top_k``, ``hooks[1].name``). There are no environment
+overrides and no silent defaults for misspelled keys. Plugin options are typed by the
+plugin that owns them and checked when the config is resolved against a registry
+(:func:`resolve_plugins`), so ``pd-middleware check-config`` catches them too.
+
+A minimal file (everything else has a default)::
+
+    [model]
+    vocab_size = 152064
+    num_steps = 1
+
+    [synthesizer]
+    name = "one_hot"
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from ._errors import ConfigError, OptionValueError, PluginError
+from .contracts import NoOptions, PluginContext, PluginSpec
+from .transport.config import TransportConfig
+
+_STRUCT = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+class PluginRef(msgspec.Struct, **_STRUCT):
+    """Selects one plugin: a registered ``name`` or a ``package.module:ATTR`` reference."""
+
+    name: str
+    # The plugin's own options; their schema belongs to the plugin.
+    options: dict[str, Any] = {}
+
+
+class ModelConfig(msgspec.Struct, **_STRUCT):
+    """Facts about the target and draft models."""
+
+    # Target vocabulary size V: every proposal row is exactly this wide.
+    vocab_size: int = 152064
+    # Draft steps per request: 1 = single-layer EAGLE, >1 = multi-layer chain (num_steps).
+    num_steps: int = 1
+    # Hidden-state width H the prefill sends to seed the next draft step.
+    hidden_size: int = 4096
+    # Hidden-state dtype on the wire.
+    hidden_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.vocab_size <= 1 << 24:
+            raise OptionValueError("vocab_size", f"must be in [1, 16777216], got {self.vocab_size}")
+        if not 1 <= self.num_steps <= 16:
+            raise OptionValueError("num_steps", f"must be in [1, 16], got {self.num_steps}")
+        if not 0 <= self.hidden_size <= 1 << 16:
+            raise OptionValueError("hidden_size", f"must be in [0, 65536], got {self.hidden_size}")
+
+
+class DecodeConfig(msgspec.Struct, **_STRUCT):
+    """The decode node's verifier and proposal assembler."""
+
+    # Whether the verifier uses rejection sampling; without it no draft_probs is built.
+    rejection_sampling: bool = True
+    # Largest batch the scheduler builds: rows of the persistent proposal buffer.
+    max_batch: int = 64
+    # Torch device of the proposal buffer: "cpu", "cuda" or "cuda:N".
+    device: str = "cpu"
+    # Buffers to rotate through, for overlap schedulers that keep one batch in flight
+    # while building the next; a view stays valid for num_buffers builds.
+    num_buffers: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_batch <= 1 << 16:
+            raise OptionValueError("max_batch", f"must be in [1, 65536], got {self.max_batch}")
+        if not _DEVICE_RE.match(self.device):
+            raise OptionValueError("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not 1 <= self.num_buffers <= 8:
+            raise OptionValueError("num_buffers", f"must be in [1, 8], got {self.num_buffers}")
+
+
+class ArmConfig(msgspec.Struct, **_STRUCT):
+    """One arm of an A/B comparison (offline ``pd-middleware ab`` or live split)."""
+
+    # Arm name, unique; used in reports and counters.
+    name: str
+    # Decode-side synthesizer of this arm.
+    synthesizer: PluginRef
+    # Prefill-side encoder for the offline A/B job; the top-level encoder if omitted.
+    encoder: PluginRef | None = None
+    # Relative share of live traffic routed to this arm by the ab_split hook.
+    weight: int = 1
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^[A-Za-z0-9_.\-]{1,64}$", self.name):
+            raise OptionValueError("name", f"must be 1-64 of [A-Za-z0-9_.-], got {self.name!r}")
+        if not 0 <= self.weight <= 1_000_000:
+            raise OptionValueError("weight", f"must be in [0, 1000000], got {self.weight}")
+
+
+class WorkloadRef(msgspec.Struct, **_STRUCT):
+    """Which traffic the offline A/B job generates."""
+
+    # synthetic | ngram | trace
+    name: Literal["synthetic", "ngram", "trace"] = "synthetic"
+    # Workload options (see docs/workloads.md); checked by the workload.
+    options: dict[str, Any] = {}
+
+
+class ABConfig(msgspec.Struct, **_STRUCT):
+    """Defaults of ``pd-middleware ab`` (command-line flags override them)."""
+
+    workload: WorkloadRef = WorkloadRef()
+    # Requests per arm.
+    requests: int = 2000
+    # Seed of the workload and of every sampler.
+    seed: int = 0
+    # Requests per batch sent through the deployment.
+    batch_size: int = 32
+    # Tokens per response, for the whole-response effect-size estimate.
+    response_tokens: int = 256
+    # Acceptance rate of the later verifies (drafted on the decode node, same for all arms).
+    later_acceptance: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.requests <= 10_000_000:
+            raise OptionValueError("requests", f"must be in [1, 10000000], got {self.requests}")
+        if not 1 <= self.batch_size <= 4096:
+            raise OptionValueError("batch_size", f"must be in [1, 4096], got {self.batch_size}")
+        if not 1 <= self.response_tokens <= 1 << 20:
+            raise OptionValueError("response_tokens", f"must be >= 1, got {self.response_tokens}")
+        if not 0.0 <= self.later_acceptance < 1.0:
+            raise OptionValueError("later_acceptance", f"must be in [0, 1), got {self.later_acceptance}")
+
+
+class Config(msgspec.Struct, **_STRUCT):
+    """The whole deployment: model facts, decode settings, plugins, transport, A/B."""
+
+    model: ModelConfig = ModelConfig()
+    decode: DecodeConfig = DecodeConfig()
+    # Receive hooks, run in this order on every payload before synthesis.
+    hooks: list[PluginRef] = []
+    # The decode-side synthesizer (one per deployment; per arm when [[arms]] is set).
+    synthesizer: PluginRef = PluginRef(name="one_hot")
+    # The prefill-side encoder (what the prefill samples X from and sends).
+    encoder: PluginRef = PluginRef(name="softmax")
+    # A/B arms; when set, each arm has its own synthesizer.
+    arms: list[ArmConfig] = []
+    transport: TransportConfig = TransportConfig()
+    ab: ABConfig = ABConfig()
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.arms]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise ConfigError(f"duplicate arm name {n!r}", path=f"arms[{i}].name")
+
+    def plugin_context(self, side: Literal["prefill", "decode"] = "decode") -> PluginContext:
+        return PluginContext(
+            vocab_size=self.model.vocab_size,
+            num_steps=self.model.num_steps,
+            rejection_sampling=self.decode.rejection_sampling,
+            device=self.decode.device,
+            side=side,
+        )
+
+
+_AT_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def _split_msgspec(exc: Exception) -> tuple[str, str]:
+    m = _AT_RE.match(str(exc))
+    assert m is not None
+    path = (m.group("path") or "").lstrip(".")
+    return m.group("msg"), path
+
+
+def _join(prefix: str, path: str) -> str:
+    if not prefix:
+        return path
+    if not path:
+        return prefix
+    return f"{prefix}{path}" if path.startswith("[") else f"{prefix}.{path}"
+
+
+def _convert(data: Any, typ: type, prefix: str, source: str | None) -> Any:
+    try:
+        return msgspec.convert(data, typ, strict=True)
+    except msgspec.ValidationError as exc:
+        msg, where = _split_msgspec(exc)
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OptionValueError):
+            raise ConfigError(cause.message, path=_join(_join(prefix, where), cause.field), source=source) from None
+        raise ConfigError(msg, path=_join(prefix, where), source=source) from None
+    except ConfigError as exc:
+        # Raised by a __post_init__ with a path relative to the converted root.
+        raise ConfigError(exc.detail, path=_join(prefix, exc.path), source=source) from None
+
+
+def parse_config(data: Any, source: str | None = None) -> Config:
+    """Build a :class:`Config` from an already-parsed mapping."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"top level must be a table/mapping, got {type(data).__name__}", source=source)
+    return _convert(data, Config, "", source)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a ``.toml``, ``.yaml`` or ``.yml`` file into a :class:`Config`."""
+    p = Path(path)
+    src = str(p)
+    suffix = p.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigError(f"unsupported extension {suffix!r}; use .toml, .yaml or .yml", source=src)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read file: {exc}", source=src) from None
+    if suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"invalid TOML: {exc}", source=src) from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"invalid YAML: {exc}", source=src) from None
+        if data is None:
+            data = {}
+    return parse_config(data, src)
+
+
+def convert_options(spec: PluginSpec, raw: dict[str, Any], key: str, source: str | None = None) -> Any:
+    """Typed options for ``spec`` from a raw table; errors carry ``key`` as path prefix."""
+    if spec.options is NoOptions:
+        if raw:
+            first = next(iter(raw))
+            raise ConfigError(f"plugin {spec.name!r} takes no options, got {first!r}", path=f"{key}.{first}", source=source)
+        return NoOptions()
+    return _convert(raw, spec.options, key, source)
+
+
+@dataclass(frozen=True)
+class ResolvedPlugin:
+    """A plugin reference checked against the registry, with typed options."""
+
+    key: str
+    spec: PluginSpec
+    options: Any
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Every plugin a config selects, resolved once (the hot path never looks up names)."""
+
+    config: Config
+    hooks: tuple[ResolvedPlugin, ...]
+    synthesizers: dict[str, ResolvedPlugin]
+    encoders: dict[str, ResolvedPlugin]
+
+
+def _resolve_ref(registry: Any, kind: str, ref: PluginRef, key: str, source: str | None) -> ResolvedPlugin:
+    try:
+        spec = registry.resolve(kind, ref.name, key=f"{key}.name")
+    except PluginError as exc:
+        if exc.key is None:
+            raise PluginError(exc.detail, plugin=exc.plugin, key=f"{key}.name") from None
+        raise
+    opts = convert_options(spec, dict(ref.options), f"{key}.options", source)
+    return ResolvedPlugin(key, spec, opts)
+
+
+def resolve_plugins(
+    config: Config, registry: Any, source: str | None = None, sides: tuple[str, ...] = ("prefill", "decode")
+) -> ResolvedConfig:
+    """Resolve every plugin name/path and convert every plugin's options.
+
+    ``sides`` limits the work to what one process needs: a decode node resolves hooks
+    and synthesizers only (``("decode",)``), a prefill node encoders only.
+
+    Raises PluginError (unknown or broken plugin, naming the config key) or
+    ConfigError (bad options, naming the full key path).
+    """
+    dec, pre = "decode" in sides, "prefill" in sides
+    hooks = tuple(
+        _resolve_ref(registry, "hook", ref, f"hooks[{i}]", source) for i, ref in enumerate(config.hooks) if dec
+    )
+    synths: dict[str, ResolvedPlugin] = {}
+    encs: dict[str, ResolvedPlugin] = {}
+    base_enc = _resolve_ref(registry, "encoder", config.encoder, "encoder", source) if pre else None
+    arms = config.arms or [ArmConfig(name="default", synthesizer=config.synthesizer)]
+    for i, arm in enumerate(arms):
+        key = f"arms[{i}]" if config.arms else ""
+        if dec:
+            synths[arm.name] = _resolve_ref(
+                registry, "synthesizer", arm.synthesizer, f"{key}.synthesizer" if key else "synthesizer", source
+            )
+        if pre and base_enc is not None:
+            encs[arm.name] = (
+                _resolve_ref(registry, "encoder", arm.encoder, f"{key}.encoder", source)
+                if arm.encoder is not None
+                else base_enc
+            )
+    return ResolvedConfig(config, hooks, synths, encs)

@@ -1,0 +1,85 @@
+"""Build a deployment's decode (and prefill) objects from a config, once.
+
+:class:`DecodeMiddleware` bundles what a decode node runs per payload and per batch:
+the receive pipeline (hooks + synthesizer per arm), the proposal assembler and the
+counters. Engines call :meth:`DecodeMiddleware.receive` for every incoming payload and
+:meth:`DecodeMiddleware.assemble` when they build a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .assembler import ProposalAssembler
+from .config import Config, ResolvedConfig, load_config, resolve_plugins
+from .contracts import ReceiveContext
+from .metrics import Metrics
+from .payload import Payload
+from .pipeline import Delivery, Failure, ReceivePipeline
+from .registry import PluginRegistry, default_registry
+
+
+def _resolve(
+    config: Config | str | Path, registry: PluginRegistry | None, side: str
+) -> tuple[ResolvedConfig, PluginRegistry]:
+    source = None
+    if not isinstance(config, Config):
+        source = str(config)
+        config = load_config(config)
+    reg = registry if registry is not None else default_registry()
+    return resolve_plugins(config, reg, source, sides=(side,)), reg
+
+
+@dataclass
+class DecodeMiddleware:
+    """The decode side of one deployment: pipeline, assembler, metrics."""
+
+    config: Config
+    pipeline: ReceivePipeline
+    assembler: ProposalAssembler
+    metrics: Metrics
+
+    @classmethod
+    def from_config(
+        cls, config: Config | str | Path, registry: PluginRegistry | None = None, metrics: Metrics | None = None
+    ) -> "DecodeMiddleware":
+        """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError."""
+        resolved, reg = _resolve(config, registry, "decode")
+        cfg = resolved.config
+        ctx = cfg.plugin_context("decode")
+        hooks = [(r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for r in resolved.hooks]
+        synths = {arm: (r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for arm, r in resolved.synthesizers.items()}
+        m = metrics if metrics is not None else Metrics()
+        for _, s in synths.values():
+            guard = getattr(s, "guard", None)
+            if guard is not None and hasattr(guard, "attach_metrics"):
+                guard.attach_metrics(m)
+        pipeline = ReceivePipeline(hooks, synths, m)
+        assembler = ProposalAssembler(
+            cfg.model.vocab_size,
+            cfg.model.num_steps,
+            cfg.decode.max_batch,
+            device=cfg.decode.device,
+            num_buffers=cfg.decode.num_buffers,
+        )
+        return cls(cfg, pipeline, assembler, m)
+
+    def receive(self, payload: Payload, context: ReceiveContext | None = None) -> Delivery | Failure:
+        """Run one payload through hooks and synthesis (never raises for bad payloads)."""
+        return self.pipeline.process(payload, context)
+
+    def assemble(self, deliveries: Sequence[Delivery]) -> Any:
+        """``draft_probs`` for a batch: (B, V) or (B, S, V) FP32 view, or None (RS off)."""
+        return self.assembler.build([d.proposal for d in deliveries])
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def build_encoders(config: Config | str | Path, registry: PluginRegistry | None = None) -> dict[str, Any]:
+    """Prefill side: the encoder of each arm (``default`` without arms)."""
+    resolved, reg = _resolve(config, registry, "prefill")
+    ctx = resolved.config.plugin_context("prefill")
+    return {arm: reg.build(r.spec, r.options, ctx, r.key) for arm, r in resolved.encoders.items()}

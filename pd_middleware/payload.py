@@ -1,0 +1,249 @@
+"""The payload: a typed, immutable record of what a prefill node sends per request.
+
+Fields are kept light on purpose (tuples of Python scalars, read-only buffers): the
+decode receive path handles tens of thousands of payloads per second, and tensors are
+built once per *batch*, not per payload (see ``docs/transport.md``).
+
+Shapes and dtypes, with S = number of draft steps (1 for single-layer EAGLE,
+``num_steps`` for a multi-layer chain) and H = hidden size:
+
+- ``draft_tokens``: S token ids (int64 semantics), each in ``[0, vocab_size)``;
+- ``draft_probs``: S draft probabilities q(X_s) (fp32 semantics), finite, in ``[0, 1]``;
+- ``hidden``: H values of ``hidden_dtype`` (``bf16``, ``fp16`` or ``fp32``) as raw bytes;
+- ``proposal``: optional encoded proposal distribution (:class:`DenseEncoding` or
+  :class:`SparseEncoding`), per step;
+- ``provenance``: how X was drawn, at which temperature and from which encoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from ._errors import ValidationError
+
+HiddenDType = Literal["bf16", "fp16", "fp32"]
+DraftRule = Literal["greedy", "sampled"]
+
+#: Bytes per element of each wire dtype.
+ITEMSIZE: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8}
+
+_MAX_TOKEN = 2**63
+
+
+def _as_tuple(value: Any, kind: type, field_name: str, request_id: str | None) -> tuple:
+    """Normalise a tensor, ndarray or sequence into a tuple of Python scalars."""
+    if isinstance(value, tuple):
+        return value
+    tolist = getattr(value, "tolist", None)
+    if tolist is not None:  # torch.Tensor / numpy.ndarray
+        ndim = getattr(value, "ndim", 1)
+        if ndim != 1:
+            raise ValidationError(
+                f"expected a 1-D sequence, got shape {tuple(value.shape)}",
+                field=field_name,
+                request_id=request_id,
+            )
+        dtype = str(getattr(value, "dtype", ""))
+        if kind is int and "int" not in dtype:
+            raise ValidationError(
+                f"expected an integer dtype, got {dtype}", field=field_name, request_id=request_id
+            )
+        if kind is float and "float" not in dtype and "bfloat" not in dtype:
+            raise ValidationError(
+                f"expected a floating dtype, got {dtype}", field=field_name, request_id=request_id
+            )
+        return tuple(tolist())
+    if isinstance(value, list):
+        return tuple(value)
+    raise ValidationError(
+        f"expected a sequence, got {type(value).__name__}", field=field_name, request_id=request_id
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """How the prefill drew its draft tokens.
+
+    ``rule`` is ``"greedy"`` (argmax) or ``"sampled"``. ``sampled_from`` names the
+    encoding whose decoded distribution X was drawn from (``DenseEncoding.encoding_id``
+    or ``SparseEncoding.encoding_id``), or ``None`` when X was drawn from the draft
+    model's own softmax, which was not sent. Only when ``sampled_from`` equals the
+    attached proposal's ``encoding_id`` may a synthesizer hand that proposal to the
+    verifier; otherwise only the one-hot proposal is exact.
+    """
+
+    rule: DraftRule = "sampled"
+    temperature: float = 1.0
+    sampled_from: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule not in ("greedy", "sampled"):
+            raise ValidationError(
+                f"must be 'greedy' or 'sampled', got {self.rule!r}", field="provenance.rule"
+            )
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValidationError(
+                f"must be a finite number >= 0, got {t!r}", field="provenance.temperature"
+            )
+        if self.rule == "greedy" and self.sampled_from is not None:
+            raise ValidationError(
+                "a greedy draft was not sampled from any encoding",
+                field="provenance.sampled_from",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class DenseEncoding:
+    """A full proposal distribution per step: S x V values of ``dtype``, row-major.
+
+    The distribution it stands for (what a prefill must sample X from) is
+    :func:`pd_middleware.encodings.dense_law`: the values widened to fp32 and
+    renormalised per step.
+    """
+
+    dtype: Literal["fp32", "bf16", "fp16"]
+    data: bytes | memoryview
+    kind: Literal["dense"] = field(default="dense", init=False)
+
+    @property
+    def encoding_id(self) -> str:
+        return f"dense-{self.dtype}"
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) if isinstance(self.data, bytes) else self.data.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class SparseEncoding:
+    """A truncated proposal per step, with an optional uniform floor.
+
+    ``lengths[s]`` entries belong to step s; ``indices`` (int32) and ``values``
+    (``value_dtype``) hold them concatenated over steps. ``tail_mass[s]`` is the
+    probability spread uniformly over the tokens step s does not list (0.0 for a plain
+    top-k/top-p). The distribution it stands for is
+    :func:`pd_middleware.encodings.sparse_law`.
+    """
+
+    lengths: tuple[int, ...]
+    indices: bytes | memoryview
+    values: bytes | memoryview
+    value_dtype: Literal["fp32", "fp16"] = "fp16"
+    tail_mass: tuple[float, ...] = ()
+    kind: Literal["sparse"] = field(default="sparse", init=False)
+
+    @property
+    def encoding_id(self) -> str:
+        return f"sparse-{self.value_dtype}"
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.indices) + _nbytes(self.values)
+
+
+def _nbytes(buf: bytes | memoryview) -> int:
+    return len(buf) if isinstance(buf, bytes) else buf.nbytes
+
+
+EncodedProposal = Union[DenseEncoding, SparseEncoding]
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """What a prefill node hands the decode node for one request.
+
+    Construction validates every field; a violation raises
+    :class:`~pd_middleware.ValidationError` naming the field and the request id.
+    Tensors and ndarrays are accepted for ``draft_tokens``/``draft_probs`` and stored
+    as tuples; ``hidden`` is kept as the raw buffer it arrived in (no copy).
+    """
+
+    request_id: str
+    draft_tokens: tuple[int, ...]
+    draft_probs: tuple[float, ...]
+    vocab_size: int
+    hidden: bytes | memoryview = b""
+    hidden_dtype: HiddenDType = "bf16"
+    provenance: Provenance = Provenance()
+    proposal: EncodedProposal | None = None
+
+    def __post_init__(self) -> None:
+        rid = self.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValidationError(
+                f"must be a non-empty str, got {rid!r}", field="request_id", request_id=None
+            )
+        v = self.vocab_size
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValidationError(f"must be a positive int, got {v!r}", field="vocab_size", request_id=rid)
+        toks = _as_tuple(self.draft_tokens, int, "draft_tokens", rid)
+        probs = _as_tuple(self.draft_probs, float, "draft_probs", rid)
+        if toks is not self.draft_tokens:
+            object.__setattr__(self, "draft_tokens", toks)
+        if probs is not self.draft_probs:
+            object.__setattr__(self, "draft_probs", probs)
+        if not toks:
+            raise ValidationError("must hold at least one token", field="draft_tokens", request_id=rid)
+        if len(probs) != len(toks):
+            raise ValidationError(
+                f"has {len(probs)} entries for {len(toks)} draft tokens",
+                field="draft_probs",
+                request_id=rid,
+            )
+        for t in toks:
+            if type(t) is not int or not 0 <= t < v:
+                raise ValidationError(
+                    f"token id {t!r} is not an int in [0, {v})", field="draft_tokens", request_id=rid
+                )
+        for p in probs:
+            if type(p) is not float and (type(p) is not int or isinstance(p, bool)):
+                raise ValidationError(f"{p!r} is not a number", field="draft_probs", request_id=rid)
+            if not 0.0 <= p <= 1.0:  # also false for NaN
+                raise ValidationError(
+                    f"{p!r} is not a finite probability in [0, 1]", field="draft_probs", request_id=rid
+                )
+        if self.hidden_dtype not in ("bf16", "fp16", "fp32"):
+            raise ValidationError(
+                f"must be one of bf16, fp16, fp32, got {self.hidden_dtype!r}",
+                field="hidden_dtype",
+                request_id=rid,
+            )
+        if not isinstance(self.hidden, (bytes, memoryview)):
+            raise ValidationError(
+                f"must be bytes or memoryview, got {type(self.hidden).__name__}",
+                field="hidden",
+                request_id=rid,
+            )
+        if _nbytes(self.hidden) % ITEMSIZE[self.hidden_dtype]:
+            raise ValidationError(
+                f"{_nbytes(self.hidden)} bytes is not a whole number of {self.hidden_dtype} values",
+                field="hidden",
+                request_id=rid,
+            )
+        if not isinstance(self.provenance, Provenance):
+            raise ValidationError("must be a Provenance", field="provenance", request_id=rid)
+        if self.proposal is not None and not isinstance(self.proposal, (DenseEncoding, SparseEncoding)):
+            raise ValidationError(
+                f"must be a DenseEncoding or SparseEncoding, got {type(self.proposal).__name__}",
+                field="proposal",
+                request_id=rid,
+            )
+
+    @property
+    def num_steps(self) -> int:
+        """S: 1 for single-layer EAGLE, ``num_steps`` for a multi-layer chain."""
+        return len(self.draft_tokens)
+
+    @property
+    def hidden_size(self) -> int:
+        """H, the number of hidden-state values."""
+        return _nbytes(self.hidden) // ITEMSIZE[self.hidden_dtype]
+
+    def hidden_tensor(self) -> Any:
+        """The hidden state as a (H,) torch tensor of ``hidden_dtype`` (a copy)."""
+        from .encodings import tensor_from_buffer
+
+        return tensor_from_buffer(self.hidden, self.hidden_dtype)

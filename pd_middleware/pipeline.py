@@ -1,0 +1,148 @@
+"""The decode-side receive pipeline: hook chain, then one synthesizer per arm.
+
+Resolved once from config into a flat tuple of ``(name, bound method)`` pairs, so the
+per-payload work is a plain loop. Every payload ends as exactly one :class:`Delivery`
+or :class:`Failure`; a hook or synthesizer that raises fails only that payload.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from ._errors import ValidationError
+from .contracts import ReceiveContext
+from .metrics import Metrics
+from .payload import Payload
+from .proposal import Proposal
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A payload ready for the scheduler, with the proposal its arm attached.
+
+    Call :meth:`release` once the batch that used it has been built (frees the receive
+    slot holding its bulk tensors, if any).
+    """
+
+    payload: Payload
+    proposal: Proposal | None
+    arm: str
+    received_at: float
+    releaser: Callable[[], None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.payload.request_id
+
+    def release(self) -> None:
+        if self.releaser is not None:
+            self.releaser()
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A payload that will not reach the scheduler, and why.
+
+    ``stage`` is where it failed (``wire``, ``transfer``, ``hook:<name>``,
+    ``synthesizer:<name>``), ``field`` the offending field when known.
+    """
+
+    request_id: str | None
+    stage: str
+    reason: str
+    field: str | None = None
+    arm: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Counter key: ``stage`` or ``stage:field``."""
+        return f"{self.stage}:{self.field}" if self.field else self.stage
+
+
+Outcome = "Delivery | Failure"
+
+
+class ReceivePipeline:
+    """Runs the hook chain and the arm's synthesizer on each payload.
+
+    ``hooks``: ordered ``(name, hook)`` pairs; ``synthesizers``: arm name ->
+    ``(plugin name, synthesizer)``. With a single arm it is named ``default``.
+    """
+
+    def __init__(
+        self,
+        hooks: Sequence[tuple[str, Any]],
+        synthesizers: Mapping[str, tuple[str, Any]],
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not synthesizers:
+            raise ValueError("a pipeline needs at least one synthesizer")
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._hooks = tuple((f"hook:{n}", h.on_receive) for n, h in hooks)
+        self._synth = {arm: (f"synthesizer:{n}", s.synthesize) for arm, (n, s) in synthesizers.items()}
+        self._default_arm = "default" if "default" in self._synth else next(iter(self._synth))
+        self.hook_objects = tuple(h for _, h in hooks)
+        self.synthesizer_objects = {arm: s for arm, (_, s) in synthesizers.items()}
+        self._clock = clock
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        return tuple(self._synth)
+
+    def fail(self, failure: Failure) -> Failure:
+        """Count a failure raised before the pipeline ran (wire, transfer)."""
+        self.metrics.received += 1
+        self.metrics.record_failure(failure.key, failure.arm)
+        return failure
+
+    def process(
+        self,
+        payload: Payload,
+        context: ReceiveContext | None = None,
+        releaser: Callable[[], None] | None = None,
+    ) -> "Delivery | Failure":
+        """Run one payload through hooks and synthesis; never raises for bad payloads.
+
+        On failure ``releaser`` is called at once (the slot is free again).
+        """
+        m = self.metrics
+        m.received += 1
+        ctx = context if context is not None else ReceiveContext(received_at=self._clock())
+        stage = "hook"
+        try:
+            for stage, hook in self._hooks:
+                replaced = hook(payload, ctx)
+                if replaced is not None:
+                    payload = replaced
+            arm = ctx.arm
+            entry = self._synth.get(arm)
+            if entry is None:
+                stage = "route"
+                raise ValidationError(f"unknown A/B arm {arm!r}", field="arm", request_id=payload.request_id)
+            stage, synth = entry
+            proposal = synth(payload)
+        except Exception as exc:  # noqa: BLE001 - a plugin fault fails one payload, by design
+            if releaser is not None:
+                releaser()
+            f = Failure(
+                request_id=payload.request_id,
+                stage=stage,
+                reason=f"{type(exc).__name__}: {exc}",
+                field=getattr(exc, "field", None),
+                arm=ctx.arm,
+            )
+            m.record_failure(f.key, ctx.arm)
+            return f
+        m.delivered += 1
+        m.arm_delivered[arm] += 1
+        return Delivery(payload, proposal, arm, ctx.received_at, releaser)
+
+    def close(self) -> None:
+        """Close plugins that hold resources (e.g. a trace recorder's file)."""
+        for obj in (*self.hook_objects, *self.synthesizer_objects.values()):
+            close = getattr(obj, "close", None)
+            if callable(close):
+                close()

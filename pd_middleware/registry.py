@@ -1,0 +1,221 @@
+"""The plugin registry: specs are validated when they register, not when they are called.
+
+There are exactly two ways in, the same for first-party and third-party plugins:
+
+- the entry-point group :data:`ENTRY_POINT_GROUP`, loaded by one explicit call,
+  :meth:`PluginRegistry.load_entry_points`, which returns how many specs it registered;
+- a ``module:attr`` reference written where a config names a plugin, resolved by
+  :meth:`PluginRegistry.resolve`. It can only name an importable module and an
+  attribute in it: no file paths, no shell, no code strings.
+
+The core never imports a plugin module by name. A broken plugin is a hard error
+(:class:`~pd_middleware.PluginError`) that names the plugin and the config key; import
+errors are never swallowed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from ._errors import ConfigError, PluginError
+from .contracts import KIND_METHODS, PLUGIN_KINDS, NoOptions, PluginContext, PluginSpec
+
+ENTRY_POINT_GROUP = "pd_middleware.plugins"
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class PluginInfo:
+    """A registered plugin as ``pd-middleware plugins`` lists it."""
+
+    name: str
+    kind: str
+    origin: str
+    summary: str
+    spec: PluginSpec
+
+
+def _check_method(obj: Any, kind: str, plugin: Any, key: str | None, bound: bool) -> None:
+    meth_name, params = KIND_METHODS[kind]
+    meth = getattr(obj, meth_name, None)
+    if meth is None or not callable(meth):
+        raise PluginError(f"{kind} plugin must define {meth_name}{params}", plugin=plugin, key=key)
+    try:
+        sig = inspect.signature(meth)
+    except (TypeError, ValueError):  # builtins without signatures: trust them
+        return
+    args = (None,) * (len(params) + (0 if bound else 1))
+    try:
+        sig.bind(*args)
+    except TypeError as exc:
+        raise PluginError(
+            f"{kind} plugin method {meth_name}{sig} cannot be called as {meth_name}({', '.join(params)}): {exc}",
+            plugin=plugin,
+            key=key,
+        ) from None
+
+
+def validate_spec(spec: Any, origin: str = "<api>") -> PluginSpec:
+    """Check a spec's shape: kind, name, factory signature, options type, methods."""
+    if not isinstance(spec, PluginSpec):
+        raise PluginError(f"{origin} is a {type(spec).__name__}, not a PluginSpec", plugin=spec)
+    if spec.kind not in PLUGIN_KINDS:
+        raise PluginError(f"unknown kind {spec.kind!r}; expected one of {PLUGIN_KINDS}", plugin=spec.name)
+    if not isinstance(spec.name, str) or not _NAME_RE.match(spec.name):
+        raise PluginError(
+            f"name {spec.name!r} must be lowercase letters, digits and underscores", plugin=spec.name
+        )
+    if not callable(spec.factory):
+        raise PluginError("factory is not callable", plugin=spec.name)
+    try:
+        inspect.signature(spec.factory).bind(None, None)
+    except TypeError as exc:
+        raise PluginError(
+            f"factory must accept (options, context): {exc}", plugin=spec.name
+        ) from None
+    except ValueError:
+        pass
+    if spec.options is not NoOptions:
+        cfg = getattr(spec.options, "__struct_config__", None)
+        if cfg is None or not cfg.forbid_unknown_fields:
+            raise PluginError(
+                "options type must be a msgspec.Struct with forbid_unknown_fields=True "
+                "(unknown option keys must be errors)",
+                plugin=spec.name,
+            )
+    if inspect.isclass(spec.factory):
+        _check_method(spec.factory, spec.kind, spec.name, None, bound=False)
+    return spec
+
+
+class PluginRegistry:
+    """Registered plugin specs, keyed by ``(kind, name)``. Duplicates are refused."""
+
+    def __init__(self) -> None:
+        self._specs: dict[tuple[str, str], PluginInfo] = {}
+        self._loaded_eps: set[tuple[str, str]] = set()
+
+    def register(self, spec: PluginSpec, origin: str = "<api>") -> PluginSpec:
+        """Validate and add ``spec``; raises PluginError on a duplicate ``(kind, name)``."""
+        validate_spec(spec, origin)
+        key = (spec.kind, spec.name)
+        have = self._specs.get(key)
+        if have is not None:
+            if have.spec is spec:
+                return spec
+            raise PluginError(
+                f"duplicate {spec.kind} plugin {spec.name!r}: already registered from {have.origin}, "
+                f"refused from {origin}",
+                plugin=spec.name,
+            )
+        self._specs[key] = PluginInfo(spec.name, spec.kind, origin, spec.summary, spec)
+        return spec
+
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> int:
+        """Load every entry point of ``group``; return how many specs were registered.
+
+        An entry point may name a :class:`PluginSpec` or a list/tuple of them. Loading
+        the same entry point twice is a no-op. A failing import raises PluginError.
+        """
+        count = 0
+        for ep in sorted(metadata.entry_points(group=group), key=lambda e: (e.name, e.value)):
+            ident = (ep.name, ep.value)
+            if ident in self._loaded_eps:
+                continue
+            dist = getattr(ep, "dist", None)
+            origin = f"entry point {ep.name} = {ep.value}" + (
+                f" [{dist.name} {dist.version}]" if dist is not None else ""
+            )
+            try:
+                obj = ep.load()
+            except Exception as exc:  # noqa: BLE001 - re-raised with the entry point named
+                raise PluginError(f"cannot load {origin}: {type(exc).__name__}: {exc}", plugin=ep.value) from exc
+            specs = obj if isinstance(obj, (list, tuple)) else [obj]
+            for spec in specs:
+                self.register(spec, origin)
+                count += 1
+            self._loaded_eps.add(ident)
+        return count
+
+    def load_path(self, path: str, key: str | None = None) -> PluginSpec:
+        """Import ``module:attr`` and register the PluginSpec it names."""
+        if not isinstance(path, str) or not _PATH_RE.match(path):
+            raise PluginError(
+                f"{path!r} is not a 'package.module:attribute' reference", plugin=path, key=key
+            )
+        mod_name, attr = path.split(":")
+        try:
+            module = importlib.import_module(mod_name)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the config key named
+            raise PluginError(f"cannot import {mod_name!r}: {type(exc).__name__}: {exc}", plugin=path, key=key) from exc
+        if not hasattr(module, attr):
+            raise PluginError(f"module {mod_name!r} has no attribute {attr!r}", plugin=path, key=key)
+        spec = getattr(module, attr)
+        try:
+            existing = self._specs.get((spec.kind, spec.name)) if isinstance(spec, PluginSpec) else None
+            if existing is not None and existing.spec is spec:
+                return spec
+            return self.register(spec, origin=f"config path {path}")
+        except PluginError as exc:
+            raise PluginError(exc.detail, plugin=path, key=key) from None
+
+    def get(self, kind: str, name: str, key: str | None = None) -> PluginSpec:
+        """The spec registered as ``(kind, name)``; PluginError naming ``key`` if absent."""
+        info = self._specs.get((kind, name))
+        if info is None:
+            known = sorted(n for k, n in self._specs if k == kind)
+            raise PluginError(
+                f"no {kind} plugin named {name!r}; registered: {', '.join(known) or 'none'}",
+                plugin=name,
+                key=key,
+            )
+        return info.spec
+
+    def resolve(self, kind: str, ref: str, key: str | None = None) -> PluginSpec:
+        """A registered name, or a ``module:attr`` reference (contains ':')."""
+        if ":" in ref:
+            spec = self.load_path(ref, key)
+            if spec.kind != kind:
+                raise PluginError(f"{ref} is a {spec.kind} plugin, expected a {kind}", plugin=ref, key=key)
+            return spec
+        return self.get(kind, ref, key)
+
+    def options(self, spec: PluginSpec, raw: dict[str, Any], key: str) -> Any:
+        """Convert a raw options table to the spec's typed options; errors name ``key``."""
+        from .config import convert_options
+
+        return convert_options(spec, raw, key)
+
+    def build(self, spec: PluginSpec, options: Any, context: PluginContext, key: str | None = None) -> Any:
+        """Instantiate a plugin and check the object honours its kind's contract."""
+        try:
+            obj = spec.factory(options, context)
+        except (PluginError, ConfigError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the config key named
+            raise PluginError(
+                f"factory of {spec.kind} {spec.name!r} raised {type(exc).__name__}: {exc}", plugin=spec.name, key=key
+            ) from exc
+        _check_method(obj, spec.kind, spec.name, key, bound=True)
+        return obj
+
+    def plugins(self) -> list[PluginInfo]:
+        """Every registered plugin, sorted by kind then name."""
+        return sorted(self._specs.values(), key=lambda i: (i.kind, i.name))
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._specs
+
+
+def default_registry() -> PluginRegistry:
+    """A registry with every installed entry-point plugin loaded."""
+    reg = PluginRegistry()
+    reg.load_entry_points()
+    return reg

@@ -1,0 +1,50 @@
+"""The ``one_hot`` synthesizer: q' = delta at each draft token. The default.
+
+Exact for any drafting rule (sampled, greedy, anything independent of the verify
+coin): given X = x, x is accepted with probability p(x), and otherwise the residual is
+p with x removed, so the committed token has law p whatever law X had
+(``docs/strategies.md``). Acceptance at that position is p(X).
+
+It attaches a :class:`~pd_middleware.proposal.OneHotProposal` (the token ids) and
+never builds a V-wide row; the assembler scatters the ones. With rejection sampling
+off it attaches nothing.
+"""
+
+from __future__ import annotations
+
+from pd_middleware import OneHotProposal, Payload, PluginContext, PluginSpec, ValidationError
+from pd_middleware.contracts import NoOptions
+
+
+class OneHotSynthesizer:
+    """Decode side: one-hot proposal per request (one row per draft step)."""
+
+    def __init__(self, options: NoOptions, context: PluginContext) -> None:
+        self.vocab_size = context.vocab_size
+        self.num_steps = context.num_steps
+        self.enabled = context.rejection_sampling
+
+    def synthesize(self, payload: Payload) -> OneHotProposal | None:
+        if payload.vocab_size != self.vocab_size:
+            raise ValidationError(
+                f"payload vocab {payload.vocab_size} != target vocab {self.vocab_size}",
+                field="vocab_size",
+                request_id=payload.request_id,
+            )
+        if len(payload.draft_tokens) != self.num_steps:
+            raise ValidationError(
+                f"{len(payload.draft_tokens)} draft tokens, deployment drafts {self.num_steps} steps",
+                field="draft_tokens",
+                request_id=payload.request_id,
+            )
+        if not self.enabled:
+            return None
+        return OneHotProposal(payload.draft_tokens)
+
+
+SYNTHESIZER = PluginSpec(
+    name="one_hot",
+    kind="synthesizer",
+    factory=OneHotSynthesizer,
+    summary="exact one-hot proposal at each draft token (default; exact for any drafting rule)",
+)

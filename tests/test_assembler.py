@@ -1,0 +1,113 @@
+"""The assembler: fresh values every build, no stale entry anywhere, same storage reused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pd_middleware.assembler import ProposalAssembler
+from pd_middleware.proposal import DenseProposal, OneHotProposal, SparseProposal
+
+SEED = 1234
+
+
+def _reference(props, b, s, v):
+    """What the build must equal: a freshly zeroed tensor with each proposal's rows."""
+    out = torch.zeros(b, s, v)
+    for i, p in enumerate(props):
+        out[i] = p.to_dense(v)
+    return out
+
+
+def _random_proposal(rng: random.Random, s: int, v: int):
+    kind = rng.choice(["one_hot", "one_hot", "sparse", "sparse_floor", "dense"])
+    if kind == "one_hot":
+        return OneHotProposal(tuple(rng.randrange(v) for _ in range(s)))
+    if kind == "dense":
+        probs = torch.rand(s, v, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        return DenseProposal(probs=probs, scale=1.0 / probs.sum(1))
+    lengths = tuple(rng.randint(1, min(5, v)) for _ in range(s))
+    idx = torch.cat([torch.tensor(rng.sample(range(v), n)) for n in lengths])
+    vals = torch.rand(sum(lengths))
+    floor = tuple(rng.random() * 0.01 if kind == "sparse_floor" else 0.0 for _ in range(s))
+    return SparseProposal(lengths=lengths, indices=idx, values=vals, floor=floor)
+
+
+@pytest.mark.parametrize("num_steps", [1, 3])
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_no_stale_entries_across_batches(num_steps, num_buffers):
+    """Random sequences of batches that grow and shrink, mixing every proposal kind."""
+    rng = random.Random(SEED + num_steps * 10 + num_buffers)
+    v, max_b = 37, 9
+    asm = ProposalAssembler(v, num_steps, max_b, num_buffers=num_buffers)
+    ptrs = {asm.graph_buffer(k).data_ptr() for k in range(num_buffers)}
+    for step in range(60):
+        b = rng.randint(1, max_b)
+        props = [_random_proposal(rng, num_steps, v) for _ in range(b)]
+        out = asm.build(props)
+        want = _reference(props, b, num_steps, v)
+        got = out if num_steps > 1 else out.unsqueeze(1)
+        assert torch.equal(got, want), f"seed={SEED} step={step}: built batch differs from reference"
+        # Rows past the batch are zero too: a graph padded to max_batch reads them.
+        full = asm.graph_buffer((step) % num_buffers)
+        assert out.data_ptr() == full.data_ptr(), "build must return a view of the persistent buffer"
+        assert float(full[b:].abs().sum()) == 0.0, f"seed={SEED} step={step}: stale rows past the batch"
+        assert out.data_ptr() in ptrs, "storage must be reused, never reallocated"
+
+
+def test_shapes_and_dtype_single_and_multi_layer():
+    asm1 = ProposalAssembler(11, 1, 4)
+    out = asm1.build([OneHotProposal((3,)), OneHotProposal((10,))])
+    assert out.shape == (2, 11) and out.dtype == torch.float32
+    assert out[0, 3] == 1.0 and out[1, 10] == 1.0 and float(out.sum()) == 2.0
+    asm3 = ProposalAssembler(11, 3, 4)
+    out = asm3.build([OneHotProposal((1, 2, 3))])
+    assert out.shape == (1, 3, 11)
+    assert out[0].argmax(-1).tolist() == [1, 2, 3]
+
+
+def test_none_when_no_proposals_and_mixed_is_an_error():
+    asm = ProposalAssembler(11, 1, 4)
+    assert asm.build([None, None]) is None
+    with pytest.raises(ValueError, match="1 of 2 requests have no proposal"):
+        asm.build([None, OneHotProposal((1,))])
+
+
+def test_errors_leave_buffer_untouched():
+    asm = ProposalAssembler(11, 1, 4)
+    first = asm.build([OneHotProposal((5,))]).clone()
+    with pytest.raises(ValueError, match=r"token 11 outside \[0, 11\)"):
+        asm.build([OneHotProposal((11,))])
+    with pytest.raises(ValueError, match="exceeds max_batch=4"):
+        asm.build([OneHotProposal((1,))] * 5)
+    with pytest.raises(ValueError, match="one-hot proposal has 2 steps, expected 1"):
+        asm.build([OneHotProposal((1, 2))])
+    bad = SparseProposal(lengths=(1,), indices=torch.tensor([11]), values=torch.tensor([1.0]), floor=(0.0,))
+    with pytest.raises(ValueError, match=r"index outside \[0, vocab_size\)"):
+        asm.build([bad])
+    with pytest.raises(ValueError, match=r"dense proposal has shape \(1, 10\), expected \(1, 11\)"):
+        asm.build([DenseProposal(torch.ones(1, 10), torch.ones(1))])
+    assert torch.equal(asm.graph_buffer()[:1], first)
+
+
+def test_view_lifetime_with_rotation():
+    """A view stays valid for num_buffers - 1 further builds, then is overwritten."""
+    asm = ProposalAssembler(8, 1, 2, num_buffers=2)
+    a = asm.build([OneHotProposal((1,))])
+    b = asm.build([OneHotProposal((2,))])
+    assert a.argmax().item() == 1 and b.argmax().item() == 2  # a survived one build
+    asm.build([OneHotProposal((3,))])  # reuses a's buffer
+    assert a.argmax().item() == 3
+    single = ProposalAssembler(8, 1, 2)
+    x = single.build([OneHotProposal((1,))])
+    single.build([OneHotProposal((4,))])
+    assert x.argmax().item() == 4, "with one buffer, a view is valid only until the next build"
+
+
+def test_dense_rows_are_scaled_copies():
+    asm = ProposalAssembler(5, 1, 2)
+    raw = torch.tensor([[1.0, 1.0, 2.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    out = asm.build([DenseProposal(raw, torch.tensor([0.25]))])
+    assert out[0].tolist() == [0.25, 0.25, 0.5, 0.0, 0.0]
