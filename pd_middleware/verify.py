@@ -1,0 +1,406 @@
+"""The reference chain verifier, with SGLang chain-kernel semantics, and its exact mode.
+
+Rule (``docs/strategies.md``, design notes section 2), per request and per draft step
+s = 0..S-1 while every earlier step was accepted:
+
+- q' is the vector handed to the verifier; an entry that is NaN, inf, negative or above
+  1 counts as 0 (:func:`sanitize_q`), in the acceptance test and in the residual alike;
+- accept X_s iff ``u * q'(X_s) < p(X_s)``, with u ~ U[0, 1) in float64;
+- on rejection commit a draw from ``max(p - q', 0)`` normalised over the whole row and
+  stop (a residual with no mass, which needs ``p == q'`` on the row, falls back to p);
+- after all S steps are accepted commit a bonus draw from p at position S.
+
+Uniforms are drawn up front, independently per request and per step, in float64;
+categorical draws use an inverse CDF over a float64 cumulative sum with
+``searchsorted(..., right=True)``, so a zero-mass token can never be drawn, not even at
+u = 0.
+
+The exact mode (:func:`exact_verify_law`, :func:`exact_chain_law`) applies the same
+rule with :class:`fractions.Fraction` and returns laws, for enumeration tests.
+Statistics helpers live in :mod:`pd_middleware.stats` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Callable, Sequence, Union
+
+from ._errors import ValidationError
+from .stats import (
+    ExactnessAccumulator,
+    ExactnessCheck,
+    chi_square,
+    chi_square_critical,
+    chi_square_sf,
+    tv_bound,
+    tv_distance,
+    wilson_interval,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ChainLaw",
+    "ExactnessAccumulator",
+    "ExactnessCheck",
+    "VerifyResult",
+    "acceptance_probability",
+    "chi_square",
+    "chi_square_critical",
+    "chi_square_sf",
+    "complete_law",
+    "draw_uniforms",
+    "exact_accept_probability",
+    "exact_chain_law",
+    "exact_residual",
+    "exact_verify_law",
+    "expected_accepted_length",
+    "sample_categorical",
+    "sanitize_q",
+    "sum_min",
+    "target_sequence_law",
+    "tv_bound",
+    "tv_distance",
+    "verify_chain",
+    "wilson_interval",
+]
+
+
+# --------------------------------------------------------------------------- torch
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """What one verify of a batch of B chains of S draft steps commits.
+
+    ``committed``: int64 (B, S+1), the committed tokens of each request, left-aligned,
+    padded with -1 after the last one; ``accepted_lengths``: int64 (B,), how many draft
+    tokens were accepted (0..S).
+    """
+
+    committed: "torch.Tensor"
+    accepted_lengths: "torch.Tensor"
+
+    @property
+    def num_committed(self) -> "torch.Tensor":
+        """int64 (B,): committed tokens per request, ``accepted_lengths + 1``."""
+        return self.accepted_lengths + 1
+
+    @property
+    def first_accepted(self) -> "torch.Tensor":
+        """bool (B,): whether the first draft token was accepted."""
+        return self.accepted_lengths >= 1
+
+
+def sanitize_q(q: "torch.Tensor") -> "torch.Tensor":
+    """q with every NaN, inf, negative or >1 entry replaced by 0 (a new tensor, same dtype)."""
+    import torch
+
+    valid = torch.isfinite(q) & (q >= 0) & (q <= 1)
+    return torch.where(valid, q, torch.zeros((), dtype=q.dtype, device=q.device))
+
+
+def sample_categorical(weights: "torch.Tensor", u: "torch.Tensor") -> "torch.Tensor":
+    """Inverse-CDF draws: row i picks token j with probability ``weights[i, j] / sum``.
+
+    ``weights``: float64 (n, V), non-negative, every row with positive mass; ``u``:
+    float64 (n,) in [0, 1). Returns int64 (n,). ``right=True`` makes the pick the first
+    token whose cumulative mass exceeds ``u * total``, which always has positive mass.
+    """
+    import torch
+
+    cdf = weights.cumsum(dim=1)
+    total = cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1)
+    over = idx >= weights.shape[1]
+    if bool(over.any()):
+        # u * total rounded up to total (u within 2^-53 of 1): take the last token with mass.
+        rows = over.nonzero().squeeze(1)
+        positive = (weights[rows] > 0).flip(1).to(torch.int8)
+        idx[rows] = weights.shape[1] - 1 - positive.argmax(dim=1)
+    return idx
+
+
+def _check_shapes(target: "torch.Tensor", draft: "torch.Tensor", tokens: "torch.Tensor") -> None:
+    if target.dim() != 3:
+        raise ValidationError(f"expected (B, S+1, V), got shape {tuple(target.shape)}", field="target_probs")
+    b, s1, v = target.shape
+    if tuple(draft.shape) != (b, s1 - 1, v):
+        raise ValidationError(
+            f"expected {(b, s1 - 1, v)} to match target_probs {tuple(target.shape)}, got {tuple(draft.shape)}",
+            field="draft_probs",
+        )
+    if tuple(tokens.shape) != (b, s1 - 1) or tokens.dtype.is_floating_point:
+        raise ValidationError(
+            f"expected integer {(b, s1 - 1)}, got {tokens.dtype} {tuple(tokens.shape)}", field="draft_tokens"
+        )
+    if s1 < 2:
+        raise ValidationError("needs at least one draft step (S+1 >= 2 positions)", field="target_probs")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+        raise ValidationError(f"token ids must lie in [0, {v})", field="draft_tokens")
+
+
+def draw_uniforms(
+    batch: int, num_steps: int, generator: "torch.Generator | None", device: "torch.device | str"
+) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Float64 uniforms for one verify: (B, S) acceptance coins and (B, S+1) draw coins.
+
+    Drawn on the generator's device (or ``device`` without one), then moved to ``device``.
+    """
+    import torch
+
+    gdev = generator.device if generator is not None else device
+    u = torch.rand(batch, 2 * num_steps + 1, dtype=torch.float64, generator=generator, device=gdev).to(device)
+    return u[:, :num_steps], u[:, num_steps:]
+
+
+def verify_chain(
+    target_probs: "torch.Tensor",
+    draft_probs: "torch.Tensor",
+    draft_tokens: "torch.Tensor",
+    generator: "torch.Generator | None" = None,
+    *,
+    uniforms: tuple["torch.Tensor", "torch.Tensor"] | None = None,
+) -> VerifyResult:
+    """Verify a batch of draft chains; see the module docstring for the rule.
+
+    ``target_probs``: float (B, S+1, V); position s < S is p given the accepted prefix
+    X_<s, position S the bonus distribution given all S drafts. ``draft_probs``: float
+    (B, S, V), the q' handed to the verifier (the assembler's buffer); (B, V) is
+    accepted when S = 1. ``draft_tokens``: int64 (B, S) ((B,) when S = 1).
+    ``generator`` seeds the uniforms (:func:`draw_uniforms`); ``uniforms`` overrides
+    them with explicit float64 ((B, S), (B, S+1)) tensors. Rows are independent: the
+    loop runs over steps only, every step is a tensor operation over the batch.
+    """
+    import torch
+
+    if draft_probs.dim() == 2 and target_probs.dim() == 3 and target_probs.shape[1] == 2:
+        draft_probs = draft_probs.unsqueeze(1)
+    if draft_tokens.dim() == 1:
+        draft_tokens = draft_tokens.unsqueeze(1)
+    _check_shapes(target_probs, draft_probs, draft_tokens)
+    b, s1, _ = target_probs.shape
+    steps = s1 - 1
+    device = target_probs.device
+    draft_tokens = draft_tokens.to(device=device, dtype=torch.int64)
+    u_acc, u_draw = uniforms if uniforms is not None else draw_uniforms(b, steps, generator, device)
+
+    committed = torch.full((b, s1), -1, dtype=torch.int64, device=device)
+    accepted = torch.zeros(b, dtype=torch.int64, device=device)
+    active = torch.ones(b, dtype=torch.bool, device=device)
+    rows = torch.arange(b, device=device)
+    for s in range(steps):
+        x = draft_tokens[:, s]
+        px = target_probs[rows, s, x].double()
+        qx = sanitize_q(draft_probs[rows, s, x]).double()
+        ok = active & (u_acc[:, s] * qx < px)
+        rejected = active & ~ok
+        committed[:, s] = torch.where(ok, x, committed[:, s])
+        accepted += ok.to(torch.int64)
+        if bool(rejected.any()):
+            idx = rejected.nonzero().squeeze(1)
+            p = target_probs[idx, s].double()
+            residual = (p - sanitize_q(draft_probs[idx, s]).double()).clamp_min_(0.0)
+            empty = residual.sum(dim=1) <= 0
+            if bool(empty.any()):  # p == q' on the whole row: nothing to correct, draw from p
+                residual[empty] = p[empty]
+            committed[idx, s] = sample_categorical(residual, u_draw[idx, s])
+        active = ok
+    if bool(active.any()):
+        idx = active.nonzero().squeeze(1)
+        committed[idx, steps] = sample_categorical(target_probs[idx, steps].double(), u_draw[idx, steps])
+    return VerifyResult(committed=committed, accepted_lengths=accepted)
+
+
+def acceptance_probability(
+    target_probs: "torch.Tensor", draft_probs: "torch.Tensor", draft_tokens: "torch.Tensor"
+) -> "torch.Tensor":
+    """float64 (B, S): P(accept X_s | steps before s accepted) = min(1, p(X_s) / q'(X_s)).
+
+    Shapes as :func:`verify_chain`. A sanitised q'(X) of 0 accepts whenever p(X) > 0.
+    Averaging this instead of the 0/1 outcome gives a lower-variance acceptance estimate.
+    """
+    import torch
+
+    if draft_tokens.dim() == 1:
+        draft_tokens = draft_tokens.unsqueeze(1)
+    if draft_probs.dim() == 2:
+        draft_probs = draft_probs.unsqueeze(1)
+    idx = draft_tokens.to(device=target_probs.device, dtype=torch.int64).unsqueeze(2)
+    steps = idx.shape[1]
+    px = target_probs[:, :steps].gather(2, idx).squeeze(2).double()
+    qx = sanitize_q(draft_probs.gather(2, idx.to(draft_probs.device)).squeeze(2)).double().to(px.device)
+    ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, 1.0), (px > 0).double())
+    return ratio.clamp_max(1.0)
+
+
+def expected_accepted_length(acceptance: "torch.Tensor") -> "torch.Tensor":
+    """float64 (B,): E[accepted drafts] = sum_k prod_{j<=k} a_j, from (B, S) step acceptances."""
+    return acceptance.double().cumprod(dim=1).sum(dim=1)
+
+
+def sum_min(p: "torch.Tensor", q: "torch.Tensor") -> "torch.Tensor":
+    """float64 (...,): sum over the last dim of min(p, q'), q' sanitised.
+
+    The acceptance of X ~ q' verified against q' (the full-distribution bound).
+    """
+    import torch
+
+    return torch.minimum(p.double(), sanitize_q(q).double()).sum(dim=-1)
+
+
+# --------------------------------------------------------------------------- exact
+
+Number = Union[Fraction, int, float]
+LawFn = Callable[[tuple[int, ...]], Sequence[Number]]
+SentFn = Callable[[tuple[int, ...], int], Sequence[Number]]
+
+
+def _frac(v: Number) -> Fraction:
+    return v if isinstance(v, Fraction) else Fraction(v)
+
+
+def _sanitize_fraction(v: Number) -> Fraction:
+    """The exact twin of :func:`sanitize_q`: NaN, inf, < 0 or > 1 counts as 0."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return Fraction(0)
+    f = _frac(v)
+    return f if 0 <= f <= 1 else Fraction(0)
+
+
+def _law(values: Sequence[Number], name: str) -> list[Fraction]:
+    out = [_frac(v) for v in values]
+    if any(v < 0 for v in out) or sum(out) != 1:
+        raise ValidationError(f"must be non-negative and sum to exactly 1, got sum {sum(out)}", field=name)
+    return out
+
+
+def exact_accept_probability(p_x: Number, q_x: Number) -> Fraction:
+    """P(u * q'(x) < p(x)) for u ~ U[0, 1): min(1, p/q'); 1 if q' is 0 and p > 0."""
+    p, q = _frac(p_x), _sanitize_fraction(q_x)
+    if q == 0:
+        return Fraction(1) if p > 0 else Fraction(0)
+    return min(Fraction(1), p / q)
+
+
+def exact_residual(p: Sequence[Number], q: Sequence[Number]) -> list[Fraction]:
+    """max(p - q', 0) normalised; p itself when the residual has no mass."""
+    pf = [_frac(v) for v in p]
+    r = [max(a - _sanitize_fraction(b), Fraction(0)) for a, b in zip(pf, q, strict=True)]
+    total = sum(r)
+    return [v / total for v in r] if total > 0 else pf
+
+
+def exact_verify_law(
+    p: Sequence[Number], q: Sequence[Number] | Callable[[int], Sequence[Number]], s: Sequence[Number]
+) -> list[Fraction]:
+    """Law of the committed token at one position.
+
+    ``p``: target law; ``s``: the law X was really drawn from; ``q``: the vector handed
+    to the verifier (any numbers; invalid entries count as 0), or a function of the
+    drawn token x returning it (``lambda x: one_hot(x)``). All length V. The strategy is
+    exact iff the result equals ``p``.
+    """
+    pf, sf = _law(p, "p"), _law(s, "s")
+    q_of = q if callable(q) else (lambda _x: q)
+    out = [Fraction(0)] * len(pf)
+    for x, sx in enumerate(sf):  # enumeration over a tiny vocab: this is the exact mode
+        if sx == 0:
+            continue
+        qx = q_of(x)
+        if not len(pf) == len(qx) == len(sf):
+            raise ValidationError(f"lengths differ: p {len(pf)}, q {len(qx)}, s {len(sf)}", field="q")
+        a = exact_accept_probability(pf[x], qx[x])
+        out[x] += sx * a
+        if a < 1:
+            for y, ry in enumerate(exact_residual(pf, qx)):
+                out[y] += sx * (1 - a) * ry
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ChainLaw:
+    """Exact outcome of verifying a chain of S draft steps.
+
+    ``law``: committed sequence (1..S+1 tokens) -> probability; ``accepted``: accepted
+    length (0..S) -> probability; ``expected_accepted``: its mean.
+    """
+
+    law: dict[tuple[int, ...], Fraction]
+    accepted: dict[int, Fraction]
+    expected_accepted: Fraction
+
+
+def exact_chain_law(p_fn: LawFn, q_fn: SentFn, s_fn: LawFn, num_steps: int) -> ChainLaw:
+    """Enumerate every draft chain and coin outcome of one verify.
+
+    ``p_fn(prefix)``: target law of the next token given the committed prefix;
+    ``s_fn(prefix)``: law the drafter draws the next draft token from, given the drafted
+    prefix; ``q_fn(prefix, x)``: the vector handed to the verifier for that step when
+    the step drafted x (ignore x for a shipped distribution; one-hot uses it). Prefixes
+    are tuples of token ids (``()`` for the first position). Cost is V^S leaves.
+    """
+    law: dict[tuple[int, ...], Fraction] = {}
+    accepted: dict[int, Fraction] = {}
+
+    def add(seq: tuple[int, ...], w: Fraction) -> None:
+        if w:
+            law[seq] = law.get(seq, Fraction(0)) + w
+            accepted[len(seq) - 1] = accepted.get(len(seq) - 1, Fraction(0)) + w
+
+    def walk(prefix: tuple[int, ...], weight: Fraction) -> None:
+        p = _law(p_fn(prefix), f"p{prefix}")
+        if len(prefix) == num_steps:
+            for y, py in enumerate(p):
+                add(prefix + (y,), weight * py)
+            return
+        s = _law(s_fn(prefix), f"s{prefix}")
+        for x, sx in enumerate(s):
+            if sx == 0:
+                continue
+            q = q_fn(prefix, x)
+            if not len(p) == len(q) == len(s):
+                raise ValidationError(
+                    f"lengths differ at prefix {prefix}: p {len(p)}, q {len(q)}, s {len(s)}", field="q"
+                )
+            a = exact_accept_probability(p[x], q[x])
+            if a > 0:
+                walk(prefix + (x,), weight * sx * a)
+            if a < 1:
+                for y, ry in enumerate(exact_residual(p, q)):
+                    add(prefix + (y,), weight * sx * (1 - a) * ry)
+
+    walk((), Fraction(1))
+    mean = sum((k * w for k, w in accepted.items()), Fraction(0))
+    return ChainLaw(law=law, accepted=dict(sorted(accepted.items())), expected_accepted=mean)
+
+
+def complete_law(
+    law: dict[tuple[int, ...], Fraction], p_fn: LawFn, length: int
+) -> dict[tuple[int, ...], Fraction]:
+    """Extend every committed sequence to ``length`` tokens by sampling the target.
+
+    A verifier is exact iff the completed law equals :func:`target_sequence_law`: each
+    committed token has law p given what came before it, whenever the chain got there.
+    """
+    out: dict[tuple[int, ...], Fraction] = {}
+    for seq, w in law.items():
+        frontier = {seq: w}
+        for _ in range(length - len(seq)):
+            nxt: dict[tuple[int, ...], Fraction] = {}
+            for prefix, pw in frontier.items():
+                for y, py in enumerate(_law(p_fn(prefix), f"p{prefix}")):
+                    if py:
+                        nxt[prefix + (y,)] = nxt.get(prefix + (y,), Fraction(0)) + pw * py
+            frontier = nxt
+        for s, v in frontier.items():
+            out[s] = out.get(s, Fraction(0)) + v
+    return out
+
+
+def target_sequence_law(p_fn: LawFn, length: int) -> dict[tuple[int, ...], Fraction]:
+    """Joint law of ``length`` tokens sampled autoregressively from ``p_fn``."""
+    return complete_law({(): Fraction(1)}, p_fn, length)

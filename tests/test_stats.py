@@ -1,0 +1,92 @@
+"""Statistics helpers: bounds and tails against known values, and the binned exactness test."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from pd_middleware.stats import (
+    ExactnessAccumulator,
+    chi_square,
+    chi_square_critical,
+    chi_square_sf,
+    tv_bound,
+    tv_distance,
+    wilson_interval,
+)
+from pd_middleware.verify import sample_categorical, verify_chain
+
+
+def test_tv_bound_formula() -> None:
+    assert tv_bound(8, 10_000, 1e-6) == pytest.approx(0.5 * math.sqrt(7 / 10_000) + math.sqrt(math.log(1e6) / 20_000))
+    with pytest.raises(ValueError, match="need n > 0"):
+        tv_bound(8, 0)
+
+
+def test_tv_distance_sequences_and_mappings() -> None:
+    assert tv_distance([1, 1, 2], [0.25, 0.25, 0.5]) == 0
+    assert tv_distance(torch.tensor([4, 0]), [Fraction(1, 2), Fraction(1, 2)]) == pytest.approx(0.5)
+    assert tv_distance({(0,): 3, (1, 2): 1}, {(0,): 0.5, (1, 1): 0.5}) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="counts has 2 categories, probs 3"):
+        tv_distance([1, 2], [0.2, 0.3, 0.5])
+
+
+def test_chi_square_tail_and_critical_values() -> None:
+    assert chi_square_critical(15, 1e-6) == pytest.approx(56.49, abs=0.01)  # design notes, section 2
+    assert chi_square_critical(1, 0.05) == pytest.approx(3.8415, abs=1e-3)
+    assert chi_square_sf(18.307, 10) == pytest.approx(0.05, abs=1e-4)
+    stat, df = chi_square([10, 20, 30], [1 / 6, 1 / 3, 1 / 2])
+    assert (stat, df) == (pytest.approx(0.0), 2)
+    assert chi_square([1, 1], [1.0, 0.0])[0] == math.inf
+
+
+def test_wilson_interval_known_values() -> None:
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0 and hi == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = wilson_interval(50, 100)
+    assert (lo, hi) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
+    with pytest.raises(ValueError, match="successes 11 outside"):
+        wilson_interval(11, 10)
+
+
+def _verify_rows(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, seed: int) -> torch.Tensor:
+    target = torch.stack([p, p], dim=1)
+    return verify_chain(target, q, x, torch.Generator().manual_seed(seed)).committed[:, 0]
+
+
+def test_exactness_accumulator_passes_exact_and_flags_biased() -> None:
+    """V = 1000, 3 batches of 1024 requests with their own p; 17 bins, alpha 1e-6 (false-positive bound)."""
+    seed = 123
+    g = torch.Generator().manual_seed(seed)
+    good, greedy, trunc = ExactnessAccumulator(), ExactnessAccumulator(), ExactnessAccumulator()
+    for b in range(3):
+        z = torch.randn(1024, 1000, generator=g) * 2.5
+        p = torch.softmax(z, dim=1)
+        q = torch.softmax(z + 0.5 * torch.randn(1024, 1000, generator=g), dim=1)
+        x = sample_categorical(q.double(), torch.rand(1024, dtype=torch.float64, generator=g))
+        good.update(p, _verify_rows(p, q, x, seed + b))
+        shared = greedy.bin_law(p)
+        assert torch.equal(shared, good.bin_law(p))
+        greedy.update(p, _verify_rows(p, q, q.argmax(dim=1), seed + b), bin_law=shared)
+        top = q.topk(20, dim=1)
+        qk = torch.zeros_like(q).scatter_(1, top.indices, top.values)
+        trunc.update(p, _verify_rows(p, qk / qk.sum(1, keepdim=True), x, seed + b))
+    r = good.result()
+    assert r.passed and r.n == 3072 and r.num_bins == 17, f"seed={seed} tv={r.tv:.4f} bound={r.bound:.4f}"
+    rg = greedy.result()
+    assert not rg.passed, f"seed={seed}: greedy + softmax q not flagged: tv={rg.tv:.4f} bound={rg.bound:.4f}"
+    rt = trunc.result()
+    assert not rt.passed, f"seed={seed}: X ~ q with q_k sent not flagged: tv={rt.tv:.4f} bound={rt.bound:.4f}"
+
+
+def test_exactness_accumulator_flags_zero_mass_tokens() -> None:
+    acc = ExactnessAccumulator(num_bins=4)
+    p = torch.tensor([[0.5, 0.5, 0.0]]).expand(1000, 3)
+    acc.update(p, torch.full((1000,), 2))
+    r = acc.result()
+    assert r.tv == pytest.approx(1.0) and not r.passed
+    with pytest.raises(ValueError, match="no tokens recorded"):
+        ExactnessAccumulator().result()
