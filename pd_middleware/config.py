@@ -168,6 +168,7 @@ class Config(msgspec.Struct, **_STRUCT):
             rejection_sampling=self.decode.rejection_sampling,
             device=self.decode.device,
             side=side,
+            arms=tuple((a.name, a.weight) for a in self.arms),
         )
 
 

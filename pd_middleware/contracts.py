@@ -63,6 +63,8 @@ class PluginContext:
     """Torch device of the assembler buffer (``cpu``, ``cuda``, ``cuda:1``...)."""
     side: Literal["prefill", "decode"] = "decode"
     """Which process builds the plugin."""
+    arms: tuple[tuple[str, int], ...] = ()
+    """A/B arms as ``(name, weight)`` in config order; empty without ``[[arms]]``."""
 
 
 @dataclass(slots=True)

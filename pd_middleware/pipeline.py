@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from ._errors import ValidationError
 from .contracts import ReceiveContext
@@ -18,12 +18,16 @@ from .payload import Payload
 from .proposal import Proposal
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
+class Delivery(NamedTuple):
     """A payload ready for the scheduler, with the proposal its arm attached.
 
     Call :meth:`release` once the batch that used it has been built (frees the receive
     slot holding its bulk tensors, if any).
+
+    A ``NamedTuple`` rather than a frozen dataclass on purpose: one is built per
+    payload, and a frozen dataclass's ``__init__`` (an ``object.__setattr__`` per
+    field) cost more than the whole rest of :meth:`ReceivePipeline.process`
+    (``benchmarks/hooks.py``, docs/performance.md). Immutable all the same.
     """
 
     payload: Payload
@@ -62,6 +66,9 @@ class Failure:
 
 
 Outcome = "Delivery | Failure"
+
+# Builds a Delivery without the keyword/default handling of its generated __new__.
+_new_tuple = tuple.__new__
 
 
 class ReceivePipeline:
@@ -118,11 +125,13 @@ class ReceivePipeline:
                 if replaced is not None:
                     payload = replaced
             arm = ctx.arm
-            entry = self._synth.get(arm)
-            if entry is None:
+            try:
+                stage, synth = self._synth[arm]
+            except KeyError:  # a subscript is cheaper than .get() on the hot path
                 stage = "route"
-                raise ValidationError(f"unknown A/B arm {arm!r}", field="arm", request_id=payload.request_id)
-            stage, synth = entry
+                raise ValidationError(
+                    f"unknown A/B arm {arm!r}", field="arm", request_id=payload.request_id
+                ) from None
             proposal = synth(payload)
         except Exception as exc:  # noqa: BLE001 - a plugin fault fails one payload, by design
             if releaser is not None:
@@ -137,8 +146,12 @@ class ReceivePipeline:
             m.record_failure(f.key, ctx.arm)
             return f
         m.delivered += 1
-        m.arm_delivered[arm] += 1
-        return Delivery(payload, proposal, arm, ctx.received_at, releaser)
+        per_arm = m.arm_delivered
+        try:
+            per_arm[arm] += 1
+        except KeyError:  # first delivery of this arm
+            per_arm[arm] = 1
+        return _new_tuple(Delivery, (payload, proposal, arm, ctx.received_at, releaser))
 
     def close(self) -> None:
         """Close plugins that hold resources (e.g. a trace recorder's file)."""

@@ -1,0 +1,227 @@
+"""Bulk data-plane throughput: dense proposals through our sender/receiver vs raw Mooncake.
+
+Each payload carries one dense fp32 proposal of V = 152,064 values (608,256 bytes).
+*Ours*: :class:`PrefillSender` in this process writes the bytes with one Mooncake
+transfer into a slot the decode registered, and sends the header; the headline figure
+has the payload bytes in a prefill buffer registered once (``register_source``, like
+SGLang's metadata buffers), and ``staged_copy_ratio`` the variant where the sender
+first copies them into its staging buffer; a
+:class:`DecodeReceiver` in a separate process validates, delivers and releases the
+slot. Throughput is sends/s until every payload is acknowledged. *Raw*: one
+``transfer_sync_write`` of the same 608,256 bytes per payload, registered source to a
+registered buffer in a separate process, same engine setup (TCP, loopback). Repeats
+alternate raw/ours; the headline ratio is the median of the per-repeat ratios.
+
+``--crossover`` instead measures ours inline (ZMQ frames) vs ours bulk (Mooncake) at
+several sizes, to place ``inline_threshold_bytes`` (docs/transport.md).
+
+Last stdout line: ``{"benchmark": "bulk", "ratio_vs_raw_mooncake": x, ...}`` (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+
+from pd_middleware import DenseEncoding, OneHotProposal, Payload  # noqa: E402
+from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
+from pd_middleware.transport import (  # noqa: E402
+    DecodeReceiver,
+    MooncakeEngine,
+    PrefillSender,
+    SlotsConfig,
+    TransportConfig,
+)
+
+VOCAB = 152064
+NBYTES = VOCAB * 4
+
+
+class _OneHot:
+    def synthesize(self, payload: Payload) -> OneHotProposal:
+        return OneHotProposal(payload.draft_tokens)
+
+
+def _config(threshold: int) -> TransportConfig:
+    return TransportConfig(
+        inline_threshold_bytes=threshold,
+        peer_timeout_s=60.0,
+        slots=SlotsConfig(count=64, size_bytes=1 << 20, per_peer=64, wait_s=30.0),
+    )
+
+
+def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection") -> None:
+    """Remote side: a registered buffer (raw) or a decode receiver (ours), until told to stop."""
+    engine = MooncakeEngine.open()
+    if mode == "raw":
+        buf = mmap.mmap(-1, 1 << 20)
+        addr = engine.register(buf)
+        conn.send((engine.peer_name, addr))
+        conn.recv()
+        return
+    rx = DecodeReceiver(_config(threshold), ReceivePipeline([], {"default": ("one_hot", _OneHot())}), engine=engine).start()
+    conn.send((rx.address, 0))
+    while not conn.poll(0):
+        item = rx.get(timeout=0.05)  # the scheduler blocks for work rather than spinning
+        if item is not None:
+            item.release()
+            for item in rx.drain():
+                item.release()
+    rx.stop()
+
+
+def _spawn(mode: str, threshold: int = 0) -> tuple[mp.Process, "mp.connection.Connection", str, int]:
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=decode_process, args=(mode, threshold, child), daemon=True)
+    proc.start()
+    if not parent.poll(60):
+        raise SystemExit(f"{mode} decode process did not start")
+    name, addr = parent.recv()
+    return proc, parent, name, addr
+
+
+def _stop(proc: mp.Process, conn: "mp.connection.Connection") -> None:
+    conn.send("stop")
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
+def run_raw(engine: MooncakeEngine, n: int, nbytes: int) -> float:
+    proc, conn, peer, dst = _spawn("raw")
+    try:
+        src = mmap.mmap(-1, 1 << 20)
+        src[:nbytes] = os.urandom(nbytes)
+        addr = engine.register(src)
+        raw = engine._engine  # the raw binding, on purpose: this is the baseline
+        engine.probe(peer)
+        if raw.transfer_sync_write(peer, addr, dst, nbytes) != 0:
+            raise SystemExit("raw warm-up write failed")
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if raw.transfer_sync_write(peer, addr, dst, nbytes) != 0:
+                raise SystemExit("raw write failed")
+        dt = time.perf_counter() - t0
+        engine.unregister(addr)
+    finally:
+        _stop(proc, conn)
+    return n / dt
+
+
+def _payloads(nbytes: int, source: mmap.mmap | None, count: int = 8) -> list[Payload]:
+    """``count`` dense payloads; their data are views of ``source`` when given (no staging copy)."""
+    values = nbytes // 4
+    row = bytes(ctypes.c_float(1.0 / values)) * values
+    out = []
+    for i in range(count):
+        data: bytes | memoryview = row
+        if source is not None:
+            source[i * nbytes : (i + 1) * nbytes] = row
+            data = memoryview(source)[i * nbytes : (i + 1) * nbytes]
+        out.append(Payload(f"bulk-{i}", (i % values,), (1.0 / values,), values, hidden=b"", proposal=DenseEncoding("fp32", data)))
+    return out
+
+
+def run_ours(engine: MooncakeEngine, n: int, nbytes: int, threshold: int = 0, registered: bool = True) -> float:
+    """Sends/s through our sender and receiver; ``registered``: payload bytes live in a
+    registered prefill buffer (SGLang-style) rather than being staged by a copy."""
+    proc, conn, address, _ = _spawn("ours", threshold)
+    tx = PrefillSender(_config(threshold), engine=engine, name="bench").connect(address)
+    try:
+        source = mmap.mmap(-1, 8 * nbytes) if registered and threshold < nbytes else None
+        if source is not None:
+            tx.register_source(source)
+        payloads = _payloads(nbytes, source)
+        tx.send(payloads[0])
+        if not tx.flush(30):
+            raise SystemExit("warm-up payload was not acknowledged")
+        t0 = time.perf_counter()
+        for i in range(n):
+            tx.send(payloads[i % len(payloads)])
+        if not tx.flush(60):
+            raise SystemExit(f"not all payloads acknowledged: {tx.statuses()}")
+        dt = time.perf_counter() - t0
+        s = tx.statuses()
+        if s["delivered"] != n + 1:
+            raise SystemExit(f"delivered {s['delivered']} of {n + 1}: {s}")
+    finally:
+        tx.close()
+        _stop(proc, conn)
+    return n / dt
+
+
+def crossover(engine: MooncakeEngine, n: int) -> dict[str, object]:
+    rows = []
+    for size in (16 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1000 << 10):
+        inline = statistics.median(run_ours(engine, n, size, threshold=1 << 30) for _ in range(3))
+        bulk = statistics.median(run_ours(engine, n, size, threshold=0) for _ in range(3))
+        rows.append({"bytes": size, "inline_per_s": round(inline), "bulk_per_s": round(bulk)})
+        print(f"{size:>8} B: inline {inline:,.0f}/s bulk {bulk:,.0f}/s", file=sys.stderr)
+    # The crossover is the smallest size from which bulk wins at every larger size too
+    # (None: inline won somewhere at the top of the range, so no crossover was reached).
+    cross = None
+    for r in reversed(rows):
+        if r["bulk_per_s"] < r["inline_per_s"]:
+            break
+        cross = r["bytes"]
+    return {"benchmark": "bulk_crossover", "rows": rows, "crossover_bytes": cross}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--crossover", action="store_true")
+    args = ap.parse_args()
+    engine = MooncakeEngine.open()
+    try:
+        if args.crossover:
+            print(json.dumps(crossover(engine, args.n)))
+            return
+        raw, ours, staged, ratios, staged_ratios = [], [], [], [], []
+        for i in range(args.repeats):
+            raw.append(run_raw(engine, args.n, NBYTES))
+            ours.append(run_ours(engine, args.n, NBYTES))
+            staged.append(run_ours(engine, args.n, NBYTES, registered=False))
+            ratios.append(ours[-1] / raw[-1])
+            staged_ratios.append(staged[-1] / raw[-1])
+            print(
+                f"repeat {i}: raw {raw[-1]:,.0f}/s ours {ours[-1]:,.0f}/s ({ratios[-1]:.3f}) "
+                f"staged {staged[-1]:,.0f}/s ({staged_ratios[-1]:.3f})",
+                file=sys.stderr,
+            )
+    finally:
+        engine.close()
+    r, o = statistics.median(raw), statistics.median(ours)
+    print(
+        json.dumps(
+            {
+                "benchmark": "bulk",
+                "ratio_vs_raw_mooncake": round(statistics.median(ratios), 3),
+                "ratio_of_medians": round(o / r, 3),
+                "staged_copy_ratio_vs_raw_mooncake": round(statistics.median(staged_ratios), 3),
+                "ours_payloads_per_s": round(o),
+                "raw_writes_per_s": round(r),
+                "ours_GBps": round(o * NBYTES / 1e9, 3),
+                "raw_GBps": round(r * NBYTES / 1e9, 3),
+                "bytes": NBYTES,
+                "n": args.n,
+                "repeats": args.repeats,
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

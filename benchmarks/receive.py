@@ -1,0 +1,173 @@
+"""Receive-path throughput: payloads/s through the decode receiver vs raw pyzmq PUSH/PULL.
+
+Both sides receive the *same* pre-encoded frames (a 1-token payload header and an
+8 KiB bf16 hidden state, inline) from a producer in a separate process. The raw
+baseline only calls ``recv_multipart``; ours runs the full decode receive path: ROUTER
+socket, wire decode and validation, zero-copy views, one hook, the one-hot synthesizer,
+the outcome queue, the scheduler's ``drain`` and per-batch acks. Each repeat runs both,
+alternating; the headline is the median of the per-repeat ratios (robust to load drift
+on a shared machine), with the ratio of medians alongside.
+
+Usage: ``python benchmarks/receive.py [--n 20000] [--repeats 5] [--hidden 8192]``.
+The last stdout line is one JSON object:
+``{"benchmark": "receive", "ratio_vs_raw_zmq": x, ...}`` (target x >= 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import zmq
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
+
+from pd_middleware import Payload  # noqa: E402
+from pd_middleware.contracts import NoOptions, PluginContext  # noqa: E402
+from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
+from pd_middleware.transport import DecodeReceiver, TransportConfig  # noqa: E402
+from pd_middleware.transport import wire  # noqa: E402
+
+VOCAB = 152064
+
+
+def frames_for(hidden: int) -> list[bytes]:
+    payload = Payload("bench-0", (17,), (0.5,), VOCAB, hidden=bytes(range(256)) * (hidden // 256), hidden_dtype="bf16")
+    header, parts = wire.build_header(payload, 0)
+    return [wire.encode(header), *(bytes(b) for b, _ in parts)]
+
+
+def produce(kind: str, address: str, n: int, hidden: int) -> None:
+    """Producer process: send ``n`` copies of the same frames as fast as the socket takes them."""
+    ctx = zmq.Context()
+    frames = frames_for(hidden)
+    if kind == "raw":
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(address)
+    else:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(address)
+        sock.send_multipart([wire.encode(wire.Hello(name="bench", want_slots=0))])
+        if not sock.poll(10_000):
+            raise SystemExit("no grant from the receiver")
+        sock.recv_multipart()
+    for _ in range(n):
+        sock.send_multipart(frames, copy=True)
+    time.sleep(1.0)  # let the queue drain before the context closes
+    sock.close(linger=5000)
+    ctx.term()
+
+
+def run_raw(n: int, hidden: int) -> float:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    proc = mp.get_context("spawn").Process(target=produce, args=("raw", f"tcp://127.0.0.1:{port}", n, hidden))
+    proc.start()
+    try:
+        if not sock.poll(30_000):
+            raise SystemExit("raw producer sent nothing")
+        sock.recv_multipart()
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            sock.recv_multipart()
+        dt = time.perf_counter() - t0
+    finally:
+        proc.join(30)
+        sock.close(0)
+        ctx.term()
+    return (n - 1) / dt
+
+
+class CountHook:
+    """A minimal receive hook, so the hook chain is part of the measured path."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_receive(self, payload: Payload, context: object) -> None:
+        self.seen += 1
+
+
+def run_ours(n: int, hidden: int) -> float:
+    try:
+        from pd_middleware_plugins.one_hot import OneHotSynthesizer
+
+        synth = OneHotSynthesizer(NoOptions(), PluginContext(vocab_size=VOCAB, num_steps=1, rejection_sampling=True))
+    except ImportError:  # pragma: no cover - plugins not on the path
+        raise SystemExit("plugins/pd_middleware_plugins/one_hot.py is required")
+    pipeline = ReceivePipeline([("count", CountHook())], {"default": ("one_hot", synth)})
+    cfg = TransportConfig(hwm=10_000_000, peer_timeout_s=60.0)
+    ctx = zmq.Context()
+    rx = DecodeReceiver(cfg, pipeline, context=ctx).start()
+    proc = mp.get_context("spawn").Process(target=produce, args=("ours", rx.address, n, hidden))
+    proc.start()
+    try:
+        first = rx.get(timeout=30)
+        if first is None or not hasattr(first, "payload"):
+            raise SystemExit(f"receiver delivered nothing useful: {first!r}")
+        t0 = time.perf_counter()
+        got = 1
+        deadline = time.monotonic() + 120
+        while got < n and time.monotonic() < deadline:
+            # A scheduler blocks for work, then takes everything that is ready.
+            first = rx.get(timeout=1.0)
+            items = rx.drain() if first is None else [first, *rx.drain()]
+            for it in items:
+                it.release()
+            got += len(items)
+        dt = time.perf_counter() - t0
+        if got < n:
+            raise SystemExit(f"received {got} of {n}")
+        m = pipeline.metrics.snapshot()
+        if m["delivered"] != n:
+            raise SystemExit(f"delivered {m['delivered']} of {n}: {m}")
+    finally:
+        proc.join(30)
+        rx.stop()
+        ctx.term()
+    return (n - 1) / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=20_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=8192, help="hidden-state bytes per payload")
+    args = ap.parse_args()
+    raw, ours, ratios = [], [], []
+    for i in range(args.repeats):
+        raw.append(run_raw(args.n, args.hidden))
+        ours.append(run_ours(args.n, args.hidden))
+        ratios.append(ours[-1] / raw[-1])
+        print(f"repeat {i}: raw {raw[-1]:,.0f}/s  ours {ours[-1]:,.0f}/s  ratio {ratios[-1]:.3f}", file=sys.stderr)
+    r, o = statistics.median(raw), statistics.median(ours)
+    print(
+        json.dumps(
+            {
+                "benchmark": "receive",
+                "ratio_vs_raw_zmq": round(statistics.median(ratios), 3),
+                "ratio_of_medians": round(o / r, 3),
+                "ours_payloads_per_s": round(o),
+                "raw_zmq_msgs_per_s": round(r),
+                "n": args.n,
+                "repeats": args.repeats,
+                "hidden_bytes": args.hidden,
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Transport configuration: the ``[transport]`` table of a pd-middleware config.
+
+Typed, frozen and strict like the rest of the config: unknown keys are errors, and a
+bad value raises :class:`~pd_middleware._errors.OptionValueError` from ``__post_init__``,
+which the config loader turns into a :class:`~pd_middleware.ConfigError` whose path is
+the full key (``transport.slots.count``). Secrets can stay out of files: set
+``hmac_key_env`` to the name of an environment variable instead of ``hmac_key``.
+
+Defaults suit one machine (loopback, TCP); see ``docs/transport.md`` for RDMA across
+machines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Literal
+
+import msgspec
+
+from .._errors import ConfigError, OptionValueError
+
+_STRUCT = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: Inline/bulk crossover measured by ``benchmarks/bulk.py --crossover`` on 2-core
+#: loopback TCP (see docs/transport.md): below this many bulk bytes per payload, raw
+#: ZMQ frames beat a Mooncake write plus the header round.
+DEFAULT_INLINE_THRESHOLD = 128 * 1024
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise OptionValueError(field, message)
+
+
+class LimitsConfig(msgspec.Struct, **_STRUCT):
+    """Size caps the decode enforces on every inbound message before allocating."""
+
+    # Largest msgpack control frame (header, hello...) accepted, in bytes.
+    max_message_bytes: int = 64 * 1024
+    # Largest single tensor (inline frame or slot range), in bytes; also caps zmq frames.
+    max_tensor_bytes: int = 64 * 1024 * 1024
+    # Most ZMQ frames one message may have (header + inline tensors + signature).
+    max_frames: int = 8
+    # Most draft steps S one payload may carry.
+    max_steps: int = 64
+    # Largest vocabulary size V a payload may declare.
+    max_vocab: int = 1 << 24
+    # Longest request id, in characters.
+    max_request_id: int = 256
+
+    def __post_init__(self) -> None:
+        _check(1024 <= self.max_message_bytes <= 1 << 26, "max_message_bytes", "must be in [1024, 2**26]")
+        _check(1 <= self.max_tensor_bytes <= 1 << 34, "max_tensor_bytes", "must be in [1, 2**34]")
+        _check(2 <= self.max_frames <= 64, "max_frames", "must be in [2, 64]")
+        _check(1 <= self.max_steps <= 4096, "max_steps", "must be in [1, 4096]")
+        _check(1 <= self.max_vocab <= 1 << 30, "max_vocab", "must be in [1, 2**30]")
+        _check(1 <= self.max_request_id <= 65536, "max_request_id", "must be in [1, 65536]")
+
+
+class SlotsConfig(msgspec.Struct, **_STRUCT):
+    """Decode-side receive slots: Mooncake-registered memory the prefills write into."""
+
+    # Total slots the decode allocates (count x size_bytes bytes are registered once).
+    count: int = 256
+    # Bytes per slot: must hold one payload's bulk tensors (hidden + proposal).
+    size_bytes: int = 1 << 20
+    # Slots granted to each prefill peer at hello (at most what is left in the pool).
+    per_peer: int = 64
+    # How long a prefill waits for a free slot before NoSlotError, in seconds.
+    wait_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.count <= 1 << 20, "count", "must be in [0, 2**20]")
+        _check(64 <= self.size_bytes <= 1 << 32, "size_bytes", "must be in [64, 2**32]")
+        _check(0 <= self.per_peer <= 1 << 20, "per_peer", "must be in [0, 2**20]")
+        _check(0.0 <= self.wait_s <= 3600.0, "wait_s", "must be in [0, 3600]")
+
+
+class MooncakeConfig(msgspec.Struct, **_STRUCT):
+    """The Mooncake transfer engine (data plane). Ignored when no engine is opened."""
+
+    # Open an engine in open_receiver/open_sender; false = inline ZMQ frames only.
+    enabled: bool = True
+    # Address the engine advertises to peers: 127.0.0.1 on one machine, the NIC's IP across machines.
+    host: str = "127.0.0.1"
+    # "tcp" on loopback/Ethernet, "rdma" for InfiniBand/RoCE (with device_names).
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    # RDMA NICs, comma-separated (e.g. "mlx5_0,mlx5_1"); empty for TCP.
+    device_names: str = ""
+    # Set MC_FORCE_TCP=1 before the engine starts (auto-discovery would pick RDMA if present).
+    force_tcp: bool = True
+    # MC_LOG_LEVEL used when the environment does not set it.
+    log_level: Literal["INFO", "WARNING", "ERROR"] = "WARNING"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "host", "must not be empty")
+        if self.protocol == "rdma":
+            _check(not self.force_tcp, "force_tcp", "must be false when protocol is 'rdma'")
+            _check(bool(self.device_names), "device_names", "must name the RDMA NICs when protocol is 'rdma'")
+
+
+class TransportConfig(msgspec.Struct, **_STRUCT):
+    """Control plane (ZMQ), data plane (Mooncake) and their safety limits."""
+
+    # Interface the decode receiver binds; loopback unless you mean to expose it.
+    bind_host: str = "127.0.0.1"
+    # TCP port of the decode receiver; 0 picks a random free port.
+    port: int = 0
+    # Payloads whose bulk tensors total at most this many bytes travel inline as ZMQ frames.
+    inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD
+    # How often each side sends a heartbeat when otherwise idle, in seconds.
+    heartbeat_s: float = 0.5
+    # A peer silent for this long is lost: its expected requests fail, its slots return.
+    peer_timeout_s: float = 5.0
+    # How long connect()/reconnect() waits for the decode's slot grant, in seconds.
+    connect_timeout_s: float = 5.0
+    # Shared secret for HMAC-SHA256 over every frame; None = off.
+    hmac_key: str | None = None
+    # Name of an environment variable holding the secret (keeps it out of config files).
+    hmac_key_env: str | None = None
+    # ZMQ send/receive high-water mark per socket, in messages.
+    hwm: int = 100_000
+    # Most inbound messages the receiver handles before flushing acks.
+    recv_batch: int = 256
+    slots: SlotsConfig = SlotsConfig()
+    limits: LimitsConfig = LimitsConfig()
+    mooncake: MooncakeConfig = MooncakeConfig()
+
+    def __post_init__(self) -> None:
+        _check(bool(self.bind_host), "bind_host", "must not be empty")
+        _check(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
+        _check(0 <= self.inline_threshold_bytes <= 1 << 34, "inline_threshold_bytes", "must be in [0, 2**34]")
+        _check(0.01 <= self.heartbeat_s <= 60.0, "heartbeat_s", "must be in [0.01, 60]")
+        _check(
+            2 * self.heartbeat_s <= self.peer_timeout_s <= 3600.0,
+            "peer_timeout_s",
+            f"must be in [2 x heartbeat_s = {2 * self.heartbeat_s:g}, 3600]",
+        )
+        _check(0.0 < self.connect_timeout_s <= 600.0, "connect_timeout_s", "must be in (0, 600]")
+        _check(self.hmac_key is None or len(self.hmac_key) >= 16, "hmac_key", "must be at least 16 characters")
+        _check(
+            self.hmac_key_env is None or bool(_ENV_RE.match(self.hmac_key_env)),
+            "hmac_key_env",
+            "must be an environment variable name",
+        )
+        _check(
+            self.hmac_key is None or self.hmac_key_env is None,
+            "hmac_key_env",
+            "set hmac_key or hmac_key_env, not both",
+        )
+        _check(1 <= self.hwm <= 10_000_000, "hwm", "must be in [1, 10000000]")
+        _check(1 <= self.recv_batch <= 1 << 16, "recv_batch", "must be in [1, 65536]")
+
+    def secret(self) -> bytes | None:
+        """The HMAC key as bytes, read from ``hmac_key`` or the ``hmac_key_env`` variable.
+
+        Raises :class:`ConfigError` (path ``transport.hmac_key_env``) when the variable
+        is unset or too short: a missing secret must not silently turn signing off.
+        """
+        if self.hmac_key is not None:
+            return self.hmac_key.encode()
+        if self.hmac_key_env is None:
+            return None
+        value = os.environ.get(self.hmac_key_env)
+        if value is None or len(value) < 16:
+            raise ConfigError(
+                f"environment variable {self.hmac_key_env} is unset or shorter than 16 characters",
+                path="transport.hmac_key_env",
+            )
+        return value.encode()

@@ -1,0 +1,431 @@
+"""The wire schema: versioned, typed control messages and the payload codec.
+
+Every control message is one msgpack frame holding a tagged ``msgspec.Struct``
+(``kind`` names the message, ``v`` the schema version). Bulk tensors never travel as
+msgpack lists: a :class:`TensorRef` says where their raw bytes are, either an extra
+ZMQ frame of the same message (``frame >= 1``, *inline*) or a byte range of a receive
+slot the decode registered with Mooncake (``frame == 0``, ``slot``/``offset``, *bulk*).
+
+Messages, by direction:
+
+- prefill -> decode: :class:`Hello` (once per connection), :class:`PayloadHeader`
+  (per request), :class:`Heartbeat`, :class:`Bye`;
+- decode -> prefill: :class:`Grant` (slot registration, answer to hello),
+  :class:`Ack` (batched slot-free notices and per-request status),
+  :class:`ErrorReply`, :class:`Heartbeat`, :class:`Bye`.
+
+Decoding (:func:`decode_frame`, then :func:`payload_from_header`) checks the frame size
+against :class:`~pd_middleware.transport.config.LimitsConfig` *before* parsing, then
+types (msgspec), version, declared sizes against the limits and against the frames or
+slot that hold them, dtypes, shapes and ranges, and finally builds a
+:class:`~pd_middleware.payload.Payload`, whose constructor validates values. Any
+violation raises :class:`~pd_middleware.WireError` with ``.field`` (``draft_probs``,
+``hidden.nbytes``, ``proposal.kind``...) and ``.request_id`` when it could be read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Callable, Literal, Sequence, Union
+
+import msgspec
+
+from .._errors import ValidationError, WireError
+from ..payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding
+from .config import LimitsConfig
+
+#: Schema version; a message with another ``v`` is rejected (field ``v``).
+WIRE_VERSION = 1
+
+#: Byte alignment of each tensor inside a slot, so fp32 views are aligned.
+SLOT_ALIGN = 64
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+TensorDType = Literal["bf16", "fp16", "fp32", "int32"]
+
+Buffer = Union[bytes, memoryview]
+#: ``resolve(slot, offset, nbytes, field, request_id) -> memoryview`` of a slot range,
+#: or raises WireError.
+SlotResolver = Callable[[int, int, int, str, str], memoryview]
+
+
+class TensorRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Where one tensor's raw bytes are: an inline frame or a slot range."""
+
+    dtype: TensorDType
+    shape: tuple[Count, ...]
+    nbytes: Count
+    # Index of the inline frame holding the bytes (>= 1); 0 = in a slot.
+    frame: NonNeg = 0
+    # Decode-assigned slot id (when frame == 0).
+    slot: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    # Byte offset inside the slot.
+    offset: NonNeg = 0
+
+
+class WireProvenance(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Mirror of :class:`~pd_middleware.payload.Provenance`."""
+
+    rule: Literal["greedy", "sampled"]
+    temperature: float
+    sampled_from: str | None = None
+
+
+class DenseMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind", tag="dense"):
+    """A dense proposal: S x V values of ``dtype`` in ``data``."""
+
+    dtype: Literal["fp32", "bf16", "fp16"]
+    data: TensorRef
+
+
+class SparseMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind", tag="sparse"):
+    """A sparse proposal: per-step ``lengths``, int32 ``indices``, ``values``, ``tail_mass``."""
+
+    lengths: tuple[Count, ...]
+    value_dtype: Literal["fp32", "fp16"]
+    tail_mass: tuple[float, ...]
+    indices: TensorRef
+    values: TensorRef
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind"):
+    """Base of every control message: ``kind`` tag plus schema version ``v``."""
+
+    v: int = WIRE_VERSION
+
+
+class PayloadHeader(Message, tag="payload"):
+    """Prefill -> decode, per request: every payload field except bulk bytes."""
+
+    # Sender-local sequence number, echoed in acks.
+    seq: NonNeg
+    request_id: str
+    draft_tokens: tuple[int, ...]
+    draft_probs: tuple[float, ...]
+    vocab_size: int
+    hidden_dtype: Literal["bf16", "fp16", "fp32"]
+    hidden: TensorRef | None
+    provenance: WireProvenance
+    proposal: DenseMeta | SparseMeta | None = None
+
+
+class Hello(Message, tag="hello"):
+    """Prefill -> decode, once per connection: who I am and how many slots I want."""
+
+    name: str
+    want_slots: NonNeg
+    # The prefill's Mooncake peer name (informational), None without an engine.
+    mooncake: str | None = None
+
+
+class Grant(Message, tag="grant"):
+    """Decode -> prefill: slot registration (the answer to :class:`Hello`)."""
+
+    # Random id of this decode incarnation; a change means the decode restarted.
+    session: str
+    # The decode's Mooncake peer name, None when it has no engine (inline only).
+    mooncake: str | None
+    slot_size: NonNeg
+    slots: tuple[NonNeg, ...]
+    addrs: tuple[NonNeg, ...]
+    heartbeat_s: float
+
+
+class Ack(Message, tag="ack"):
+    """Decode -> prefill, batched: freed slots and per-request outcomes (by seq)."""
+
+    freed: tuple[NonNeg, ...] = ()
+    delivered: tuple[NonNeg, ...] = ()
+    # (seq, failure key, reason) per failed request.
+    failed: tuple[tuple[NonNeg, str, str], ...] = ()
+
+
+class ErrorReply(Message, tag="error"):
+    """Decode -> prefill: a message was rejected and could not be tied to a seq."""
+
+    code: str
+    reason: str
+    request_id: str | None = None
+
+
+class Heartbeat(Message, tag="ping"):
+    """Either direction, when idle; carries the decode session (empty from a prefill)."""
+
+    session: str = ""
+
+
+class Bye(Message, tag="bye"):
+    """Either direction: orderly close."""
+
+    reason: str = ""
+
+
+INBOUND = Union[PayloadHeader, Hello, Heartbeat, Bye]
+OUTBOUND = Union[Grant, Ack, ErrorReply, Heartbeat, Bye]
+
+ENCODER = msgspec.msgpack.Encoder()
+INBOUND_DECODER = msgspec.msgpack.Decoder(INBOUND)
+OUTBOUND_DECODER = msgspec.msgpack.Decoder(OUTBOUND)
+_RAW_DECODER = msgspec.msgpack.Decoder()
+
+_PATH_RE = re.compile(r"`\$([^`]*)`\s*$")
+_NAME_RE = re.compile(r"field `([^`]+)`")
+_INDEX_RE = re.compile(r"\[\d+\]")
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one control message to a msgpack frame."""
+    return ENCODER.encode(msg)
+
+
+def _field_of(message: str) -> str:
+    """Translate a msgspec error message into a dotted field name (``proposal.lengths``)."""
+    m = _PATH_RE.search(message)
+    path = _INDEX_RE.sub("", m.group(1)).lstrip(".") if m else ""
+    n = _NAME_RE.search(message)
+    if n is not None:
+        path = f"{path}.{n.group(1)}" if path else n.group(1)
+    return path or "message"
+
+
+def _sniff(frame: bytes | memoryview, limits: LimitsConfig) -> tuple[str | None, object]:
+    """Best-effort (request_id, v) from a frame that failed typed decoding (error path only)."""
+    try:
+        raw = _RAW_DECODER.decode(frame)
+    except msgspec.DecodeError:
+        return None, None
+    if not isinstance(raw, dict):
+        return None, None
+    rid = raw.get("request_id")
+    if not isinstance(rid, str) or not 0 < len(rid) <= limits.max_request_id:
+        rid = None
+    return rid, raw.get("v")
+
+
+def decode_frame(frame: bytes | memoryview, limits: LimitsConfig, decoder: msgspec.msgpack.Decoder = INBOUND_DECODER) -> Message:
+    """Decode one control frame; size is checked before parsing.
+
+    Raises :class:`WireError` naming the field (``message`` for the frame as a whole,
+    ``v`` for a version mismatch, ``kind`` for an unknown or misdirected message).
+    """
+    n = len(frame) if isinstance(frame, bytes) else frame.nbytes
+    if n > limits.max_message_bytes:
+        raise WireError(
+            f"control frame of {n} bytes exceeds max_message_bytes {limits.max_message_bytes}", field="message"
+        )
+    try:
+        msg = decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        rid, v = _sniff(frame, limits)
+        if v is not None and v != WIRE_VERSION:
+            raise WireError(f"wire version {v!r} is not supported (expected {WIRE_VERSION})", field="v", request_id=rid) from None
+        raise WireError(str(exc), field=_field_of(str(exc)), request_id=rid) from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"malformed msgpack: {exc}", field="message") from None
+    if msg.v != WIRE_VERSION:
+        raise WireError(
+            f"wire version {msg.v!r} is not supported (expected {WIRE_VERSION})",
+            field="v",
+            request_id=getattr(msg, "request_id", None),
+        )
+    return msg
+
+
+def _resolve(
+    ref: TensorRef,
+    field: str,
+    dtype: str,
+    shape: tuple[int, ...] | None,
+    frames: Sequence[Buffer],
+    limits: LimitsConfig,
+    resolver: SlotResolver | None,
+    rid: str,
+) -> tuple[Buffer, int]:
+    """Check one descriptor against its expected dtype/shape and the limits; return (bytes, slot)."""
+    if ref.dtype != dtype:
+        raise WireError(f"dtype {ref.dtype} does not match {dtype}", field=f"{field}.dtype", request_id=rid)
+    if shape is not None and ref.shape != shape:
+        raise WireError(f"shape {ref.shape} does not match {shape}", field=f"{field}.shape", request_id=rid)
+    if shape is None and len(ref.shape) != 1:
+        raise WireError(f"shape {ref.shape} is not 1-D", field=f"{field}.shape", request_id=rid)
+    want = math.prod(ref.shape) * ITEMSIZE[dtype]
+    if ref.nbytes != want:
+        raise WireError(f"declares {ref.nbytes} bytes for shape {ref.shape} {dtype}", field=f"{field}.nbytes", request_id=rid)
+    if want > limits.max_tensor_bytes:
+        raise WireError(
+            f"{want} bytes exceeds max_tensor_bytes {limits.max_tensor_bytes}", field=f"{field}.nbytes", request_id=rid
+        )
+    if ref.frame:
+        if ref.frame >= len(frames):
+            raise WireError(f"names frame {ref.frame} of a {len(frames)}-frame message", field=f"{field}.frame", request_id=rid)
+        buf = frames[ref.frame]
+        got = len(buf) if isinstance(buf, bytes) else buf.nbytes
+        if got != want:
+            raise WireError(f"frame {ref.frame} holds {got} bytes, declared {want}", field=f"{field}.nbytes", request_id=rid)
+        return buf, -1
+    if resolver is None:
+        raise WireError("names a slot but this peer has no slots", field=f"{field}.slot", request_id=rid)
+    if ref.offset % SLOT_ALIGN:
+        raise WireError(f"offset {ref.offset} is not {SLOT_ALIGN}-byte aligned", field=f"{field}.offset", request_id=rid)
+    return resolver(ref.slot, ref.offset, want, field, rid), ref.slot
+
+
+def payload_from_header(
+    h: PayloadHeader,
+    frames: Sequence[Buffer],
+    limits: LimitsConfig,
+    resolver: SlotResolver | None = None,
+) -> tuple[Payload, int]:
+    """Build the :class:`Payload` a header describes; return it and its slot id (-1: none).
+
+    ``frames[0]`` is the header frame itself; inline tensors are ``frames[ref.frame]``.
+    ``resolver(slot, offset, nbytes, field, request_id)`` returns a zero-copy view of a slot range
+    (or raises :class:`WireError`). All bulk tensors of one payload must share one slot.
+    """
+    rid = h.request_id
+    if not 0 < len(rid) <= limits.max_request_id:
+        raise WireError(f"length {len(rid)} is not in [1, {limits.max_request_id}]", field="request_id", request_id=rid[:64] or None)
+    steps = len(h.draft_tokens)
+    if not 0 < steps <= limits.max_steps:
+        raise WireError(f"{steps} steps is not in [1, {limits.max_steps}]", field="draft_tokens", request_id=rid)
+    vocab = h.vocab_size
+    if not 0 < vocab <= limits.max_vocab:
+        raise WireError(f"{vocab} is not in [1, {limits.max_vocab}]", field="vocab_size", request_id=rid)
+    slot = -1
+    hidden: Buffer = b""
+    if h.hidden is not None:
+        hidden, slot = _resolve(h.hidden, "hidden", h.hidden_dtype, None, frames, limits, resolver, rid)
+    proposal = None
+    p = h.proposal
+    if p is not None:
+        if type(p) is DenseMeta:
+            data, s = _resolve(p.data, "proposal.data", p.dtype, (steps, vocab), frames, limits, resolver, rid)
+            slot = _same_slot(slot, s, "proposal.data", rid)
+            proposal = DenseEncoding(dtype=p.dtype, data=data)
+        else:
+            if len(p.lengths) != steps:
+                raise WireError(f"has {len(p.lengths)} steps, expected {steps}", field="proposal.lengths", request_id=rid)
+            for n in p.lengths:
+                if not 1 <= n <= vocab:
+                    raise WireError(f"entry count {n} is not in [1, {vocab}]", field="proposal.lengths", request_id=rid)
+            total = sum(p.lengths)
+            idx, s = _resolve(p.indices, "proposal.indices", "int32", (total,), frames, limits, resolver, rid)
+            slot = _same_slot(slot, s, "proposal.indices", rid)
+            vals, s = _resolve(p.values, "proposal.values", p.value_dtype, (total,), frames, limits, resolver, rid)
+            slot = _same_slot(slot, s, "proposal.values", rid)
+            proposal = SparseEncoding(
+                lengths=p.lengths, indices=idx, values=vals, value_dtype=p.value_dtype, tail_mass=p.tail_mass
+            )
+    try:
+        prov = _provenance(h.provenance)
+        return (
+            Payload(
+                request_id=rid,
+                draft_tokens=h.draft_tokens,
+                draft_probs=h.draft_probs,
+                vocab_size=vocab,
+                hidden=hidden,
+                hidden_dtype=h.hidden_dtype,
+                provenance=prov,
+                proposal=proposal,
+            ),
+            slot,
+        )
+    except ValidationError as exc:
+        raise WireError(exc.detail, field=exc.field, request_id=rid) from None
+
+
+_PROVENANCE: dict[WireProvenance, Provenance] = {}
+
+
+def _provenance(pv: WireProvenance) -> Provenance:
+    """The (immutable, validated) Provenance for ``pv``, cached: senders reuse a handful."""
+    prov = _PROVENANCE.get(pv)
+    if prov is None:
+        prov = Provenance(rule=pv.rule, temperature=pv.temperature, sampled_from=pv.sampled_from)
+        if len(_PROVENANCE) >= 256:  # bounded: a hostile sender cannot grow it
+            _PROVENANCE.clear()
+        _PROVENANCE[pv] = prov
+    return prov
+
+
+def _same_slot(a: int, b: int, field: str, rid: str) -> int:
+    if a != -1 and b != -1 and a != b:
+        raise WireError(f"names slot {b}, but this payload's other tensors are in slot {a}", field=f"{field}.slot", request_id=rid)
+    return b if a == -1 else a
+
+
+def _nbytes(buf: Buffer) -> int:
+    return len(buf) if isinstance(buf, bytes) else buf.nbytes
+
+
+def _aligned(n: int) -> int:
+    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+def bulk_bytes(payload: Payload) -> int:
+    """Bytes a payload's bulk tensors occupy in a slot (with alignment padding)."""
+    total = _aligned(_nbytes(payload.hidden))
+    p = payload.proposal
+    if p is not None:
+        if isinstance(p, DenseEncoding):
+            total += _aligned(_nbytes(p.data))
+        else:
+            total += _aligned(_nbytes(p.indices)) + _aligned(_nbytes(p.values))
+    return total
+
+
+def build_header(payload: Payload, seq: int, slot: int = -1) -> tuple[PayloadHeader, list[tuple[Buffer, int]]]:
+    """Describe ``payload`` on the wire.
+
+    With ``slot == -1`` the tensors go inline: returns the header and the extra frames
+    as ``(buffer, -1)`` in frame order. Otherwise they go into ``slot``: returns
+    ``(buffer, offset)`` pairs, offsets ``SLOT_ALIGN``-aligned and packed so that the
+    padded ranges are contiguous (one Mooncake transfer).
+    """
+    parts: list[tuple[Buffer, int]] = []
+    cursor = 0
+
+    def ref(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> TensorRef:
+        nonlocal cursor
+        n = _nbytes(buf)
+        if slot < 0:
+            parts.append((buf, -1))
+            return TensorRef(dtype=dtype, shape=shape, nbytes=n, frame=len(parts))  # type: ignore[arg-type]
+        off = cursor
+        cursor += _aligned(n)
+        parts.append((buf, off))
+        return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off)  # type: ignore[arg-type]
+
+    steps = len(payload.draft_tokens)
+    hidden = None
+    if _nbytes(payload.hidden):
+        hidden = ref(payload.hidden, payload.hidden_dtype, (_nbytes(payload.hidden) // ITEMSIZE[payload.hidden_dtype],))
+    p = payload.proposal
+    meta: DenseMeta | SparseMeta | None = None
+    if isinstance(p, DenseEncoding):
+        meta = DenseMeta(dtype=p.dtype, data=ref(p.data, p.dtype, (steps, payload.vocab_size)))
+    elif isinstance(p, SparseEncoding):
+        total = sum(p.lengths)
+        meta = SparseMeta(
+            lengths=p.lengths,
+            value_dtype=p.value_dtype,
+            tail_mass=tuple(p.tail_mass),
+            indices=ref(p.indices, "int32", (total,)),
+            values=ref(p.values, p.value_dtype, (total,)),
+        )
+    pv = payload.provenance
+    header = PayloadHeader(
+        seq=seq,
+        request_id=payload.request_id,
+        draft_tokens=payload.draft_tokens,
+        draft_probs=payload.draft_probs,
+        vocab_size=payload.vocab_size,
+        hidden_dtype=payload.hidden_dtype,
+        hidden=hidden,
+        provenance=WireProvenance(rule=pv.rule, temperature=pv.temperature, sampled_from=pv.sampled_from),
+        proposal=meta,
+    )
+    return header, parts

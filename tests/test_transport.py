@@ -1,0 +1,470 @@
+"""Sender and receiver over real ZMQ sockets and real Mooncake engines on loopback.
+
+Every wait is bounded; a test that stalls fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from pd_middleware import NoSlotError, OneHotProposal, Payload, TransferError
+from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, PrefillSender, SlotsConfig, TransportConfig, wire
+
+HERE = pathlib.Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("_transport_peer", HERE / "_transport_peer.py")
+peer_mod = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(peer_mod)  # type: ignore[union-attr]
+make_payload = peer_mod.make_payload
+
+_test_wire_spec = importlib.util.spec_from_file_location("_test_wire", HERE / "test_wire.py")
+tw = importlib.util.module_from_spec(_test_wire_spec)  # type: ignore[arg-type]
+_test_wire_spec.loader.exec_module(tw)  # type: ignore[union-attr]
+
+
+class OneHot:
+    def synthesize(self, payload: Payload) -> OneHotProposal:
+        return OneHotProposal(payload.draft_tokens)
+
+
+def cfg(**kw) -> TransportConfig:
+    base = dict(heartbeat_s=0.05, peer_timeout_s=1.0, connect_timeout_s=5.0)
+    base.update(kw)
+    return TransportConfig(**base)
+
+
+def small_slots(**kw) -> SlotsConfig:
+    base = dict(count=8, size_bytes=64 * 1024, per_peer=4, wait_s=1.0)
+    base.update(kw)
+    return SlotsConfig(**base)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def pipeline() -> ReceivePipeline:
+    return ReceivePipeline([], {"default": ("one_hot", OneHot())})
+
+
+def get_n(rx: DecodeReceiver, n: int, timeout: float = 10.0) -> list:
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        item = rx.get(timeout=0.2)
+        if item is not None:
+            out.append(item)
+    assert len(out) == n, f"got {len(out)} of {n} outcomes within {timeout} s"
+    return out
+
+
+def reconcile(rx: DecodeReceiver) -> dict:
+    s = rx.metrics.snapshot()
+    assert s["received"] == s["delivered"] + s["failed"], s
+    return s
+
+
+# ---- round trips ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["inline", "mooncake"])
+def test_round_trip_bit_exact(path: str, zctx, mooncake_pair) -> None:
+    decode_engine, prefill_engine = mooncake_pair if path == "mooncake" else (None, None)
+    c = cfg(inline_threshold_bytes=0 if path == "mooncake" else 1 << 30, slots=small_slots())
+    rx = DecodeReceiver(c, pipeline(), engine=decode_engine, context=zctx).start()
+    tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="p").connect(rx.address)
+    try:
+        sent = [
+            tw.make(steps, hd, prop, rid=f"r-{steps}-{hd}-{prop}")
+            for steps in (1, 3)
+            for hd in ("bf16", "fp16", "fp32")
+            for prop in (None, "dense", "dense16", "sparse")
+        ]
+        for p in sent:
+            tx.send(p)
+            out = rx.get(timeout=5.0)
+            assert isinstance(out, Delivery), out
+            tw.same(p, out.payload)
+            assert out.proposal == OneHotProposal(p.draft_tokens) and out.payload.request_id == p.request_id
+            if path == "mooncake":
+                assert isinstance(out.payload.hidden, memoryview) and not out.payload.hidden.readonly  # slot view
+            out.release()
+        assert tx.flush(5.0)
+        st = tx.statuses()
+        assert st["sent"] == st["delivered"] == len(sent) and st["outstanding"] == 0
+        planes = reconcile(rx)["bytes_by_plane"]
+        busy, idle = ("bulk", "inline") if path == "mooncake" else ("inline", "bulk")
+        assert planes[busy] > 0 and planes[idle] == 0 and planes["control"] > 0
+    finally:
+        tx.close()
+        rx.stop()
+
+
+# ---- scale: two real sender processes ---------------------------------------------
+
+
+def _spawn_peer(address: str, name: str, count: int, mode: str, delay: float = 0.0) -> subprocess.Popen:
+    env = dict(os.environ)
+    root = str(HERE.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "plugins"), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "_transport_peer.py"), address, name, str(count), mode, str(delay)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+
+
+def _peer_report(proc: subprocess.Popen, timeout: float) -> dict:
+    out, _ = proc.communicate(timeout=timeout)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"peer exited {proc.returncode}: {out[-500:]}"
+    return json.loads(lines[-1])
+
+
+def test_two_senders_10000_payloads_zero_loss(mooncake_pair) -> None:
+    n = 5000
+    c = cfg(heartbeat_s=0.1, peer_timeout_s=5.0, slots=SlotsConfig(count=64, size_bytes=4096, per_peer=16, wait_s=20.0))
+    pipe = pipeline()
+    rx = DecodeReceiver(c, pipe, engine=mooncake_pair[0]).start()
+    procs = {"inl": _spawn_peer(rx.address, "inl", n, "inline"), "blk": _spawn_peer(rx.address, "blk", n, "bulk")}
+    try:
+        for name in procs:
+            for i in range(n):
+                rx.expect(f"{name}-{i}", peer=name, deadline=time.monotonic() + 120)
+        seen: dict[str, int] = {}
+        deadline = time.monotonic() + 120
+        while len(seen) < 2 * n and time.monotonic() < deadline:
+            for item in rx.drain() or filter(None, [rx.get(timeout=0.2)]):
+                assert isinstance(item, Delivery), item
+                rid = item.request_id
+                name, i = rid.rsplit("-", 1)
+                tw.same(make_payload(name, int(i)), item.payload)  # bit-exact, every payload
+                seen[rid] = seen.get(rid, 0) + 1
+                item.release()
+        assert len(seen) == 2 * n and set(seen.values()) == {1}, f"{len(seen)} distinct of {2 * n}"
+        reports = {name: _peer_report(p, 60) for name, p in procs.items()}
+        for name, r in reports.items():
+            assert r["flushed"] and r["sent"] == r["delivered"] == n and r["failed"] == 0 and r["outstanding"] == 0, (name, r)
+        assert reports["blk"]["bytes_by_plane"]["bulk"] > 0 and reports["inl"]["bytes_by_plane"]["bulk"] == 0
+        s = reconcile(rx)
+        assert s["received"] == s["delivered"] == 2 * n and s["failed"] == 0
+        assert s["bytes_by_plane"]["bulk"] == reports["blk"]["bytes_by_plane"]["bulk"]
+        assert s["bytes_by_plane"]["inline"] == reports["inl"]["bytes_by_plane"]["inline"]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        rx.stop()
+    assert reconcile(rx)["failed"] == 0  # nothing was still expected at stop
+
+
+# ---- faults -----------------------------------------------------------------------
+
+
+def test_kill_9_prefill_fails_only_its_requests(mooncake_pair, zctx) -> None:
+    n = 300
+    c = cfg(heartbeat_s=0.1, peer_timeout_s=1.0, slots=SlotsConfig(count=64, size_bytes=4096, per_peer=16, wait_s=5.0))
+    rx = DecodeReceiver(c, pipeline(), engine=mooncake_pair[0], context=zctx).start()
+    victim = _spawn_peer(rx.address, "victim", n, "bulk", delay=0.005)
+    survivor = PrefillSender(c, engine=mooncake_pair[1], context=zctx, name="survivor").connect(rx.address)
+    try:
+        for i in range(n):
+            rx.expect(f"victim-{i}", peer="victim", deadline=time.monotonic() + 60)
+            rx.expect(f"survivor-{i}", peer="survivor", deadline=time.monotonic() + 60)
+        outcomes: dict[str, Delivery | Failure] = {}
+
+        def collect(timeout: float) -> None:
+            for item in rx.drain() or filter(None, [rx.get(timeout=timeout)]):
+                assert item.request_id not in outcomes, f"two outcomes for {item.request_id}"
+                outcomes[item.request_id] = item
+                if isinstance(item, Delivery):
+                    item.release()
+
+        deadline = time.monotonic() + 30
+        while sum(r.startswith("victim") for r in outcomes) < 40 and time.monotonic() < deadline:
+            collect(0.1)
+        os.kill(victim.pid, signal.SIGKILL)  # mid-stream: it was sending every 5 ms
+        victim.wait(10)
+        for i in range(n):
+            survivor.send(make_payload("survivor", i))
+            collect(0)
+        deadline = time.monotonic() + 15
+        while len(outcomes) < 2 * n and time.monotonic() < deadline:
+            collect(0.1)
+        assert len(outcomes) == 2 * n, f"{len(outcomes)} outcomes of {2 * n}"
+        got_victim = [o for r, o in outcomes.items() if r.startswith("victim")]
+        delivered = [o for o in got_victim if isinstance(o, Delivery)]
+        failed = [o for o in got_victim if isinstance(o, Failure)]
+        assert 40 <= len(delivered) < n and failed, (len(delivered), len(failed))
+        for f in failed:
+            assert f.key == "transfer:peer_lost" and "prefill 'victim' lost: silent for" in f.reason, f
+        for i in range(n):
+            o = outcomes[f"survivor-{i}"]
+            assert isinstance(o, Delivery), o
+            tw.same(make_payload("survivor", i), o.payload)
+        assert survivor.flush(5.0) and survivor.statuses()["delivered"] == n
+        assert "victim" not in rx.peers and rx.peers["survivor"] == 16
+        assert rx.free_slots == 64 - 16  # the victim's slots came back to the pool
+        s = reconcile(rx)
+        assert s["failed_by_reason"] == {"transfer:peer_lost": len(failed)}
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        survivor.close()
+        rx.stop()
+
+
+def test_expected_request_fails_at_its_deadline(zctx) -> None:
+    rx = DecodeReceiver(cfg(), pipeline(), context=zctx).start()
+    try:
+        rx.expect("never", deadline=time.monotonic() + 0.2)
+        out = rx.get(timeout=5.0)
+        assert isinstance(out, Failure) and out.key == "transfer:deadline" and out.request_id == "never"
+        assert out.reason == "request 'never' did not arrive by its deadline"
+    finally:
+        rx.stop()
+
+
+def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
+    c = cfg(inline_threshold_bytes=0, slots=small_slots(per_peer=2, wait_s=0.3))
+    rx = DecodeReceiver(c, pipeline(), engine=mooncake_pair[0], context=zctx).start()
+    tx = PrefillSender(c, engine=mooncake_pair[1], context=zctx, name="p").connect(rx.address)
+    try:
+        held = []
+        for i in range(2):
+            tx.send(tw.make(1, "fp32", "dense", rid=f"h{i}"))
+            held.append(get_n(rx, 1)[0])
+        before = [bytes(d.payload.hidden) + bytes(d.payload.proposal.data) for d in held]
+        t0 = time.monotonic()
+        with pytest.raises(NoSlotError) as info:
+            tx.send(tw.make(1, "fp32", "dense", rid="third"))
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 3.0 and "all 2 slots stayed in use for 0.3 s" in str(info.value)
+        assert info.value.op == "send" and info.value.peer == rx.address
+        # The held slots were not touched while in use.
+        assert [bytes(d.payload.hidden) + bytes(d.payload.proposal.data) for d in held] == before
+        held[0].release()
+        held[0].release()  # a second release is a no-op
+        tx.send(tw.make(1, "fp32", "dense", rid="third"))
+        third = get_n(rx, 1)[0]
+        assert isinstance(third, Delivery) and third.request_id == "third"
+        assert bytes(held[1].payload.hidden) + bytes(held[1].payload.proposal.data) == before[1]
+        third.release()
+        held[1].release()
+        assert tx.flush(5.0) and tx.statuses()["delivered"] == 3
+    finally:
+        tx.close()
+        rx.stop()
+
+
+def test_decode_restart_gives_clear_error_then_reconnect_works(zctx) -> None:
+    c = cfg()
+    rx = DecodeReceiver(c, pipeline(), context=zctx).start()
+    port = int(rx.address.rsplit(":", 1)[1])
+    tx = PrefillSender(c, context=zctx, name="p").connect(rx.address)
+    try:
+        tx.send(tw.make(rid="before"))
+        assert isinstance(get_n(rx, 1)[0], Delivery)
+        rx.stop()
+        rx = DecodeReceiver(cfg(port=port), pipeline(), context=zctx).start()
+        deadline = time.monotonic() + 5
+        with pytest.raises(TransferError) as info:
+            while time.monotonic() < deadline:  # the bye arrives asynchronously
+                tx.send(tw.make(rid="during"))
+                time.sleep(0.05)
+        assert info.value.op == "send" and "call reconnect()" in str(info.value)
+        assert "the decode closed the connection" in str(info.value) or "does not know this prefill" in str(info.value)
+        tx.reconnect()
+        tx.send(tw.make(rid="after"))
+        outs = [o for o in get_n(rx, 1) if isinstance(o, Delivery)]
+        assert [o.request_id for o in outs] == ["after"]
+        assert tx.flush(5.0)
+    finally:
+        tx.close()
+        rx.stop()
+
+
+def test_decode_crash_detected_by_silence(zctx) -> None:
+    """No bye at all (a crashed decode): the sender notices the silence and refuses to send."""
+    c = cfg(heartbeat_s=0.05, peer_timeout_s=0.3)
+    rx = DecodeReceiver(c, pipeline(), context=zctx).start()
+    tx = PrefillSender(c, context=zctx, name="p").connect(rx.address)
+    try:
+        rx._running = False  # simulate a hang: the loop stops without saying bye
+        rx._shutdown = lambda: None  # type: ignore[method-assign]
+        rx._wake()
+        time.sleep(0.6)
+        with pytest.raises(TransferError, match="the decode was silent for more than 0.3 s; call reconnect"):
+            tx.send(tw.make())
+    finally:
+        tx.close()
+        if rx._sock is not None:
+            rx._sock.close(0)
+        rx._thread = None
+
+
+# ---- hostile input ----------------------------------------------------------------
+
+
+def _raw_peer(ctx: zmq.Context, address: str, signer=None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    frames = [wire.encode(wire.Hello(name="raw", want_slots=0))]
+    if signer is not None:
+        frames.append(signer.sign(frames))
+    sock.send_multipart(frames)
+    assert sock.poll(5000), "no reply to hello"
+    sock.recv_multipart()
+    return sock
+
+
+def test_hmac_rejects_unsigned_and_forged(zctx) -> None:
+    from pd_middleware.transport.auth import Signer
+
+    key = "s3cret-shared-key-0123"
+    c = cfg(hmac_key=key)
+    rx = DecodeReceiver(c, pipeline(), context=zctx).start()
+    tx = PrefillSender(c, context=zctx, name="signed").connect(rx.address)
+    try:
+        tx.send(tw.make(rid="signed"))
+        assert isinstance(get_n(rx, 1)[0], Delivery)
+        attacker = zctx.socket(zmq.DEALER)
+        attacker.setsockopt(zmq.LINGER, 0)
+        attacker.connect(rx.address)
+        frames = tw.inline_frames(tw.make(rid="injected"))
+        attacker.send_multipart(frames)  # unsigned
+        attacker.send_multipart([*frames, Signer(b"wrong-key-wrong-key").sign(frames)])  # forged
+        # Replaying the signed sender's payload under an unsigned hello does not help either.
+        outs = get_n(rx, 2)
+        for o in outs:
+            assert isinstance(o, Failure) and o.key == "wire:hmac" and o.request_id is None
+            assert "missing or invalid HMAC signature" in o.reason
+        assert attacker.poll(2000)
+        reply = msgspec.msgpack.decode(attacker.recv_multipart()[0])
+        assert reply["kind"] == "error" and reply["code"] == "hmac"
+        s = reconcile(rx)
+        assert s["delivered"] == 1 and s["failed_by_reason"] == {"wire:hmac": 2}
+        attacker.close(0)
+        # Negative control: the same key on a plain (unsigned) sender cannot even connect.
+        with pytest.raises(TransferError, match="no slot grant"):
+            PrefillSender(cfg(connect_timeout_s=0.5), context=zctx, name="plain").connect(rx.address)
+    finally:
+        tx.close()
+        rx.stop()
+
+
+LIVE_FUZZ_SEED = 7
+
+
+def test_live_fuzz_rejects_and_keeps_serving(zctx) -> None:
+    """Mutated messages through a live socket: each accounted for, the receiver unharmed."""
+    rng = random.Random(LIVE_FUZZ_SEED)
+    rx = DecodeReceiver(cfg(peer_timeout_s=30.0), pipeline(), context=zctx).start()
+    sock = _raw_peer(zctx, rx.address)
+    try:
+        corpus = [tw.inline_frames(tw.make(s, hd, prop, rid=f"f{s}{hd}{prop}")) for s in (1, 2) for hd in ("bf16", "fp32") for prop in (None, "dense", "sparse")]
+        n = 1000
+        kinds = []
+        for _ in range(n):
+            frames = tw._mutations(rng, rng.choice(corpus))
+            try:  # what the receiver should conclude, computed offline
+                msg = wire.decode_frame(frames[0], rx.config.limits)
+                kinds.append(type(msg).__name__)
+            except Exception:
+                kinds.append("bad")
+            sock.send_multipart(frames)
+        expected = sum(k in ("PayloadHeader", "bad") for k in kinds)
+        got = get_n(rx, expected, timeout=20.0)
+        for o in got:
+            if isinstance(o, Failure):
+                assert o.stage == "wire" and o.field, o
+            else:
+                o.release()
+        s = reconcile(rx)
+        assert s["received"] == expected, (s, LIVE_FUZZ_SEED)
+        # Still serving: a clean payload from a clean sender is delivered.
+        tx = PrefillSender(cfg(), context=zctx, name="clean").connect(rx.address)
+        tx.send(tw.make(rid="clean"))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            o = rx.get(timeout=0.2)
+            if o is not None and o.request_id == "clean":
+                break
+        assert isinstance(o, Delivery) and o.request_id == "clean"
+        tx.close()
+    finally:
+        sock.close(0)
+        rx.stop()
+
+
+def test_payload_before_hello_is_rejected(zctx) -> None:
+    rx = DecodeReceiver(cfg(), pipeline(), context=zctx).start()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(rx.address)
+    try:
+        sock.send_multipart(tw.inline_frames(tw.make(rid="early")))
+        (out,) = get_n(rx, 1)
+        assert isinstance(out, Failure) and out.key == "wire:peer" and out.request_id == "early"
+        assert "unknown peer: send hello first" in out.reason
+    finally:
+        sock.close(0)
+        rx.stop()
+
+
+def test_metrics_export_prometheus(zctx) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    pipe = pipeline()
+    registry = prometheus_client.CollectorRegistry()
+    pipe.metrics.register_prometheus(registry)
+    rx = DecodeReceiver(cfg(), pipe, context=zctx).start()
+    tx = PrefillSender(cfg(), context=zctx, name="p").connect(rx.address)
+    try:
+        tx.send(tw.make())
+        get_n(rx, 1)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert 'pd_middleware_bytes_total{plane="inline"} 128.0' in text
+        assert "pd_middleware_delivered_total" in text
+    finally:
+        tx.close()
+        rx.stop()
+
+
+def test_config_values_and_secret_from_env(monkeypatch) -> None:
+    from pd_middleware import ConfigError
+    from pd_middleware._errors import OptionValueError
+
+    with pytest.raises(OptionValueError, match="port: must be in"):
+        TransportConfig(port=70000)
+    with pytest.raises(OptionValueError, match=r"peer_timeout_s: must be in \[2 x heartbeat_s = 1, 3600\]"):
+        TransportConfig(heartbeat_s=0.5, peer_timeout_s=0.9)
+    with pytest.raises(OptionValueError, match="hmac_key: must be at least 16 characters"):
+        TransportConfig(hmac_key="short")
+    c = TransportConfig(hmac_key_env="PD_TEST_TRANSPORT_KEY")
+    monkeypatch.delenv("PD_TEST_TRANSPORT_KEY", raising=False)
+    with pytest.raises(ConfigError) as info:
+        c.secret()  # a missing secret must not silently turn signing off
+    assert info.value.path == "transport.hmac_key_env" and "is unset or shorter than 16" in str(info.value)
+    monkeypatch.setenv("PD_TEST_TRANSPORT_KEY", "k" * 20)
+    assert c.secret() == b"k" * 20
+    assert TransportConfig().secret() is None
