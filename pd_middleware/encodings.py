@@ -174,7 +174,9 @@ def sparse_law(
     if num_steps == 1:
         key = idx
     else:
-        steps = torch.repeat_interleave(torch.arange(num_steps), torch.tensor(lengths))
+        # Step id of each entry. searchsorted, not repeat_interleave: the latter costs
+        # milliseconds per call on CPU builds of torch 2.13, even for a few entries.
+        steps = torch.searchsorted(torch.tensor(lengths).cumsum(0), torch.arange(total), right=True)
         key = steps * vocab_size + idx
     if torch.unique(key).numel() != total:
         raise ValidationError("repeats an index within a step", field="proposal.indices", request_id=rid)
@@ -208,3 +210,111 @@ def sparse_law(
     if not all(math.isfinite(f) for f in floors):  # pragma: no cover - guarded above
         raise ValidationError("non-finite floor", field="proposal.tail_mass", request_id=rid)
     return SparseProposal(lengths=tuple(lengths), indices=idx, values=vals, floor=tuple(floors))
+
+
+def sparse_law_tensor(enc: SparseEncoding, num_steps: int, vocab_size: int) -> "torch.Tensor":
+    """(S, V) float32: the exact vector a prefill samples X from for ``enc``.
+
+    Bit for bit what the assembler writes for :func:`sparse_law`'s proposal: every
+    unlisted token holds the fp32 floor, every listed one its fp32 value.
+    """
+    return sparse_law(enc, num_steps, vocab_size).to_dense(vocab_size)
+
+
+def sample_law(law: "torch.Tensor", generator: "torch.Generator | None" = None) -> "torch.Tensor":
+    """Draw one token per row of ``law`` (float (N, V), non-negative, rows with mass).
+
+    Row i yields token j with probability ``law[i, j] / law[i].sum()``, computed in
+    float64 by inverse CDF (:func:`pd_middleware.verify.sample_categorical`), so a
+    zero-mass token is never drawn. Uniforms come from ``generator`` (on its device).
+    Returns int64 (N,) on ``law.device``.
+    """
+    import torch
+
+    from .verify import sample_categorical
+
+    n = law.shape[0]
+    gdev = generator.device if generator is not None else law.device
+    u = torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).to(law.device)
+    return sample_categorical(law.double(), u)
+
+
+def encoder_input(probs: "torch.Tensor", *, tolerance: float = 1e-3) -> "torch.Tensor":
+    """Check an encoder's input and return it as float (B, S, V) (a view when possible).
+
+    ``probs``: (B, V) or (B, S, V) floating draft probabilities after temperature:
+    finite, non-negative, each row summing to 1 within ``tolerance``. Raises
+    :class:`~pd_middleware.ValidationError` with field ``probs``.
+    """
+    import torch
+
+    if not isinstance(probs, torch.Tensor) or not probs.dtype.is_floating_point:
+        raise ValidationError(f"must be a floating torch.Tensor, got {type(probs).__name__}", field="probs")
+    if probs.dim() == 2:
+        probs = probs.unsqueeze(1)
+    if probs.dim() != 3 or 0 in probs.shape:
+        raise ValidationError(f"expected shape (B, V) or (B, S, V), got {tuple(probs.shape)}", field="probs")
+    # NaN fails both comparisons; inf fails the second.
+    if not bool(((probs >= 0) & (probs <= 1)).all()):
+        raise ValidationError("contains NaN, inf or values outside [0, 1]", field="probs")
+    sums = probs.float().sum(dim=-1).double()
+    bad = (sums - 1.0).abs() > tolerance
+    if bool(bad.any()):
+        b, s = (int(i) for i in bad.nonzero()[0])
+        raise ValidationError(
+            f"row ({b}, {s}) sums to {float(sums[b, s]):.6g}, not 1 within {tolerance:g}", field="probs"
+        )
+    return probs
+
+
+def sample_sparse_law(
+    laws: "list[SparseProposal]", vocab_size: int, generator: "torch.Generator | None" = None
+) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Draw one token per step of each sparse law, without building V-wide rows.
+
+    The row a step stands for is what the assembler writes: ``values`` at ``indices``
+    and the fp32 ``floor`` on every other token. One float64 uniform per step picks,
+    by inverse CDF over [listed entries, unlisted tokens in ascending order], either a
+    listed entry (zero values are never picked) or the j-th unlisted token.
+    Returns (tokens int64 (N,), their fp32 values in the row float32 (N,)), N = total
+    steps, in order. Cost grows with the listed entries, not with V.
+    """
+    import torch
+
+    lengths = torch.tensor([n for p in laws for n in p.lengths], dtype=torch.int64)
+    n = lengths.numel()
+    kmax = int(lengths.max())
+    floor32 = torch.tensor([f for p in laws for f in p.floor], dtype=torch.float32)
+    rows = torch.searchsorted(lengths.cumsum(0), torch.arange(int(lengths.sum())), right=True)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(rows.numel()) - starts[rows]
+    idx = torch.cat([p.indices for p in laws])
+    val = torch.cat([p.values for p in laws])
+    vals = torch.zeros(n, kmax, dtype=torch.float64)
+    vals[rows, cols] = val.double()
+    cum = vals.cumsum(dim=1)
+    listed_mass = cum[:, -1]
+    floor = floor32.double()
+    unlisted = (vocab_size - lengths).double()
+    total = listed_mass + unlisted * floor
+    gdev = generator.device if generator is not None else torch.device("cpu")
+    x = torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).cpu() * total
+    pick_listed = (x < listed_mass) | (floor <= 0)
+    # Listed: first entry whose cumulative mass exceeds x (clamped for x == total).
+    j = torch.searchsorted(cum, x.clamp_max(torch.nextafter(listed_mass, torch.zeros_like(listed_mass))).unsqueeze(1), right=True)
+    j = j.squeeze(1).clamp_max(lengths - 1)
+    idx2 = torch.zeros(n, kmax, dtype=torch.int64)
+    idx2[rows, cols] = idx
+    tok_listed = idx2.gather(1, j.view(-1, 1)).squeeze(1)
+    p_listed = vals.gather(1, j.view(-1, 1)).squeeze(1).float()
+    # Unlisted: the k-th token absent from the sorted listed indices a is k + #{i: a_i - i <= k}.
+    k = ((x - listed_mass) / torch.where(floor > 0, floor, torch.ones_like(floor))).floor()
+    k = k.clamp(min=0).minimum((unlisted - 1).clamp(min=0)).to(torch.int64)
+    sentinel = vocab_size + kmax
+    srt = torch.full((n, kmax), sentinel, dtype=torch.int64)
+    srt[rows, cols] = idx
+    srt = srt.sort(dim=1).values - torch.arange(kmax)
+    tok_unlisted = k + torch.searchsorted(srt, k.view(-1, 1), right=True).squeeze(1)
+    tokens = torch.where(pick_listed, tok_listed, tok_unlisted)
+    probs = torch.where(pick_listed, p_listed, floor32)
+    return tokens, probs

@@ -1,0 +1,162 @@
+"""The prefill process of the embedded A/B deployment.
+
+It regenerates the seeded workload, runs every arm's encoder on the same draft rows,
+turns each encoded request into a :class:`~pd_middleware.Payload` and ships it through a
+real :class:`~pd_middleware.transport.sender.PrefillSender` (ZMQ control plane, Mooncake
+bulk plane). Request ids are ``"<arm>/<index>"`` so the decode can route and match them.
+
+It reports per-arm bytes by plane and its sender's counters on a multiprocessing queue.
+Runs as a ``spawn`` child: everything it needs arrives as plain data.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from ..payload import DenseEncoding, EncodedProposal, Payload, SparseEncoding
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """Plain-data description of the prefill's work (picklable for ``spawn``)."""
+
+    config_data: dict[str, Any]
+    address: str
+    requests: int
+    seed: int
+    batch_size: int
+    arm_names: tuple[str, ...]
+
+
+def combine_steps(parts: list[EncodedProposal | None]) -> EncodedProposal | None:
+    """Join per-step encodings of one request into one S-step encoding."""
+    if any(p is None for p in parts):
+        return None
+    first = parts[0]
+    if isinstance(first, DenseEncoding):
+        assert all(isinstance(p, DenseEncoding) and p.dtype == first.dtype for p in parts)
+        return DenseEncoding(first.dtype, b"".join(bytes(p.data) for p in parts))  # type: ignore[union-attr]
+    assert isinstance(first, SparseEncoding)
+    sp: list[SparseEncoding] = parts  # type: ignore[assignment]
+    return SparseEncoding(
+        lengths=tuple(n for p in sp for n in p.lengths),
+        indices=b"".join(bytes(p.indices) for p in sp),
+        values=b"".join(bytes(p.values) for p in sp),
+        value_dtype=first.value_dtype,
+        tail_mass=tuple(t for p in sp for t in (p.tail_mass or (0.0,) * len(p.lengths))),
+    )
+
+
+def encode_batch(encoder: Any, batch: Any, generator: Any, temperature: float = 1.0) -> Any:
+    """Run ``encoder`` on a workload batch; step by step when rows depend on the prefix.
+
+    Returns ``(tokens (B, S) int64, token_probs (B, S) fp32, proposals, provenance)``.
+    """
+    import torch
+
+    if batch.conditional is None:
+        enc = encoder.encode(batch.draft_probs, temperature=temperature, generator=generator)
+        return enc.tokens, enc.token_probs, enc.proposals, enc.provenance
+    b, s = batch.batch_size, batch.num_steps
+    tokens = torch.empty(b, s, dtype=torch.int64)
+    token_probs = torch.empty(b, s, dtype=torch.float32)
+    per_step: list[list[EncodedProposal | None]] = [[] for _ in range(b)]
+    prov = None
+    for k in range(s):
+        q = batch.draft_given(k, tokens[:, :k])
+        enc = encoder.encode(q.unsqueeze(1), temperature=temperature, generator=generator)
+        tokens[:, k] = enc.tokens[:, 0]
+        token_probs[:, k] = enc.token_probs[:, 0]
+        for i, p in enumerate(enc.proposals):
+            per_step[i].append(p)
+        prov = enc.provenance
+    return tokens, token_probs, [combine_steps(p) for p in per_step], prov
+
+
+def build_payloads(arm: str, start: int, vocab: int, hidden: Any, enc: Any) -> list[Payload]:
+    """Payloads for one arm's encoded batch; ``hidden`` is (B, H) of the wire dtype."""
+    tokens, token_probs, proposals, prov = enc
+    hidden_bytes = hidden.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+    h = len(hidden_bytes) // max(1, tokens.shape[0])
+    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}[str(hidden.dtype)]
+    tl, pl = tokens.tolist(), token_probs.tolist()
+    return [
+        Payload(
+            request_id=f"{arm}/{start + i}",
+            draft_tokens=tuple(tl[i]),
+            draft_probs=tuple(min(1.0, max(0.0, x)) for x in pl[i]),
+            vocab_size=vocab,
+            hidden=hidden_bytes[i * h : (i + 1) * h],
+            hidden_dtype=dtype,
+            provenance=prov,
+            proposal=proposals[i],
+        )
+        for i in range(tokens.shape[0])
+    ]
+
+
+def run_prefill(job: PrefillJob, results: Any) -> None:
+    """Child-process entry point: send every arm's traffic, then report on ``results``."""
+    try:
+        results.put(("done", _run(job)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails loudly
+        results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _run(job: PrefillJob) -> dict[str, Any]:
+    import torch
+
+    from ..config import parse_config
+    from ..middleware import build_encoders
+    from ..transport.sender import open_sender
+    from ..workloads import make_workload
+
+    torch.set_num_threads(1)
+    cfg = parse_config(job.config_data)
+    encoders = build_encoders(cfg)
+    wl = make_workload(cfg.ab.workload.name, **_workload_options(cfg))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.hidden_dtype]
+    sender = open_sender(cfg.transport, job.address, name="ab-prefill")
+    per_arm_bytes = {a: {"control": 0, "inline": 0, "bulk": 0} for a in job.arm_names}
+    sent = {a: 0 for a in job.arm_names}
+    send_errors: dict[str, list[str]] = {a: [] for a in job.arm_names}
+    hidden_gen = torch.Generator().manual_seed(job.seed ^ 0x5EED)
+    try:
+        for k, batch in enumerate(wl.batches(job.requests, job.batch_size, job.seed)):
+            start = k * job.batch_size
+            hidden = torch.randn(batch.batch_size, cfg.model.hidden_size, generator=hidden_gen).to(dtype)
+            for ai, arm in enumerate(job.arm_names):
+                # Each arm draws its X with its own stream, fixed by (seed, batch, arm).
+                gen = torch.Generator().manual_seed((job.seed * 1_000_003 + k * 1_009 + ai) & 0x7FFFFFFFFFFF)
+                enc = encode_batch(encoders[arm], batch, gen)
+                before = dict(sender.statuses()["bytes_by_plane"])
+                for p in build_payloads(arm, start, wl.vocab_size, hidden, enc):
+                    try:
+                        sender.send(p)
+                        sent[arm] += 1
+                    except Exception as exc:  # noqa: BLE001 - counted per arm, reported
+                        sent[arm] += 1
+                        send_errors[arm].append(f"{p.request_id}: {type(exc).__name__}: {exc}")
+                after = sender.statuses()["bytes_by_plane"]
+                for plane in per_arm_bytes[arm]:
+                    per_arm_bytes[arm][plane] += after.get(plane, 0) - before.get(plane, 0)
+        sender.flush(timeout=60.0)
+        status = sender.statuses()
+    finally:
+        sender.close()
+    return {"sent": sent, "bytes": per_arm_bytes, "send_errors": send_errors, "sender": status}
+
+
+def _workload_options(cfg: Any) -> dict[str, Any]:
+    """Workload options, with model facts filled in where the workload takes them."""
+    from ..workloads import workload_options_type
+
+    opts = dict(cfg.ab.workload.options)
+    fields = set(getattr(workload_options_type(cfg.ab.workload.name), "__struct_fields__", ()))
+    if "vocab_size" in fields:
+        opts.setdefault("vocab_size", cfg.model.vocab_size)
+    if "num_steps" in fields:
+        opts.setdefault("num_steps", cfg.model.num_steps)
+    return opts

@@ -1,0 +1,120 @@
+"""The provenance guard: a shipped proposal reaches the verifier only when it is exact.
+
+A proposal q' other than one-hot is exact only if X was drawn from exactly q'
+(``docs/strategies.md``). The payload's :class:`~pd_middleware.payload.Provenance`
+says how X was drawn; the guard compares it with the attached encoding and, when they
+do not match, tells the synthesizer to fall back to the one-hot proposal at X, which is
+exact for any drafting rule. The verifier therefore never sees a biased pair.
+
+Fallback reasons, checked in this order:
+
+- ``greedy``: X was the argmax, not a draw (sending q would collapse the output
+  toward the argmax);
+- ``no_proposal``: the prefill sent no distribution;
+- ``encoding_mismatch:<encoding id>``: the synthesizer cannot hand over this encoding;
+- ``not_sampled_from_sent``: X was drawn from another law than the one sent (the
+  draft softmax, an fp32 row when bf16 was sent, an untruncated row when top-k was sent).
+
+Every fallback is counted per reason (``.counts``, and ``Metrics.fallbacks`` once
+:meth:`ProvenanceGuard.attach_metrics` was called) and logged once per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Iterable
+
+from .metrics import Metrics
+from .payload import Payload
+from .proposal import OneHotProposal
+
+logger = logging.getLogger("pd_middleware.guard")
+
+_WHY: dict[str, str] = {
+    "greedy": "X was drafted greedily, so only the one-hot proposal is exact",
+    "no_proposal": "the prefill sent no proposal distribution",
+    "encoding_mismatch": "this synthesizer cannot hand over the attached encoding",
+    "not_sampled_from_sent": "X was not sampled from the distribution that was sent",
+}
+
+
+class ProvenanceGuard:
+    """Decides, per payload, whether a synthesizer may hand over the attached proposal.
+
+    ``synthesizer``: the owner's name (for logs). ``accepts``: encoding ids the owner
+    can reproduce exactly (``dense-bf16``, ``sparse-fp16``...). ``metrics``: optional
+    receive-path counters whose ``fallbacks`` Counter is incremented too.
+
+    ``unsafe_disable_guard=True`` is for negative-control tests only: it skips the
+    provenance checks (``greedy``, ``not_sampled_from_sent``) so a test can show the
+    bias they prevent. Payloads the owner physically cannot use (``no_proposal``,
+    ``encoding_mismatch``) still fall back. Never set it in a deployment; it is not a
+    config option on purpose.
+    """
+
+    def __init__(
+        self,
+        synthesizer: str,
+        accepts: Iterable[str],
+        *,
+        metrics: Metrics | None = None,
+        unsafe_disable_guard: bool = False,
+    ) -> None:
+        self.synthesizer = synthesizer
+        self.accepts = frozenset(accepts)
+        self.metrics = metrics
+        self.unsafe_disable_guard = bool(unsafe_disable_guard)
+        self.counts: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        if self.unsafe_disable_guard:
+            logger.warning(
+                "provenance guard of %r is DISABLED (unsafe_disable_guard=True): biased "
+                "proposals can reach the verifier; this is for negative-control tests only",
+                synthesizer,
+            )
+
+    def attach_metrics(self, metrics: Metrics) -> None:
+        """Also count fallbacks into ``metrics.fallbacks`` (keyed by reason)."""
+        self.metrics = metrics
+
+    def check(self, payload: Payload) -> str | None:
+        """``None`` if the attached proposal may be handed over, else the fallback reason."""
+        prov = payload.provenance
+        enc = payload.proposal
+        bypass = self.unsafe_disable_guard
+        if prov.rule == "greedy" and not bypass:
+            return "greedy"
+        if enc is None:
+            return "no_proposal"
+        eid = enc.encoding_id
+        if eid not in self.accepts:
+            return f"encoding_mismatch:{eid}"
+        if prov.sampled_from != eid and not bypass:
+            return "not_sampled_from_sent"
+        return None
+
+    def fallback(self, payload: Payload, reason: str) -> OneHotProposal:
+        """Count ``reason``, log it the first time, and return the one-hot proposal at X."""
+        self.counts[reason] += 1
+        if self.metrics is not None:
+            self.metrics.fallbacks[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            why = _WHY.get(reason.split(":", 1)[0], reason)
+            logger.warning(
+                "synthesizer %r falls back to one-hot for request %r: %s (%s); further "
+                "fallbacks for this reason are counted, not logged",
+                self.synthesizer,
+                payload.request_id,
+                reason,
+                why,
+            )
+        return OneHotProposal(payload.draft_tokens)
+
+    def screen(self, payload: Payload) -> OneHotProposal | None:
+        """One call for the hot path: the one-hot fallback if needed, else ``None``."""
+        reason = self.check(payload)
+        if reason is None:
+            return None
+        return self.fallback(payload, reason)

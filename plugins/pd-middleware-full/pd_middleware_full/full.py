@@ -1,0 +1,140 @@
+"""The full-distribution pair: ``full`` (prefill encoder) and ``full_distribution`` (decode).
+
+Prefill: each step's row is cast to ``dtype`` (fp32 is the upstream wire format,
+608,256 B per step at V = 152064; bf16/fp16 halve it) and sent as is. The law it stands
+for is :func:`pd_middleware.encodings.dense_law`: widen to fp32, renormalise. The
+encoder computes that law with the decode's own function on the very bytes it sends,
+then draws X from it, so quantisation never biases the verifier.
+
+Decode: ``full_distribution`` checks the provenance (:class:`ProvenanceGuard`), then
+validates the row with :func:`~pd_middleware.encodings.dense_law` (width equals vocab,
+finite, non-negative, sum 1 within ``SUM_TOLERANCE``) and returns a
+:class:`~pd_middleware.DenseProposal` viewing the received bytes; the assembler copies
+it into its buffer (a whole-row write, V values per step).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import torch
+
+from pd_middleware import (
+    DenseEncoding,
+    DenseProposal,
+    EncodedBatch,
+    OneHotProposal,
+    Payload,
+    PluginContext,
+    PluginSpec,
+    Provenance,
+    ValidationError,
+)
+from pd_middleware.contracts import NoOptions
+from pd_middleware.encodings import dense_law, dense_law_tensor, encoder_input, sample_law, torch_dtype
+from pd_middleware.guard import ProvenanceGuard
+
+DENSE_ENCODINGS: tuple[str, ...] = ("dense-fp32", "dense-bf16", "dense-fp16")
+
+
+class FullEncoderOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Options of the ``full`` encoder (``[encoder.options]``)."""
+
+    # Wire dtype of each row: "fp32" (4 B/value, upstream), "bf16" or "fp16" (2 B/value).
+    # The row is quantised first and X drawn from the dequantised, renormalised row.
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+
+def _row_bytes(rows: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a contiguous CPU tensor (bf16 goes through int16)."""
+    if rows.dtype == torch.bfloat16:
+        rows = rows.view(torch.int16)
+    return rows.contiguous().numpy().tobytes()
+
+
+class FullEncoder:
+    """Prefill side: send the whole row in ``options.dtype``; X ~ its canonical law."""
+
+    def __init__(self, options: FullEncoderOptions, context: PluginContext) -> None:
+        self.options = options
+        self.vocab_size = context.vocab_size
+        self.encoding_id = f"dense-{options.dtype}"
+
+    def encode(
+        self, probs: torch.Tensor, *, temperature: float = 1.0, generator: torch.Generator | None = None
+    ) -> EncodedBatch:
+        """``probs``: float (B, [S,] V) after temperature. Returns X int64 (B, S), q'(X)
+        float32 (B, S) and one :class:`DenseEncoding` per request."""
+        rows3 = encoder_input(probs)
+        b, s, v = rows3.shape
+        if v != self.vocab_size:
+            raise ValidationError(f"width {v} != vocab {self.vocab_size}", field="probs")
+        wire = rows3.to(device="cpu", dtype=torch_dtype(self.options.dtype))
+        proposals: list[DenseEncoding] = []
+        laws: list[torch.Tensor] = []
+        for i in range(b):
+            enc = DenseEncoding(dtype=self.options.dtype, data=_row_bytes(wire[i]))
+            proposals.append(enc)
+            # The decode's own function on the very bytes sent: X ~ exactly what it rebuilds.
+            laws.append(dense_law_tensor(enc, s, v))
+        law = torch.cat(laws)
+        tokens = sample_law(law, generator)
+        token_probs = law.gather(1, tokens.view(-1, 1)).view(b, s)
+        return EncodedBatch(
+            tokens=tokens.view(b, s),
+            token_probs=token_probs,
+            proposals=proposals,
+            provenance=Provenance(rule="sampled", temperature=temperature, sampled_from=self.encoding_id),
+        )
+
+
+class FullDistributionSynthesizer:
+    """Decode side: validated :class:`DenseProposal` of the received row, or one-hot.
+
+    ``unsafe_disable_guard`` (keyword, not a config option) is for negative-control
+    tests only; see :class:`~pd_middleware.guard.ProvenanceGuard`.
+    """
+
+    def __init__(self, options: NoOptions, context: PluginContext, *, unsafe_disable_guard: bool = False) -> None:
+        self.vocab_size = context.vocab_size
+        self.num_steps = context.num_steps
+        self.enabled = context.rejection_sampling
+        self.guard = ProvenanceGuard("full_distribution", DENSE_ENCODINGS, unsafe_disable_guard=unsafe_disable_guard)
+
+    def synthesize(self, payload: Payload) -> DenseProposal | OneHotProposal | None:
+        """Validate and return the payload's dense law, a one-hot fallback, or ``None``
+        with rejection sampling off. Raises ValidationError naming the bad field."""
+        rid = payload.request_id
+        if payload.vocab_size != self.vocab_size:
+            raise ValidationError(
+                f"payload vocab {payload.vocab_size} != target vocab {self.vocab_size}", field="vocab_size", request_id=rid
+            )
+        if len(payload.draft_tokens) != self.num_steps:
+            raise ValidationError(
+                f"{len(payload.draft_tokens)} draft tokens, deployment drafts {self.num_steps} steps",
+                field="draft_tokens",
+                request_id=rid,
+            )
+        if not self.enabled:
+            return None
+        fallback = self.guard.screen(payload)
+        if fallback is not None:
+            return fallback
+        return dense_law(payload.proposal, self.num_steps, self.vocab_size, request_id=rid)  # type: ignore[arg-type]
+
+
+ENCODER = PluginSpec(
+    name="full",
+    kind="encoder",
+    factory=FullEncoder,
+    options=FullEncoderOptions,
+    summary="prefill: whole row in fp32/bf16/fp16, X drawn from the dequantised row sent",
+)
+
+SYNTHESIZER = PluginSpec(
+    name="full_distribution",
+    kind="synthesizer",
+    factory=FullDistributionSynthesizer,
+    summary="decode: validated full-row proposal (copied into the assembler), one-hot fallback",
+)

@@ -1,0 +1,67 @@
+"""Live A/B split: stable per request id, weight-proportional, counters reconcile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pd_middleware import Payload, PluginError, Provenance
+from pd_middleware.config import parse_config
+from pd_middleware.middleware import DecodeMiddleware
+from pd_middleware.pipeline import Delivery, Failure
+
+
+def cfg(weights=(1, 3), extra_hooks=()):
+    return parse_config(
+        {
+            "model": {"vocab_size": 100},
+            "hooks": [*extra_hooks, {"name": "ab_split"}],
+            "arms": [
+                {"name": "one_hot", "weight": weights[0], "synthesizer": {"name": "one_hot"}},
+                {"name": "other", "weight": weights[1], "synthesizer": {"name": "one_hot"}},
+            ],
+        }
+    )
+
+
+def payload(i, vocab=100):
+    return Payload(
+        request_id=f"req-{i}", draft_tokens=(i % 100,), draft_probs=(0.5,), vocab_size=vocab, provenance=Provenance()
+    )
+
+
+def test_split_is_stable_and_weighted():
+    n = 20_000
+    a = DecodeMiddleware.from_config(cfg())
+    b = DecodeMiddleware.from_config(cfg())  # a second decode node, same config
+    arms_a = [a.receive(payload(i)).arm for i in range(n)]
+    arms_b = [b.receive(payload(i)).arm for i in range(n)]
+    assert arms_a == arms_b, "the same request id must land on the same arm everywhere"
+    share = arms_a.count("other") / n
+    # Binomial(n, 3/4): 6 sigma is a false-alarm bound of ~2e-9.
+    sigma = math.sqrt(0.75 * 0.25 / n)
+    assert abs(share - 0.75) < 6 * sigma, share
+    snap = a.metrics.snapshot()
+    assert snap["delivered_by_arm"] == {"one_hot": arms_a.count("one_hot"), "other": arms_a.count("other")}
+    assert snap["received"] == snap["delivered"] + snap["failed"] == n
+
+
+def test_counters_reconcile_with_failures():
+    mw = DecodeMiddleware.from_config(cfg())
+    outs = [mw.receive(payload(i, vocab=100 if i % 7 else 101)) for i in range(700)]
+    s = mw.metrics.snapshot()
+    fails = [o for o in outs if isinstance(o, Failure)]
+    dels = [o for o in outs if isinstance(o, Delivery)]
+    assert len(fails) == 100 and len(dels) == 600
+    assert s["received"] == 700 and s["delivered"] == 600 and s["failed"] == 100
+    assert sum(s["delivered_by_arm"].values()) == 600
+    assert sum(s["failed_by_arm"].values()) == 100
+    for arm in ("one_hot", "other"):
+        assert s["failed_by_arm"][arm] == sum(1 for f in fails if f.arm == arm)
+
+
+def test_split_needs_arms():
+    c = parse_config({"hooks": [{"name": "ab_split"}]})
+    with pytest.raises(PluginError, match=r"config key hooks\[0\].*ab_split needs \[\[arms\]\]"):
+        DecodeMiddleware.from_config(c)

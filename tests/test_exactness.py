@@ -1,0 +1,304 @@
+"""Exactness of every encoder x synthesizer pair, by exact enumeration and through the
+real transport.
+
+- Exact enumeration (``fractions.Fraction``): the committed token's law equals p, with
+  s = the law X was really drawn from (the encoding's law, the softmax or the argmax)
+  and q' = the row the synthesizer hands the verifier (through the assembler).
+- Negative controls: the biased pairs of DESIGN.md section 2 come out biased when the
+  guard is bypassed and exact with it on.
+- Monte Carlo through ZMQ + Mooncake, the receive pipeline, the assembler and the
+  reference chain verifier, with the TV bound at alpha = 1e-6.
+"""
+
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+
+import pytest
+import torch
+
+from pd_middleware import OneHotProposal, Payload, PluginContext
+from pd_middleware.assembler import ProposalAssembler
+from pd_middleware.encodings import dense_law_tensor, sparse_law_tensor
+from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.verify import exact_verify_law, tv_bound, tv_distance, verify_chain
+from pd_middleware_full import full
+from pd_middleware_plugins import one_hot, sparse
+from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
+
+SEED = 20261129
+V = 6
+
+ENCODERS = {
+    "greedy": lambda c: GreedyEncoder(None, c),
+    "softmax": lambda c: SoftmaxEncoder(None, c),
+    "full-fp32": lambda c: full.FullEncoder(full.FullEncoderOptions(dtype="fp32"), c),
+    "full-bf16": lambda c: full.FullEncoder(full.FullEncoderOptions(dtype="bf16"), c),
+    "full-fp16": lambda c: full.FullEncoder(full.FullEncoderOptions(dtype="fp16"), c),
+    "sparse-topk": lambda c: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topk", k=2), c),
+    "sparse-topp": lambda c: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topp", epsilon=0.5, k_max=4), c),
+    "sparse-floor": lambda c: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topk", k=2, floor=True), c),
+    "sparse-tv": lambda c: sparse.SparseEncoder(
+        sparse.SparseEncoderOptions(mode="tv", epsilon=0.05, k_max=4, floor=True), c
+    ),
+}
+SYNTHS = {
+    "one_hot": lambda c, unsafe: one_hot.OneHotSynthesizer(None, c),
+    "full_distribution": lambda c, unsafe: full.FullDistributionSynthesizer(None, c, unsafe_disable_guard=unsafe),
+    "sparse": lambda c, unsafe: sparse.SparseSynthesizer(None, c, unsafe_disable_guard=unsafe),
+}
+
+# p and q as exact fractions; q is sent as fp32, so its values must be fp32-exact.
+P = [Fraction(n, 64) for n in (20, 13, 11, 9, 7, 4)]
+Q_DYADIC = [Fraction(n, 16) for n in (4, 4, 2, 2, 2, 2)]  # every quantisation and top-2 sum are exact
+Q_RANDOM = torch.softmax(torch.tensor([1.3, -0.2, 0.9, 0.4, -1.1, 0.05]), dim=0)  # nothing is exact
+
+
+def ctx(v=V, steps=1, side="decode"):
+    return PluginContext(vocab_size=v, num_steps=steps, rejection_sampling=True, side=side)
+
+
+def fr(t: torch.Tensor) -> list[Fraction]:
+    """Exact rationals of a tensor's (float32/float64) values."""
+    return [Fraction(float(x)) for x in t.double().tolist()]
+
+
+def encode(name: str, q: torch.Tensor):
+    out = ENCODERS[name](ctx(side="prefill")).encode(q.view(1, 1, -1).float(), generator=torch.Generator().manual_seed(SEED))
+    return out.proposals[0], out.provenance
+
+
+def drawn_from(name: str, q: torch.Tensor, enc) -> torch.Tensor:
+    """The law the encoder really draws X from, as a float (V,) vector."""
+    if name == "greedy":
+        return torch.nn.functional.one_hot(q.argmax(), len(q)).float()
+    if name == "softmax":
+        return q.float()
+    return (dense_law_tensor(enc, 1, V) if enc.kind == "dense" else sparse_law_tensor(enc, 1, V))[0]
+
+
+def committed_law(p, s_vec, synth, enc, prov):
+    """Law of the committed token: sum over x of s(x) * law given X = x.
+
+    For each x a payload with draft token x goes through the synthesizer and the
+    assembler; the assembled fp32 row is q' for that x. Returns (law, |sum q' - 1| max).
+    """
+    s = fr(s_vec)
+    total = sum(s)
+    law = [Fraction(0)] * V
+    drift = Fraction(0)
+    asm = ProposalAssembler(V, 1, max_batch=1)
+    for x in range(V):
+        if s[x] == 0:
+            continue
+        payload = Payload(
+            request_id=f"x{x}", draft_tokens=(x,), draft_probs=(0.5,), vocab_size=V, provenance=prov, proposal=enc
+        )
+        q_row = fr(asm.build([synth.synthesize(payload)])[0])
+        drift = max(drift, abs(sum(q_row) - 1))
+        delta = [Fraction(int(y == x)) for y in range(V)]
+        law = [a + s[x] / total * b for a, b in zip(law, exact_verify_law(p, q_row, delta))]
+    return law, drift
+
+
+def l1(a, b):
+    return sum(abs(x - y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- exact enumeration
+
+
+@pytest.mark.parametrize("synth_name", sorted(SYNTHS))
+@pytest.mark.parametrize("enc_name", sorted(ENCODERS))
+def test_every_pair_is_exact_on_dyadic_inputs(enc_name, synth_name):
+    """q with dyadic values: every encoding's law sums to exactly 1, so law == p exactly."""
+    q = torch.tensor([float(v) for v in Q_DYADIC])
+    enc, prov = encode(enc_name, q)
+    law, drift = committed_law(P, drawn_from(enc_name, q, enc), SYNTHS[synth_name](ctx(), False), enc, prov)
+    assert drift == 0
+    assert law == P, f"{enc_name} -> {synth_name} is biased: {[str(v) for v in law]}"
+
+
+@pytest.mark.parametrize("synth_name", sorted(SYNTHS))
+@pytest.mark.parametrize("enc_name", sorted(ENCODERS))
+def test_every_pair_is_exact_up_to_fp32_normalisation(enc_name, synth_name):
+    """Generic q: q' is X's law up to the fp32 rounding of its normalisation.
+
+    With q' taken as the exact normalisation of the assembled row, law == p exactly;
+    with the raw fp32 row the error is at most 2|1/c - 1| (c = sum q', |c - 1| < 1e-6).
+    """
+    q = Q_RANDOM
+    enc, prov = encode(enc_name, q)
+    synth = SYNTHS[synth_name](ctx(), False)
+    s_vec = drawn_from(enc_name, q, enc)
+    law, drift = committed_law(P, s_vec, synth, enc, prov)
+    assert drift < Fraction(1, 10**6)
+    c_low = 1 - drift
+    assert l1(law, P) <= 2 * (1 / c_low - 1) + Fraction(1, 10**12)
+    # The same enumeration with q' normalised exactly.
+    payloads = {}
+    for x in range(V):
+        payloads[x] = synth.synthesize(
+            Payload(request_id=f"x{x}", draft_tokens=(x,), draft_probs=(0.5,), vocab_size=V, provenance=prov, proposal=enc)
+        )
+    s = fr(s_vec)
+    s = [v / sum(s) for v in s]
+    exact = [Fraction(0)] * V
+    for x in range(V):
+        if s[x]:
+            row = fr(payloads[x].to_dense(V)[0])
+            row = [v / sum(row) for v in row]
+            delta = [Fraction(int(y == x)) for y in range(V)]
+            exact = [a + s[x] * b for a, b in zip(exact, exact_verify_law(P, row, delta))]
+    assert exact == P
+
+
+NEGATIVE_CONTROLS = {
+    # X ~ fp32 q, bf16 q sent (provenance truthfully says fp32).
+    "fp32-drawn-bf16-sent": ("full-fp32", "full-bf16", "full_distribution"),
+    # X ~ q (softmax), top-2 q_k sent.
+    "softmax-drawn-topk-sent": ("softmax", "sparse-topk", "sparse"),
+    # X = argmax q, full softmax q sent.
+    "greedy-drawn-softmax-sent": ("greedy", "full-fp32", "full_distribution"),
+}
+
+
+@pytest.mark.parametrize("control", sorted(NEGATIVE_CONTROLS))
+def test_negative_controls_biased_without_guard_exact_with_it(control):
+    drawn, sent, synth_name = NEGATIVE_CONTROLS[control]
+    q = Q_RANDOM
+    s_enc, prov = encode(drawn, q)  # what X is really drawn from, and its provenance
+    sent_enc, _ = encode(sent, q)  # what is attached to the payload
+    s_vec = drawn_from(drawn, q, s_enc)
+    biased, _ = committed_law(P, s_vec, SYNTHS[synth_name](ctx(), True), sent_enc, prov)
+    bias = l1(biased, P)
+    print(f"{control}: L1 bias without the guard {float(bias):.3g}")
+    assert bias > Fraction(1, 10**5), f"{control}: the bypassed guard should let a bias through ({float(bias):.3g})"
+    guard_synth = SYNTHS[synth_name](ctx(), False)
+    law, drift = committed_law(P, s_vec, guard_synth, sent_enc, prov)
+    assert drift == 0 and law == P  # the one-hot fallback is exact for any X
+    assert sum(guard_synth.guard.counts.values()) == sum(1 for v in s_vec.tolist() if v > 0)
+
+
+# ----------------------------------------------------------------------------- Monte Carlo via transport
+
+MC_V = 16
+MC_N = 3000
+MC_BATCH = 50
+MC_ARMS = {
+    # arm: (encoder, synthesizer, guard bypassed, expect pass)
+    "one_hot+softmax": ("softmax", "one_hot", False, True),
+    "full_distribution+full-bf16": ("full-bf16", "full_distribution", False, True),
+    "sparse+floor": ("sparse-floor", "sparse", False, True),
+    "sparse+topk": ("sparse-topk", "sparse", False, True),
+    "full_distribution+greedy(guarded)": ("greedy+full", "full_distribution", False, True),
+    "full_distribution+greedy(BYPASSED)": ("greedy+full", "full_distribution", True, False),
+}
+
+
+def _mc_rows():
+    g = torch.Generator().manual_seed(SEED)
+    p = torch.softmax(torch.randn(MC_V, generator=g), 0)
+    q = torch.softmax(torch.log(p) + 0.8 * torch.randn(MC_V, generator=g), 0)
+    return p, q
+
+
+def _mc_encode(arm_encoder: str, q_rows: torch.Tensor, gen: torch.Generator):
+    c = ctx(MC_V, side="prefill")
+    if arm_encoder == "greedy+full":  # greedy X with the softmax q attached
+        g = GreedyEncoder(None, c).encode(q_rows)
+        f = full.FullEncoder(full.FullEncoderOptions(dtype="fp32"), c).encode(q_rows, generator=gen)
+        return g.tokens, g.token_probs, f.proposals, g.provenance
+    enc = {
+        "softmax": lambda: SoftmaxEncoder(None, c),
+        "full-bf16": lambda: full.FullEncoder(full.FullEncoderOptions(dtype="bf16"), c),
+        "sparse-floor": lambda: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topk", k=4, floor=True), c),
+        "sparse-topk": lambda: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topk", k=4), c),
+    }[arm_encoder]()
+    out = enc.encode(q_rows, generator=gen)
+    return out.tokens, out.token_probs, out.proposals, out.provenance
+
+
+@pytest.mark.slow
+def test_monte_carlo_through_the_real_transport(mooncake_pair):
+    """N payloads per arm: prefill encoder -> PrefillSender (Mooncake bulk, TCP) ->
+    DecodeReceiver -> pipeline (synthesizer) -> assembler -> verify_chain. The committed
+    first tokens must lie within TV bound of p (false-positive rate alpha = 1e-6 per arm);
+    the guard-bypassed greedy control must exceed it."""
+    import zmq
+
+    from pd_middleware.transport import DecodeReceiver, PrefillSender, SlotsConfig, TransportConfig
+
+    decode_engine, prefill_engine = mooncake_pair
+    p, q = _mc_rows()
+    bound = tv_bound(MC_V, MC_N, 1e-6)
+    cfg = TransportConfig(
+        inline_threshold_bytes=0,  # every tensor through Mooncake
+        heartbeat_s=0.1,
+        peer_timeout_s=10.0,
+        slots=SlotsConfig(count=MC_BATCH, size_bytes=4096, per_peer=MC_BATCH, wait_s=10.0),
+    )
+    zctx = zmq.Context()
+    results = {}
+    try:
+        for arm, (enc_name, synth_name, unsafe, expect_pass) in MC_ARMS.items():
+            synth = SYNTHS[synth_name](ctx(MC_V), unsafe)
+            rx = DecodeReceiver(cfg, ReceivePipeline([], {"default": (synth_name, synth)}), engine=decode_engine, context=zctx).start()
+            tx = PrefillSender(cfg, engine=prefill_engine, context=zctx, name=f"mc-{arm}").connect(rx.address)
+            asm = ProposalAssembler(MC_V, 1, max_batch=MC_BATCH)
+            gen_pre = torch.Generator().manual_seed(SEED)
+            gen_ver = torch.Generator().manual_seed(SEED + 1)
+            counts = torch.zeros(MC_V, dtype=torch.int64)
+            fallbacks = 0
+            try:
+                for start in range(0, MC_N, MC_BATCH):
+                    rows = q.expand(MC_BATCH, 1, MC_V).contiguous()
+                    tokens, tprobs, props, prov = _mc_encode(enc_name, rows, gen_pre)
+                    for i in range(MC_BATCH):
+                        tx.send(
+                            Payload(
+                                request_id=f"{arm}-{start + i}",
+                                draft_tokens=tokens[i],
+                                draft_probs=tprobs[i],
+                                vocab_size=MC_V,
+                                hidden=bytes(16),
+                                hidden_dtype="bf16",
+                                provenance=prov,
+                                proposal=props[i],
+                            )
+                        )
+                    got: list[Delivery] = []
+                    deadline = time.monotonic() + 20.0
+                    while len(got) < MC_BATCH and time.monotonic() < deadline:
+                        out = rx.get(timeout=0.2)
+                        if out is not None:
+                            assert isinstance(out, Delivery), f"{arm}: {out}"
+                            got.append(out)
+                    assert len(got) == MC_BATCH, f"{arm}: {len(got)} of {MC_BATCH} delivered within 20 s"
+                    got.sort(key=lambda d: int(d.request_id.rsplit("-", 1)[1]))
+                    draft = asm.build([d.proposal for d in got])
+                    toks = torch.tensor([d.payload.draft_tokens[0] for d in got])
+                    for d in got:
+                        d.release()
+                        fallbacks += isinstance(d.proposal, OneHotProposal) and synth_name != "one_hot"
+                    target = p.expand(MC_BATCH, 2, MC_V)
+                    res = verify_chain(target, draft, toks, gen_ver)
+                    counts += torch.bincount(res.committed[:, 0], minlength=MC_V)
+                assert tx.flush(10.0)
+                snap = rx.metrics.snapshot()
+                assert snap["delivered"] == MC_N and snap["failed"] == 0 and snap["bytes_by_plane"]["bulk"] > 0
+            finally:
+                tx.close()
+                rx.stop()
+            tv = tv_distance(counts, p)
+            results[arm] = (tv, fallbacks)
+            if expect_pass:
+                assert tv < bound, f"{arm}: TV {tv:.4f} >= bound {bound:.4f} (seed {SEED}, N {MC_N})"
+            else:
+                assert tv > bound, f"{arm}: negative control TV {tv:.4f} did not exceed {bound:.4f} (seed {SEED})"
+    finally:
+        zctx.term()
+    print({arm: f"TV {tv:.4f} (bound {bound:.4f}), fallbacks {fb}" for arm, (tv, fb) in results.items()})
+    assert results["full_distribution+greedy(guarded)"][1] == MC_N  # every greedy payload fell back
+    assert results["full_distribution+full-bf16"][1] == results["sparse+floor"][1] == 0

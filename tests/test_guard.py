@@ -1,0 +1,103 @@
+"""The provenance guard: which payloads may hand over a shipped proposal, and the fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pd_middleware import DenseEncoding, Metrics, OneHotProposal, Payload, Provenance, SparseEncoding
+from pd_middleware.guard import ProvenanceGuard
+
+V = 4
+SPARSE = ("sparse-fp16", "sparse-fp32")
+
+
+def dense(dtype="fp32"):
+    import torch
+
+    row = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    row = row.to(torch.bfloat16).view(torch.int16) if dtype == "bf16" else row.to({"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    return DenseEncoding(dtype=dtype, data=row.numpy().tobytes())
+
+
+def sparse(value_dtype="fp16"):
+    import numpy as np
+
+    vals = np.array([0.5, 0.5], dtype=np.float16 if value_dtype == "fp16" else np.float32)
+    return SparseEncoding(
+        lengths=(2,), indices=np.array([1, 3], dtype=np.int32).tobytes(), values=vals.tobytes(), value_dtype=value_dtype
+    )
+
+
+def payload(proposal=None, rule="sampled", sampled_from=None, rid="r0", tokens=(3,)):
+    return Payload(
+        request_id=rid,
+        draft_tokens=tokens,
+        draft_probs=tuple(0.5 for _ in tokens),
+        vocab_size=V,
+        provenance=Provenance(rule=rule, temperature=1.0, sampled_from=sampled_from),
+        proposal=proposal,
+    )
+
+
+@pytest.mark.parametrize(
+    "pl, reason",
+    [
+        (payload(sparse(), sampled_from="sparse-fp16"), None),
+        (payload(sparse("fp32"), sampled_from="sparse-fp32"), None),
+        (payload(sparse(), rule="greedy"), "greedy"),
+        (payload(None, rule="greedy"), "greedy"),  # greedy is reported first
+        (payload(None), "no_proposal"),
+        (payload(None, sampled_from="sparse-fp16"), "no_proposal"),
+        (payload(dense("bf16"), sampled_from="dense-bf16"), "encoding_mismatch:dense-bf16"),
+        (payload(sparse(), sampled_from=None), "not_sampled_from_sent"),  # X ~ softmax, q_k sent
+        (payload(sparse(), sampled_from="sparse-fp32"), "not_sampled_from_sent"),  # fp32 law, fp16 sent
+        (payload(sparse(), sampled_from="dense-fp32"), "not_sampled_from_sent"),
+    ],
+)
+def test_check_reasons(pl, reason):
+    assert ProvenanceGuard("sparse", SPARSE).check(pl) == reason
+
+
+def test_fallback_is_one_hot_at_the_draft_tokens_counted_and_logged_once(caplog):
+    metrics = Metrics()
+    g = ProvenanceGuard("full_distribution", ("dense-fp32",), metrics=metrics)
+    caplog.set_level(logging.WARNING, logger="pd_middleware.guard")
+    outs = [g.screen(payload(dense(), rule="greedy", rid=f"g{i}", tokens=(1, 2))) for i in range(3)]
+    outs += [g.screen(payload(None, rid=f"n{i}")) for i in range(2)]
+    outs.append(g.screen(payload(dense("fp16"), sampled_from="dense-fp16", rid="m0")))
+    assert outs[:3] == [OneHotProposal((1, 2))] * 3
+    assert outs[3:] == [OneHotProposal((3,))] * 3
+    assert g.screen(payload(dense(), sampled_from="dense-fp32")) is None  # exact: no fallback
+    expected = {"greedy": 3, "no_proposal": 2, "encoding_mismatch:dense-fp16": 1}
+    assert dict(g.counts) == expected
+    assert dict(metrics.fallbacks) == expected
+    msgs = [r.getMessage() for r in caplog.records if r.name == "pd_middleware.guard"]
+    assert len(msgs) == 3, msgs  # once per reason, not once per payload
+    assert "'full_distribution' falls back to one-hot for request 'g0': greedy" in msgs[0]
+    assert "drafted greedily" in msgs[0]
+    assert "'n0': no_proposal (the prefill sent no proposal distribution)" in msgs[1]
+    assert "encoding_mismatch:dense-fp16 (this synthesizer cannot hand over" in msgs[2]
+
+
+def test_attach_metrics_later():
+    g = ProvenanceGuard("sparse", SPARSE)
+    g.screen(payload(None))
+    m = Metrics()
+    g.attach_metrics(m)
+    g.screen(payload(None))
+    assert g.counts["no_proposal"] == 2 and m.fallbacks["no_proposal"] == 1
+    assert m.snapshot()["fallbacks_by_reason"] == {"no_proposal": 1}
+
+
+def test_unsafe_bypass_skips_only_provenance_checks(caplog):
+    caplog.set_level(logging.WARNING, logger="pd_middleware.guard")
+    g = ProvenanceGuard("sparse", SPARSE, unsafe_disable_guard=True)
+    assert any("DISABLED" in r.getMessage() for r in caplog.records)
+    # The biased pairs the guard exists to stop now pass (negative controls use this).
+    assert g.check(payload(sparse(), rule="greedy")) is None
+    assert g.check(payload(sparse(), sampled_from=None)) is None
+    # What the synthesizer physically cannot use still falls back.
+    assert g.check(payload(None)) == "no_proposal"
+    assert g.check(payload(dense(), sampled_from="dense-fp32")) == "encoding_mismatch:dense-fp32"
