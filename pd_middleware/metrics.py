@@ -16,6 +16,11 @@ from typing import Any
 
 PLANES: tuple[str, ...] = ("control", "inline", "bulk")
 
+#: Most distinct failure reasons kept; later new reasons count as ``<stage>:other``.
+MAX_REASONS = 256
+#: Longest failure reason kept as its own key, in characters.
+MAX_REASON_CHARS = 128
+
 
 class Metrics:
     """Receive-path counters. Updated by one thread; read from any (snapshots copy)."""
@@ -37,8 +42,18 @@ class Metrics:
         return sum(self.failed.values())
 
     def record_failure(self, reason: str, arm: str | None = None) -> None:
-        """Count one failed payload under ``reason`` (e.g. ``wire:draft_probs``)."""
-        self.failed[reason] += 1
+        """Count one failed payload under ``reason`` (e.g. ``wire:draft_probs``).
+
+        Reasons can carry sender-chosen text (an unknown field's name), so their
+        number and length are capped: past :data:`MAX_REASONS` distinct keys, or for a
+        key longer than :data:`MAX_REASON_CHARS`, the failure is counted under
+        ``<stage>:other``. Without the cap a hostile prefill grows this Counter (and
+        the Prometheus label set) by one entry per message.
+        """
+        failed = self.failed
+        if reason not in failed and (len(failed) >= MAX_REASONS or len(reason) > MAX_REASON_CHARS):
+            reason = f"{reason.split(':', 1)[0][:32]}:other"
+        failed[reason] += 1
         if arm is not None:
             self.arm_failed[arm] += 1
 

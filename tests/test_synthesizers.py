@@ -23,23 +23,15 @@ from pd_middleware.encodings import dense_law_tensor, sparse_law_tensor
 from pd_middleware.pipeline import Failure, ReceivePipeline
 from pd_middleware.registry import default_registry
 from pd_middleware_full import full
-from pd_middleware_plugins import one_hot, sparse
+from pd_middleware_plugins import sparse
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
 
 SEED = 20261129
 V = 12
 
 
-def registry():
-    reg = default_registry()
-    # Until the editable installs are refreshed, register the first-party specs directly.
-    for spec in (one_hot.SYNTHESIZER, sparse.SYNTHESIZER, full.SYNTHESIZER):
-        if (spec.kind, spec.name) not in reg:
-            reg.register(spec)
-    return reg
-
-
-REG = registry()
+# Every installed synthesizer, found the way the core finds them: through entry points.
+REG = default_registry()
 SYNTHS = sorted(i.name for i in REG.plugins() if i.kind == "synthesizer")
 ENCODERS = {
     "greedy": lambda c: GreedyEncoder(None, c),

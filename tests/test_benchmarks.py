@@ -1,0 +1,66 @@
+"""Benchmark scripts: the GPU check skips cleanly on a CPU machine, the runner's CLI works.
+
+The heavy benchmarks themselves never run here: performance claims live in
+``benchmarks/`` and ``docs/performance.md``, not in timed tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _run(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "plugins"), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_check_skips_cleanly_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_check would run for real")
+    proc = _run(str(BENCH / "gpu_check.py"))
+    assert proc.returncode == 0, f"gpu_check exited {proc.returncode}: {proc.stderr[-2000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert result["benchmark"] == "gpu_check"
+    assert "CUDA not available" in result["skipped"], result
+
+
+def test_gpu_check_skip_reason_is_none_only_with_cuda():
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(BENCH))
+    reason = gpu_check.skip_reason()
+    assert (reason is None) == torch.cuda.is_available(), reason
+
+
+def test_run_all_help_and_unknown_name():
+    proc = _run(str(BENCH / "run_all.py"), "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--only" in proc.stdout and "--quick" in proc.stdout
+    # Negative control: a wrong name is refused with the list of real ones, nothing runs.
+    bad = _run(str(BENCH / "run_all.py"), "--only", "no_such_bench", timeout=60)
+    assert bad.returncode != 0
+    assert "unknown benchmark(s): no_such_bench" in bad.stderr
+
+
+def test_run_all_reports_a_skip_without_failing():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_check would run for real")
+    proc = _run(str(BENCH / "run_all.py"), "--only", "gpu_check")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "SKIP" in proc.stdout and "0 error" in proc.stdout
