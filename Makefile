@@ -35,7 +35,7 @@ reliability: setup
 
 # Optional tier: the real SGLang package (CPU import only), for tests marked `sglang`.
 setup-sglang: setup
-	$(PIP) install -q -r requirements-sglang.txt
+	$(PIP) install -q --no-deps -r requirements-sglang.txt
 
 test-sglang: setup-sglang
 	$(PY) -m pytest -q -m sglang

@@ -9,7 +9,7 @@ its methods are then called on the hot path.
     ``on_receive(payload, context)`` runs once per incoming payload, in config order,
     on the receiver's thread, after the wire message is validated and before the
     synthesizer. It may return a replacement :class:`~pd_middleware.Payload`, set
-    ``context.arm`` (A/B routing), record, or raise to fail *that payload only* (the
+    ``context.arm`` (A/B routing; such a hook declares ``routes_arms = True``), record, or raise to fail *that payload only* (the
     failure is counted and reported with the hook's name). It must not block for long:
     every payload behind it waits.
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .assembler import ProposalAssembler
+from ._errors import ConfigError
 from .config import Config, ResolvedConfig, load_config, resolve_plugins
 from .contracts import ReceiveContext
 from .metrics import Metrics
@@ -50,6 +51,14 @@ class DecodeMiddleware:
         cfg = resolved.config
         ctx = cfg.plugin_context("decode")
         hooks = [(r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for r in resolved.hooks]
+        if cfg.arms and not any(getattr(h, "routes_arms", False) for _, h in hooks):
+            # Without a router every payload would land on the missing "default" arm.
+            raise ConfigError(
+                "[[arms]] needs a routing hook in [[hooks]] (e.g. ab_split); none of "
+                f"{[n for n, _ in hooks] or 'the (empty) hook list'} routes arms",
+                path="hooks",
+                source=None if isinstance(config, Config) else str(config),
+            )
         synths = {arm: (r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for arm, r in resolved.synthesizers.items()}
         m = metrics if metrics is not None else Metrics()
         for _, s in synths.values():

@@ -90,7 +90,6 @@ class ReceivePipeline:
         self.metrics = metrics if metrics is not None else Metrics()
         self._hooks = tuple((f"hook:{n}", h.on_receive) for n, h in hooks)
         self._synth = {arm: (f"synthesizer:{n}", s.synthesize) for arm, (n, s) in synthesizers.items()}
-        self._default_arm = "default" if "default" in self._synth else next(iter(self._synth))
         self.hook_objects = tuple(h for _, h in hooks)
         self.synthesizer_objects = {arm: s for arm, (_, s) in synthesizers.items()}
         self._clock = clock

@@ -65,3 +65,12 @@ def test_split_needs_arms():
     c = parse_config({"hooks": [{"name": "ab_split"}]})
     with pytest.raises(PluginError, match=r"config key hooks\[0\].*ab_split needs \[\[arms\]\]"):
         DecodeMiddleware.from_config(c)
+
+
+def test_arms_without_a_router_is_a_config_error():
+    from pd_middleware import ConfigError
+
+    c = parse_config({"arms": [{"name": "a", "synthesizer": {"name": "one_hot"}}]})
+    with pytest.raises(ConfigError, match=r"\[\[arms\]\] needs a routing hook") as ei:
+        DecodeMiddleware.from_config(c)
+    assert ei.value.path == "hooks"

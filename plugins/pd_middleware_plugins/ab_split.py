@@ -41,6 +41,9 @@ def arm_for(request_id: str, arms: tuple[str, ...], cumulative: tuple[int, ...],
 class ABSplitHook:
     """Decode side: sets ``context.arm`` for every payload."""
 
+    #: Tells the middleware this hook assigns arms (``[[arms]]`` needs one such hook).
+    routes_arms = True
+
     def __init__(self, options: ABSplitOptions, context: PluginContext) -> None:
         arms = [(n, w) for n, w in context.arms if w > 0]
         if not arms:
