@@ -1,0 +1,725 @@
+"""The SGLang integration (pd_middleware.integrations.sglang).
+
+Two tiers in one file:
+
+- Unmarked tests run everywhere. They drive the adapter through small stand-in module
+  objects that mirror the shape of SGLang 0.5.23's ``eagle_disaggregation`` (its
+  function looks ``pd_first_draft_proposal`` up as a module global) and of the prefill
+  mixin, to cover version and signature checks, install/uninstall bookkeeping, the
+  proposal store, the decode proposer and the prefill publisher.
+- Tests marked ``sglang`` call the REAL SGLang package (``make setup-sglang``) and are
+  skipped with a reason when it is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+import time
+import types
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pd_middleware import ConfigError, OneHotProposal, PluginError, SparseProposal
+from pd_middleware.config import parse_config
+from pd_middleware.contracts import PluginContext
+from pd_middleware.encodings import sparse_law_tensor
+from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations.sglang_decode import ProposalStore
+from pd_middleware.integrations.sglang_prefill import ProposalPublisher, wrap_process_batch_result
+from pd_middleware.pipeline import Delivery, Failure
+from pd_middleware.verify import exact_verify_law
+
+SEED = 1234
+V = 16
+
+
+def make_config(**over):
+    data = {
+        "model": {"vocab_size": V, "num_steps": 1, "hidden_size": 4},
+        "decode": {"max_batch": 4},
+        "transport": {"mooncake": {"enabled": False}},
+    }
+    for k, v in over.items():
+        if k in data:
+            data[k] = {**data[k], **v}
+        else:
+            data[k] = v
+    return parse_config(data)
+
+
+@pytest.fixture(autouse=True)
+def _clean_install():
+    yield
+    S.uninstall()
+
+
+# ----------------------------------------------------------------- stand-in SGLang modules
+
+
+def fake_decode_module(name="fake_sglang_ed", proposal=True, build_params=None):
+    """A module shaped like SGLang 0.5.23's eagle_disaggregation (only what the adapter reads)."""
+    m = types.ModuleType(name)
+    m.SPEC = SimpleNamespace(rs=True, multi_layer=False, num_steps=1)
+
+    def pd_first_draft_proposal(topk_index, vocab_size):
+        probs = torch.zeros((*topk_index.shape, vocab_size), dtype=torch.float32, device=topk_index.device)
+        probs.scatter_(-1, topk_index.unsqueeze(-1), 1.0)
+        return probs
+
+    def build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map):
+        n = m.SPEC.num_steps if m.SPEC.multi_layer else 1
+        topk_index = torch.stack([torch.as_tensor(r.output_topk_index[:n], dtype=torch.int64) for r in batch.reqs])
+        draft_probs = None
+        if m.SPEC.rs and hasattr(m, "pd_first_draft_proposal"):
+            draft_probs = m.pd_first_draft_proposal(topk_index, batch.model_config.vocab_size)  # module global
+            if not m.SPEC.multi_layer:
+                draft_probs = draft_probs[:, 0]
+        return SimpleNamespace(topk_index=topk_index, draft_probs=draft_probs, future_indices=None)
+
+    if build_params is not None:
+        exec(f"def build_eagle_disagg_draft_input({build_params}): pass", m.__dict__)
+    else:
+        m.build_eagle_disagg_draft_input = build_eagle_disagg_draft_input
+    if proposal:
+        m.pd_first_draft_proposal = pd_first_draft_proposal
+    return m
+
+
+def fake_prefill_module():
+    m = types.ModuleType("fake_sglang_prefill")
+
+    class SchedulerDisaggregationPrefillMixin:
+        def process_batch_result_disagg_prefill(self, batch, result):
+            # Like SGLang: copy the (possibly overwritten) rows onto each finished request.
+            for i, req in enumerate(batch.reqs):
+                req.output_topk_index = result.next_draft_input.topk_index[i]
+                req.output_topk_p = result.next_draft_input.topk_p[i]
+
+    m.SchedulerDisaggregationPrefillMixin = SchedulerDisaggregationPrefillMixin
+    return m
+
+
+def req(tokens, room=None, p=0.5):
+    return SimpleNamespace(
+        output_topk_index=list(tokens),
+        output_topk_p=[p] * len(tokens),
+        hidden_states_tensor=torch.zeros(4),
+        output_dsa_topk_indices=None,
+        bootstrap_room=room,
+    )
+
+
+def batch_of(reqs, vocab=V, overlap=False):
+    return SimpleNamespace(
+        reqs=reqs,
+        device=torch.device("cpu"),
+        model_config=SimpleNamespace(vocab_size=vocab, hf_config=SimpleNamespace()),
+        enable_overlap=overlap,
+        req_pool_indices=torch.arange(1, len(reqs) + 1),
+        seq_lens=torch.full((len(reqs),), 10),
+    )
+
+
+class RecordingSender:
+    """In-memory stand-in for a PrefillSender (I/O injection; the real one is tested below)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, payload):
+        self.sent.append(payload)
+
+
+# ----------------------------------------------------------------- version and signature checks
+
+
+def test_detect_version_without_sglang(monkeypatch) -> None:
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(PluginError, match="SGLang is not installed"):
+        S.detect_version()
+
+
+def test_unsupported_version_refused_and_nothing_patched() -> None:
+    m = fake_decode_module()
+    build, prop = m.build_eagle_disagg_draft_input, m.pd_first_draft_proposal
+    with pytest.raises(PluginError, match=r"SGLang 0\.4\.0 is not a supported version \('0\.5\.23',\)"):
+        S.install(make_config(), decode_module=m, version="0.4.0")
+    assert m.build_eagle_disagg_draft_input is build and m.pd_first_draft_proposal is prop
+    assert S.current() is None
+
+
+def test_missing_proposal_function_refused_on_supported_version() -> None:
+    m = fake_decode_module(proposal=False)
+    build = m.build_eagle_disagg_draft_input
+    with pytest.raises(PluginError, match=r"fake_sglang_ed\.pd_first_draft_proposal not found"):
+        S.install(make_config(), decode_module=m, version="0.5.23")
+    assert m.build_eagle_disagg_draft_input is build
+
+
+def test_missing_build_function_refused() -> None:
+    m = types.ModuleType("empty_ed")
+    with pytest.raises(PluginError, match=r"empty_ed\.build_eagle_disagg_draft_input not found"):
+        S.install(make_config(), decode_module=m, version="0.5.23")
+
+
+def test_changed_signature_refused_and_nothing_patched() -> None:
+    m = fake_decode_module(build_params="batch, last_tokens_tensor, future_map, extra=None")
+    build, prop = m.build_eagle_disagg_draft_input, m.pd_first_draft_proposal
+    with pytest.raises(PluginError, match=r"has parameters \('batch', 'last_tokens_tensor', 'future_map', 'extra'\)"):
+        S.install(make_config(), decode_module=m, version="0.5.23")
+    assert m.build_eagle_disagg_draft_input is build and m.pd_first_draft_proposal is prop
+
+
+def test_missing_prefill_class_refused_before_decode_is_patched() -> None:
+    m = fake_decode_module()
+    build = m.build_eagle_disagg_draft_input
+    pub = ProposalPublisher(object(), RecordingSender(), vocab_size=V)
+    with pytest.raises(PluginError, match=r"empty_pre\.SchedulerDisaggregationPrefillMixin not found"):
+        S.install(make_config(), decode_module=m, prefill_module=types.ModuleType("empty_pre"), publisher=pub, version="0.5.23")
+    assert m.build_eagle_disagg_draft_input is build
+
+
+def test_bad_config_leaves_sglang_untouched() -> None:
+    m = fake_decode_module()
+    build = m.build_eagle_disagg_draft_input
+    cfg = make_config(synthesizer={"name": "no_such_synth"})
+    with pytest.raises(PluginError, match="no_such_synth"):
+        S.install(cfg, decode_module=m, version="0.5.23")
+    assert m.build_eagle_disagg_draft_input is build
+
+
+def test_install_uninstall_idempotent_and_restores_identity() -> None:
+    m = fake_decode_module()
+    build, prop = m.build_eagle_disagg_draft_input, m.pd_first_draft_proposal
+    a = S.install(make_config(), decode_module=m, version="0.5.23")
+    b = S.install(make_config(), decode_module=m, version="0.5.23")  # replaces, never stacks
+    assert S.current() is b and a is not b
+    assert m.build_eagle_disagg_draft_input.__wrapped__ is build
+    assert m.pd_first_draft_proposal.__wrapped__ is prop
+    assert S.uninstall() is True
+    assert m.build_eagle_disagg_draft_input is build and m.pd_first_draft_proposal is prop
+    assert S.uninstall() is False
+
+
+def test_uninstall_refuses_to_drop_a_foreign_patch() -> None:
+    m = fake_decode_module()
+    S.install(make_config(), decode_module=m, version="0.5.23")
+    ours = m.build_eagle_disagg_draft_input
+    m.pd_first_draft_proposal = lambda topk_index, vocab_size: None  # someone patched on top
+    with pytest.raises(PluginError, match=r"pd_first_draft_proposal was replaced by someone else after install"):
+        S.uninstall()
+    assert m.build_eagle_disagg_draft_input is ours  # nothing restored half-way
+    m.pd_first_draft_proposal = S.current().patches[1][3]
+    assert S.uninstall() is True
+
+
+# ----------------------------------------------------------------- decode proposer
+
+
+def test_one_hot_through_the_wrapped_function_single_and_multi_layer() -> None:
+    m = fake_decode_module()
+    S.install(make_config(decode={"max_batch": 2}), decode_module=m, version="0.5.23")
+    reqs = [req([3]), req([0]), req([15])]  # 3 requests > max_batch 2: assembled in chunks
+    out = m.build_eagle_disagg_draft_input(batch_of(reqs), None, None).draft_probs
+    assert out.dtype == torch.float32 and tuple(out.shape) == (3, V)
+    assert torch.equal(out, torch.nn.functional.one_hot(torch.tensor([3, 0, 15]), V).float())
+    S.install(make_config(model={"vocab_size": V, "num_steps": 3}), decode_module=m, version="0.5.23")
+    m.SPEC = SimpleNamespace(rs=True, multi_layer=True, num_steps=3)
+    out = m.build_eagle_disagg_draft_input(batch_of([req([1, 2, 3]), req([4, 5, 6])]), None, None).draft_probs
+    assert tuple(out.shape) == (2, 3, V)
+    assert torch.equal(out.argmax(-1), torch.tensor([[1, 2, 3], [4, 5, 6]])) and torch.equal(out.sum(-1), torch.ones(2, 3))
+
+
+def test_config_mismatches_are_config_errors() -> None:
+    m = fake_decode_module()
+    S.install(make_config(), decode_module=m, version="0.5.23")
+    with pytest.raises(ConfigError, match=r"at model\.vocab_size.*SGLang's target vocab is 32, the config says 16"):
+        m.build_eagle_disagg_draft_input(batch_of([req([1])], vocab=32), None, None)
+    m.SPEC = SimpleNamespace(rs=True, multi_layer=True, num_steps=2)
+    with pytest.raises(ConfigError, match=r"at model\.num_steps.*SGLang sends 2 draft token\(s\)"):
+        m.build_eagle_disagg_draft_input(batch_of([req([1, 2])]), None, None)
+    S.install(make_config(decode={"rejection_sampling": False}), decode_module=m, version="0.5.23")
+    m.SPEC = SimpleNamespace(rs=True, multi_layer=False, num_steps=1)
+    with pytest.raises(ConfigError, match=r"at decode\.rejection_sampling"):
+        m.build_eagle_disagg_draft_input(batch_of([req([1])]), None, None)
+
+
+def test_proposal_outside_the_build_call_is_sglangs() -> None:
+    m = fake_decode_module()
+    S.install(make_config(), decode_module=m, version="0.5.23")
+    out = m.pd_first_draft_proposal(torch.tensor([[2]]), V)  # no batch in context
+    assert tuple(out.shape) == (1, 1, V) and out[0, 0, 2] == 1.0
+
+
+def _delivery(rid, tokens, proposal, released):
+    from pd_middleware import Payload, Provenance
+
+    p = Payload(rid, tuple(tokens), (0.5,) * len(tokens), V, provenance=Provenance(sampled_from="sparse-fp32"))
+    return Delivery(p, proposal, "default", time.perf_counter(), lambda: released.append(rid))
+
+
+def _sparse(idx, val):
+    return SparseProposal((len(idx),), torch.tensor(idx), torch.tensor(val, dtype=torch.float32), (0.0,))
+
+
+def test_store_feeds_proposals_and_counts_every_fallback() -> None:
+    m = fake_decode_module()
+    store = ProposalStore()
+    inst = S.install(make_config(), decode_module=m, version="0.5.23", store=store)
+    released: list[str] = []
+    store.put(_delivery("7", [2], _sparse([2, 5], [0.75, 0.25]), released))  # matches
+    store.put(_delivery("8", [9], _sparse([9], [1.0]), released))  # SGLang received 4: mismatch
+    store.put(Failure("9", "wire", "bad", field="draft_probs"))
+    reqs = [req([2], room=7), req([4], room=8), req([1], room=9), req([3], room=10)]
+    out = m.build_eagle_disagg_draft_input(batch_of(reqs), None, None).draft_probs
+    assert out[0, 2] == 0.75 and out[0, 5] == 0.25 and out[0].sum() == 1.0
+    assert torch.equal(out[1:].argmax(-1), torch.tensor([4, 1, 3])) and torch.equal(out[1:].max(-1).values, torch.ones(3))
+    assert sorted(released) == ["7", "8"] and len(store) == 0
+    c = inst.proposer.counts
+    assert (c["proposal:prefill"], c["fallback:token_mismatch"], c["fallback:failed:wire:draft_probs"], c["fallback:missing"]) == (1, 1, 1, 1)
+    assert inst.middleware.metrics.fallbacks["sglang:missing"] == 1
+
+
+def test_store_bounds_capacity_and_age() -> None:
+    now = [100.0]
+    store = ProposalStore(capacity=2, ttl_s=10.0, clock=lambda: now[0])
+    released: list[str] = []
+    for rid in ("a", "b", "c"):
+        store.put(_delivery(rid, [1], OneHotProposal((1,)), released)._replace(received_at=now[0]))
+    assert released == ["a"] and store.evicted["capacity"] == 1 and len(store) == 2
+    store.receiver = SimpleNamespace(drain=lambda: [])
+    now[0] = 111.0
+    store.pump()
+    assert sorted(released) == ["a", "b", "c"] and store.evicted["ttl"] == 2 and len(store) == 0
+    assert store.take(None) is None and store.take("zz") is None
+
+
+def test_post_hoc_mode_for_older_sglang() -> None:
+    m = fake_decode_module(proposal=False)
+    with pytest.raises(PluginError, match="not a supported version"):
+        S.install(make_config(), decode_module=m, version="0.5.9")
+    inst = S.install(make_config(), decode_module=m, version="0.5.9", allow_unsupported=True)
+    assert inst.mode == "post_hoc"
+    out = m.build_eagle_disagg_draft_input(batch_of([req([6])]), None, None).draft_probs
+    assert tuple(out.shape) == (1, V) and out[0, 6] == 1.0 and out.sum() == 1.0
+    with pytest.raises(PluginError, match="--disable-overlap-schedule"):
+        m.build_eagle_disagg_draft_input(batch_of([req([6])], overlap=True), None, SimpleNamespace())
+
+
+# ----------------------------------------------------------------- prefill publisher
+
+
+def sparse_encoder(k=3):
+    from pd_middleware_plugins.sparse import SparseEncoder, SparseEncoderOptions
+
+    return SparseEncoder(SparseEncoderOptions(mode="topk", k=k, value_dtype="fp32"), PluginContext(V, 1, True))
+
+
+def draft_rows(b, seed=SEED):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(b, V, generator=g) * 2, dim=-1)
+
+
+def test_publisher_keys_by_room_and_sends_the_encoders_draw() -> None:
+    tx = RecordingSender()
+    pub = ProposalPublisher(sparse_encoder(), tx, vocab_size=V, seed=SEED)
+    enc = pub.publish([11, 12], draft_rows(2), temperature=[0.7, 0.7])
+    assert [p.request_id for p in tx.sent] == ["11", "12"], f"seed {SEED}"
+    for i, p in enumerate(tx.sent):
+        assert p.draft_tokens == (int(enc.tokens[i, 0]),) and p.proposal is enc.proposals[i]
+        assert p.provenance.sampled_from == "sparse-fp32" and p.provenance.temperature == 0.7
+    pub.publish([13, 14], draft_rows(2), temperature=torch.tensor([0.5, 1.0]))
+    assert [p.provenance.temperature for p in tx.sent[2:]] == [0.5, 1.0]
+    with pytest.raises(ValueError, match="1 rooms for 2 rows"):
+        pub.publish([1], draft_rows(2))
+
+
+def test_publisher_counts_send_failures() -> None:
+    from pd_middleware import TransferError
+
+    class Broken:
+        def send(self, payload):
+            raise TransferError("decode gone", op="send", peer="x")
+
+    pub = ProposalPublisher(sparse_encoder(), lambda: Broken(), vocab_size=V)
+    pub.publish([1, 2], draft_rows(2))
+    assert pub.counts == {"send_failed:TransferError": 2}
+
+
+def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None:
+    tx = RecordingSender()
+    pub = ProposalPublisher(sparse_encoder(k=2), tx, vocab_size=V, seed=SEED)
+    pre, dec = fake_prefill_module(), fake_decode_module()
+    S.install(make_config(), decode_module=dec, prefill_module=pre, publisher=pub, version="0.5.23")
+    reqs = [req([0], room=21), req([0], room=22), req([0], room=None)]
+    reqs[1].inflight_middle_chunks = 1  # an unfinished chunk: not shipped
+    q = draft_rows(3)
+    di = SimpleNamespace(draft_probs=q, topk_index=torch.full((3, 1), 15), topk_p=torch.ones(3, 1))
+    pre.SchedulerDisaggregationPrefillMixin().process_batch_result_disagg_prefill(
+        SimpleNamespace(reqs=reqs), SimpleNamespace(next_draft_input=di)
+    )
+    assert [p.request_id for p in tx.sent] == ["21"]
+    x = tx.sent[0].draft_tokens[0]
+    assert int(reqs[0].output_topk_index[0]) == x and x in q[0].topk(2).indices.tolist(), f"seed {SEED}"
+    assert int(reqs[1].output_topk_index[0]) == 15 and int(reqs[2].output_topk_index[0]) == 15
+    di3 = SimpleNamespace(draft_probs=q.view(3, 1, V).expand(3, 2, V), topk_index=torch.zeros(3, 2, dtype=torch.int64))
+    wrap_process_batch_result(lambda self, b, r: None, lambda: pub)(None, SimpleNamespace(reqs=reqs), SimpleNamespace(next_draft_input=di3))
+    assert pub.counts["skipped:multi_layer"] == 1 and len(tx.sent) == 1
+    assert S.uninstall() and not hasattr(pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill, "__wrapped__")
+
+
+# ----------------------------------------------------------------- activation
+
+
+def test_activate_from_env(tmp_path, monkeypatch) -> None:
+    assert S.activate_from_env({}) is None
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text(f"[model]\nvocab_size = {V}\n")
+    with pytest.raises(ConfigError, match="PD_MIDDLEWARE_ROLE must be 'decode', 'prefill' or unset, got 'both'"):
+        S.activate_from_env({"PD_MIDDLEWARE_CONFIG": str(cfg), "PD_MIDDLEWARE_ROLE": "both"})
+    with pytest.raises(ConfigError, match="PD_MIDDLEWARE_ROLE=prefill needs PD_MIDDLEWARE_DECODE_ADDRESS"):
+        S.activate_from_env({"PD_MIDDLEWARE_CONFIG": str(cfg), "PD_MIDDLEWARE_ROLE": "prefill"})
+    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
+    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "nope")
+    with pytest.raises(SystemExit, match="pd-middleware: config error"):
+        S.sglang_plugin()
+    monkeypatch.delenv("PD_MIDDLEWARE_CONFIG")
+    assert S.sglang_plugin() is None and S.current() is None
+
+
+# ================================================================= the real SGLang package
+
+SGLANG_ABSENT = importlib.util.find_spec("sglang") is None
+needs_sglang = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang` (requirements-sglang.txt)"),
+]
+
+
+@pytest.fixture(scope="module")
+def ed():
+    """SGLang 0.5.23's real eagle_disaggregation module.
+
+    The torchvision stand-in below is the one stand-in this tier allows. Why: importing
+    eagle_disaggregation imports every model config, and two of them import
+    torchvision at module level. Every reachable torchvision wheel links to the CUDA
+    libraries and fails to import on CPU torch, and installing one would pull a CUDA
+    torch. Nothing on this path calls torchvision; the stand-in only answers imports.
+    """
+    if importlib.util.find_spec("torchvision") is None and "torchvision" not in sys.modules:
+        _install_torchvision_stand_in()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return importlib.import_module(S.DECODE_MODULE)
+
+
+def _install_torchvision_stand_in() -> None:
+    import importlib.abc
+    import importlib.machinery
+
+    class Meta(type):
+        def __getattr__(cls, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return Meta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": _call})
+
+        def __or__(cls, other):
+            return cls
+
+        __ror__ = __or__
+
+        def __getitem__(cls, item):
+            return cls
+
+    def _call(self, *a, **k):
+        return a[0] if len(a) == 1 and callable(a[0]) and not k else self
+
+    class Mod(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            obj = Meta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": _call})
+            setattr(self, name, obj)
+            return obj
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path, target=None):
+            if fullname.split(".")[0] == "torchvision":
+                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            return Mod(spec.name)
+
+        def exec_module(self, module):
+            module.__path__ = []
+            module.__version__ = "0.0.0+stand-in"
+
+    sys.meta_path.insert(0, Finder())
+
+
+def spec(num_steps=1, multi_layer=False, rs=True):
+    from sglang.srt.runtime_context import get_context
+
+    return get_context().override_server_args(
+        speculative_algorithm="EAGLE",
+        speculative_eagle_topk=1,
+        speculative_num_steps=num_steps,
+        enable_multi_layer_eagle=multi_layer,
+        speculative_use_rejection_sampling=rs,
+    )
+
+
+def real_batch(rows, vocab=V, overlap=False, rooms=None):
+    reqs = [req(r, room=None if rooms is None else rooms[i]) for i, r in enumerate(rows)]
+    return batch_of(reqs, vocab, overlap)
+
+
+def build(ed, batch, future_map=None):
+    return ed.build_eagle_disagg_draft_input(batch, torch.arange(len(batch.reqs), dtype=torch.int64), future_map)
+
+
+def sglang_test(fn):
+    for mark in reversed(needs_sglang):
+        fn = mark(fn)
+    return fn
+
+
+@sglang_test
+def test_real_version_is_supported(ed) -> None:
+    assert S.detect_version() in S.SUPPORTED_SGLANG_VERSIONS
+    assert ed.__name__ == S.DECODE_MODULE
+
+
+@sglang_test
+def test_real_single_layer_one_hot_fp32_vocab_wide_and_identical_to_sglang(ed) -> None:
+    rows = [[3], [0], [15]]
+    with spec():
+        ref = build(ed, real_batch(rows))
+        S.install(make_config())
+        got = build(ed, real_batch(rows))
+    assert got.draft_probs.dtype == torch.float32 and tuple(got.draft_probs.shape) == (3, V)
+    assert torch.equal(got.draft_probs, ref.draft_probs)  # SGLang's own one-hot, bit for bit
+    assert torch.equal(got.draft_probs.argmax(-1), torch.tensor([3, 0, 15]))
+    for f in ("topk_p", "topk_index", "hidden_states", "bonus_tokens"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert (got.capture_hidden_mode, got.cuda_graph_compatible) == (ref.capture_hidden_mode, ref.cuda_graph_compatible)
+    assert S.current().proposer.counts["proposal:local"] == 3
+
+
+@sglang_test
+@pytest.mark.parametrize("multi_layer", [False, True])
+def test_real_no_proposal_without_rejection_sampling(ed, multi_layer) -> None:
+    S.install(make_config(model={"vocab_size": V, "num_steps": 3 if multi_layer else 1}))
+    with spec(num_steps=3, multi_layer=multi_layer, rs=False):
+        got = build(ed, real_batch([[1, 2, 3], [4, 5, 6]]))
+    assert got.draft_probs is None
+    assert S.current().proposer.counts["batches"] == 0  # never consulted
+
+
+@sglang_test
+def test_real_multi_layer_chain(ed) -> None:
+    S.install(make_config(model={"vocab_size": V, "num_steps": 3}))
+    with spec(num_steps=3, multi_layer=True):
+        got = build(ed, real_batch([[1, 2, 3], [4, 5, 6]]))
+    dp = got.draft_probs
+    assert dp.dtype == torch.float32 and tuple(dp.shape) == (2, 3, V)
+    assert torch.equal(dp.argmax(-1), torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert torch.equal(dp.sum(-1), torch.ones(2, 3)) and torch.equal(dp.max(-1).values, torch.ones(2, 3))
+
+
+def _row_for(ed, x, vocab, delivered=None):
+    """The q SGLang's function hands the verifier when the request drafted x."""
+    store = S.current().store
+    if delivered is not None:
+        store.put(delivered)
+    with spec():
+        return build(ed, real_batch([[x]], vocab=vocab, rooms=[5])).draft_probs[0].tolist()
+
+
+@sglang_test
+def test_real_exactness_by_enumeration(ed) -> None:
+    vocab = 5
+    p = [Fraction(1, 10), Fraction(2, 5), Fraction(1, 5), Fraction(1, 5), Fraction(1, 10)]
+    s = [Fraction(1, 2), Fraction(1, 8), Fraction(1, 8), Fraction(1, 8), Fraction(1, 8)]
+    S.install(make_config(model={"vocab_size": vocab}), store=ProposalStore())
+    # One-hot, whatever law X was drawn from.
+    law = exact_verify_law(p, lambda x: [Fraction(v) for v in _row_for(ed, x, vocab)], s)
+    assert law == p
+    # A shipped sparse q_k, with X drawn from q_k itself: exact.
+    enc_idx, enc_val = [0, 1], [0.75, 0.25]  # dyadic: fp32 holds them exactly
+    qk = [Fraction(3, 4), Fraction(1, 4), 0, 0, 0]
+
+    def sparse_row(x):
+        d = _delivery("5", [x], SparseProposal((2,), torch.tensor(enc_idx), torch.tensor(enc_val), (0.0,)), [])
+        return [Fraction(v) for v in _row_for(ed, x, vocab, d)]
+
+    assert exact_verify_law(p, sparse_row, qk) == p
+    # Negative control: the same q_k handed over while X came from s: biased.
+    assert exact_verify_law(p, sparse_row, s) != p
+
+
+def _serve_and_publish(ed, cfg, rooms, rows_q, seed=SEED):
+    """Real transport on loopback: decode receiver + prefill sender + publisher."""
+    from pd_middleware.transport import open_receiver, open_sender
+
+    inst = S.install(cfg)
+    rx = open_receiver(cfg.transport, inst.middleware.pipeline)
+    inst.receiver = rx
+    inst.proposer.store = ProposalStore(rx)
+    tx = open_sender(cfg.transport, rx.address, name="test-prefill")
+    try:
+        pub = ProposalPublisher.from_config(cfg, tx, seed=seed)
+        enc = pub.publish(rooms, rows_q)
+        assert tx.flush(timeout=10.0), tx.statuses()
+    finally:
+        tx.close()
+    store = inst.store
+    deadline = time.monotonic() + 10.0
+    while len(store) < len(rooms) and time.monotonic() < deadline:
+        store.pump()
+        time.sleep(0.01)
+    assert len(store) == len(rooms), f"only {len(store)} of {len(rooms)} payloads arrived"
+    return inst, enc
+
+
+def sparse_cfg(**over):
+    return make_config(synthesizer={"name": "sparse"}, encoder={"name": "sparse", "options": {"mode": "topk", "k": 3, "value_dtype": "fp32"}}, **over)
+
+
+@sglang_test
+def test_real_sparse_plugin_carries_the_published_proposal(ed) -> None:
+    cfg = sparse_cfg()
+    inst, enc = _serve_and_publish(ed, cfg, [101, 102], draft_rows(2))
+    tokens = enc.tokens[:, 0].tolist()
+    with spec():
+        got = build(ed, real_batch([[t] for t in tokens], rooms=[101, 102]))
+    for i in range(2):
+        want = sparse_law_tensor(enc.proposals[i], 1, V)[0]
+        assert torch.equal(got.draft_probs[i], want), f"seed {SEED} row {i}"
+        assert (got.draft_probs[i] > 0).sum() == 3
+    assert inst.proposer.counts["proposal:prefill"] == 2 and inst.middleware.metrics.delivered == 2
+
+
+@sglang_test
+def test_real_overlap_relay_carries_our_q(ed) -> None:
+    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    cfg = sparse_cfg()
+    inst, enc = _serve_and_publish(ed, cfg, [201, 202], draft_rows(2, seed=SEED + 1))
+    fm = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.EAGLE, SimpleNamespace(req_to_token=torch.zeros((8, 64), dtype=torch.int32)))
+    tokens = enc.tokens[:, 0].tolist()
+    with spec():
+        got = build(ed, real_batch([[t] for t in tokens], overlap=True, rooms=[201, 202]), fm)
+    relay = fm.draft_probs_buf[got.future_indices]
+    assert torch.equal(relay, got.draft_probs)
+    for i in range(2):
+        assert torch.equal(relay[i], sparse_law_tensor(enc.proposals[i], 1, V)[0]), f"seed {SEED + 1} row {i}"
+    assert (relay.max(-1).values < 1.0).all()  # not SGLang's one-hot
+
+
+@sglang_test
+def test_real_uninstall_restores_sglang(ed) -> None:
+    build_fn, prop_fn = ed.build_eagle_disagg_draft_input, ed.pd_first_draft_proposal
+    from sglang.srt.disaggregation import prefill as pre
+
+    pre_fn = pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill
+    pub = ProposalPublisher(sparse_encoder(), RecordingSender(), vocab_size=V)
+    store = ProposalStore()
+    S.install(make_config(), publisher=pub, store=store)
+    assert pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill is not pre_fn
+    store.put(_delivery("9", [4], _sparse([4, 7], [0.5, 0.5]), []))
+    with spec():
+        assert build(ed, real_batch([[4]], rooms=[9])).draft_probs[0, 7] == 0.5
+    assert S.uninstall()
+    assert ed.build_eagle_disagg_draft_input is build_fn and ed.pd_first_draft_proposal is prop_fn
+    assert pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill is pre_fn
+    with spec():
+        again = build(ed, real_batch([[4]], rooms=[9])).draft_probs
+    assert torch.equal(again, torch.nn.functional.one_hot(torch.tensor([4]), V).float())
+
+
+@sglang_test
+def test_real_plugin_loader_activates_from_env(ed, tmp_path, monkeypatch) -> None:
+    import sglang.srt.plugins as plugins
+
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text(f"[model]\nvocab_size = {V}\n")
+    ep = importlib.metadata.EntryPoint(
+        name="pd_middleware", value="pd_middleware.integrations.sglang:sglang_plugin", group=plugins.GENERAL_PLUGINS_GROUP
+    )
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [ep] if group == plugins.GENERAL_PLUGINS_GROUP else [])
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
+    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "decode")
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    plugins.load_plugins()
+    inst = S.current()
+    assert inst is not None and inst.mode == "proposal"
+    assert inst.receiver is None  # not a scheduler process: patches only, no port bound
+    assert ed.pd_first_draft_proposal.__pd_middleware__
+
+
+def test_publisher_from_config_uses_the_top_level_encoder_under_ab() -> None:
+    cfg = make_config(
+        encoder={"name": "sparse", "options": {"k": 2}},
+        hooks=[{"name": "ab_split"}],
+        arms=[
+            {"name": "one_hot", "synthesizer": {"name": "one_hot"}, "encoder": {"name": "softmax"}},
+            {"name": "sparse", "synthesizer": {"name": "sparse"}},
+        ],
+    )
+    tx = RecordingSender()
+    ProposalPublisher.from_config(cfg, tx, seed=SEED).publish([1], draft_rows(1))
+    assert tx.sent[0].proposal is not None and tx.sent[0].provenance.sampled_from == "sparse-fp16"
+    ProposalPublisher.from_config(cfg, tx, arm="one_hot").publish([2], draft_rows(1))
+    assert tx.sent[1].proposal is None
+    with pytest.raises(ConfigError, match=r"at arms.*no arm named 'x'"):
+        ProposalPublisher.from_config(cfg, tx, arm="x")
+
+
+@sglang_test
+def test_real_live_ab_split_routes_each_room_to_its_arm(ed) -> None:
+    from pd_middleware_plugins.ab_split import arm_for
+
+    cfg = sparse_cfg(
+        hooks=[{"name": "ab_split"}],
+        arms=[{"name": "one_hot", "synthesizer": {"name": "one_hot"}}, {"name": "sparse", "synthesizer": {"name": "sparse"}}],
+    )
+    rooms = list(range(300, 308))
+    inst, enc = _serve_and_publish(ed, cfg, rooms, draft_rows(len(rooms), seed=SEED + 2))
+    arms = [arm_for(str(r), ("one_hot", "sparse"), (1, 2)) for r in rooms]
+    assert set(arms) == {"one_hot", "sparse"}, f"seed {SEED + 2}: pick other rooms"
+    with spec():
+        got = build(ed, real_batch([[t] for t in enc.tokens[:, 0].tolist()], rooms=rooms)).draft_probs
+    for i, arm in enumerate(arms):
+        want = sparse_law_tensor(enc.proposals[i], 1, V)[0] if arm == "sparse" else torch.nn.functional.one_hot(enc.tokens[i, 0], V).float()
+        assert torch.equal(got[i], want), f"room {rooms[i]} arm {arm}"
+    assert inst.middleware.metrics.snapshot()["delivered_by_arm"] == {a: arms.count(a) for a in set(arms)}
+
+
+def test_plugin_checks_role_and_rank_inside_a_scheduler(tmp_path, monkeypatch) -> None:
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text(f"[model]\nvocab_size = {V}\n")
+    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
+    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "decode")
+
+    def run_scheduler_process(server_args, tp_rank):  # the name SGLang's loader runs under
+        S.sglang_plugin()
+
+    with pytest.raises(SystemExit, match="PD_MIDDLEWARE_ROLE=decode but this SGLang server runs --disaggregation-mode prefill"):
+        run_scheduler_process(SimpleNamespace(disaggregation_mode="prefill"), 0)
+    with pytest.raises(SystemExit, match="TP rank 1 would not see the payloads"):
+        run_scheduler_process(SimpleNamespace(disaggregation_mode="decode"), 1)
+    assert S.current() is None
