@@ -6,8 +6,9 @@ the functions here and nowhere else:
 
 - :func:`dense_law` for :class:`~pd_middleware.payload.DenseEncoding`: widen to fp32,
   renormalise each step;
-- :func:`sparse_law` for :class:`~pd_middleware.payload.SparseEncoding`: widen the
-  listed values to fp32, scale them to ``1 - tail_mass``, and give every unlisted token
+- :func:`sparse_law` for :class:`~pd_middleware.payload.SparseEncoding`: decode the
+  token ids (int32, or u16 low bits plus per-step bucket counts), widen the listed
+  values to fp32, scale them to ``1 - tail_mass``, and give every unlisted token
   ``tail_mass / (V - listed)``.
 
 Both validate what they read (a decode receives it from the network) and raise
@@ -22,7 +23,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ._errors import ValidationError
-from .payload import ITEMSIZE, DenseEncoding, SparseEncoding
+from .payload import ITEMSIZE, U16_BUCKET, DenseEncoding, SparseEncoding, u16_buckets
 from .proposal import DenseProposal, SparseProposal
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ SUM_TOLERANCE: dict[str, float] = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 1e-2}
 
 
 def torch_dtype(name: str) -> "torch.dtype":
-    """Map a wire dtype name (``fp32``, ``bf16``, ``fp16``, ``int32``, ``int64``) to torch."""
+    """Map a wire dtype name (``fp32``, ``bf16``, ``fp16``, ``int32``, ``int64``, ``uint16``) to torch."""
     import torch
 
     return {
@@ -43,6 +44,7 @@ def torch_dtype(name: str) -> "torch.dtype":
         "fp16": torch.float16,
         "int32": torch.int32,
         "int64": torch.int64,
+        "uint16": torch.uint16,
     }[name]
 
 
@@ -119,7 +121,10 @@ def sparse_law(
     matching size; indices in ``[0, vocab_size)`` and unique within a step; values finite
     and non-negative with a positive sum; ``tail_mass`` empty or one value per step in
     ``[0, 1)``, zero when a step lists the whole vocab; listed sum plus tail mass equal to
-    1 within :data:`SUM_TOLERANCE`.
+    1 within :data:`SUM_TOLERANCE`. For ``index_format == "u16"`` also: ``bucket_counts``
+    holds ``ceil(V / 65536)`` non-negative counts per step summing to that step's length,
+    and the decoded ids are strictly ascending within each step (which proves them
+    unique). The result's ``indices`` are int64 ids in the encoding's entry order.
     """
     import torch
 
@@ -138,11 +143,24 @@ def sparse_law(
         raise ValidationError(
             f"unsupported value dtype {enc.value_dtype!r}", field="proposal.value_dtype", request_id=rid
         )
+    if enc.index_format not in ("int32", "u16"):
+        raise ValidationError(
+            f"unsupported index format {enc.index_format!r}", field="proposal.index_format", request_id=rid
+        )
+    u16 = enc.index_format == "u16"
+    if not u16 and enc.bucket_counts:
+        raise ValidationError(
+            f"has {len(enc.bucket_counts)} counts, but int32 indices take none",
+            field="proposal.bucket_counts",
+            request_id=rid,
+        )
     total = sum(lengths)
     n_idx = (len(enc.indices) if isinstance(enc.indices, bytes) else enc.indices.nbytes)
-    if n_idx != total * 4:
+    if n_idx != total * (2 if u16 else 4):
         raise ValidationError(
-            f"holds {n_idx} bytes, expected {total} int32 indices", field="proposal.indices", request_id=rid
+            f"holds {n_idx} bytes, expected {total} {'u16' if u16 else 'int32'} indices",
+            field="proposal.indices",
+            request_id=rid,
         )
     n_val = (len(enc.values) if isinstance(enc.values, bytes) else enc.values.nbytes)
     if n_val != total * ITEMSIZE[enc.value_dtype]:
@@ -165,21 +183,24 @@ def sparse_law(
                 field="proposal.tail_mass",
                 request_id=rid,
             )
-    idx = tensor_from_buffer(enc.indices, "int32").long()
-    if bool(((idx < 0) | (idx >= vocab_size)).any()):
-        bad = int(idx[(idx < 0) | (idx >= vocab_size)][0])
-        raise ValidationError(
-            f"index {bad} is outside [0, {vocab_size})", field="proposal.indices", request_id=rid
-        )
-    if num_steps == 1:
-        key = idx
+    if u16:
+        idx, steps = _u16_ids(enc, lengths, vocab_size, rid)
     else:
-        # Step id of each entry. searchsorted, not repeat_interleave: the latter costs
-        # milliseconds per call on CPU builds of torch 2.13, even for a few entries.
-        steps = torch.searchsorted(torch.tensor(lengths).cumsum(0), torch.arange(total), right=True)
-        key = steps * vocab_size + idx
-    if torch.unique(key).numel() != total:
-        raise ValidationError("repeats an index within a step", field="proposal.indices", request_id=rid)
+        idx = tensor_from_buffer(enc.indices, "int32").long()
+        if bool(((idx < 0) | (idx >= vocab_size)).any()):
+            bad = int(idx[(idx < 0) | (idx >= vocab_size)][0])
+            raise ValidationError(
+                f"index {bad} is outside [0, {vocab_size})", field="proposal.indices", request_id=rid
+            )
+        if num_steps == 1:
+            key = idx
+        else:
+            # Step id of each entry. searchsorted, not repeat_interleave: the latter costs
+            # milliseconds per call on CPU builds of torch 2.13, even for a few entries.
+            steps = torch.searchsorted(torch.tensor(lengths).cumsum(0), torch.arange(total), right=True)
+            key = steps * vocab_size + idx
+        if torch.unique(key).numel() != total:
+            raise ValidationError("repeats an index within a step", field="proposal.indices", request_id=rid)
     vals = tensor_from_buffer(enc.values, enc.value_dtype).float()
     if not bool(torch.isfinite(vals).all()):
         raise ValidationError("contains NaN or inf", field="proposal.values", request_id=rid)
@@ -210,6 +231,68 @@ def sparse_law(
     if not all(math.isfinite(f) for f in floors):  # pragma: no cover - guarded above
         raise ValidationError("non-finite floor", field="proposal.tail_mass", request_id=rid)
     return SparseProposal(lengths=tuple(lengths), indices=idx, values=vals, floor=tuple(floors))
+
+
+def _u16_ids(
+    enc: SparseEncoding, lengths: tuple[int, ...], vocab_size: int, rid: str | None
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Decode and check u16 indices: (ids int64 (total,), step of each entry int64 (total,)).
+
+    Entry j lies in flat bucket b = the first b with cumsum(bucket_counts)[b] > j
+    (``searchsorted``: no Python loop over entries, no ``repeat_interleave``); its step
+    is b // nb and its id 65536 * (b % nb) + low. Because each step's counts sum to its
+    length, the flat buckets are non-decreasing over the entries, so one comparison of
+    consecutive (bucket, low) keys checks that ids ascend strictly within every step.
+    """
+    import torch
+
+    nb = u16_buckets(vocab_size)
+    counts = enc.bucket_counts
+    steps_n = len(lengths)
+    if len(counts) != steps_n * nb:
+        raise ValidationError(
+            f"has {len(counts)} counts, expected {steps_n} steps x {nb} buckets of {U16_BUCKET} tokens "
+            f"= {steps_n * nb}",
+            field="proposal.bucket_counts",
+            request_id=rid,
+        )
+    for c in counts:
+        if type(c) is not int or c < 0:
+            raise ValidationError(f"count {c!r} is not an int >= 0", field="proposal.bucket_counts", request_id=rid)
+    for s, n in enumerate(lengths):
+        got = sum(counts[s * nb : (s + 1) * nb])
+        if got != n:
+            raise ValidationError(
+                f"step {s}: counts sum to {got}, but the step lists {n} entries",
+                field="proposal.bucket_counts",
+                request_id=rid,
+            )
+    total = sum(lengths)
+    low = tensor_from_buffer(enc.indices, "uint16").long()
+    bucket = torch.searchsorted(torch.tensor(counts, dtype=torch.int64).cumsum(0), torch.arange(total), right=True)
+    key = bucket * U16_BUCKET + low
+    if total > 1:
+        down = key[1:] <= key[:-1]
+        # At a step boundary the flat bucket jumps into the next step's range, so the
+        # key still rises there: a drop can only occur inside one step.
+        if bool(down.any()):
+            j = int(down.nonzero()[0, 0]) + 1
+            s = int(bucket[j]) // nb
+            raise ValidationError(
+                f"step {s}: ids are not strictly ascending (entry {j}: id "
+                f"{int(key[j]) - s * nb * U16_BUCKET} after {int(key[j - 1]) - s * nb * U16_BUCKET})",
+                field="proposal.indices",
+                request_id=rid,
+            )
+    steps = bucket // nb
+    idx = key - steps * (nb * U16_BUCKET)
+    over = idx >= vocab_size
+    if bool(over.any()):
+        j = int(over.nonzero()[0, 0])
+        raise ValidationError(
+            f"index {int(idx[j])} is outside [0, {vocab_size})", field="proposal.indices", request_id=rid
+        )
+    return idx, steps
 
 
 def sparse_law_tensor(enc: SparseEncoding, num_steps: int, vocab_size: int) -> "torch.Tensor":

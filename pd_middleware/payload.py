@@ -27,7 +27,16 @@ HiddenDType = Literal["bf16", "fp16", "fp32"]
 DraftRule = Literal["greedy", "sampled"]
 
 #: Bytes per element of each wire dtype.
-ITEMSIZE: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8}
+ITEMSIZE: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8, "uint16": 2}
+
+IndexFormat = Literal["int32", "u16"]
+#: Tokens per bucket of the ``u16`` index format: an id is ``U16_BUCKET * block + low``.
+U16_BUCKET = 1 << 16
+
+
+def u16_buckets(vocab_size: int) -> int:
+    """Buckets per step of the ``u16`` index format: ceil(V / 65536)."""
+    return -(-vocab_size // U16_BUCKET)
 
 _MAX_TOKEN = 2**63
 
@@ -121,11 +130,23 @@ class DenseEncoding:
 class SparseEncoding:
     """A truncated proposal per step, with an optional uniform floor.
 
-    ``lengths[s]`` entries belong to step s; ``indices`` (int32) and ``values``
+    ``lengths[s]`` entries belong to step s; ``indices`` and ``values``
     (``value_dtype``) hold them concatenated over steps. ``tail_mass[s]`` is the
     probability spread uniformly over the tokens step s does not list (0.0 for a plain
     top-k/top-p). The distribution it stands for is
     :func:`pd_middleware.encodings.sparse_law`.
+
+    ``index_format`` says how ``indices`` holds the token ids:
+
+    - ``"int32"``: one int32 id per entry, in any order (4 B); ``bucket_counts`` empty;
+    - ``"u16"``: within each step the entries are sorted by id, strictly ascending;
+      ``indices`` holds the low 16 bits of each id as uint16 (2 B) and
+      ``bucket_counts`` holds, per step, ``ceil(V / 65536)`` counts (flattened over
+      steps): how many of the step's entries fall in each 65536-token block. The id of
+      an entry is ``65536 * block + low``.
+
+    The law, and therefore ``encoding_id`` (which the provenance guard compares), does
+    not depend on the index format.
     """
 
     lengths: tuple[int, ...]
@@ -133,6 +154,8 @@ class SparseEncoding:
     values: bytes | memoryview
     value_dtype: Literal["fp32", "fp16"] = "fp16"
     tail_mass: tuple[float, ...] = ()
+    index_format: IndexFormat = "int32"
+    bucket_counts: tuple[int, ...] = ()
     kind: Literal["sparse"] = field(default="sparse", init=False)
 
     @property
@@ -140,7 +163,15 @@ class SparseEncoding:
         return f"sparse-{self.value_dtype}"
 
     @property
+    def index_dtype(self) -> str:
+        """Wire dtype of ``indices``: ``int32`` or ``uint16``."""
+        return "uint16" if self.index_format == "u16" else "int32"
+
+    @property
     def nbytes(self) -> int:
+        """Bytes of the bulk tensors: indices (4 B per entry as int32, 2 B as u16) plus
+        values. ``lengths``, ``tail_mass`` and ``bucket_counts`` travel in the control
+        header (a few bytes per step), which the wire codec measures."""
         return _nbytes(self.indices) + _nbytes(self.values)
 
 

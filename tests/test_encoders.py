@@ -45,6 +45,11 @@ ENCODERS = {
     "sparse-topp": lambda c: SparseEncoder(SparseEncoderOptions(mode="topp", epsilon=0.1, k_max=12), c),
     "sparse-floor": lambda c: SparseEncoder(SparseEncoderOptions(mode="topk", k=5, floor=True), c),
     "sparse-tv": lambda c: SparseEncoder(SparseEncoderOptions(mode="tv", epsilon=0.05, k_max=12, floor=True), c),
+    "sparse-topk-u16": lambda c: SparseEncoder(SparseEncoderOptions(mode="topk", k=5, index_format="u16"), c),
+    "sparse-floor-u16": lambda c: SparseEncoder(SparseEncoderOptions(mode="topk", k=5, floor=True, index_format="u16"), c),
+    "sparse-tv-u16": lambda c: SparseEncoder(
+        SparseEncoderOptions(mode="tv", epsilon=0.05, k_max=12, floor=True, index_format="u16"), c
+    ),
 }
 
 
@@ -175,6 +180,38 @@ def test_sparse_tv_mode_is_the_smallest_prefix_within_budget():
     assert {p.lengths for p in capped.proposals} == {(7,)}
 
 
+@pytest.mark.parametrize("mode", ["topk", "topp", "tv"])
+def test_sparse_u16_sends_sorted_low_bits_with_bucket_counts_and_the_int32_law(mode):
+    """V = 152064 (3 buckets), 3 steps: same entries and law as int32, at 4 B per entry."""
+    v, b, s = 152064, 3, 3
+    q = rows(b, s, v=v, sharp=4.0)
+    opts = dict(mode=mode, k=700, epsilon=0.01, k_max=700, floor=mode == "tv")
+    c = ctx(v=v, steps=s)
+    a = SparseEncoder(SparseEncoderOptions(**opts, index_format="int32"), c).encode(q, generator=gen())
+    u = SparseEncoder(SparseEncoderOptions(**opts, index_format="u16"), c).encode(q, generator=gen())
+    assert u.provenance == a.provenance  # the encoding id does not depend on the index format
+    for pa, pu in zip(a.proposals, u.proposals):
+        assert pu.index_format == "u16" and pa.index_format == "int32" and pa.bucket_counts == ()
+        assert pu.lengths == pa.lengths and pu.tail_mass == pytest.approx(pa.tail_mass, abs=1e-12)
+        total = sum(pu.lengths)
+        assert pu.nbytes == 4 * total and pa.nbytes == 6 * total
+        ids_a = torch.frombuffer(bytearray(pa.indices), dtype=torch.int32).long()
+        low = torch.frombuffer(bytearray(pu.indices), dtype=torch.uint16).long()
+        start = 0
+        for j, n in enumerate(pu.lengths):
+            want = ids_a[start : start + n].sort().values
+            counts = pu.bucket_counts[3 * j : 3 * j + 3]
+            assert counts == tuple(int(((want >> 16) == k).sum()) for k in range(3))
+            assert torch.equal(low[start : start + n], want & 0xFFFF), f"seed {SEED} step {j}"
+            start += n
+        la, lu = law_of(pa, s, v), law_of(pu, s, v)
+        # Same entries and values; only the fp32 sum order of the normalisation may differ.
+        assert torch.equal(la > 0, lu > 0) and torch.allclose(la, lu, rtol=1e-6, atol=0)
+    for i in range(b):
+        for j in range(s):
+            assert u.token_probs[i, j].item() == law_of(u.proposals[i], s, v)[j, int(u.tokens[i, j])].item()
+
+
 # ----------------------------------------------------------------------------- inputs and options
 
 
@@ -203,6 +240,7 @@ def test_input_validation(name):
         (SPARSE, {"epsilon": 1.0}, "encoder.options.epsilon", "must be in [0, 1), got 1.0"),
         (SPARSE, {"mode": "top_k"}, "encoder.options.mode", "Invalid enum value 'top_k'"),
         (SPARSE, {"value_dtype": "bf16"}, "encoder.options.value_dtype", "Invalid enum value 'bf16'"),
+        (SPARSE, {"index_format": "u8"}, "encoder.options.index_format", "Invalid enum value 'u8'"),
         (SPARSE, {"kk": 3}, "encoder.options", "Object contains unknown field `kk`"),
         (FULL, {"dtype": "int8"}, "encoder.options.dtype", "Invalid enum value 'int8'"),
     ],
@@ -216,7 +254,9 @@ def test_option_errors_name_the_key(spec, raw, path, message):
 
 def test_options_round_trip():
     o = convert_options(SPARSE, {"mode": "topp", "epsilon": 0.01, "k_max": 4000, "floor": True}, "encoder.options")
-    assert o == SparseEncoderOptions(mode="topp", epsilon=0.01, k_max=4000, floor=True)
+    assert o == SparseEncoderOptions(mode="topp", epsilon=0.01, k_max=4000, floor=True) and o.index_format == "int32"
+    o = convert_options(SPARSE, {"mode": "tv", "floor": True, "index_format": "u16"}, "encoder.options")
+    assert o == SparseEncoderOptions(mode="tv", floor=True, index_format="u16")
     assert convert_options(FULL, {"dtype": "bf16"}, "encoder.options") == FullEncoderOptions(dtype="bf16")
 
 
@@ -234,11 +274,16 @@ def _draws(encoder, q_row):
     return counts, out
 
 
-@pytest.mark.parametrize("name", ["full-bf16", "sparse-floor", "sparse-topk"])
-def test_encoders_sample_from_the_law_they_send(name):
+@pytest.mark.parametrize(
+    "name, index_format",
+    [("full-bf16", None)] + [(n, f) for n in ("sparse-floor", "sparse-topk") for f in ("int32", "u16")],
+)
+def test_encoders_sample_from_the_law_they_send(name, index_format):
     """Pearson chi-square of X against the sent law, false-positive bound 1e-6 each."""
     q_row = rows(1, 1, sharp=1.0)[0, 0]
-    enc = ENCODERS[name](ctx(steps=N_S))
+    enc = ENCODERS[name + ("-u16" if index_format == "u16" else "")](ctx(steps=N_S))
+    if index_format is not None:
+        assert enc.options.index_format == index_format
     counts, out = _draws(enc, q_row)
     law = law_of(out.proposals[0], N_S)[0].double()
     assert all(torch.equal(law_of(p, N_S)[0].double(), law) for p in out.proposals[:5])

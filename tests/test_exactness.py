@@ -42,6 +42,16 @@ ENCODERS = {
     "sparse-tv": lambda c: sparse.SparseEncoder(
         sparse.SparseEncoderOptions(mode="tv", epsilon=0.05, k_max=4, floor=True), c
     ),
+    # The same pairs with u16 indices (one 65536-token bucket at this vocab).
+    "sparse-topp-u16": lambda c: sparse.SparseEncoder(
+        sparse.SparseEncoderOptions(mode="topp", epsilon=0.5, k_max=4, index_format="u16"), c
+    ),
+    "sparse-floor-u16": lambda c: sparse.SparseEncoder(
+        sparse.SparseEncoderOptions(mode="topk", k=2, floor=True, index_format="u16"), c
+    ),
+    "sparse-tv-u16": lambda c: sparse.SparseEncoder(
+        sparse.SparseEncoderOptions(mode="tv", epsilon=0.05, k_max=4, floor=True, index_format="u16"), c
+    ),
 }
 SYNTHS = {
     "one_hot": lambda c, unsafe: one_hot.OneHotSynthesizer(None, c),
@@ -159,6 +169,7 @@ NEGATIVE_CONTROLS = {
     "fp32-drawn-bf16-sent": ("full-fp32", "full-bf16", "full_distribution"),
     # X ~ q (softmax), top-2 q_k sent.
     "softmax-drawn-topk-sent": ("softmax", "sparse-topk", "sparse"),
+    "softmax-drawn-u16-floor-sent": ("softmax", "sparse-floor-u16", "sparse"),
     # X = argmax q, full softmax q sent.
     "greedy-drawn-softmax-sent": ("greedy", "full-fp32", "full_distribution"),
 }
@@ -302,3 +313,68 @@ def test_monte_carlo_through_the_real_transport(mooncake_pair):
     print({arm: f"TV {tv:.4f} (bound {bound:.4f}), fallbacks {fb}" for arm, (tv, fb) in results.items()})
     assert results["full_distribution+greedy(guarded)"][1] == MC_N  # every greedy payload fell back
     assert results["full_distribution+full-bf16"][1] == results["sparse+floor"][1] == 0
+
+
+# ----------------------------------------------------------------------------- u16 bit-exact via transport
+
+U16_V = 152064  # three 65536-token buckets
+U16_STEPS = 3
+
+
+@pytest.mark.parametrize("path", ["inline", "mooncake"])
+def test_u16_sparse_round_trips_bit_exact_through_the_real_transport(path, mooncake_pair):
+    """Real u16 encodings (V = 152064, 3 steps) through PrefillSender -> DecodeReceiver ->
+    sparse synthesizer: the bytes arrive unchanged and the law the decode hands over is,
+    bit for bit, the law the prefill drew X from."""
+    import zmq
+
+    from pd_middleware.transport import DecodeReceiver, PrefillSender, SlotsConfig, TransportConfig
+
+    decode_engine, prefill_engine = mooncake_pair if path == "mooncake" else (None, None)
+    cfg = TransportConfig(
+        inline_threshold_bytes=0 if path == "mooncake" else 1 << 30,
+        heartbeat_s=0.1,
+        peer_timeout_s=10.0,
+        slots=SlotsConfig(count=8, size_bytes=64 * 1024, per_peer=8, wait_s=10.0),
+    )
+    g = torch.Generator().manual_seed(SEED)
+    q = torch.softmax(3.0 * torch.randn(4, U16_STEPS, U16_V, generator=g), dim=-1)
+    enc = sparse.SparseEncoder(
+        sparse.SparseEncoderOptions(mode="topp", epsilon=0.01, k_max=3000, floor=True, index_format="u16"),
+        ctx(U16_V, U16_STEPS, side="prefill"),
+    ).encode(q, generator=torch.Generator().manual_seed(SEED))
+    sent = [
+        Payload(request_id=f"u16-{i}", draft_tokens=enc.tokens[i], draft_probs=enc.token_probs[i], vocab_size=U16_V,
+                hidden=bytes(64), provenance=enc.provenance, proposal=p)
+        for i, p in enumerate(enc.proposals)
+    ]
+    # Every bucket is used and more than one step is sent: the multi-bucket, multi-step case.
+    assert all(sum(1 for c in p.proposal.bucket_counts if c) == 3 * U16_STEPS for p in sent), f"seed {SEED}"
+    synth = sparse.SparseSynthesizer(None, ctx(U16_V, U16_STEPS))
+    zctx = zmq.Context()
+    rx = DecodeReceiver(cfg, ReceivePipeline([], {"default": ("sparse", synth)}), engine=decode_engine, context=zctx).start()
+    tx = PrefillSender(cfg, engine=prefill_engine, context=zctx, name=f"u16-{path}").connect(rx.address)
+    try:
+        for p in sent:
+            tx.send(p)
+            out = rx.get(timeout=10.0)
+            assert isinstance(out, Delivery), out
+            got = out.payload.proposal
+            want = p.proposal
+            assert (got.index_format, got.bucket_counts, got.lengths, got.tail_mass) == (
+                "u16", want.bucket_counts, want.lengths, want.tail_mass
+            )
+            assert bytes(got.indices) == bytes(want.indices) and bytes(got.values) == bytes(want.values)
+            law = sparse_law_tensor(want, U16_STEPS, U16_V)
+            assert torch.equal(out.proposal.to_dense(U16_V), law), f"{path}: decode law differs (seed {SEED})"
+            for j, x in enumerate(p.draft_tokens):
+                assert law[j, x].item() == p.draft_probs[j] > 0
+            out.release()
+        assert tx.flush(10.0)
+        snap = rx.metrics.snapshot()
+        busy = "bulk" if path == "mooncake" else "inline"
+        assert snap["delivered"] == len(sent) and snap["failed"] == 0 and snap["bytes_by_plane"][busy] > 0
+    finally:
+        tx.close()
+        rx.stop()
+        zctx.term()

@@ -194,3 +194,63 @@ def test_trace_workload_replays_targets_and_proposals(tmp_path: Path) -> None:
         w.write(payloads()[0])
     with pytest.raises(TraceError, match=r"record 0 \(r-dense\) has no target; only payloads\(\) can replay it"):
         list(make_workload("trace", path=str(bare)).batches(1, 1, 0))
+
+
+def _u16_payload() -> Payload:
+    """Two steps at V = 152064 (three 65536-token buckets), u16 indices."""
+    ids = [[7, 70000, 150000], [65535, 65536]]
+    return Payload(
+        "r-u16", (7, 65536), (0.25, 0.5), 152064, provenance=Provenance(sampled_from="sparse-fp16"),
+        proposal=SparseEncoding(
+            lengths=(3, 2),
+            indices=torch.tensor([i & 0xFFFF for r in ids for i in r], dtype=torch.uint16).numpy().tobytes(),
+            values=torch.tensor([0.25, 0.25, 0.25, 0.25, 0.5], dtype=torch.float16).numpy().tobytes(),
+            value_dtype="fp16",
+            tail_mass=(0.25, 0.25),
+            index_format="u16",
+            bucket_counts=(1, 1, 1, 1, 1, 0),
+        ),
+    )
+
+
+def test_u16_sparse_round_trips_and_int32_records_keep_the_v1_layout(tmp_path: Path) -> None:
+    from pd_middleware.encodings import sparse_law
+
+    path = tmp_path / "u16.trace"
+    sent = [_u16_payload(), payloads()[2]]
+    with TraceWriter(path) as w:
+        for p in sent:
+            w.write(p)
+    got = [e.payload for e in read_trace(path)]
+    assert got == sent
+    assert sparse_law(got[0].proposal, 2, 152064).indices.tolist() == [7, 70000, 150000, 65535, 65536]  # type: ignore[arg-type]
+    # On disk: the u16 record names its format; the int32 one has exactly the v1 keys.
+    raw = path.read_bytes()
+    frames, off = [], 0
+    while off < len(raw):
+        (n,) = struct.unpack_from("<I", raw, off)
+        frames.append(msgspec.msgpack.decode(raw[off + 4 : off + 4 + n]))
+        off += 4 + n
+    u16_rec, int32_rec = frames[1]["proposal"], frames[2]["proposal"]
+    assert (u16_rec["index_format"], u16_rec["bucket_counts"]) == ("u16", [1, 1, 1, 1, 1, 0])
+    assert sorted(int32_rec) == ["indices", "kind", "lengths", "tail_mass", "value_dtype", "values"]
+
+
+def test_traces_written_before_u16_still_read(tmp_path: Path) -> None:
+    """A version-1 sparse record without index_format/bucket_counts reads as int32."""
+    path = tmp_path / "old.trace"
+    p = payloads()[2]
+    sp = p.proposal
+    record = {
+        "kind": "payload", "seq": 0, "request_id": p.request_id, "draft_tokens": list(p.draft_tokens),
+        "draft_probs": list(p.draft_probs), "vocab_size": V, "hidden": b"", "hidden_dtype": "bf16",
+        "provenance": {"rule": "sampled", "temperature": 1.0, "sampled_from": "sparse-fp16"},
+        "proposal": {"kind": "sparse", "lengths": [2, 3], "indices": bytes(sp.indices), "values": bytes(sp.values),  # type: ignore[union-attr]
+                     "value_dtype": "fp16", "tail_mass": [0.2, 0.1]},
+    }
+    path.write_bytes(
+        _frame({"kind": "header", "format": FORMAT, "version": 1, "created_unix": 0.0, "meta": {}})
+        + _frame(record) + _frame({"kind": "end", "records": 1})
+    )
+    (e,) = list(read_trace(path))
+    assert e.payload == p and e.payload.proposal.index_format == "int32"  # type: ignore[union-attr]

@@ -35,19 +35,41 @@ def sparse(steps: int) -> SparseEncoding:
     )
 
 
+BIG_VOCAB = 152064  # three 65536-token buckets
+
+
+def sparse_u16(steps: int, vocab: int = VOCAB) -> SparseEncoding:
+    """u16 indices: per step, ids sorted ascending, low 16 bits, counts per 65536-token bucket."""
+    ids = sorted({(i * 48611 + 7) % vocab for i in range(5)})
+    nb = -(-vocab // 65536)
+    return SparseEncoding(
+        lengths=(len(ids),) * steps,
+        indices=struct.pack(f"<{len(ids) * steps}H", *([i & 0xFFFF for i in ids] * steps)),
+        values=struct.pack(f"<{len(ids) * steps}e", *([0.125] * len(ids) * steps)),
+        value_dtype="fp16",
+        tail_mass=(1 - 0.125 * len(ids),) * steps,
+        index_format="u16",
+        bucket_counts=tuple(sum(1 for i in ids if i >> 16 == b) for b in range(nb)) * steps,
+    )
+
+
 def make(steps: int = 1, hidden_dtype: str = "bf16", proposal: str | None = None, rid: str = "req-1") -> Payload:
     rng = random.Random(f"{steps}/{hidden_dtype}/{proposal}")
     hidden = bytes(rng.getrandbits(8) for _ in range(32 * 4))
-    enc = {None: None, "dense": dense(steps), "dense16": dense(steps, "fp16"), "sparse": sparse(steps)}[proposal]
+    vocab = BIG_VOCAB if proposal == "sparse_u16_big" else VOCAB
+    enc = {
+        None: None, "dense": lambda: dense(steps), "dense16": lambda: dense(steps, "fp16"), "sparse": lambda: sparse(steps),
+        "sparse_u16": lambda: sparse_u16(steps), "sparse_u16_big": lambda: sparse_u16(steps, BIG_VOCAB),
+    }[proposal]
     return Payload(
         rid,
-        tuple(rng.randrange(VOCAB) for _ in range(steps)),
+        tuple(rng.randrange(vocab) for _ in range(steps)),
         tuple(rng.random() for _ in range(steps)),
-        VOCAB,
+        vocab,
         hidden=hidden,
         hidden_dtype=hidden_dtype,  # type: ignore[arg-type]
         provenance=Provenance("sampled", 0.7, None),
-        proposal=enc,
+        proposal=enc() if enc is not None else None,
     )
 
 
@@ -74,21 +96,23 @@ def same(a: Payload, b: Payload) -> None:
     else:
         assert isinstance(b.proposal, SparseEncoding)
         assert (a.proposal.lengths, a.proposal.value_dtype, a.proposal.tail_mass) == (b.proposal.lengths, b.proposal.value_dtype, b.proposal.tail_mass)
+        assert (a.proposal.index_format, a.proposal.bucket_counts) == (b.proposal.index_format, b.proposal.bucket_counts)
         assert bytes(a.proposal.indices) == bytes(b.proposal.indices) and bytes(a.proposal.values) == bytes(b.proposal.values)
 
 
 @pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("hidden_dtype", ["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("proposal", [None, "dense", "dense16", "sparse"])
+@pytest.mark.parametrize("proposal", [None, "dense", "dense16", "sparse", "sparse_u16", "sparse_u16_big"])
 def test_inline_round_trip_is_bit_exact(steps: int, hidden_dtype: str, proposal: str | None) -> None:
     p = make(steps, hidden_dtype, proposal)
     same(p, decode(inline_frames(p)))
 
 
-def test_slot_round_trip_is_zero_copy_and_aligned() -> None:
+@pytest.mark.parametrize("proposal", ["sparse", "sparse_u16_big"])
+def test_slot_round_trip_is_zero_copy_and_aligned(proposal: str) -> None:
     pool = SlotPool(2, 4096)
     (slot,) = pool.grant("peer", 1)
-    p = make(2, "fp32", "sparse")
+    p = make(2, "fp32", proposal)
     header, parts = wire.build_header(p, 7, slot)
     for buf, off in parts:
         assert off % wire.SLOT_ALIGN == 0
@@ -145,6 +169,48 @@ def test_rejections_name_field_and_request() -> None:
     assert "unknown field `surprise`" in str(e)
     e = reject(mutate(p, provenance__temperature=-1.0), "provenance.temperature")
     assert "finite number >= 0" in str(e) and e.request_id == "req-1"
+
+
+def test_int32_sparse_header_is_unchanged_and_u16_carries_its_fields() -> None:
+    """omit_defaults: an int32 header has no new keys (older peers read it as before);
+    a u16 header carries both, and the index tensor is uint16."""
+    raw = msgspec.msgpack.decode(inline_frames(make(2, proposal="sparse"))[0])["proposal"]
+    assert sorted(raw) == ["indices", "kind", "lengths", "tail_mass", "value_dtype", "values"]
+    assert raw["indices"]["dtype"] == "int32"
+    raw = msgspec.msgpack.decode(inline_frames(make(2, proposal="sparse_u16_big"))[0])["proposal"]
+    assert raw["index_format"] == "u16" and raw["bucket_counts"] == [3, 1, 1] * 2
+    assert raw["indices"]["dtype"] == "uint16" and raw["indices"]["nbytes"] == 2 * 5 * 2
+
+
+def test_u16_rejections_name_the_field() -> None:
+    p = make(2, "bf16", "sparse_u16_big")  # 5 entries per step, counts (3, 1, 1) per step
+    e = reject(mutate(p, proposal__bucket_counts=[3, 1, 1, 3, 1]), "proposal.bucket_counts")
+    assert "has 5 counts, expected 2 steps x 3 buckets = 6" in str(e) and e.request_id == "req-1"
+    e = reject(mutate(p, proposal__bucket_counts=[3, 1, 1, 3, 1, 0]), "proposal.bucket_counts")
+    assert "step 1: counts sum to 4, but the step lists 5 entries" in str(e)
+    e = reject(mutate(p, proposal__bucket_counts=[3, 1, 1, 3, 3, -1]), "proposal.bucket_counts")
+    assert "Expected `int` >= 0" in str(e)
+    e = reject(mutate(p, proposal__index_format="u8"), "proposal.index_format")
+    assert "Invalid enum value 'u8'" in str(e)
+    e = reject(mutate(p, proposal__indices__dtype="int32"), "proposal.indices.dtype")
+    assert "dtype int32 does not match uint16" in str(e)
+    e = reject(mutate(p, proposal__indices__nbytes=40), "proposal.indices.nbytes")
+    assert "declares 40 bytes for shape (10,) uint16" in str(e)
+    e = reject(mutate(make(2, "bf16", "sparse"), proposal__bucket_counts=[3, 3]), "proposal.bucket_counts")
+    assert "has 2 counts, but int32 indices take none" in str(e)
+    # An int32 header declaring uint16 indices (or the reverse) is a dtype mismatch.
+    e = reject(mutate(make(2, "bf16", "sparse"), proposal__indices__dtype="uint16"), "proposal.indices.dtype")
+    assert "dtype uint16 does not match int32" in str(e)
+    # The u16 tensor obeys the tensor limit before any allocation.
+    e = reject(
+        mutate(p, proposal__lengths=[BIG_VOCAB, 5], proposal__bucket_counts=[65536, 65536, BIG_VOCAB - 131072, 3, 1, 1],
+               proposal__indices__shape=[BIG_VOCAB + 5], proposal__indices__nbytes=2 * (BIG_VOCAB + 5)),
+        "proposal.indices.nbytes",
+        limits=LimitsConfig(max_tensor_bytes=1024),
+    )
+    assert f"{2 * (BIG_VOCAB + 5)} bytes exceeds max_tensor_bytes 1024" in str(e)
+    # Negative control: the unmutated header decodes.
+    same(p, decode(inline_frames(p)))
 
 
 def test_missing_field_and_truncation() -> None:
@@ -267,7 +333,7 @@ def test_fuzz_every_message_is_rejected_with_a_field_or_valid() -> None:
     corpus = []
     for steps in (1, 3):
         for hd in ("bf16", "fp32"):
-            for prop in (None, "dense", "sparse"):
+            for prop in (None, "dense", "sparse", "sparse_u16_big"):
                 p = make(steps, hd, prop)
                 corpus.append(inline_frames(p, 3))
                 header, _ = wire.build_header(p, 3, slot=1)

@@ -40,12 +40,16 @@ def combine_steps(parts: list[EncodedProposal | None]) -> EncodedProposal | None
         return DenseEncoding(first.dtype, b"".join(bytes(p.data) for p in parts))  # type: ignore[union-attr]
     assert isinstance(first, SparseEncoding)
     sp: list[SparseEncoding] = parts  # type: ignore[assignment]
+    assert all(p.index_format == first.index_format for p in sp)
     return SparseEncoding(
         lengths=tuple(n for p in sp for n in p.lengths),
         indices=b"".join(bytes(p.indices) for p in sp),
         values=b"".join(bytes(p.values) for p in sp),
         value_dtype=first.value_dtype,
         tail_mass=tuple(t for p in sp for t in (p.tail_mass or (0.0,) * len(p.lengths))),
+        # Per-step fields concatenate over steps, like lengths.
+        index_format=first.index_format,
+        bucket_counts=tuple(c for p in sp for c in p.bucket_counts),
     )
 
 

@@ -32,7 +32,7 @@ from typing import Annotated, Callable, Literal, Sequence, Union
 import msgspec
 
 from .._errors import ValidationError, WireError
-from ..payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding
+from ..payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding, u16_buckets
 from .config import LimitsConfig
 
 #: Schema version; a message with another ``v`` is rejected (field ``v``).
@@ -43,7 +43,7 @@ SLOT_ALIGN = 64
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
-TensorDType = Literal["bf16", "fp16", "fp32", "int32"]
+TensorDType = Literal["bf16", "fp16", "fp32", "int32", "uint16"]
 
 Buffer = Union[bytes, memoryview]
 #: ``resolve(slot, offset, nbytes, field, request_id) -> memoryview`` of a slot range,
@@ -80,14 +80,27 @@ class DenseMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     data: TensorRef
 
 
-class SparseMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind", tag="sparse"):
-    """A sparse proposal: per-step ``lengths``, int32 ``indices``, ``values``, ``tail_mass``."""
+class SparseMeta(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True, tag_field="kind", tag="sparse"
+):
+    """A sparse proposal: per-step ``lengths``, ``indices``, ``values``, ``tail_mass``.
+
+    ``indices`` is int32 (``index_format`` "int32") or uint16 low bits with
+    ``bucket_counts``, ceil(V / 65536) per step (``"u16"``; see
+    :class:`~pd_middleware.payload.SparseEncoding`). ``omit_defaults``: an int32 header
+    encodes byte for byte as before these two fields existed, so peers that predate
+    them still read it; a u16 header carries them and a ``uint16`` index dtype, which
+    such a peer rejects (field ``proposal.indices.dtype``) rather than misreading it.
+    Hence no version bump.
+    """
 
     lengths: tuple[Count, ...]
     value_dtype: Literal["fp32", "fp16"]
     tail_mass: tuple[float, ...]
     indices: TensorRef
     values: TensorRef
+    index_format: Literal["int32", "u16"] = "int32"
+    bucket_counts: tuple[Count, ...] = ()
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind"):
@@ -311,13 +324,18 @@ def payload_from_header(
                 if not 1 <= n <= vocab:
                     raise WireError(f"entry count {n} is not in [1, {vocab}]", field="proposal.lengths", request_id=rid)
             total = sum(p.lengths)
-            idx, s = _resolve(p.indices, "proposal.indices", "int32", (total,), frames, limits, resolver, rid)
+            _check_buckets(p, vocab, rid)
+            idx_dtype = "uint16" if p.index_format == "u16" else "int32"
+            idx, s = _resolve(p.indices, "proposal.indices", idx_dtype, (total,), frames, limits, resolver, rid)
             slot = _same_slot(slot, s, "proposal.indices", rid)
             vals, s = _resolve(p.values, "proposal.values", p.value_dtype, (total,), frames, limits, resolver, rid)
             slot = _same_slot(slot, s, "proposal.values", rid)
             proposal = SparseEncoding(
-                lengths=p.lengths, indices=idx, values=vals, value_dtype=p.value_dtype, tail_mass=p.tail_mass
+                lengths=p.lengths, indices=idx, values=vals, value_dtype=p.value_dtype, tail_mass=p.tail_mass,
+                index_format=p.index_format, bucket_counts=p.bucket_counts,
             )
+    if len(frames) > 1:
+        _check_frames_named(h, len(frames), rid)
     try:
         prov = _provenance(h.provenance)
         return (
@@ -337,6 +355,30 @@ def payload_from_header(
         raise WireError(exc.detail, field=exc.field, request_id=rid) from None
 
 
+def _check_buckets(p: SparseMeta, vocab: int, rid: str) -> None:
+    """Shape of ``bucket_counts``: none for int32; for u16, ceil(V / 65536) per step,
+    each step's summing to its length. (Id order and range are the synthesizer's check.)"""
+    counts = p.bucket_counts
+    if p.index_format != "u16":
+        if counts:
+            raise WireError(f"has {len(counts)} counts, but int32 indices take none", field="proposal.bucket_counts", request_id=rid)
+        return
+    nb = u16_buckets(vocab)
+    steps = len(p.lengths)
+    if len(counts) != steps * nb:
+        raise WireError(
+            f"has {len(counts)} counts, expected {steps} steps x {nb} buckets = {steps * nb}",
+            field="proposal.bucket_counts",
+            request_id=rid,
+        )
+    for s, n in enumerate(p.lengths):
+        got = sum(counts[s * nb : (s + 1) * nb])
+        if got != n:
+            raise WireError(
+                f"step {s}: counts sum to {got}, but the step lists {n} entries", field="proposal.bucket_counts", request_id=rid
+            )
+
+
 _PROVENANCE: dict[WireProvenance, Provenance] = {}
 
 
@@ -349,6 +391,27 @@ def _provenance(pv: WireProvenance) -> Provenance:
             _PROVENANCE.clear()
         _PROVENANCE[pv] = prov
     return prov
+
+
+def _check_frames_named(h: PayloadHeader, n_frames: int, rid: str) -> None:
+    """Every inline frame after the header is named by exactly one TensorRef.
+
+    An unnamed or doubly named frame means the sender and the header disagree; it is
+    refused rather than silently ignored (or read twice).
+    """
+    refs: list[TensorRef | None] = [h.hidden]
+    p = h.proposal
+    if type(p) is DenseMeta:
+        refs.append(p.data)
+    elif p is not None:
+        refs += [p.indices, p.values]
+    named = sorted(r.frame for r in refs if r is not None and r.frame)
+    if named != list(range(1, n_frames)):
+        raise WireError(
+            f"the message has {n_frames - 1} tensor frame(s) but its header names frames {named}",
+            field="frames",
+            request_id=rid,
+        )
 
 
 def _same_slot(a: int, b: int, field: str, rid: str) -> int:
@@ -413,8 +476,10 @@ def build_header(payload: Payload, seq: int, slot: int = -1) -> tuple[PayloadHea
             lengths=p.lengths,
             value_dtype=p.value_dtype,
             tail_mass=tuple(p.tail_mass),
-            indices=ref(p.indices, "int32", (total,)),
+            indices=ref(p.indices, p.index_dtype, (total,)),
             values=ref(p.values, p.value_dtype, (total,)),
+            index_format=p.index_format,
+            bucket_counts=tuple(p.bucket_counts),
         )
     pv = payload.provenance
     header = PayloadHeader(

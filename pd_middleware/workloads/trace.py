@@ -7,7 +7,9 @@ Never pickle. Every map has a ``kind``:
 - ``header``: ``format``, ``version``, ``created_unix``, ``meta`` (str -> str); opens a
   segment. Appending to an existing file starts a new segment with its own header;
 - ``payload``: ``seq`` and every :class:`~pd_middleware.payload.Payload` field, tensors
-  as raw bytes (``hidden``, the encoded ``proposal``), plus the receive context (``arm``,
+  as raw bytes (``hidden``, the encoded ``proposal``; a sparse proposal's
+  ``index_format`` and ``bucket_counts`` are written only when not the int32
+  defaults), plus the receive context (``arm``,
   ``peer``, ``received_at``) and an optional ``target`` tensor (dtype, shape, bytes);
 - ``end``: ``records`` written in the segment; closes it.
 
@@ -77,12 +79,17 @@ class DenseRecord(_Struct, tag="dense"):
     data: bytes
 
 
-class SparseRecord(_Struct, tag="sparse"):
+class SparseRecord(_Struct, tag="sparse", omit_defaults=True):
     lengths: tuple[int, ...]
     indices: bytes
     values: bytes
     value_dtype: str
     tail_mass: tuple[float, ...]
+    # Added within version 1 (omitted when default, so int32 records are unchanged and
+    # older readers still read them; a u16 record makes an older reader fail loudly on
+    # the unknown field instead of misreading its indices).
+    index_format: str = "int32"
+    bucket_counts: tuple[int, ...] = ()
 
 
 class TensorRecord(msgspec.Struct, forbid_unknown_fields=True):
@@ -139,6 +146,7 @@ def _proposal_record(p: Any) -> DenseRecord | SparseRecord | None:
     return SparseRecord(
         lengths=tuple(p.lengths), indices=bytes(p.indices), values=bytes(p.values),
         value_dtype=p.value_dtype, tail_mass=tuple(p.tail_mass),
+        index_format=p.index_format, bucket_counts=tuple(p.bucket_counts),
     )
 
 
@@ -254,8 +262,9 @@ def _payload(rec: PayloadRecord) -> Payload:
         prop = DenseEncoding(dtype=rec.proposal.dtype, data=rec.proposal.data)  # type: ignore[arg-type]
     elif isinstance(rec.proposal, SparseRecord):
         r = rec.proposal
-        prop = SparseEncoding(lengths=r.lengths, indices=r.indices, values=r.values,
-                              value_dtype=r.value_dtype, tail_mass=r.tail_mass)  # type: ignore[arg-type]
+        prop = SparseEncoding(lengths=r.lengths, indices=r.indices, values=r.values,  # type: ignore[arg-type]
+                              value_dtype=r.value_dtype, tail_mass=r.tail_mass,  # type: ignore[arg-type]
+                              index_format=r.index_format, bucket_counts=r.bucket_counts)  # type: ignore[arg-type]
     pv = rec.provenance
     return Payload(
         request_id=rec.request_id, draft_tokens=rec.draft_tokens, draft_probs=rec.draft_probs,

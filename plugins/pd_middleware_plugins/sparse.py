@@ -10,7 +10,10 @@ Prefill (encoder ``sparse``) keeps L entries per step, chosen by ``mode``:
   floor this is exactly ``topp``; with one it lists fewer tokens where the floor
   already covers the tail well (peaked rows) and more where it does not.
 
-It sends int32 indices and fp16/fp32 values. Without a floor the values are
+It sends the token ids as int32 (4 B each, default) or, with ``index_format = "u16"``,
+sorted by id within each step as their low 16 bits (2 B each) plus per-step counts of
+the 65536-token blocks they fall in (a few header bytes per step); the law is the same
+either way. Values are fp16 or fp32. Without a floor the values are
 renormalised to sum to 1; with ``floor = true`` they are q itself and the dropped mass
 travels as ``tail_mass``, spread uniformly over the unlisted tokens. Either way the
 prefill then draws X from :func:`pd_middleware.encodings.sparse_law_tensor` of what it
@@ -44,6 +47,7 @@ from pd_middleware._errors import OptionValueError
 from pd_middleware.contracts import NoOptions
 from pd_middleware.encodings import encoder_input, sample_sparse_law, sparse_law, torch_dtype
 from pd_middleware.guard import ProvenanceGuard
+from pd_middleware.payload import u16_buckets
 from pd_middleware.proposal import OneHotProposal
 
 SPARSE_ENCODINGS: tuple[str, ...] = ("sparse-fp16", "sparse-fp32")
@@ -62,8 +66,13 @@ class SparseEncoderOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=Tr
     epsilon: float = 0.02
     # topp/tv: cap on entries per step (clamped to V); bounds the bytes per request.
     k_max: int = 2048
-    # Wire dtype of the values: "fp16" (2 bytes) or "fp32" (4 bytes). Indices are int32.
+    # Wire dtype of the values: "fp16" (2 bytes) or "fp32" (4 bytes).
     value_dtype: Literal["fp16", "fp32"] = "fp16"
+    # Wire format of the token ids: "int32" (4 bytes each; the default, which every
+    # decode reads) or "u16" (2 bytes each: entries sorted by id per step, low 16 bits
+    # plus per-step counts of the 65536-token blocks). Same law, same encoding id;
+    # "u16" needs a decode that knows the format (older ones reject it, naming the field).
+    index_format: Literal["int32", "u16"] = "int32"
     # Spend the dropped mass as a uniform floor over the unlisted tokens (part of the
     # law X is drawn from, so still exact); false renormalises the kept entries.
     floor: bool = False
@@ -96,6 +105,27 @@ def _floored_tv(sorted_desc: torch.Tensor, k_max: int) -> torch.Tensor:
     m = torch.maximum(m, ls)
     tv = (cs.gather(1, m) - cs.gather(1, ls)) - (m - ls) * f
     return torch.where(ls >= v, torch.zeros_like(tv), tv.clamp_min(0.0))
+
+
+def _sort_by_id(
+    vals: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor, v: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reorder each row's listed entries by token id, ascending, for the u16 format.
+
+    ``vals`` float64 (N, K), ``idx`` int64 (N, K), ``lengths`` int64 (N,): row i lists
+    its first ``lengths[i]`` candidates. Returns (vals, idx) with each row's listed
+    entries first, ascending by id (candidates past the length pushed behind them), and
+    the per-row bucket counts int64 (N, ceil(V / 65536)).
+    """
+    n, k = idx.shape
+    listed = torch.arange(k).view(1, k) < lengths.view(n, 1)
+    # Unlisted candidates sort after every id (ids < V).
+    order = torch.where(listed, idx, idx + v).argsort(dim=1)
+    idx = idx.gather(1, order)
+    vals = vals.gather(1, order)
+    blocks = torch.where(listed, idx >> 16, torch.zeros_like(idx))
+    counts = torch.zeros(n, u16_buckets(v), dtype=torch.int64).scatter_add_(1, blocks, listed.to(torch.int64))
+    return vals, idx, counts
 
 
 class SparseEncoder:
@@ -147,6 +177,10 @@ class SparseEncoder:
         vals, idx, lengths = (t.cpu() for t in self.select(flat))
         floor = self.options.floor
         vdt = torch_dtype(self.options.value_dtype)
+        u16 = self.options.index_format == "u16"
+        if u16:
+            vals, idx, counts = _sort_by_id(vals, idx, lengths, v)
+            count_list = counts.tolist()
         len_list = lengths.tolist()
         proposals: list[SparseEncoding] = []
         laws: list[SparseProposal] = []
@@ -161,13 +195,25 @@ class SparseEncoder:
             else:
                 tails = ()
                 out_v = torch.cat([kv / kv.sum() for kv in kept_v])
-            enc = SparseEncoding(
-                lengths=ls,
-                indices=torch.cat(kept_i).to(torch.int32).numpy().tobytes(),
-                values=out_v.to(vdt).numpy().tobytes(),
-                value_dtype=self.options.value_dtype,
-                tail_mass=tails,
-            )
+            ids = torch.cat(kept_i)
+            if u16:
+                enc = SparseEncoding(
+                    lengths=ls,
+                    indices=(ids & 0xFFFF).to(torch.uint16).numpy().tobytes(),
+                    values=out_v.to(vdt).numpy().tobytes(),
+                    value_dtype=self.options.value_dtype,
+                    tail_mass=tails,
+                    index_format="u16",
+                    bucket_counts=tuple(c for row in count_list[i * s : (i + 1) * s] for c in row),
+                )
+            else:
+                enc = SparseEncoding(
+                    lengths=ls,
+                    indices=ids.to(torch.int32).numpy().tobytes(),
+                    values=out_v.to(vdt).numpy().tobytes(),
+                    value_dtype=self.options.value_dtype,
+                    tail_mass=tails,
+                )
             proposals.append(enc)
             # The decode's own function: X is drawn from exactly what it will rebuild.
             laws.append(sparse_law(enc, s, v))
