@@ -49,6 +49,12 @@ def test_ab_cli_tiny_single_layer(tmp_path):
     assert arms["full_fp32"]["bytes_per_request"]["proposal"] == pytest.approx(1024 * 4, rel=0.01)
     # A shipped distribution accepts more than one-hot on this workload (expected values).
     assert arms["full_fp32"]["acceptance"]["expected"] > arms["one_hot"]["acceptance"]["expected"] + 0.3
+    # The paired exact expectation of the full arm is the full-distribution bound itself.
+    full = arms["full_fp32"]
+    assert full["acceptance"]["exact_expected"] == pytest.approx(full["full_distribution_bound"], abs=1e-4)
+    assert full["vs_full"]["acceptance_ratio"] == pytest.approx(1.0)
+    # Truncation can only lose acceptance against the full row (sum min(p, q_k) <= sum min(p, q) + rounding).
+    assert arms["sparse"]["acceptance"]["exact_expected"] <= full["acceptance"]["exact_expected"] + 1e-4
 
 
 def test_ab_multi_layer(tmp_path):

@@ -53,7 +53,7 @@ def format_table(report: dict[str, Any]) -> str:
             a["encoding"],
             a["synthesizer"],
             f"{acc['mean']:.4f}",
-            f"{acc['expected']:.4f}",
+            f"{acc['exact_expected']:.4f}",
             f"[{acc['ci95'][0]:.3f},{acc['ci95'][1]:.3f}]",
             f"{a['accepted_length']:.3f}",
             f"{ex['tv']:.4f}/{ex['bound']:.4f}",
@@ -68,12 +68,16 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("  ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, cols)))
     full = arms[0]["full_distribution_bound"] if arms else float("nan")
     lines.append("")
+    lines.append(
+        "accept: observed first-verify acceptance (95% Wilson CI); E[acc]: its exact expectation given "
+        "the workload rows (sum min(p,q') if X ~ q', sum q.p if X ~ q with one-hot q'), paired across arms"
+    )
     lines.append(f"full-distribution bound (mean Σ min(p, q) at the first position): {full:.4f}")
     for a in arms:
         vf = a.get("vs_full")
         if vf:
             lines.append(
-                f"  {a['name']:<14} vs full_fp32: acceptance {vf['acceptance_ratio']:.3f}x (E[acc]), "
+                f"  {a['name']:<14} vs full_fp32: acceptance {vf['acceptance_ratio']:.3f}x (paired E[acc]), "
                 f"total bytes {vf['bytes_ratio'] * 100:.2f}%, proposal bytes {vf['proposal_bytes_ratio'] * 100:.2f}%"
             )
     ab = report["ab"]
