@@ -18,6 +18,7 @@ A minimal file (everything else has a default)::
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
 from dataclasses import dataclass
@@ -190,6 +191,9 @@ def _join(prefix: str, path: str) -> str:
     return f"{prefix}{path}" if path.startswith("[") else f"{prefix}.{path}"
 
 
+_FIELD_RE = re.compile(r"field `([^`]+)`")
+
+
 def _convert(data: Any, typ: type, prefix: str, source: str | None) -> Any:
     try:
         return msgspec.convert(data, typ, strict=True)
@@ -198,7 +202,11 @@ def _convert(data: Any, typ: type, prefix: str, source: str | None) -> Any:
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, OptionValueError):
             raise ConfigError(cause.message, path=_join(_join(prefix, where), cause.field), source=source) from None
-        raise ConfigError(msg, path=_join(prefix, where), source=source) from None
+        path = _join(prefix, where)
+        if not path:  # an unknown/missing key of the root table: name the key, not ""
+            m = _FIELD_RE.search(msg)
+            path = m.group(1) if m else ""
+        raise ConfigError(msg, path=path, source=source) from None
     except ConfigError as exc:
         # Raised by a __post_init__ with a path relative to the converted root.
         raise ConfigError(exc.detail, path=_join(prefix, exc.path), source=source) from None
@@ -231,12 +239,46 @@ def load_config(path: str | Path) -> Config:
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_strict_yaml_loader())  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise ConfigError(f"invalid YAML: {exc}", source=src) from None
         if data is None:
             data = {}
     return parse_config(data, src)
+
+
+@functools.cache
+def _strict_yaml_loader() -> type:
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping.
+
+    Plain YAML keeps the last value silently (TOML refuses it); a config that says
+    ``vocab_size`` twice is a mistake either way. Merge keys (``<<``) may still be
+    overridden.
+    """
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = loader.construct_object(key_node, deep=deep)
+            try:
+                dup = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable key: construct_mapping reports it
+                continue
+            if dup:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                )
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return StrictLoader
 
 
 def convert_options(spec: PluginSpec, raw: dict[str, Any], key: str, source: str | None = None) -> Any:
@@ -310,4 +352,24 @@ def resolve_plugins(
                 if arm.encoder is not None
                 else base_enc
             )
+    if pre:  # the prefill's A/B workload: its options are typed too, check them now
+        _check_workload_options(config, source)
     return ResolvedConfig(config, hooks, synths, encs)
+
+
+def _check_workload_options(config: Config, source: str | None) -> None:
+    """Convert ``ab.workload.options`` to the workload's options type (as make_workload will).
+
+    Without this, a misspelled workload option passed ``check-config`` and failed only
+    when the A/B job started. Paths match :func:`~pd_middleware.workloads.make_workload`.
+    """
+    from .workloads import workload_options_type
+
+    prefix = "ab.workload.options"
+    try:
+        _convert(dict(config.ab.workload.options), workload_options_type(config.ab.workload.name), prefix, source)
+    except ConfigError as exc:
+        m = _FIELD_RE.search(exc.detail) if exc.path == prefix else None
+        if m is None:
+            raise
+        raise ConfigError(exc.detail, path=f"{prefix}.{m.group(1)}", source=source) from None

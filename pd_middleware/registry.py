@@ -151,6 +151,14 @@ class PluginRegistry:
                 f"{path!r} is not a 'package.module:attribute' reference", plugin=path, key=key
             )
         mod_name, attr = path.split(":")
+        if mod_name == "py" or mod_name.endswith(".py"):
+            # "plugin.py:SPEC" matches the pattern but means a file; importing it would run
+            # a same-named module found on sys.path (the current directory for `python -m`).
+            raise PluginError(
+                f"{path!r} names a .py file; use the importable module's dotted name (package.module:attribute)",
+                plugin=path,
+                key=key,
+            )
         try:
             module = importlib.import_module(mod_name)
         except Exception as exc:  # noqa: BLE001 - re-raised with the config key named

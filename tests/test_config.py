@@ -19,7 +19,7 @@ def test_defaults():
 @pytest.mark.parametrize(
     "data, path, message",
     [
-        ({"modle": {}}, "", "unknown field `modle`"),
+        ({"modle": {}}, "modle", "unknown field `modle`"),
         ({"model": {"vocab_sise": 5}}, "model", "unknown field `vocab_sise`"),
         ({"model": {"vocab_size": 0}}, "model.vocab_size", r"must be in \[1, 16777216\]"),
         ({"model": {"vocab_size": "10"}}, "model.vocab_size", "Expected `int`, got `str`"),

@@ -240,9 +240,13 @@ class PrefillSender:
         while sock.poll(0):
             self._recv_one()
 
-    def _check_alive(self, op: str) -> None:
+    def _note_silence(self) -> None:
+        """Mark the decode lost once it has been silent for more than ``peer_timeout_s``."""
         if self._lost is None and self._clock() - self._last_heard > self.config.peer_timeout_s:
             self._lost = f"the decode was silent for more than {self.config.peer_timeout_s:g} s"
+
+    def _check_alive(self, op: str) -> None:
+        self._note_silence()
         if self._lost is not None:
             raise TransferError(f"{self._lost}; call reconnect()", op=op, peer=self._address)
 
@@ -423,6 +427,11 @@ class PrefillSender:
                 if self._sock is None or self._lost is not None:
                     continue
                 self._drain()
+                # An idle sender notices a dead decode too: flush() then returns early
+                # and statuses()["connected"] turns False without waiting for a send.
+                self._note_silence()
+                if self._lost is not None:
+                    continue
                 if self._clock() - self._last_sent >= hb:
                     try:
                         self._send_msg(wire.Heartbeat())
