@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench reliability setup-sglang test-sglang clean
+.PHONY: setup demo test bench reliability reliability-quick setup-sglang test-sglang clean
 
 # Create or update .venv: system library check, torch (CPU) if absent, the Mooncake
 # wheel that fits this machine, the project with its test extras and the plugin
@@ -32,6 +32,9 @@ bench: setup
 
 reliability: setup
 	$(PY) reliability/run_all.py
+
+reliability-quick: setup
+	$(PY) reliability/run_all.py --quick
 
 # Optional tier: the real SGLang package (CPU import only), for tests marked `sglang`.
 setup-sglang: setup

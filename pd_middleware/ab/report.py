@@ -104,12 +104,20 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
 
     arms = report["arms"]
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-    for a in arms:
+    for i, a in enumerate(arms):
         x = max(1.0, a["bytes_per_request"]["total"])
         y = a["acceptance"]["mean"]
         lo, hi = a["acceptance"]["ci95"]
-        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=4, label=f"{a['name']} ({a['encoding']}→{a['synthesizer']})")
-        ax.annotate(a["name"], (x, y), textcoords="offset points", xytext=(6, -12), fontsize=8)
+        line = ax.errorbar(
+            [x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=4,
+            label=f"{a['name']} ({a['encoding']}→{a['synthesizer']})",
+        )
+        exp = a["acceptance"].get("exact_expected")
+        if exp is not None and not math.isnan(exp):
+            ax.plot([x], [exp], marker="x", markersize=9, color=line[0].get_color(), linestyle="none")
+        # Alternate label offsets so neighbouring arms stay readable.
+        ax.annotate(a["name"], (x, y), textcoords="offset points", xytext=(7, -14 if i % 2 else 8), fontsize=8)
+    ax.plot([], [], marker="x", color="black", linestyle="none", label="× exact expectation (paired)")
     full = arms[0]["full_distribution_bound"] if arms else float("nan")
     if not math.isnan(full):
         ax.axhline(full, color="gray", linestyle="--", linewidth=1)
