@@ -30,6 +30,8 @@ its methods are then called on the hot path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -67,8 +69,7 @@ class PluginContext:
     """A/B arms as ``(name, weight)`` in config order; empty without ``[[arms]]``."""
 
 
-@dataclass(slots=True)
-class ReceiveContext:
+class ReceiveContext(msgspec.Struct):
     """Per-payload facts the receive path carries alongside the payload.
 
     Hooks may set ``arm``; the pipeline reads it to pick the synthesizer.

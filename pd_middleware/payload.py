@@ -18,8 +18,9 @@ Shapes and dtypes, with S = number of draft steps (1 for single-layer EAGLE,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
+
+import msgspec
 
 from ._errors import ValidationError
 
@@ -71,8 +72,7 @@ def _as_tuple(value: Any, kind: type, field_name: str, request_id: str | None) -
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Provenance:
+class Provenance(msgspec.Struct, frozen=True):
     """How the prefill drew its draft tokens.
 
     ``rule`` is ``"greedy"`` (argmax) or ``"sampled"``. ``sampled_from`` names the
@@ -104,8 +104,7 @@ class Provenance:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class DenseEncoding:
+class DenseEncoding(msgspec.Struct, frozen=True):
     """A full proposal distribution per step: S x V values of ``dtype``, row-major.
 
     The distribution it stands for (what a prefill must sample X from) is
@@ -115,7 +114,10 @@ class DenseEncoding:
 
     dtype: Literal["fp32", "bf16", "fp16"]
     data: bytes | memoryview
-    kind: Literal["dense"] = field(default="dense", init=False)
+    kind: ClassVar[str] = "dense"
+
+    def __repr__(self) -> str:
+        return f"DenseEncoding(dtype={self.dtype!r}, data=<{self.nbytes} bytes>)"
 
     @property
     def encoding_id(self) -> str:
@@ -126,8 +128,7 @@ class DenseEncoding:
         return len(self.data) if isinstance(self.data, bytes) else self.data.nbytes
 
 
-@dataclass(frozen=True, slots=True)
-class SparseEncoding:
+class SparseEncoding(msgspec.Struct, frozen=True):
     """A truncated proposal per step, with an optional uniform floor.
 
     ``lengths[s]`` entries belong to step s; ``indices`` and ``values``
@@ -156,7 +157,13 @@ class SparseEncoding:
     tail_mass: tuple[float, ...] = ()
     index_format: IndexFormat = "int32"
     bucket_counts: tuple[int, ...] = ()
-    kind: Literal["sparse"] = field(default="sparse", init=False)
+    kind: ClassVar[str] = "sparse"
+
+    def __repr__(self) -> str:
+        return (
+            f"SparseEncoding(lengths={self.lengths!r}, indices=<{_nbytes(self.indices)} bytes {self.index_format}>, "
+            f"values=<{_nbytes(self.values)} bytes {self.value_dtype}>, tail_mass={self.tail_mass!r})"
+        )
 
     @property
     def encoding_id(self) -> str:
@@ -182,8 +189,7 @@ def _nbytes(buf: bytes | memoryview) -> int:
 EncodedProposal = Union[DenseEncoding, SparseEncoding]
 
 
-@dataclass(frozen=True, slots=True)
-class Payload:
+class Payload(msgspec.Struct, frozen=True):
     """What a prefill node hands the decode node for one request.
 
     Construction validates every field; a violation raises
@@ -202,20 +208,24 @@ class Payload:
     proposal: EncodedProposal | None = None
 
     def __post_init__(self) -> None:
+        # Written for the receive path (tens of thousands of payloads per second):
+        # exact type checks, no helper calls for the common already-a-tuple case.
         rid = self.request_id
-        if not isinstance(rid, str) or not rid:
+        if type(rid) is not str or not rid:
             raise ValidationError(
                 f"must be a non-empty str, got {rid!r}", field="request_id", request_id=None
             )
         v = self.vocab_size
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        if type(v) is not int or v <= 0:
             raise ValidationError(f"must be a positive int, got {v!r}", field="vocab_size", request_id=rid)
-        toks = _as_tuple(self.draft_tokens, int, "draft_tokens", rid)
-        probs = _as_tuple(self.draft_probs, float, "draft_probs", rid)
-        if toks is not self.draft_tokens:
-            object.__setattr__(self, "draft_tokens", toks)
-        if probs is not self.draft_probs:
-            object.__setattr__(self, "draft_probs", probs)
+        toks = self.draft_tokens
+        if type(toks) is not tuple:
+            toks = _as_tuple(toks, int, "draft_tokens", rid)
+            msgspec.structs.force_setattr(self, "draft_tokens", toks)
+        probs = self.draft_probs
+        if type(probs) is not tuple:
+            probs = _as_tuple(probs, float, "draft_probs", rid)
+            msgspec.structs.force_setattr(self, "draft_probs", probs)
         if not toks:
             raise ValidationError("must hold at least one token", field="draft_tokens", request_id=rid)
         if len(probs) != len(toks):
@@ -229,39 +239,58 @@ class Payload:
                 raise ValidationError(
                     f"token id {t!r} is not an int in [0, {v})", field="draft_tokens", request_id=rid
                 )
-        for p in probs:
-            if type(p) is not float and (type(p) is not int or isinstance(p, bool)):
-                raise ValidationError(f"{p!r} is not a number", field="draft_probs", request_id=rid)
-            if not 0.0 <= p <= 1.0:  # also false for NaN
+        for q in probs:
+            tq = type(q)
+            if tq is not float and tq is not int:
+                raise ValidationError(f"{q!r} is not a number", field="draft_probs", request_id=rid)
+            if not 0.0 <= q <= 1.0:  # also false for NaN
                 raise ValidationError(
-                    f"{p!r} is not a finite probability in [0, 1]", field="draft_probs", request_id=rid
+                    f"{q!r} is not a finite probability in [0, 1]", field="draft_probs", request_id=rid
                 )
-        if self.hidden_dtype not in ("bf16", "fp16", "fp32"):
+        hd = self.hidden_dtype
+        size = ITEMSIZE.get(hd) if hd in ("bf16", "fp16", "fp32") else None
+        if size is None:
             raise ValidationError(
-                f"must be one of bf16, fp16, fp32, got {self.hidden_dtype!r}",
+                f"must be one of bf16, fp16, fp32, got {hd!r}",
                 field="hidden_dtype",
                 request_id=rid,
             )
-        if not isinstance(self.hidden, (bytes, memoryview)):
+        hidden = self.hidden
+        th = type(hidden)
+        if th is bytes:
+            n = len(hidden)
+        elif th is memoryview or isinstance(hidden, (bytes, memoryview)):
+            n = hidden.nbytes if isinstance(hidden, memoryview) else len(hidden)
+        else:
             raise ValidationError(
-                f"must be bytes or memoryview, got {type(self.hidden).__name__}",
+                f"must be bytes or memoryview, got {type(hidden).__name__}",
                 field="hidden",
                 request_id=rid,
             )
-        if _nbytes(self.hidden) % ITEMSIZE[self.hidden_dtype]:
+        if n % size:
             raise ValidationError(
-                f"{_nbytes(self.hidden)} bytes is not a whole number of {self.hidden_dtype} values",
+                f"{n} bytes is not a whole number of {hd} values",
                 field="hidden",
                 request_id=rid,
             )
-        if not isinstance(self.provenance, Provenance):
+        if type(self.provenance) is not Provenance:
             raise ValidationError("must be a Provenance", field="provenance", request_id=rid)
-        if self.proposal is not None and not isinstance(self.proposal, (DenseEncoding, SparseEncoding)):
+        prop = self.proposal
+        if prop is not None and type(prop) is not DenseEncoding and type(prop) is not SparseEncoding:
             raise ValidationError(
-                f"must be a DenseEncoding or SparseEncoding, got {type(self.proposal).__name__}",
+                f"must be a DenseEncoding or SparseEncoding, got {type(prop).__name__}",
                 field="proposal",
                 request_id=rid,
             )
+
+    def __repr__(self) -> str:
+        # Bulk buffers are summarised: a payload's repr lands in logs and error messages.
+        return (
+            f"Payload(request_id={self.request_id!r}, draft_tokens={self.draft_tokens!r}, "
+            f"draft_probs={self.draft_probs!r}, vocab_size={self.vocab_size}, "
+            f"hidden=<{_nbytes(self.hidden)} bytes {self.hidden_dtype}>, provenance={self.provenance!r}, "
+            f"proposal={self.proposal!r})"
+        )
 
     @property
     def num_steps(self) -> int:

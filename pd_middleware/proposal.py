@@ -11,15 +11,15 @@ S below is the number of draft steps of the request (1 for single-layer EAGLE).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
+
+import msgspec
 
 if TYPE_CHECKING:
     import torch
 
 
-@dataclass(frozen=True, slots=True)
-class OneHotProposal:
+class OneHotProposal(msgspec.Struct, frozen=True):
     """q' = delta at each draft token: exact for any drafting rule.
 
     ``tokens``: S token ids, one per step.
@@ -40,8 +40,7 @@ class OneHotProposal:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class SparseProposal:
+class SparseProposal(msgspec.Struct, frozen=True, eq=False):
     """Listed entries per step plus a uniform floor for the unlisted tokens.
 
     ``lengths``: S entry counts; ``indices``: int64 (sum(lengths),) token ids;
@@ -70,8 +69,7 @@ class SparseProposal:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class DenseProposal:
+class DenseProposal(msgspec.Struct, frozen=True, eq=False):
     """A full row per step: the law is ``probs.float() * scale[:, None]``.
 
     ``probs``: (S, V) tensor of fp32, bf16 or fp16, possibly a zero-copy view of a

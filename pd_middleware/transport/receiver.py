@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import os
-import queue
 import secrets
 import threading
 import time
@@ -41,7 +40,12 @@ from .config import TransportConfig
 from .mooncake import MooncakeEngine
 from .slots import SlotPool
 
-_ARRIVED_CAP = 1 << 16  # request ids remembered so a late expect() does not fail an arrived request
+_PayloadHeader = wire.PayloadHeader
+_perf_counter = time.perf_counter
+_ARRIVED_CAP = 1 << 16
+# Ack coalescing: a prefill hears about outcomes and freed slots within this long.
+_ACK_INTERVAL_S = 0.002
+_ACK_BATCH = 256  # request ids remembered so a late expect() does not fail an arrived request
 
 
 @dataclass(eq=False)
@@ -84,7 +88,12 @@ class DecodeReceiver:
         self._limits = config.limits
         self.session = secrets.token_hex(8)
         self.address = ""
-        self._out: queue.SimpleQueue[Delivery | Failure] = queue.SimpleQueue()
+        # Outcomes for the scheduler. A deque plus an event set once per receive batch,
+        # not a queue woken per item: waking the scheduler thread for every payload
+        # made the two threads trade the GIL on every message (benchmarks/receive.py).
+        self._out: deque[Delivery | Failure] = deque()
+        self._ready = threading.Event()
+        self._pending_wake = False
         self._released: deque[int] = deque()
         self._expects: deque[tuple[str, str | None, float | None]] = deque()
         self._expected: dict[str, tuple[str | None, float | None]] = {}
@@ -170,19 +179,31 @@ class DecodeReceiver:
 
     def get(self, timeout: float | None = None) -> Delivery | Failure | None:
         """Next outcome, waiting up to ``timeout`` seconds; None if none arrived."""
-        try:
-            return self._out.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        out = self._out
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return out.popleft()
+            except IndexError:
+                pass
+            self._ready.clear()
+            try:  # re-check after clearing: an append before the clear is not lost
+                return out.popleft()
+            except IndexError:
+                pass
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            self._ready.wait(left)
 
     def drain(self, max_items: int = 1 << 30) -> list[Delivery | Failure]:
         """Every outcome ready now, at most ``max_items``."""
         out: list[Delivery | Failure] = []
-        get = self._out.get_nowait
+        pop = self._out.popleft
         try:
             while len(out) < max_items:
-                out.append(get())
-        except queue.Empty:
+                out.append(pop())
+        except IndexError:
             pass
         return out
 
@@ -239,10 +260,14 @@ class DecodeReceiver:
         next_tick = self._clock()
         batch = self.config.recv_batch
         recv = sock.recv_multipart
+        last_flush = self._clock()
         try:
             while self._running:
-                wait = max(0.0, next_tick - self._clock())
-                events = dict(poller.poll(wait * 1000.0))
+                now = self._clock()
+                wait = next_tick - now
+                if self._acks_pending():
+                    wait = min(wait, last_flush + _ACK_INTERVAL_S - now)
+                events = dict(poller.poll(max(0.0, wait) * 1000.0))
                 if rfd in events:
                     try:
                         os.read(rfd, 4096)
@@ -257,14 +282,22 @@ class DecodeReceiver:
                         except zmq.Again:
                             break
                         self._handle(frames)
+                self._notify()
                 self._apply_releases()
                 now = self._clock()
                 if now >= next_tick:
                     self._tick(now)
                     next_tick = now + tick
-                self._flush()
+                # Acks are coalesced: one per peer every _ACK_INTERVAL_S (or _ACK_BATCH
+                # outcomes), not one per poll wake-up; slot frees ride along.
+                pending = self._acks_pending()
+                if pending and (pending >= _ACK_BATCH or now - last_flush >= _ACK_INTERVAL_S):
+                    self._flush()
+                    last_flush = now
+                self._notify()  # outcomes of expiries found by _tick
         finally:
             self._shutdown()
+            self._notify()
 
     def _shutdown(self) -> None:
         for peer in list(self._peers.values()):
@@ -295,7 +328,14 @@ class DecodeReceiver:
             self.unsent += 1  # peer gone or its queue full: it will time out and resync
 
     def _emit(self, outcome: Delivery | Failure) -> None:
-        self._out.put(outcome)
+        self._out.append(outcome)
+        self._pending_wake = True
+
+    def _notify(self) -> None:
+        """Wake a waiting scheduler once for everything emitted since the last call."""
+        if self._pending_wake:
+            self._pending_wake = False
+            self._ready.set()
 
     def _reject(self, ident: bytes, exc: WireError, code: str, nbytes: int) -> None:
         """Count and report a message that failed before its payload could be built."""
@@ -331,15 +371,15 @@ class DecodeReceiver:
         if peer is not None:
             peer.last_seen = now
         kind = type(msg)
-        if kind is not wire.PayloadHeader:
-            self.metrics.bytes["control"] += len(body[0])
-        if kind is wire.PayloadHeader:
+        if kind is _PayloadHeader:
             if peer is None:
                 exc = WireError("unknown peer: send hello first (decode restarted?)", field="peer", request_id=msg.request_id)  # type: ignore[attr-defined]
                 self._reject(ident, exc, "hello", sum(map(len, body)))
             else:
                 self._on_payload(peer, msg, body)  # type: ignore[arg-type]
-        elif kind is wire.Hello:
+            return
+        self.metrics.bytes["control"] += len(body[0])
+        if kind is wire.Hello:
             self._on_hello(ident, msg, now)  # type: ignore[arg-type]
         elif kind is wire.Heartbeat:
             if peer is None:
@@ -396,14 +436,17 @@ class DecodeReceiver:
             self._emit(f)
             peer.failed.append((h.seq, f.key, f.reason))
             return
-        m.bytes["control"] += len(body[0])
+        by_plane = m.bytes
+        by_plane["control"] += len(body[0])
         releaser = None
         if slot >= 0:
             self._pool.hold(slot)  # type: ignore[union-attr]
             releaser = self._releaser(slot)
-            m.bytes["bulk"] += wire.bulk_bytes(payload)
-        elif len(body) > 1:
-            m.bytes["inline"] += sum(map(len, body[1:]))
+            by_plane["bulk"] += wire.bulk_bytes(payload)
+        elif len(body) == 2:
+            by_plane["inline"] += len(body[1])
+        elif len(body) > 2:
+            by_plane["inline"] += sum(map(len, body[1:]))
         rid = h.request_id
         if self._expected and rid in self._expected:
             del self._expected[rid]
@@ -411,8 +454,9 @@ class DecodeReceiver:
         arrived[rid] = None
         if len(arrived) > _ARRIVED_CAP:
             del arrived[next(iter(arrived))]
-        out = self.pipeline.process(payload, ReceiveContext(peer=peer.name, received_at=time.perf_counter()), releaser)
-        self._out.put(out)
+        out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
+        self._out.append(out)
+        self._pending_wake = True
         if type(out) is Delivery:
             peer.delivered.append(h.seq)
         else:
@@ -467,6 +511,10 @@ class DecodeReceiver:
             for rid, (name, _) in list(self._expected.items()):
                 if name == peer.name:
                     self._fail_expected(rid, why, reason)
+
+    def _acks_pending(self) -> int:
+        """Outcomes and freed slots not yet acknowledged to their prefill."""
+        return sum(len(p.freed) + len(p.delivered) + len(p.failed) for p in self._peers.values())
 
     def _flush(self) -> None:
         for peer in self._peers.values():
