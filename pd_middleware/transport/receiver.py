@@ -288,10 +288,13 @@ class DecodeReceiver:
                 if now >= next_tick:
                     self._tick(now)
                     next_tick = now + tick
-                # Acks are coalesced: one per peer every _ACK_INTERVAL_S (or _ACK_BATCH
-                # outcomes), not one per poll wake-up; slot frees ride along.
+                # Outcome acks are coalesced: one per peer every _ACK_INTERVAL_S (or
+                # _ACK_BATCH outcomes), not one per poll wake-up. Freed slots go at once
+                # (a prefill may be waiting for one); pending outcomes ride along.
                 pending = self._acks_pending()
-                if pending and (pending >= _ACK_BATCH or now - last_flush >= _ACK_INTERVAL_S):
+                if pending and (
+                    pending >= _ACK_BATCH or now - last_flush >= _ACK_INTERVAL_S or self._slots_freed()
+                ):
                     self._flush()
                     last_flush = now
                 self._notify()  # outcomes of expiries found by _tick
@@ -511,6 +514,10 @@ class DecodeReceiver:
             for rid, (name, _) in list(self._expected.items()):
                 if name == peer.name:
                     self._fail_expected(rid, why, reason)
+
+    def _slots_freed(self) -> bool:
+        """Whether a freed slot awaits its ack: a waiting prefill needs it at once."""
+        return any(p.freed for p in self._peers.values())
 
     def _acks_pending(self) -> int:
         """Outcomes and freed slots not yet acknowledged to their prefill."""
