@@ -39,7 +39,7 @@ os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 from _common import emit  # noqa: E402
-from end_to_end import VOCAB, finish_producer, make_decode, start_producer, transport_config  # noqa: E402
+from end_to_end import finish_producer, make_decode, start_producer, transport_config  # noqa: E402
 
 BATCH = 64
 WINDOW = 256

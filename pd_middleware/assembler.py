@@ -156,10 +156,12 @@ class ProposalAssembler:
             if raw.numel() and (int(raw.min()) < 0 or int(raw.max()) >= v):
                 raise ValueError("sparse proposal index outside [0, vocab_size)")
             idx = torch.cat(sp_idx)
-            val = torch.cat(sp_val)
+            # float32 like the buffer (a no-op for sparse_law's values): index_copy_ below
+            # refuses another dtype, and it runs after the buffer was already cleared.
+            val = torch.cat(sp_val).float()
             if oh_idx:
                 idx = torch.cat([torch.tensor(oh_idx, dtype=torch.int64), idx])
-                val = torch.cat([torch.ones(len(oh_idx), dtype=torch.float32), val.float()])
+                val = torch.cat([torch.ones(len(oh_idx), dtype=torch.float32), val])
         elif oh_idx:
             idx = torch.tensor(oh_idx, dtype=torch.int64)
 

@@ -100,15 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         "ab",
         help="A/B-compare proposal strategies on the same seeded traffic (the main job)",
         description="Run every arm of CONFIG on the same seeded workload through an embedded "
-        "loopback deployment (a prefill process running each arm's encoder, a decode process "
+        "loopback deployment (a prefill process running each arm's encoder; this process is the decode, "
         "running receiver, hooks, synthesizer, assembler and a reference verifier, talking over "
-        "real ZMQ and Mooncake on TCP). Prints a table, writes DIR/report.json and DIR/report.png.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "real ZMQ and Mooncake on TCP). Prints a table, writes DIR/report.json and DIR/report.png. "
+        "Exits 1 when an arm fails the exactness check or a payload is unaccounted for, 2 on a "
+        "config, plugin or run error.",
     )
     p.add_argument("config", help="config with [[arms]] and an [ab] section, e.g. configs/ab.toml")
-    p.add_argument("--requests", type=int, default=None, help="requests per arm (default: [ab].requests)")
-    p.add_argument("--seed", type=int, default=None, help="workload and sampler seed (default: [ab].seed)")
-    p.add_argument("--out", default="out/ab", help="output directory (default: out/ab)")
+    p.add_argument("--requests", type=int, default=None, metavar="N", help="requests per arm (default: [ab].requests)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="workload and sampler seed (default: [ab].seed)")
+    p.add_argument("--out", default="out/ab", metavar="DIR", help="output directory (default: out/ab)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     p.set_defaults(func=_cmd_ab)
     return parser

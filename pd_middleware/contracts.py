@@ -9,9 +9,9 @@ its methods are then called on the hot path.
     ``on_receive(payload, context)`` runs once per incoming payload, in config order,
     on the receiver's thread, after the wire message is validated and before the
     synthesizer. It may return a replacement :class:`~pd_middleware.Payload`, set
-    ``context.arm`` (A/B routing; such a hook declares ``routes_arms = True``), record, or raise to fail *that payload only* (the
-    failure is counted and reported with the hook's name). It must not block for long:
-    every payload behind it waits.
+    ``context.arm`` (A/B routing; such a hook declares ``routes_arms = True``), record,
+    or raise to fail *that payload only* (the failure is counted and reported with the
+    hook's name). It must not block for long: every payload behind it waits.
 
 ``synthesizer`` (:class:`Synthesizer`), **decode side**
     ``synthesize(payload)`` runs once per payload, right after the hooks, on the same
@@ -30,9 +30,9 @@ its methods are then called on the hot path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_checkable
 
 import msgspec
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ from typing import Iterable
 
 from .metrics import Metrics
 from .payload import Payload
-from .proposal import OneHotProposal
+from .proposal import DenseProposal, OneHotProposal, SparseProposal
 
 logger = logging.getLogger("pd_middleware.guard")
 
@@ -36,6 +36,7 @@ _WHY: dict[str, str] = {
     "no_proposal": "the prefill sent no proposal distribution",
     "encoding_mismatch": "this synthesizer cannot hand over the attached encoding",
     "not_sampled_from_sent": "X was not sampled from the distribution that was sent",
+    "token_outside_proposal": "the sent distribution gives X zero probability, so X was not drawn from it",
 }
 
 
@@ -111,6 +112,33 @@ class ProvenanceGuard:
                 why,
             )
         return OneHotProposal(payload.draft_tokens)
+
+    def check_support(self, payload: Payload, law: "DenseProposal | SparseProposal") -> str | None:
+        """``token_outside_proposal`` if the decoded law gives some X_s probability 0.
+
+        X drawn from the law cannot have probability 0 under it, so such a payload
+        contradicts its own provenance (a prefill bug, or a mismatched proposal) and
+        only one-hot is exact for it. Cost: one gather per step for a dense law, one
+        comparison over the listed entries for a sparse one.
+        """
+        import torch
+
+        if self.unsafe_disable_guard:  # negative-control tests must be able to see the bias
+            return None
+        toks = payload.draft_tokens
+        if isinstance(law, DenseProposal):
+            rows = torch.arange(len(toks))
+            ok = bool((law.probs[rows, torch.tensor(toks)].float() > 0).all())
+            return None if ok else "token_outside_proposal"
+        start = 0
+        for s, (n, x) in enumerate(zip(law.lengths, toks)):
+            if law.floor[s] <= 0.0:
+                idx = law.indices[start : start + n]
+                val = law.values[start : start + n]
+                if not bool(((idx == x) & (val > 0)).any()):
+                    return "token_outside_proposal"
+            start += n
+        return None
 
     def screen(self, payload: Payload) -> OneHotProposal | None:
         """One call for the hot path: the one-hot fallback if needed, else ``None``."""

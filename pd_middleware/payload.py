@@ -292,6 +292,25 @@ class Payload(msgspec.Struct, frozen=True):
             f"proposal={self.proposal!r})"
         )
 
+    def check_fits(self, vocab_size: int, num_steps: int) -> None:
+        """Raise :class:`~pd_middleware.ValidationError` unless this payload was made for
+        a deployment with target vocab ``vocab_size`` and ``num_steps`` draft steps.
+
+        The check every synthesizer runs first (field ``vocab_size`` or ``draft_tokens``).
+        """
+        if self.vocab_size != vocab_size:
+            raise ValidationError(
+                f"payload vocab {self.vocab_size} != target vocab {vocab_size}",
+                field="vocab_size",
+                request_id=self.request_id,
+            )
+        if len(self.draft_tokens) != num_steps:
+            raise ValidationError(
+                f"{len(self.draft_tokens)} draft tokens, deployment drafts {num_steps} steps",
+                field="draft_tokens",
+                request_id=self.request_id,
+            )
+
     @property
     def num_steps(self) -> int:
         """S: 1 for single-layer EAGLE, ``num_steps`` for a multi-layer chain."""

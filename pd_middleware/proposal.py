@@ -11,7 +11,7 @@ S below is the number of draft steps of the request (1 for single-layer EAGLE).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 

@@ -101,3 +101,36 @@ def test_unsafe_bypass_skips_only_provenance_checks(caplog):
     # What the synthesizer physically cannot use still falls back.
     assert g.check(payload(None)) == "no_proposal"
     assert g.check(payload(dense(), sampled_from="dense-fp32")) == "encoding_mismatch:dense-fp32"
+
+
+def test_token_outside_the_sent_law_falls_back_to_one_hot():
+    """X with probability 0 under the law it claims to come from contradicts its provenance."""
+    import numpy as np
+
+    from pd_middleware import PluginContext, SparseProposal
+    from pd_middleware_full.full import FullDistributionSynthesizer
+    from pd_middleware_plugins.sparse import SparseSynthesizer
+
+    ctx = PluginContext(vocab_size=V, num_steps=1, rejection_sampling=True)
+    m = Metrics()
+    sp = SparseSynthesizer(None, ctx)
+    sp.guard.attach_metrics(m)
+    # sparse() lists tokens 1 and 3 with no floor: X = 3 is fine, X = 0 cannot have been drawn.
+    assert isinstance(sp.synthesize(payload(sparse(), sampled_from="sparse-fp16", tokens=(3,))), SparseProposal)
+    out = sp.synthesize(payload(sparse(), sampled_from="sparse-fp16", tokens=(0,)))
+    assert out == OneHotProposal((0,))
+    assert sp.guard.counts["token_outside_proposal"] == 1 and m.fallbacks["token_outside_proposal"] == 1
+    # With a floor every token has positive probability: no fallback.
+    floored = SparseEncoding(
+        lengths=(2,), indices=np.array([1, 3], dtype=np.int32).tobytes(),
+        values=np.array([0.45, 0.45], dtype=np.float16).tobytes(), value_dtype="fp16", tail_mass=(0.1,),
+    )
+    assert isinstance(sp.synthesize(payload(floored, sampled_from="sparse-fp16", tokens=(0,))), SparseProposal)
+    # Dense: a zero entry at X.
+    row = np.array([0.0, 0.5, 0.25, 0.25], dtype=np.float32).tobytes()
+    full = FullDistributionSynthesizer(None, ctx)
+    assert full.synthesize(payload(DenseEncoding("fp32", row), sampled_from="dense-fp32", tokens=(0,))) == OneHotProposal((0,))
+    assert full.guard.counts["token_outside_proposal"] == 1
+    # The negative-control bypass also skips this check (tests must be able to see the bias).
+    unsafe = SparseSynthesizer(None, ctx, unsafe_disable_guard=True)
+    assert isinstance(unsafe.synthesize(payload(sparse(), sampled_from="sparse-fp16", tokens=(0,))), SparseProposal)

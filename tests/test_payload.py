@@ -80,3 +80,14 @@ def test_encodings_carry_ids_and_sizes():
     assert d.encoding_id == "dense-bf16" and d.nbytes == 20
     s = SparseEncoding(lengths=(2,), indices=b"\0" * 8, values=b"\0" * 4, value_dtype="fp16")
     assert s.encoding_id == "sparse-fp16" and s.nbytes == 12
+
+
+def test_check_fits_names_the_mismatched_field():
+    p = make(draft_tokens=(1, 2), draft_probs=(0.5, 0.5))
+    p.check_fits(10, 2)  # fits: no error
+    with pytest.raises(ValidationError, match=r"payload vocab 10 != target vocab 11") as e:
+        p.check_fits(11, 2)
+    assert e.value.field == "vocab_size" and e.value.request_id == "r1"
+    with pytest.raises(ValidationError, match=r"2 draft tokens, deployment drafts 3 steps") as e:
+        p.check_fits(10, 3)
+    assert e.value.field == "draft_tokens" and e.value.request_id == "r1"

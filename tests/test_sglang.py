@@ -395,6 +395,40 @@ def test_activate_from_env(tmp_path, monkeypatch) -> None:
     assert S.sglang_plugin() is None and S.current() is None
 
 
+def test_publisher_from_config_uses_the_top_level_encoder_under_ab() -> None:
+    cfg = make_config(
+        encoder={"name": "sparse", "options": {"k": 2}},
+        hooks=[{"name": "ab_split"}],
+        arms=[
+            {"name": "one_hot", "synthesizer": {"name": "one_hot"}, "encoder": {"name": "softmax"}},
+            {"name": "sparse", "synthesizer": {"name": "sparse"}},
+        ],
+    )
+    tx = RecordingSender()
+    ProposalPublisher.from_config(cfg, tx, seed=SEED).publish([1], draft_rows(1))
+    assert tx.sent[0].proposal is not None and tx.sent[0].provenance.sampled_from == "sparse-fp16"
+    ProposalPublisher.from_config(cfg, tx, arm="one_hot").publish([2], draft_rows(1))
+    assert tx.sent[1].proposal is None
+    with pytest.raises(ConfigError, match=r"at arms.*no arm named 'x'"):
+        ProposalPublisher.from_config(cfg, tx, arm="x")
+
+
+def test_plugin_checks_role_and_rank_inside_a_scheduler(tmp_path, monkeypatch) -> None:
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text(f"[model]\nvocab_size = {V}\n")
+    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
+    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "decode")
+
+    def run_scheduler_process(server_args, tp_rank):  # the name SGLang's loader runs under
+        S.sglang_plugin()
+
+    with pytest.raises(SystemExit, match="PD_MIDDLEWARE_ROLE=decode but this SGLang server runs --disaggregation-mode prefill"):
+        run_scheduler_process(SimpleNamespace(disaggregation_mode="prefill"), 0)
+    with pytest.raises(SystemExit, match="TP rank 1 would not see the payloads"):
+        run_scheduler_process(SimpleNamespace(disaggregation_mode="decode"), 1)
+    assert S.current() is None
+
+
 # ================================================================= the real SGLang package
 
 SGLANG_ABSENT = importlib.util.find_spec("sglang") is None
@@ -671,24 +705,6 @@ def test_real_plugin_loader_activates_from_env(ed, tmp_path, monkeypatch) -> Non
     assert ed.pd_first_draft_proposal.__pd_middleware__
 
 
-def test_publisher_from_config_uses_the_top_level_encoder_under_ab() -> None:
-    cfg = make_config(
-        encoder={"name": "sparse", "options": {"k": 2}},
-        hooks=[{"name": "ab_split"}],
-        arms=[
-            {"name": "one_hot", "synthesizer": {"name": "one_hot"}, "encoder": {"name": "softmax"}},
-            {"name": "sparse", "synthesizer": {"name": "sparse"}},
-        ],
-    )
-    tx = RecordingSender()
-    ProposalPublisher.from_config(cfg, tx, seed=SEED).publish([1], draft_rows(1))
-    assert tx.sent[0].proposal is not None and tx.sent[0].provenance.sampled_from == "sparse-fp16"
-    ProposalPublisher.from_config(cfg, tx, arm="one_hot").publish([2], draft_rows(1))
-    assert tx.sent[1].proposal is None
-    with pytest.raises(ConfigError, match=r"at arms.*no arm named 'x'"):
-        ProposalPublisher.from_config(cfg, tx, arm="x")
-
-
 @sglang_test
 def test_real_live_ab_split_routes_each_room_to_its_arm(ed) -> None:
     from pd_middleware_plugins.ab_split import arm_for
@@ -707,19 +723,3 @@ def test_real_live_ab_split_routes_each_room_to_its_arm(ed) -> None:
         want = sparse_law_tensor(enc.proposals[i], 1, V)[0] if arm == "sparse" else torch.nn.functional.one_hot(enc.tokens[i, 0], V).float()
         assert torch.equal(got[i], want), f"room {rooms[i]} arm {arm}"
     assert inst.middleware.metrics.snapshot()["delivered_by_arm"] == {a: arms.count(a) for a in set(arms)}
-
-
-def test_plugin_checks_role_and_rank_inside_a_scheduler(tmp_path, monkeypatch) -> None:
-    cfg = tmp_path / "pd.toml"
-    cfg.write_text(f"[model]\nvocab_size = {V}\n")
-    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
-    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "decode")
-
-    def run_scheduler_process(server_args, tp_rank):  # the name SGLang's loader runs under
-        S.sglang_plugin()
-
-    with pytest.raises(SystemExit, match="PD_MIDDLEWARE_ROLE=decode but this SGLang server runs --disaggregation-mode prefill"):
-        run_scheduler_process(SimpleNamespace(disaggregation_mode="prefill"), 0)
-    with pytest.raises(SystemExit, match="TP rank 1 would not see the payloads"):
-        run_scheduler_process(SimpleNamespace(disaggregation_mode="decode"), 1)
-    assert S.current() is None

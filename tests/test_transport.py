@@ -468,3 +468,16 @@ def test_config_values_and_secret_from_env(monkeypatch) -> None:
     monkeypatch.setenv("PD_TEST_TRANSPORT_KEY", "k" * 20)
     assert c.secret() == b"k" * 20
     assert TransportConfig().secret() is None
+
+
+def test_open_receiver_and_sender_close_the_engines_they_open(zctx) -> None:
+    from pd_middleware.transport import open_receiver, open_sender
+
+    c = cfg(slots=small_slots())
+    rx = open_receiver(c, pipeline(), context=zctx)
+    tx = open_sender(c, rx.address, name="owner", context=zctx)
+    assert rx.engine is not None and not rx.engine.closed
+    assert tx.engine is not None and not tx.engine.closed
+    tx.close()
+    rx.stop()
+    assert tx.engine.closed and rx.engine.closed

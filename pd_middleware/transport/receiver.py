@@ -5,8 +5,9 @@ inbound message it verifies the optional HMAC, decodes and validates the header
 (:mod:`.wire`), resolves inline frames or slot ranges as zero-copy views, runs
 ``pipeline.process`` (hooks, then the arm's synthesizer) and puts the outcome
 (:class:`~pd_middleware.pipeline.Delivery` or :class:`~pd_middleware.pipeline.Failure`)
-on a queue the scheduler reads with :meth:`get`/:meth:`drain`. Slot-free notices and
-per-request statuses go back to each prefill batched, once per loop iteration.
+on a queue the scheduler reads with :meth:`get`/:meth:`drain` (a waiting scheduler is
+woken once per receive batch). Per-request statuses go back to each prefill in acks
+coalesced over ``_ACK_INTERVAL_S``; slot-free notices are acked at once.
 
 Every inbound message ends as exactly one counted outcome: a delivery, a pipeline
 failure, or a wire failure (``wire:<field>``; ``wire:hmac`` for a bad signature,
@@ -42,10 +43,10 @@ from .slots import SlotPool
 
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
-_ARRIVED_CAP = 1 << 16
-# Ack coalescing: a prefill hears about outcomes and freed slots within this long.
+_ARRIVED_CAP = 1 << 16  # request ids remembered so a late expect() does not fail an arrived request
+# Ack coalescing: a prefill hears about outcomes within this long (freed slots at once).
 _ACK_INTERVAL_S = 0.002
-_ACK_BATCH = 256  # request ids remembered so a late expect() does not fail an arrived request
+_ACK_BATCH = 256  # pending outcomes that trigger an ack before the interval is up
 
 
 @dataclass(eq=False)
@@ -107,6 +108,7 @@ class DecodeReceiver:
         self._pool: SlotPool | None = None
         self._pool_addr = 0
         self._pipe: tuple[int, int] | None = None
+        self._owns_engine = False  # set by open_receiver, which opened the engine: stop() closes it
         self.unsent = 0  # replies dropped because a peer's queue was full or gone
 
     # -- lifecycle --------------------------------------------------------------
@@ -164,6 +166,8 @@ class DecodeReceiver:
         self._thread = None
         if self._pool is not None and self.engine is not None and not self.engine.closed:
             self.engine.unregister(self._pool_addr)
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()
         if self._pipe is not None:
             os.close(self._pipe[0])
             os.close(self._pipe[1])
@@ -552,8 +556,18 @@ def open_receiver(
     *,
     context: zmq.Context | None = None,
 ) -> DecodeReceiver:
-    """Open a Mooncake engine when ``config.mooncake.enabled``, then build and start a receiver."""
+    """Open a Mooncake engine when ``config.mooncake.enabled``, then build and start a receiver.
+
+    The receiver owns that engine: :meth:`DecodeReceiver.stop` closes it.
+    """
     from .mooncake import open_engine
 
     engine = open_engine(config.mooncake) if config.mooncake.enabled else None
-    return DecodeReceiver(config, pipeline, engine=engine, context=context).start()
+    rx = DecodeReceiver(config, pipeline, engine=engine, context=context)
+    rx._owns_engine = engine is not None
+    try:
+        return rx.start()
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        raise

@@ -91,6 +91,7 @@ class PrefillSender:
         self.rejected: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter({"control": 0, "inline": 0, "bulk": 0})
         self._failures: deque[tuple[str, str, str]] = deque(maxlen=_FAILURE_LOG)
+        self._owns_engine = False  # set by open_sender, which opened the engine: close() closes it
 
     # -- connection -------------------------------------------------------------
 
@@ -132,6 +133,8 @@ class PrefillSender:
                 for lo, _ in self._sources:
                     self.engine.unregister(lo)
                 self._sources.clear()
+                if self._owns_engine:
+                    self.engine.close()
 
     def _open_socket(self, address: str) -> None:
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
@@ -293,10 +296,10 @@ class PrefillSender:
                 header, parts = wire.build_header(payload, seq, slot)
                 try:
                     self._write_slot(slot, parts)
+                    self._send_msg(header)
                 except TransferError:
-                    self._free.appendleft(slot)
+                    self._free.appendleft(slot)  # the decode never heard of it: still ours
                     raise
-                self._send_msg(header)
                 self.bytes["bulk"] += size
             else:
                 header, parts = wire.build_header(payload, seq)
@@ -446,8 +449,17 @@ def open_sender(
     name: str | None = None,
     context: zmq.Context | None = None,
 ) -> PrefillSender:
-    """Open a Mooncake engine when ``config.mooncake.enabled``, then build and connect a sender."""
+    """Open a Mooncake engine when ``config.mooncake.enabled``, then build and connect a sender.
+
+    The sender owns that engine: :meth:`PrefillSender.close` closes it.
+    """
     from .mooncake import open_engine
 
     engine = open_engine(config.mooncake) if config.mooncake.enabled else None
-    return PrefillSender(config, engine=engine, context=context, name=name).connect(address)
+    tx = PrefillSender(config, engine=engine, context=context, name=name)
+    tx._owns_engine = engine is not None
+    try:
+        return tx.connect(address)
+    except BaseException:
+        tx.close()
+        raise

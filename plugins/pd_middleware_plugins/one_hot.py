@@ -12,7 +12,7 @@ off it attaches nothing.
 
 from __future__ import annotations
 
-from pd_middleware import OneHotProposal, Payload, PluginContext, PluginSpec, ValidationError
+from pd_middleware import OneHotProposal, Payload, PluginContext, PluginSpec
 from pd_middleware.contracts import NoOptions
 
 
@@ -25,18 +25,7 @@ class OneHotSynthesizer:
         self.enabled = context.rejection_sampling
 
     def synthesize(self, payload: Payload) -> OneHotProposal | None:
-        if payload.vocab_size != self.vocab_size:
-            raise ValidationError(
-                f"payload vocab {payload.vocab_size} != target vocab {self.vocab_size}",
-                field="vocab_size",
-                request_id=payload.request_id,
-            )
-        if len(payload.draft_tokens) != self.num_steps:
-            raise ValidationError(
-                f"{len(payload.draft_tokens)} draft tokens, deployment drafts {self.num_steps} steps",
-                field="draft_tokens",
-                request_id=payload.request_id,
-            )
+        payload.check_fits(self.vocab_size, self.num_steps)
         if not self.enabled:
             return None
         return OneHotProposal(payload.draft_tokens)

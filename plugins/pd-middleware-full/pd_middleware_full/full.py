@@ -106,22 +106,16 @@ class FullDistributionSynthesizer:
         """Validate and return the payload's dense law, a one-hot fallback, or ``None``
         with rejection sampling off. Raises ValidationError naming the bad field."""
         rid = payload.request_id
-        if payload.vocab_size != self.vocab_size:
-            raise ValidationError(
-                f"payload vocab {payload.vocab_size} != target vocab {self.vocab_size}", field="vocab_size", request_id=rid
-            )
-        if len(payload.draft_tokens) != self.num_steps:
-            raise ValidationError(
-                f"{len(payload.draft_tokens)} draft tokens, deployment drafts {self.num_steps} steps",
-                field="draft_tokens",
-                request_id=rid,
-            )
+        payload.check_fits(self.vocab_size, self.num_steps)
         if not self.enabled:
             return None
         fallback = self.guard.screen(payload)
         if fallback is not None:
             return fallback
-        return dense_law(payload.proposal, self.num_steps, self.vocab_size, request_id=rid)  # type: ignore[arg-type]
+        law = dense_law(payload.proposal, self.num_steps, self.vocab_size, request_id=rid)  # type: ignore[arg-type]
+        # X drawn from the law has positive probability under it; if not, only one-hot is exact.
+        reason = self.guard.check_support(payload, law)
+        return law if reason is None else self.guard.fallback(payload, reason)
 
 
 ENCODER = PluginSpec(
