@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from .metrics import Metrics
 from .payload import Payload
 from .proposal import DenseProposal, OneHotProposal, SparseProposal
+
+if TYPE_CHECKING:
+    from .contracts import PluginContext
 
 logger = logging.getLogger("pd_middleware.guard")
 
@@ -146,3 +149,42 @@ class ProvenanceGuard:
         if reason is None:
             return None
         return self.fallback(payload, reason)
+
+
+class GuardedSynthesizer:
+    """Base of the synthesizers that hand a *shipped* law to the verifier.
+
+    Subclasses set ``name`` (for logs), ``accepts`` (encoding ids they reproduce exactly)
+    and ``decode_law(encoding, num_steps, vocab_size, request_id=...)`` (validating, e.g.
+    :func:`~pd_middleware.encodings.dense_law`). ``synthesize`` then does, per payload:
+    deployment fit (vocab, steps), ``None`` with rejection sampling off, the provenance
+    guard, the law, and the support check; every fallback is one-hot and counted.
+
+    ``unsafe_disable_guard`` (keyword, not a config option) is for negative-control
+    tests only; see :class:`ProvenanceGuard`.
+    """
+
+    name: str = "guarded"
+    accepts: tuple[str, ...] = ()
+
+    def __init__(self, options: object, context: "PluginContext", *, unsafe_disable_guard: bool = False) -> None:
+        self.vocab_size = context.vocab_size
+        self.num_steps = context.num_steps
+        self.enabled = context.rejection_sampling
+        self.guard = ProvenanceGuard(self.name, self.accepts, unsafe_disable_guard=unsafe_disable_guard)
+        if not callable(getattr(self, "decode_law", None)):
+            raise TypeError(f"{type(self).__name__} must define decode_law(encoding, num_steps, vocab_size, *, request_id)")
+
+    def synthesize(self, payload: Payload) -> "DenseProposal | SparseProposal | OneHotProposal | None":
+        """The payload's validated law, a one-hot fallback, or ``None`` with rejection
+        sampling off. Raises ValidationError naming the bad field."""
+        payload.check_fits(self.vocab_size, self.num_steps)
+        if not self.enabled:
+            return None
+        fallback = self.guard.screen(payload)
+        if fallback is not None:
+            return fallback
+        law = self.decode_law(payload.proposal, self.num_steps, self.vocab_size, request_id=payload.request_id)
+        # X drawn from the law has positive probability under it; if not, only one-hot is exact.
+        reason = self.guard.check_support(payload, law)
+        return law if reason is None else self.guard.fallback(payload, reason)

@@ -91,7 +91,6 @@ def run_ab(
     from ..assembler import ProposalAssembler
     from ..stats import ExactnessAccumulator
     from ..transport.receiver import open_receiver
-    from ..verify import acceptance_probability, sum_min, verify_chain
     from ..workloads import make_workload
 
     cfg = config
@@ -428,6 +427,7 @@ def _verify_batch(batch, assembled: dict[str, _Assembled], stats: dict[str, ArmS
     import torch
 
     from ..verify import acceptance_probability, sum_min, verify_chain
+
 
     full_rows = sum_min(batch.target_probs[:, 0], batch.draft_probs[:, 0])
     shared_law: dict[int, Any] = {}

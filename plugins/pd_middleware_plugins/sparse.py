@@ -35,7 +35,6 @@ import torch
 
 from pd_middleware import (
     EncodedBatch,
-    Payload,
     PluginContext,
     PluginSpec,
     Provenance,
@@ -44,11 +43,9 @@ from pd_middleware import (
     ValidationError,
 )
 from pd_middleware._errors import OptionValueError
-from pd_middleware.contracts import NoOptions
 from pd_middleware.encodings import encoder_input, sample_sparse_law, sparse_law, torch_dtype
-from pd_middleware.guard import ProvenanceGuard
+from pd_middleware.guard import GuardedSynthesizer
 from pd_middleware.payload import u16_buckets
-from pd_middleware.proposal import OneHotProposal
 
 SPARSE_ENCODINGS: tuple[str, ...] = ("sparse-fp16", "sparse-fp32")
 
@@ -226,33 +223,16 @@ class SparseEncoder:
         )
 
 
-class SparseSynthesizer:
+class SparseSynthesizer(GuardedSynthesizer):
     """Decode side of the sparse pair: validated :class:`SparseProposal` or one-hot fallback.
 
-    ``unsafe_disable_guard`` (keyword, not a config option) is for negative-control
-    tests only; see :class:`~pd_middleware.guard.ProvenanceGuard`.
+    Everything but the law is :class:`~pd_middleware.guard.GuardedSynthesizer`: fit
+    checks, the provenance guard, the support check and the one-hot fallbacks.
     """
 
-    def __init__(self, options: NoOptions, context: PluginContext, *, unsafe_disable_guard: bool = False) -> None:
-        self.vocab_size = context.vocab_size
-        self.num_steps = context.num_steps
-        self.enabled = context.rejection_sampling
-        self.guard = ProvenanceGuard("sparse", SPARSE_ENCODINGS, unsafe_disable_guard=unsafe_disable_guard)
-
-    def synthesize(self, payload: Payload) -> SparseProposal | OneHotProposal | None:
-        """Validate and return the payload's sparse law, a one-hot fallback, or ``None``
-        with rejection sampling off. Raises ValidationError naming the bad field."""
-        rid = payload.request_id
-        payload.check_fits(self.vocab_size, self.num_steps)
-        if not self.enabled:
-            return None
-        fallback = self.guard.screen(payload)
-        if fallback is not None:
-            return fallback
-        law = sparse_law(payload.proposal, self.num_steps, self.vocab_size, request_id=rid)  # type: ignore[arg-type]
-        # X drawn from the law has positive probability under it; if not, only one-hot is exact.
-        reason = self.guard.check_support(payload, law)
-        return law if reason is None else self.guard.fallback(payload, reason)
+    name = "sparse"
+    accepts = SPARSE_ENCODINGS
+    decode_law = staticmethod(sparse_law)
 
 
 ENCODER = PluginSpec(

@@ -22,18 +22,14 @@ import torch
 
 from pd_middleware import (
     DenseEncoding,
-    DenseProposal,
     EncodedBatch,
-    OneHotProposal,
-    Payload,
     PluginContext,
     PluginSpec,
     Provenance,
     ValidationError,
 )
-from pd_middleware.contracts import NoOptions
 from pd_middleware.encodings import dense_law, dense_law_tensor, encoder_input, sample_law, torch_dtype
-from pd_middleware.guard import ProvenanceGuard
+from pd_middleware.guard import GuardedSynthesizer
 
 DENSE_ENCODINGS: tuple[str, ...] = ("dense-fp32", "dense-bf16", "dense-fp16")
 
@@ -89,33 +85,16 @@ class FullEncoder:
         )
 
 
-class FullDistributionSynthesizer:
+class FullDistributionSynthesizer(GuardedSynthesizer):
     """Decode side: validated :class:`DenseProposal` of the received row, or one-hot.
 
-    ``unsafe_disable_guard`` (keyword, not a config option) is for negative-control
-    tests only; see :class:`~pd_middleware.guard.ProvenanceGuard`.
+    Everything but the law is :class:`~pd_middleware.guard.GuardedSynthesizer`: fit
+    checks, the provenance guard, the support check and the one-hot fallbacks.
     """
 
-    def __init__(self, options: NoOptions, context: PluginContext, *, unsafe_disable_guard: bool = False) -> None:
-        self.vocab_size = context.vocab_size
-        self.num_steps = context.num_steps
-        self.enabled = context.rejection_sampling
-        self.guard = ProvenanceGuard("full_distribution", DENSE_ENCODINGS, unsafe_disable_guard=unsafe_disable_guard)
-
-    def synthesize(self, payload: Payload) -> DenseProposal | OneHotProposal | None:
-        """Validate and return the payload's dense law, a one-hot fallback, or ``None``
-        with rejection sampling off. Raises ValidationError naming the bad field."""
-        rid = payload.request_id
-        payload.check_fits(self.vocab_size, self.num_steps)
-        if not self.enabled:
-            return None
-        fallback = self.guard.screen(payload)
-        if fallback is not None:
-            return fallback
-        law = dense_law(payload.proposal, self.num_steps, self.vocab_size, request_id=rid)  # type: ignore[arg-type]
-        # X drawn from the law has positive probability under it; if not, only one-hot is exact.
-        reason = self.guard.check_support(payload, law)
-        return law if reason is None else self.guard.fallback(payload, reason)
+    name = "full_distribution"
+    accepts = DENSE_ENCODINGS
+    decode_law = staticmethod(dense_law)
 
 
 ENCODER = PluginSpec(
