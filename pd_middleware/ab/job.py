@@ -202,7 +202,11 @@ def run_ab(
                 prefill_report = value
             elif prefill_report is None and not proc.is_alive():
                 raise PDMiddlewareError(f"ab: the prefill process died (exit code {proc.exitcode})")
-            elif prefill_report is not None and receiver.get(timeout=0.5) is None:
+            elif prefill_report is not None:
+                late = receiver.get(timeout=0.5)
+                if late is not None:  # still arriving: file it and keep going
+                    _collect(late, arm_names, b_max, n_req, buckets, ready, assemblers, stats)
+                    continue
                 # Everything was sent and acknowledged and nothing more arrives:
                 # whatever is missing now never reached the decode. Fail it, never drop it.
                 for (arm, k), got in list(buckets.items()):
