@@ -432,7 +432,6 @@ def _verify_batch(batch, assembled: dict[str, _Assembled], stats: dict[str, ArmS
 
     from ..verify import acceptance_probability, sum_min, verify_chain
 
-
     full_rows = sum_min(batch.target_probs[:, 0], batch.draft_probs[:, 0])
     shared_law: dict[int, Any] = {}
     b = batch.batch_size
