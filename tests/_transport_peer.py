@@ -18,6 +18,20 @@ import sys
 from pd_middleware import Payload, Provenance, SparseEncoding
 
 
+def collect_outcomes(rx, n: int, timeout: float = 10.0) -> list:
+    """The next ``n`` outcomes of receiver ``rx``, bounded in time: fails rather than hangs."""
+    import time
+
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        item = rx.get(timeout=0.1)
+        if item is not None:
+            out.append(item)
+    assert len(out) == n, f"got {len(out)} of {n} outcomes within {timeout} s"
+    return out
+
+
 def make_payload(name: str, i: int, vocab: int = 1000) -> Payload:
     """Payload ``i`` of peer ``name``: same bytes for the same arguments, on any machine."""
     rng = random.Random(f"{name}/{i}")

@@ -31,6 +31,7 @@ from pd_middleware.config import load_config, parse_config, resolve_plugins
 from pd_middleware.metrics import MAX_REASON_CHARS, MAX_REASONS, Metrics
 from pd_middleware.pipeline import Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, TransportConfig, wire
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -45,15 +46,6 @@ class OneHot:
         return OneHotProposal(payload.draft_tokens)
 
 
-def _outcomes(rx: DecodeReceiver, n: int, timeout: float = 10.0) -> list:
-    out: list = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        o = rx.get(timeout=0.1)
-        if o is not None:
-            out.append(o)
-    assert len(out) == n, f"{len(out)} of {n} outcomes within {timeout} s"
-    return out
 
 
 # ---- 1. failure-reason cardinality -----------------------------------------------------------
@@ -90,7 +82,7 @@ def test_unique_unknown_wire_fields_do_not_grow_decode_counters() -> None:
         n = MAX_REASONS + 200
         for i in range(n):
             s.send_multipart([msgspec.msgpack.encode({**raw, f"u{i}": 1}), *frames[1:]])
-        got = _outcomes(rx, n)
+        got = collect_outcomes(rx, n)
         assert all(isinstance(o, Failure) and o.stage == "wire" for o in got)
         assert got[-1].field == f"u{n - 1}"  # the Failure itself still names the field
         snap = rx.metrics.snapshot()

@@ -32,6 +32,7 @@ from pd_middleware import ConfigError, OneHotProposal, Payload, PluginError, Wir
 from pd_middleware.config import load_config, resolve_plugins
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
 from pd_middleware.transport.auth import Signer
 
@@ -72,15 +73,6 @@ def cfg(**kw) -> TransportConfig:
     return TransportConfig(**base)
 
 
-def outcomes(rx: DecodeReceiver, n: int, timeout: float = 10.0) -> list:
-    out: list = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        o = rx.get(timeout=0.1)
-        if o is not None:
-            out.append(o)
-    assert len(out) == n, f"{len(out)} of {n} outcomes within {timeout} s"
-    return out
 
 
 def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -117,7 +109,7 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
             attacker.send_multipart([*frames, sig])
             frames = tw.inline_frames(tw.make(rid=f"truncsig-{i}"))
             attacker.send_multipart([*frames, good.sign(frames)[:16]])
-        bad = outcomes(rx, 4 * n)
+        bad = collect_outcomes(rx, 4 * n)
         for o in bad:
             assert isinstance(o, Failure) and o.key == "wire:hmac" and o.request_id is None, o
             assert "missing or invalid HMAC signature" in o.reason
@@ -126,7 +118,7 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
         # Negative control: the same socket, correctly signed, is delivered (the test can fail).
         frames = tw.inline_frames(tw.make(rid="signed-ok"))
         attacker.send_multipart([*frames, good.sign(frames)])
-        (ok,) = outcomes(rx, 1)
+        (ok,) = collect_outcomes(rx, 1)
         assert isinstance(ok, Delivery) and ok.request_id == "signed-ok" and rec.seen == ["signed-ok"]
         assert rx.get(timeout=0.2) is None  # nothing else queued
         attacker.close(0)
@@ -267,7 +259,7 @@ def test_size_caps_reject_before_allocating(zctx) -> None:
         # Warm up the path once (allocator pools, first-use caches), then measure.
         for _ in range(50):
             s.send_multipart(declared_hidden)
-        outcomes(rx, 50)
+        collect_outcomes(rx, 50)
         before = _rss_bytes()
         peak_ok = _reset_peak()
         peak0 = _peak_bytes()
@@ -276,7 +268,7 @@ def test_size_caps_reject_before_allocating(zctx) -> None:
             s.send_multipart(declared_sparse)
         for _ in range(200):
             s.send_multipart([b"\x80" + b"\x00" * (60 * 1024)])
-        got = outcomes(rx, 2200, timeout=30.0)
+        got = collect_outcomes(rx, 2200, timeout=30.0)
         _blast(rx.address, 10, 16 << 20)
         time.sleep(0.3)
         grown = _rss_bytes() - before
@@ -290,7 +282,7 @@ def test_size_caps_reject_before_allocating(zctx) -> None:
         # The 16 MiB frames never reached Python (no outcome), and the receiver still serves.
         assert rx.get(timeout=0.3) is None
         s.send_multipart(tw.inline_frames(tw.make(rid="after")))
-        (ok,) = outcomes(rx, 1)
+        (ok,) = collect_outcomes(rx, 1)
         assert isinstance(ok, Delivery) and ok.request_id == "after"
         s.close(0)
     finally:

@@ -22,6 +22,7 @@ import zmq
 
 from pd_middleware import NoSlotError, OneHotProposal, Payload, TransferError
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, PrefillSender, SlotsConfig, TransportConfig, wire
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -63,15 +64,6 @@ def pipeline() -> ReceivePipeline:
     return ReceivePipeline([], {"default": ("one_hot", OneHot())})
 
 
-def get_n(rx: DecodeReceiver, n: int, timeout: float = 10.0) -> list:
-    out: list = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        item = rx.get(timeout=0.2)
-        if item is not None:
-            out.append(item)
-    assert len(out) == n, f"got {len(out)} of {n} outcomes within {timeout} s"
-    return out
 
 
 def reconcile(rx: DecodeReceiver) -> dict:
@@ -252,7 +244,7 @@ def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
         held = []
         for i in range(2):
             tx.send(tw.make(1, "fp32", "dense", rid=f"h{i}"))
-            held.append(get_n(rx, 1)[0])
+            held.append(collect_outcomes(rx, 1)[0])
         before = [bytes(d.payload.hidden) + bytes(d.payload.proposal.data) for d in held]
         t0 = time.monotonic()
         with pytest.raises(NoSlotError) as info:
@@ -265,7 +257,7 @@ def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
         held[0].release()
         held[0].release()  # a second release is a no-op
         tx.send(tw.make(1, "fp32", "dense", rid="third"))
-        third = get_n(rx, 1)[0]
+        third = collect_outcomes(rx, 1)[0]
         assert isinstance(third, Delivery) and third.request_id == "third"
         assert bytes(held[1].payload.hidden) + bytes(held[1].payload.proposal.data) == before[1]
         third.release()
@@ -283,7 +275,7 @@ def test_decode_restart_gives_clear_error_then_reconnect_works(zctx) -> None:
     tx = PrefillSender(c, context=zctx, name="p").connect(rx.address)
     try:
         tx.send(tw.make(rid="before"))
-        assert isinstance(get_n(rx, 1)[0], Delivery)
+        assert isinstance(collect_outcomes(rx, 1)[0], Delivery)
         rx.stop()
         rx = DecodeReceiver(cfg(port=port), pipeline(), context=zctx).start()
         deadline = time.monotonic() + 5
@@ -295,7 +287,7 @@ def test_decode_restart_gives_clear_error_then_reconnect_works(zctx) -> None:
         assert "the decode closed the connection" in str(info.value) or "does not know this prefill" in str(info.value)
         tx.reconnect()
         tx.send(tw.make(rid="after"))
-        outs = [o for o in get_n(rx, 1) if isinstance(o, Delivery)]
+        outs = [o for o in collect_outcomes(rx, 1) if isinstance(o, Delivery)]
         assert [o.request_id for o in outs] == ["after"]
         assert tx.flush(5.0)
     finally:
@@ -347,7 +339,7 @@ def test_hmac_rejects_unsigned_and_forged(zctx) -> None:
     tx = PrefillSender(c, context=zctx, name="signed").connect(rx.address)
     try:
         tx.send(tw.make(rid="signed"))
-        assert isinstance(get_n(rx, 1)[0], Delivery)
+        assert isinstance(collect_outcomes(rx, 1)[0], Delivery)
         attacker = zctx.socket(zmq.DEALER)
         attacker.setsockopt(zmq.LINGER, 0)
         attacker.connect(rx.address)
@@ -355,7 +347,7 @@ def test_hmac_rejects_unsigned_and_forged(zctx) -> None:
         attacker.send_multipart(frames)  # unsigned
         attacker.send_multipart([*frames, Signer(b"wrong-key-wrong-key").sign(frames)])  # forged
         # Replaying the signed sender's payload under an unsigned hello does not help either.
-        outs = get_n(rx, 2)
+        outs = collect_outcomes(rx, 2)
         for o in outs:
             assert isinstance(o, Failure) and o.key == "wire:hmac" and o.request_id is None
             assert "missing or invalid HMAC signature" in o.reason
@@ -394,7 +386,7 @@ def test_live_fuzz_rejects_and_keeps_serving(zctx) -> None:
                 kinds.append("bad")
             sock.send_multipart(frames)
         expected = sum(k in ("PayloadHeader", "bad") for k in kinds)
-        got = get_n(rx, expected, timeout=20.0)
+        got = collect_outcomes(rx, expected, timeout=20.0)
         for o in got:
             if isinstance(o, Failure):
                 assert o.stage == "wire" and o.field, o
@@ -424,7 +416,7 @@ def test_payload_before_hello_is_rejected(zctx) -> None:
     sock.connect(rx.address)
     try:
         sock.send_multipart(tw.inline_frames(tw.make(rid="early")))
-        (out,) = get_n(rx, 1)
+        (out,) = collect_outcomes(rx, 1)
         assert isinstance(out, Failure) and out.key == "wire:peer" and out.request_id == "early"
         assert "unknown peer: send hello first" in out.reason
     finally:
@@ -441,7 +433,7 @@ def test_metrics_export_prometheus(zctx) -> None:
     tx = PrefillSender(cfg(), context=zctx, name="p").connect(rx.address)
     try:
         tx.send(tw.make())
-        get_n(rx, 1)
+        collect_outcomes(rx, 1)
         text = prometheus_client.generate_latest(registry).decode()
         assert 'pd_middleware_bytes_total{plane="inline"} 128.0' in text
         assert "pd_middleware_delivered_total" in text
