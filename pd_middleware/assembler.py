@@ -22,14 +22,20 @@ N in flight while building batch N+1 use ``num_buffers=2`` (see docs/assembler.m
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
 from .proposal import DenseProposal, OneHotProposal, SparseProposal
 
 if TYPE_CHECKING:
     from .proposal import Proposal
+
+_TOKENS = attrgetter("tokens")
+_ONE_HOT_ONLY = {OneHotProposal}
 
 
 class _BufferState:
@@ -71,6 +77,14 @@ class ProposalAssembler:
         ]
         self._next = 0
         self._row_stride = num_steps * vocab_size
+        # Flat offset of (request i, step s): the one-hot fast path adds the token id.
+        self._one_hot_base = (
+            np.arange(max_batch, dtype=np.int64)[:, None] * self._row_stride
+            + np.arange(num_steps, dtype=np.int64)[None, :] * vocab_size
+        )
+        # Index and value tensors go host -> device from page-locked memory without a
+        # host stall; the caching host allocator keeps a block until its copy is done.
+        self._pin = self.device.type == "cuda"
 
     @property
     def num_buffers(self) -> int:
@@ -99,6 +113,10 @@ class ProposalAssembler:
             raise ValueError(f"{n_none} of {b} requests have no proposal; a batch needs all or none")
 
         v, s_steps = self.vocab_size, self.num_steps
+        fast = self._one_hot_indices(proposals)
+        if fast is not None:
+            return self._write(fast, None, [], [], [], b)
+
         stride = self._row_stride
         oh_idx: list[int] = []
         sp_idx: list[torch.Tensor] = []
@@ -160,11 +178,55 @@ class ProposalAssembler:
             # refuses another dtype, and it runs after the buffer was already cleared.
             val = torch.cat(sp_val).float()
             if oh_idx:
-                idx = torch.cat([torch.tensor(oh_idx, dtype=torch.int64), idx])
+                idx = torch.cat([torch.from_numpy(np.array(oh_idx, dtype=np.int64)), idx])
                 val = torch.cat([torch.ones(len(oh_idx), dtype=torch.float32), val])
         elif oh_idx:
-            idx = torch.tensor(oh_idx, dtype=torch.int64)
+            idx = torch.from_numpy(np.array(oh_idx, dtype=np.int64))
+        return self._write(idx, val, dense, floor_rows, floor_vals, b)
 
+    def _one_hot_indices(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+        """Flat buffer indices of an all-one-hot batch, or ``None`` for the general path.
+
+        The common batch (every request one-hot) is converted with C-level maps and one
+        numpy array instead of a Python loop per token. Anything unusual (another kind,
+        a wrong step count, a token out of range) returns ``None``: the general path
+        then validates again and raises its precise error.
+        """
+        if set(map(type, proposals)) != _ONE_HOT_ONLY:
+            return None
+        b, s_steps = len(proposals), self.num_steps
+        per_request = list(map(_TOKENS, proposals))
+        try:
+            if s_steps == 1:
+                flat = [t for (t,) in per_request]  # unpacking checks one token each
+            elif set(map(len, per_request)) == {s_steps}:
+                flat = list(chain.from_iterable(per_request))
+            else:
+                return None
+            toks = np.array(flat, dtype=np.int64)
+        except (ValueError, TypeError, OverflowError):
+            return None
+        if toks.ndim != 1 or int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size:
+            return None
+        toks += self._one_hot_base[:b].reshape(-1)
+        return torch.from_numpy(toks)
+
+    def _host_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _write(
+        self,
+        idx: torch.Tensor | None,
+        val: torch.Tensor | None,
+        dense: list[tuple[int, DenseProposal]],
+        floor_rows: list[int],
+        floor_vals: list[float],
+        b: int,
+    ) -> torch.Tensor:
+        """Clear the previous build of the next buffer, write this one, return its view."""
+        v, s_steps = self.vocab_size, self.num_steps
         st = self._states[self._next]
         self._next = (self._next + 1) % len(self._states)
         flat = st.buf.view(-1)
@@ -191,11 +253,11 @@ class ProposalAssembler:
 
         # 3. One scatter for every one-hot and sparse entry.
         if idx is not None:
-            idx = idx.to(dev, non_blocking=True)
+            idx = self._host_to_device(idx)
             if val is None:
                 flat.index_fill_(0, idx, 1.0)
             else:
-                flat.index_copy_(0, idx, val.to(dev, non_blocking=True))
+                flat.index_copy_(0, idx, self._host_to_device(val))
         st.dirty_idx = idx
         st.dirty_rows = sorted(dense_rows) + floor_rows
 

@@ -57,6 +57,39 @@ def test_no_stale_entries_across_batches(num_steps, num_buffers):
         assert out.data_ptr() in ptrs, "storage must be reused, never reallocated"
 
 
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_all_one_hot_batches_match_reference_between_mixed_ones(num_steps):
+    """All-one-hot batches take a vectorised path; mixed ones the general path. Alternate
+    them so each clears what the other wrote, and compare every build to the reference."""
+    rng = random.Random(SEED + 7 * num_steps)
+    v, max_b = 29, 8
+    asm = ProposalAssembler(v, num_steps, max_b)
+    for step in range(40):
+        b = rng.randint(1, max_b)
+        if step % 2:
+            props = [_random_proposal(rng, num_steps, v) for _ in range(b)]
+        else:
+            props = [OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps))) for _ in range(b)]
+        out = asm.build(props)
+        got = out if num_steps > 1 else out.unsqueeze(1)
+        assert torch.equal(got, _reference(props, b, num_steps, v)), f"step={step}: differs from reference"
+        assert float(asm.graph_buffer()[b:].abs().sum()) == 0.0, f"step={step}: stale rows past the batch"
+
+
+def test_all_one_hot_batch_errors_name_the_request():
+    """A bad token in an otherwise all-one-hot batch still gets the precise error."""
+    asm = ProposalAssembler(11, 2, 4)
+    good = OneHotProposal((1, 2))
+    first = asm.build([good]).clone()
+    with pytest.raises(ValueError, match=r"request 1: token 11 outside \[0, 11\)"):
+        asm.build([good, OneHotProposal((3, 11))])
+    with pytest.raises(ValueError, match=r"request 2: token -1 outside \[0, 11\)"):
+        asm.build([good, good, OneHotProposal((-1, 0))])
+    with pytest.raises(ValueError, match="request 0: one-hot proposal has 3 steps, expected 2"):
+        asm.build([OneHotProposal((1, 2, 3)), OneHotProposal((4,))])  # 4 tokens in all, still refused
+    assert torch.equal(asm.graph_buffer()[:1], first)
+
+
 def test_shapes_and_dtype_single_and_multi_layer():
     asm1 = ProposalAssembler(11, 1, 4)
     out = asm1.build([OneHotProposal((3,)), OneHotProposal((10,))])
