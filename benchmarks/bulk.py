@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
@@ -37,6 +38,7 @@ from pd_middleware import DenseEncoding, OneHotProposal, Payload  # noqa: E402
 from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
 from pd_middleware.transport import (  # noqa: E402
     DecodeReceiver,
+    MooncakeConfig,
     MooncakeEngine,
     PrefillSender,
     SlotsConfig,
@@ -52,11 +54,12 @@ class _OneHot:
         return OneHotProposal(payload.draft_tokens)
 
 
-def _config(threshold: int) -> TransportConfig:
+def _config(threshold: int, inflight: int = 8) -> TransportConfig:
     return TransportConfig(
         inline_threshold_bytes=threshold,
         peer_timeout_s=60.0,
         slots=SlotsConfig(count=64, size_bytes=1 << 20, per_peer=64, wait_s=30.0),
+        mooncake=MooncakeConfig(max_inflight_writes=inflight),
     )
 
 
@@ -97,20 +100,41 @@ def _stop(proc: mp.Process, conn: "mp.connection.Connection") -> None:
         proc.kill()
 
 
-def run_raw(engine: MooncakeEngine, n: int, nbytes: int) -> float:
+def run_raw(engine: MooncakeEngine, n: int, nbytes: int, depth: int = 0) -> float:
+    """Raw binding calls, on purpose: this is the baseline. ``depth`` 0: one
+    ``transfer_sync_write`` after another (the issue's baseline); ``depth`` k > 0: up to k
+    ``transfer_submit_write`` in flight, polled with 20 us sleeps (the engine's own
+    pipelined limit, what our sender's pipelining is measured against too)."""
     proc, conn, peer, dst = _spawn("raw")
     try:
         src = mmap.mmap(-1, 1 << 20)
         src[:nbytes] = os.urandom(nbytes)
         addr = engine.register(src)
-        raw = engine._engine  # the raw binding, on purpose: this is the baseline
+        raw = engine._engine
         engine.probe(peer)
         if raw.transfer_sync_write(peer, addr, dst, nbytes) != 0:
             raise SystemExit("raw warm-up write failed")
         t0 = time.perf_counter()
-        for _ in range(n):
-            if raw.transfer_sync_write(peer, addr, dst, nbytes) != 0:
-                raise SystemExit("raw write failed")
+        if depth == 0:
+            for _ in range(n):
+                if raw.transfer_sync_write(peer, addr, dst, nbytes) != 0:
+                    raise SystemExit("raw write failed")
+        else:
+            flight: deque[int] = deque()
+            for i in range(n + depth):
+                if i < n:
+                    bid = raw.transfer_submit_write(peer, addr, dst, nbytes)
+                    if not 0 < bid < 1 << 63:
+                        raise SystemExit("raw submit failed")
+                    flight.append(bid)
+                while flight and (len(flight) >= depth or i >= n):
+                    st = raw.transfer_check_status(flight[0])  # each id polled until it ends, never after
+                    if st == 1:
+                        flight.popleft()
+                    elif st == 0:
+                        time.sleep(20e-6)
+                    else:
+                        raise SystemExit(f"raw async write failed: {st}")
         dt = time.perf_counter() - t0
         engine.unregister(addr)
     finally:
@@ -132,11 +156,14 @@ def _payloads(nbytes: int, source: mmap.mmap | None, count: int = 8) -> list[Pay
     return out
 
 
-def run_ours(engine: MooncakeEngine, n: int, nbytes: int, threshold: int = 0, registered: bool = True) -> float:
+def run_ours(
+    engine: MooncakeEngine, n: int, nbytes: int, threshold: int = 0, registered: bool = True, inflight: int = 8
+) -> float:
     """Sends/s through our sender and receiver; ``registered``: payload bytes live in a
-    registered prefill buffer (SGLang-style) rather than being staged by a copy."""
+    registered prefill buffer (SGLang-style) rather than being staged by a copy;
+    ``inflight``: ``mooncake.max_inflight_writes`` (1 = each send waits for its write)."""
     proc, conn, address, _ = _spawn("ours", threshold)
-    tx = PrefillSender(_config(threshold), engine=engine, name="bench").connect(address)
+    tx = PrefillSender(_config(threshold, inflight), engine=engine, name="bench").connect(address)
     try:
         source = mmap.mmap(-1, 8 * nbytes) if registered and threshold < nbytes else None
         if source is not None:
@@ -182,38 +209,51 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--crossover", action="store_true")
+    ap.add_argument("--inflight", type=int, default=8, help="max_inflight_writes for ours, depth for raw pipelined")
     args = ap.parse_args()
     engine = MooncakeEngine.open()
     try:
         if args.crossover:
             print(json.dumps(crossover(engine, args.n)))
             return
-        raw, ours, staged, ratios, staged_ratios = [], [], [], [], []
+        depth = args.inflight
+        runs: dict[str, list[float]] = {k: [] for k in ("raw", "raw_pipelined", "ours", "staged", "ours_sync")}
+        ratio: dict[str, list[float]] = {k: [] for k in ("ours", "staged", "ours_sync", "ours_vs_pipelined")}
         for i in range(args.repeats):
-            raw.append(run_raw(engine, args.n, NBYTES))
-            ours.append(run_ours(engine, args.n, NBYTES))
-            staged.append(run_ours(engine, args.n, NBYTES, registered=False))
-            ratios.append(ours[-1] / raw[-1])
-            staged_ratios.append(staged[-1] / raw[-1])
+            runs["raw"].append(run_raw(engine, args.n, NBYTES))
+            runs["raw_pipelined"].append(run_raw(engine, args.n, NBYTES, depth=depth))
+            runs["ours"].append(run_ours(engine, args.n, NBYTES, inflight=depth))
+            runs["staged"].append(run_ours(engine, args.n, NBYTES, registered=False, inflight=depth))
+            runs["ours_sync"].append(run_ours(engine, args.n, NBYTES, inflight=1))
+            last = {k: v[-1] for k, v in runs.items()}
+            for k in ("ours", "staged", "ours_sync"):
+                ratio[k].append(last[k] / last["raw"])
+            ratio["ours_vs_pipelined"].append(last["ours"] / last["raw_pipelined"])
             print(
-                f"repeat {i}: raw {raw[-1]:,.0f}/s ours {ours[-1]:,.0f}/s ({ratios[-1]:.3f}) "
-                f"staged {staged[-1]:,.0f}/s ({staged_ratios[-1]:.3f})",
+                f"repeat {i}: raw sync {last['raw']:,.0f}/s, raw pipelined x{depth} {last['raw_pipelined']:,.0f}/s | "
+                f"ours {last['ours']:,.0f}/s ({ratio['ours'][-1]:.3f}), staged {last['staged']:,.0f}/s "
+                f"({ratio['staged'][-1]:.3f}), ours with max_inflight_writes=1 {last['ours_sync']:,.0f}/s "
+                f"({ratio['ours_sync'][-1]:.3f})",
                 file=sys.stderr,
             )
     finally:
         engine.close()
-    r, o = statistics.median(raw), statistics.median(ours)
+    med = {k: statistics.median(v) for k, v in runs.items()}
     print(
         json.dumps(
             {
                 "benchmark": "bulk",
-                "ratio_vs_raw_mooncake": round(statistics.median(ratios), 3),
-                "ratio_of_medians": round(o / r, 3),
-                "staged_copy_ratio_vs_raw_mooncake": round(statistics.median(staged_ratios), 3),
-                "ours_payloads_per_s": round(o),
-                "raw_writes_per_s": round(r),
-                "ours_GBps": round(o * NBYTES / 1e9, 3),
-                "raw_GBps": round(r * NBYTES / 1e9, 3),
+                "ratio_vs_raw_mooncake": round(statistics.median(ratio["ours"]), 3),
+                "ratio_of_medians": round(med["ours"] / med["raw"], 3),
+                "staged_copy_ratio_vs_raw_mooncake": round(statistics.median(ratio["staged"]), 3),
+                "sync_sender_ratio_vs_raw_mooncake": round(statistics.median(ratio["ours_sync"]), 3),
+                "ratio_vs_raw_pipelined": round(statistics.median(ratio["ours_vs_pipelined"]), 3),
+                "max_inflight_writes": depth,
+                "ours_payloads_per_s": round(med["ours"]),
+                "raw_writes_per_s": round(med["raw"]),
+                "raw_pipelined_writes_per_s": round(med["raw_pipelined"]),
+                "ours_GBps": round(med["ours"] * NBYTES / 1e9, 3),
+                "raw_GBps": round(med["raw"] * NBYTES / 1e9, 3),
                 "bytes": NBYTES,
                 "n": args.n,
                 "repeats": args.repeats,

@@ -186,6 +186,20 @@ class Collector:
             if isinstance(o, Delivery):
                 o.release()
 
+    def send(self, tx: Any, p: Any, timeout: float = 10.0) -> None:
+        """``tx.send(p)`` from the thread that also consumes the decode here.
+
+        The decode frees a slot only once its delivery is released, and in these
+        scenarios this same thread releases them: so while the sender has no free slot
+        (its writes in flight or its payloads not yet consumed), consume first rather than
+        block in ``send``. Bounded by ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while tx.statuses()["free_slots"] == 0 and time.monotonic() < deadline:
+            self.poll(0.002)
+        tx.send(p)
+        self.poll(0)
+
     def until(self, cond, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not cond():
@@ -244,8 +258,7 @@ def prefill_sigkill(env: dict) -> dict:
         t_kill = time.monotonic()
         victim.proc.wait(10)
         for i in range(m):
-            survivor.send(payload(f"survivor-{i}"))
-            col.poll(0)
+            col.send(survivor, payload(f"survivor-{i}"))
         col.until(lambda: sum(r.startswith("victim-") for r in col.out) >= n and col.count("survivor-", "D") >= m, 30)
         fails = [t for rid, outs in col.out.items() if rid.startswith("victim-") for t, o in outs[:1] if not hasattr(o, "payload")]
         survivor.flush(5.0)
@@ -288,8 +301,7 @@ def prefill_sigstop(env: dict) -> dict:
         os.kill(victim.proc.pid, signal.SIGSTOP)
         t_stop = time.monotonic()
         for i in range(m):  # served while the other prefill is frozen
-            other.send(payload(f"other-{i}"))
-            col.poll(0)
+            col.send(other, payload(f"other-{i}"))
         col.until(lambda: sum(r.startswith("frozen-") for r in col.out) >= n, 30)
         fail_times = [outs[0][0] for rid, outs in col.out.items() if rid.startswith("frozen-") and not isinstance(outs[0][1], Delivery)]
         col.until(lambda: col.count("other-", "D") >= m, 15)
@@ -402,7 +414,8 @@ def decode_restart(env: dict, bulk: bool = True) -> dict:
         "new_decode_ready_after_s": round(b_ready - t_kill, 3) if b_ready else None,
         "recovery_s": round(t_back - t_kill, 3) if t_back else None,
         "ok": bool(errors) and lost == 0 and st["outstanding"] == 0
-        and set(st["failed_by_reason"]) <= {"transfer:decode_lost"}
+        # transfer:write: a pipelined write to the dead decode that failed after send returned
+        and set(st["failed_by_reason"]) <= {"transfer:decode_lost", "transfer:write"}
         and st["delivered"] + st["failed"] == n and len(b_rids) > 0,
     }
 
@@ -476,10 +489,16 @@ def mooncake_vanished(env: dict) -> dict:
         d.kill()
         t0 = time.monotonic()
         err = None
-        try:
-            tx.send(payload("mc-after-kill"))
-        except TransferError as exc:
-            err = exc
+        # A pipelined write (max_inflight_writes > 1) may be submitted before the engine
+        # notices: that send returns, its request fails with transfer:write, and the next
+        # send raises the write's error. Bounded: three sends at most.
+        for k in range(3):
+            try:
+                tx.send(payload(f"mc-after-kill-{k}"))
+                tx.flush(1.0)
+            except TransferError as exc:
+                err = exc
+                break
         took = time.monotonic() - t0
         st = tx.statuses()
         tx.close()
@@ -495,8 +514,10 @@ def mooncake_vanished(env: dict) -> dict:
         "unaffected_delivered": before,
         "lost": st["sent"] - st["delivered"] - st["failed"] - st["outstanding"],
         "recovery_s": None,
-        "ok": err is not None and err.op in ("transfer_sync_write", "batch_transfer_sync_write", "send_probe")
-        and err.code is not None and bool(err.peer) and took < 2.0 and before == 10,
+        "affected_reasons": st["failed_by_reason"],
+        "ok": err is not None and err.op in ("transfer_submit_write", "transfer_check_status", "send_probe")
+        and err.code is not None and bool(err.peer) and took < 2.0 and before == 10
+        and set(st["failed_by_reason"]) <= {"transfer:write"},
     }
 
 

@@ -54,8 +54,34 @@ def test_failures_are_transfer_errors_with_context(mooncake_pair) -> None:
         assert "peer did not answer the probe" in str(info.value)
         with pytest.raises(TransferError) as info:
             prefill.write(decode.peer_name, [(s, d + (1 << 20), 64)])  # outside any registered buffer
-        assert info.value.op == "transfer_sync_write" and info.value.code == -1
+        assert info.value.op == "transfer_check_status" and info.value.code == -1
         assert info.value.peer == decode.peer_name and "write of 64 bytes in 1 range(s) failed" in str(info.value)
+        # The same through the non-blocking calls: the failure is reported by the poll.
+        bids = prefill.start_write(decode.peer_name, [(s, d + (1 << 20), 64)])
+        with pytest.raises(TransferError) as info:
+            prefill.finish_write(decode.peer_name, bids)
+        assert info.value.op == "transfer_check_status" and info.value.code == -1
+    finally:
+        prefill.unregister(s)
+        decode.unregister(d)
+
+
+def test_pipelined_writes_land_bit_exact(mooncake_pair) -> None:
+    """Several writes in flight at once (start_write, then polls), each lands where it should."""
+    decode, prefill = mooncake_pair
+    src, s, dst, d = _buffers(mooncake_pair, 1 << 20)
+    try:
+        chunk = 96 << 10
+        flights = [prefill.start_write(decode.peer_name, [(s + i * chunk, d + i * chunk, chunk)]) for i in range(6)]
+        for _ in range(200_000):  # bounded: each poll is non-blocking
+            flights = [f for f in (prefill.poll_write(decode.peer_name, f)[0] for f in flights) if f]
+            if not flights:
+                break
+        assert not flights, "writes did not complete"
+        assert dst[: 6 * chunk] == src[: 6 * chunk]
+        fut = prefill.submit(decode.peer_name, [(s, d + 7 * chunk, 4096)])  # the transfer-thread variant
+        fut.result(10)
+        assert dst[7 * chunk : 7 * chunk + 4096] == src[:4096]
     finally:
         prefill.unregister(s)
         decode.unregister(d)
@@ -73,6 +99,13 @@ def test_guards_keep_crashing_calls_away_from_the_engine(mooncake_pair) -> None:
     prefill.wait_batch(bid)
     with pytest.raises(TransferError, match="is not live"):  # stale: already reaped
         prefill.wait_batch(bid)
+    # The same guard on the per-write status poll: a reaped id never reaches the engine.
+    bids = prefill.start_write(decode.peer_name, [(s, d, 128)])
+    prefill.finish_write(decode.peer_name, bids)
+    for bad in (bids, [0]):
+        with pytest.raises(TransferError) as info:
+            prefill.poll_write(decode.peer_name, bad)
+        assert info.value.op == "transfer_check_status" and "is not live" in str(info.value)
     prefill.unregister(s)
     decode.unregister(d)
     with pytest.raises(TransferError, match="is not registered"):

@@ -93,9 +93,16 @@ class MooncakeConfig(msgspec.Struct, **_STRUCT):
     force_tcp: bool = True
     # MC_LOG_LEVEL used when the environment does not set it.
     log_level: Literal["INFO", "WARNING", "ERROR"] = "WARNING"
+    # A write not complete after this many seconds fails with TransferError (op transfer_check_status).
+    write_timeout_s: float = 30.0
+    # Bulk writes a prefill sender keeps running at once (pipelined: send() returns once its
+    # write is submitted); 1 = send() waits for its own write and raises its failure.
+    max_inflight_writes: int = 8
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host", "must not be empty")
+        _check(0.0 < self.write_timeout_s <= 3600.0, "write_timeout_s", "must be in (0, 3600]")
+        _check(1 <= self.max_inflight_writes <= 64, "max_inflight_writes", "must be in [1, 64]")
         if self.protocol == "rdma":
             _check(not self.force_tcp, "force_tcp", "must be false when protocol is 'rdma'")
             _check(bool(self.device_names), "device_names", "must name the RDMA NICs when protocol is 'rdma'")

@@ -11,8 +11,12 @@ already reaped. This adapter is the boundary where that is made safe:
   that the adapter is open, so no call can reach an uninitialised or closed engine;
 - batch ids are tracked: 0 is refused at submit, and only live ids reach the status
   call, once;
-- synchronous writes (which spin a core while they wait) run on one dedicated thread
-  owned by the adapter, never on the caller's event loop;
+- no write spins a core: each range is submitted asynchronously and its status polled
+  with short sleeps (a sync write spins a core while it waits, which on a busy host is
+  taken from the threads the transfer itself needs); :meth:`MooncakeEngine.write` blocks
+  its caller that way, and :meth:`MooncakeEngine.submit` runs the same on one dedicated
+  transfer thread owned by the adapter, for callers that must never block (an event
+  loop); batch ids are polled only while live, never after the engine freed them;
 - contiguous ranges are merged into one transfer (each batch entry costs ~20-40 us);
 - ``send_probe`` runs before the first transfer to each peer, so a frozen peer fails
   in seconds rather than after the 60 s first-contact timeout.
@@ -27,14 +31,23 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from .._errors import TransferError
 from .config import MooncakeConfig
 
 Range = tuple[int, int, int]
 """(local source address, remote destination address, length in bytes)."""
+
+# finish_write's status polls: 20 us sleeps for the first 2 ms (a 600 KB write over
+# loopback TCP takes about 300 us), then doubling up to 1 ms for long transfers.
+_POLL_MIN_S = 20e-6
+_POLL_FAST_S = 2e-3
+_POLL_MAX_S = 1e-3
+# Batch ids are addresses; a failed submit returns 0 or -1 seen as an unsigned 64-bit id.
+_ID_LIMIT = 1 << 63
 
 
 def buffer_address(buf: Any) -> int:
@@ -64,9 +77,10 @@ class MooncakeEngine:
     only wraps an engine that is already initialised.
     """
 
-    def __init__(self, engine: Any, peer_name: str) -> None:
+    def __init__(self, engine: Any, peer_name: str, *, write_timeout_s: float = 30.0) -> None:
         self._engine: Any = engine
         self.peer_name = peer_name
+        self.write_timeout_s = write_timeout_s
         self._regions: dict[int, tuple[int, Any]] = {}
         self._probed: set[str] = set()
         self._live_batches: set[int] = set()
@@ -83,6 +97,7 @@ class MooncakeEngine:
         *,
         force_tcp: bool = True,
         log_level: str = "WARNING",
+        write_timeout_s: float = 30.0,
     ) -> "MooncakeEngine":
         """Start and initialise an engine with P2PHANDSHAKE (no metadata server).
 
@@ -101,7 +116,7 @@ class MooncakeEngine:
         rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_names)
         if rc != 0:
             raise TransferError(f"engine initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed", op="initialize", code=rc, peer=host)
-        return cls(engine, f"{host}:{engine.get_rpc_port()}")
+        return cls(engine, f"{host}:{engine.get_rpc_port()}", write_timeout_s=write_timeout_s)
 
     # -- guards -----------------------------------------------------------------
 
@@ -155,37 +170,132 @@ class MooncakeEngine:
             raise TransferError("peer did not answer the probe", op="send_probe", code=rc, peer=peer)
         self._probed.add(peer)
 
-    def _write_now(self, peer: str, ranges: Sequence[Range]) -> None:
-        engine = self._live("transfer_sync_write", peer)
+    def start_write(self, peer: str, ranges: Iterable[Range]) -> list[int]:
+        """Merge ``ranges`` and submit one asynchronous write per merged range; do not wait.
+
+        Returns the live batch ids, to be passed to :meth:`poll_write` (or
+        :meth:`finish_write`) until they are done. A submit that fails raises
+        :class:`TransferError` (op ``transfer_submit_write``) after reaping the ranges
+        already submitted, so no id is left behind.
+        """
+        engine = self._live("transfer_submit_write", peer)
         self.probe(peer)
-        if len(ranges) == 1:
-            src, dst, n = ranges[0]
-            rc = engine.transfer_sync_write(peer, src, dst, n)
-            op = "transfer_sync_write"
-        else:
-            rc = engine.batch_transfer_sync_write(
-                peer, [r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges]
-            )
-            op = "batch_transfer_sync_write"
-        if rc != 0:
-            total = sum(r[2] for r in ranges)
-            # The peer may have restarted: probe again before the next write.
+        live: list[int] = []
+        for src, dst, n in merge_ranges(ranges):
+            bid = engine.transfer_submit_write(peer, src, dst, n)
+            if not 0 < bid < _ID_LIMIT:  # 0 (or -1 as an unsigned id): not submitted
+                with self._lock:
+                    self._live_batches.update(live)
+                try:
+                    self.finish_write(peer, live)
+                except TransferError:
+                    pass  # the submit failure below is the error to report
+                self._probed.discard(peer)  # the peer may have restarted: probe before the next write
+                raise TransferError(f"write of {n} bytes was not submitted", op="transfer_submit_write", code=-1, peer=peer)
+            live.append(bid)
+        with self._lock:
+            self._live_batches.update(live)
+        return live
+
+    def poll_write(self, peer: str, batch_ids: list[int]) -> tuple[list[int], TransferError | None]:
+        """One non-blocking status pass over ``batch_ids`` from :meth:`start_write`.
+
+        Returns the ids still running and the first failure seen (or None). The engine
+        frees a batch once it reports completed or failed, so such ids are dropped from
+        the live set here and never polled again; ids this adapter did not issue, or has
+        already reaped, raise :class:`TransferError` instead of reaching the engine.
+        """
+        engine = self._live("transfer_check_status", peer)
+        pending: list[int] = []
+        error: TransferError | None = None
+        live = self._live_batches
+        results = []
+        with self._lock:  # check and free under one lock: two pollers never race on an id
+            for bid in batch_ids:
+                if bid not in live:
+                    raise TransferError(
+                        f"batch id {bid} is not live (0, stale or foreign)", op="transfer_check_status", peer=peer
+                    )
+                st = engine.transfer_check_status(bid)
+                if st == 0:
+                    pending.append(bid)
+                else:
+                    live.discard(bid)
+                    results.append(st)
+        for st in results:
+            if st != 1 and error is None:
+                what = "timed out in the engine" if st == -2 else "failed"
+                error = TransferError(f"transfer {what}", op="transfer_check_status", code=st, peer=peer)
+        if error is not None:
             self._probed.discard(peer)
-            raise TransferError(f"write of {total} bytes in {len(ranges)} range(s) failed", op=op, code=rc, peer=peer)
+        return pending, error
+
+    def abandon(self, batch_ids: Iterable[int]) -> None:
+        """Stop tracking ids that will never be polled again (a write given up on).
+
+        The engine keeps their bookkeeping; what matters is that no later call can pass
+        them to it once it may have freed them.
+        """
+        with self._lock:
+            self._live_batches.difference_update(batch_ids)
+
+    def finish_write(self, peer: str, batch_ids: list[int]) -> None:
+        """Wait for ``batch_ids`` from :meth:`start_write`; raise the first failure.
+
+        Sleeps between status polls rather than spinning: 20 us (about 70 us with the
+        kernel's timer slack) for the first _POLL_FAST_S, so a write is seen done soon
+        after it lands, then doubling up to 1 ms. Past ``write_timeout_s`` the remaining
+        ids are abandoned and TransferError (op ``transfer_check_status``, code -2) raised.
+        """
+        error: TransferError | None = None
+        delay = _POLL_MIN_S
+        start = time.monotonic()
+        while batch_ids:
+            batch_ids, failed = self.poll_write(peer, batch_ids)
+            error = error or failed
+            if not batch_ids:
+                break
+            now = time.monotonic()
+            if now - start > self.write_timeout_s:
+                self.abandon(batch_ids)
+                self._probed.discard(peer)
+                raise TransferError(
+                    f"{len(batch_ids)} transfer(s) not done within write_timeout_s={self.write_timeout_s:g}",
+                    op="transfer_check_status",
+                    code=-2,
+                    peer=peer,
+                )
+            time.sleep(delay)
+            if now - start > _POLL_FAST_S:
+                delay = min(delay * 2, _POLL_MAX_S)
+        if error is not None:
+            raise error
+
+    def write(self, peer: str, ranges: Iterable[Range]) -> None:
+        """Write ``ranges`` to ``peer`` and return when the bytes landed.
+
+        Blocks the calling thread for the transfer, sleeping between status polls rather
+        than spinning, so no thread hop is needed: call it from a worker thread (the
+        prefill sender), never from an event loop (use :meth:`submit` there). Raises
+        :class:`TransferError` with the failing op, its code and the peer.
+        """
+        ranges = list(ranges)
+        try:
+            self.finish_write(peer, self.start_write(peer, ranges))
+        except TransferError as exc:
+            total = sum(r[2] for r in ranges)
+            raise TransferError(
+                f"write of {total} bytes in {len(ranges)} range(s) failed: {exc}", op=exc.op, code=exc.code, peer=peer
+            ) from None
 
     def submit(self, peer: str, ranges: Iterable[Range]) -> "Future[None]":
-        """Merge ``ranges`` and write them to ``peer`` on the dedicated transfer thread."""
-        self._live("transfer_sync_write", peer)
-        merged = merge_ranges(ranges)
-        return self._pool.submit(self._write_now, peer, merged)
+        """:meth:`write` on the dedicated transfer thread, for callers that must never block.
 
-    def write(self, peer: str, ranges: Iterable[Range], timeout: float | None = None) -> None:
-        """Blocking :meth:`submit`: returns when the bytes landed, or raises TransferError."""
-        fut = self.submit(peer, ranges)
-        try:
-            fut.result(timeout)
-        except TimeoutError:
-            raise TransferError(f"write did not finish within {timeout} s", op="transfer_sync_write", peer=peer) from None
+        The future's ``result()`` raises the write's TransferError.
+        """
+        self._live("transfer_submit_write", peer)
+        ranges = list(ranges)
+        return self._pool.submit(self.write, peer, ranges)
 
     def write_async(self, peer: str, ranges: Iterable[Range]) -> int:
         """Start an async batch write; returns a batch id for :meth:`wait_batch`."""
@@ -237,4 +347,5 @@ def open_engine(config: MooncakeConfig) -> MooncakeEngine:
         config.device_names,
         force_tcp=config.force_tcp,
         log_level=config.log_level,
+        write_timeout_s=config.write_timeout_s,
     )

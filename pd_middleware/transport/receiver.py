@@ -7,7 +7,10 @@ inbound message it verifies the optional HMAC, decodes and validates the header
 (:class:`~pd_middleware.pipeline.Delivery` or :class:`~pd_middleware.pipeline.Failure`)
 on a queue the scheduler reads with :meth:`get`/:meth:`drain` (a waiting scheduler is
 woken once per receive batch). Per-request statuses go back to each prefill in acks
-coalesced over ``_ACK_INTERVAL_S``; slot-free notices are acked at once.
+coalesced over ``_ACK_INTERVAL_S``. Freed slots ride on those acks too, and go at once
+when a peer has an eighth of its grant freed but unacknowledged; likewise a release
+wakes the loop only every ``slots.per_peer // 8`` releases, and the loop looks for
+releases at least every ``_ACK_INTERVAL_S`` while any slot is held.
 
 Every inbound message ends as exactly one counted outcome: a delivery, a pipeline
 failure, or a wire failure (``wire:<field>``; ``wire:hmac`` for a bad signature,
@@ -96,6 +99,9 @@ class DecodeReceiver:
         self._ready = threading.Event()
         self._pending_wake = False
         self._released: deque[int] = deque()
+        # Releases that wake the loop at once; the rest are found within _ACK_INTERVAL_S.
+        self._release_batch = max(1, config.slots.per_peer >> 3)
+        self._held_n = 0  # slots held by delivered payloads (receiver thread only)
         self._expects: deque[tuple[str, str | None, float | None]] = deque()
         self._expected: dict[str, tuple[str | None, float | None]] = {}
         self._deadlines: list[tuple[float, str]] = []
@@ -244,13 +250,15 @@ class DecodeReceiver:
     def _releaser(self, slot: int) -> Callable[[], None]:
         done = False
         released = self._released
+        batch = self._release_batch
 
         def release() -> None:
             nonlocal done
             if not done:  # idempotent: a second release must not free a reused slot
                 done = True
                 released.append(slot)
-                self._wake()
+                if len(released) >= batch:
+                    self._wake()
 
         return release
 
@@ -271,6 +279,8 @@ class DecodeReceiver:
                 wait = next_tick - now
                 if self._acks_pending():
                     wait = min(wait, last_flush + _ACK_INTERVAL_S - now)
+                elif self._held_n:  # a release may come without a wake-up: look every interval
+                    wait = min(wait, _ACK_INTERVAL_S)
                 events = dict(poller.poll(max(0.0, wait) * 1000.0))
                 if rfd in events:
                     try:
@@ -448,6 +458,7 @@ class DecodeReceiver:
         releaser = None
         if slot >= 0:
             self._pool.hold(slot)  # type: ignore[union-attr]
+            self._held_n += 1
             releaser = self._releaser(slot)
             by_plane["bulk"] += wire.bulk_bytes(payload)
         elif len(body) == 2:
@@ -474,6 +485,7 @@ class DecodeReceiver:
         released = self._released
         while released:
             slot = released.popleft()
+            self._held_n -= 1
             owner = pool.release(slot)  # type: ignore[union-attr]
             if owner is not None:
                 peer = self._peers.get(owner)  # type: ignore[arg-type]
@@ -520,8 +532,13 @@ class DecodeReceiver:
                     self._fail_expected(rid, why, reason)
 
     def _slots_freed(self) -> bool:
-        """Whether a freed slot awaits its ack: a waiting prefill needs it at once."""
-        return any(p.freed for p in self._peers.values())
+        """Whether enough freed slots await their ack that a prefill may be short of slots.
+
+        A prefill with no free slot waits for this ack, so freed slots are acked at once
+        once a peer has an eighth of its grant (at least one) freed but unacked; below
+        that they ride on the next coalesced ack, at most _ACK_INTERVAL_S later.
+        """
+        return any(p.freed and len(p.freed) >= len(p.slots) >> 3 for p in self._peers.values())
 
     def _acks_pending(self) -> int:
         """Outcomes and freed slots not yet acknowledged to their prefill."""

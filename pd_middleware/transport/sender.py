@@ -8,6 +8,14 @@ request, :meth:`PrefillSender.send` either
   then sends the header naming the slot (*bulk*, above ``inline_threshold_bytes``), or
 - sends the header followed by the tensors as raw ZMQ frames (*inline*).
 
+Bulk writes are pipelined: ``send`` submits the write and returns, and the header goes
+out once the bytes have landed (checked by the next ``send``, by ``flush``, or within
+tens of microseconds by the sender's background thread). At most
+``mooncake.max_inflight_writes`` writes run at once; with 1, ``send`` waits for its own
+write, as a plain synchronous sender would. A write that fails after ``send`` returned
+fails its request with ``transfer:write`` (the reason names op, code and peer), and the
+next ``send`` raises that error: the sender must ``reconnect()``.
+
 The decode answers with batched acks: per-request status (delivered, or failed with a
 reason) and slot-free notices. A slot is reused only after the decode freed it; with no
 free slot, ``send`` waits up to ``slots.wait_s`` and then raises
@@ -18,8 +26,8 @@ when the decode is lost are moved to ``failed['transfer:decode_lost']`` by
 :meth:`reconnect`/:meth:`close`.
 
 Threading: ``send``/``flush`` may be called from any thread (one lock serialises them);
-a small heartbeat thread, started by ``connect``, keeps the connection alive when idle
-and notices a silent or restarted decode.
+a small background thread, started by ``connect``, completes writes in flight, keeps the
+connection alive when idle and notices a silent or restarted decode.
 """
 
 from __future__ import annotations
@@ -41,6 +49,27 @@ from .config import TransportConfig
 from .mooncake import MooncakeEngine
 
 _FAILURE_LOG = 1024  # most recent failures kept for failures()
+# Writes in flight are polled every 20 us (about 70 us with timer slack) for their first
+# 2 ms, then less often, up to every 1 ms (a long transfer costs few wake-ups).
+_POLL_MIN_S = 20e-6
+_POLL_FAST_S = 2e-3
+_POLL_MAX_S = 1e-3
+
+
+class _InFlight:
+    """A bulk write submitted but not yet seen complete; its header waits for it."""
+
+    __slots__ = ("seq", "slot", "header", "bids", "size", "region", "started", "error")
+
+    def __init__(self, seq: int, slot: int, header: Any, bids: list[int], size: int, region: int, started: float) -> None:
+        self.seq = seq
+        self.slot = slot
+        self.header = header
+        self.bids = bids
+        self.size = size
+        self.region = region  # staging region used, or -1
+        self.started = started
+        self.error: TransferError | None = None
 
 
 class PrefillSender:
@@ -78,6 +107,11 @@ class PrefillSender:
         self._staging: mmap.mmap | None = None
         self._staging_view: memoryview | None = None
         self._staging_addr = 0
+        self._regions_free: list[int] = []
+        self._max_inflight = config.mooncake.max_inflight_writes
+        self._inflight: deque[_InFlight] = deque()
+        self._work = threading.Event()  # wakes the background thread for new writes in flight
+        self._lost_error: TransferError | None = None  # the write failure that lost the decode
         self._sources: list[tuple[int, int]] = []
         self._seq = 0
         self._outstanding: dict[int, str] = {}
@@ -105,7 +139,7 @@ class PrefillSender:
             self._hello(timeout if timeout is not None else self.config.connect_timeout_s)
         if self._hb_thread is None:
             self._hb_stop.clear()
-            self._hb_thread = threading.Thread(target=self._heartbeats, name=f"{self.name}-heartbeat", daemon=True)
+            self._hb_thread = threading.Thread(target=self._background, name=f"{self.name}-background", daemon=True)
             self._hb_thread.start()
         return self
 
@@ -117,12 +151,15 @@ class PrefillSender:
         return self.connect(address, timeout)
 
     def close(self) -> None:
-        """Say bye, stop the heartbeat thread and close the socket. Idempotent."""
+        """Finish writes in flight, say bye, stop the background thread and close. Idempotent."""
         self._hb_stop.set()
+        self._work.set()
         if self._hb_thread is not None:
             self._hb_thread.join(5.0)
             self._hb_thread = None
         with self._lock:
+            if self._sock is not None and self._lost is None:
+                self._settle(0)  # their headers go out before the bye
             if self._sock is not None and self._lost is None:
                 self._send_msg(wire.Bye(reason="prefill sender closed"))
             self._reset("transfer:decode_lost", "sender closed", linger=100)
@@ -148,6 +185,7 @@ class PrefillSender:
         self._address = address
 
     def _reset(self, key: str, why: str, linger: int = 0) -> None:
+        self._drop_inflight()
         for seq, rid in self._outstanding.items():
             self.failed[key] += 1
             self._failures.append((rid, key, why))
@@ -180,14 +218,18 @@ class PrefillSender:
         self._slot_addr = dict(zip(msg.slots, msg.addrs))
         self._free = deque(msg.slots)
         self._lost = None
+        self._lost_error = None
         self._last_heard = self._clock()
         if self.engine is not None and msg.mooncake is not None and msg.slots:
-            if self._staging is None or len(self._staging) < msg.slot_size:
+            # One staging region per write that may be in flight.
+            need = msg.slot_size * self._max_inflight
+            if self._staging is None or len(self._staging) < need:
                 if self._staging is not None:
                     self.engine.unregister(self._staging_addr)
-                self._staging = mmap.mmap(-1, msg.slot_size)
+                self._staging = mmap.mmap(-1, need)
                 self._staging_view = memoryview(self._staging)
                 self._staging_addr = self.engine.register(self._staging)
+            self._regions_free = list(range(self._max_inflight))
             self.engine.probe(msg.mooncake, force=True)
 
     # -- inbound ----------------------------------------------------------------
@@ -251,6 +293,9 @@ class PrefillSender:
     def _check_alive(self, op: str) -> None:
         self._note_silence()
         if self._lost is not None:
+            err = self._lost_error
+            if err is not None:  # a failed write: report its op, code and Mooncake peer
+                raise TransferError(f"{self._lost}; call reconnect()", op=err.op, code=err.code, peer=err.peer)
             raise TransferError(f"{self._lost}; call reconnect()", op=op, peer=self._address)
 
     # -- outbound ---------------------------------------------------------------
@@ -292,15 +337,7 @@ class PrefillSender:
                         op="send",
                         peer=self._address,
                     )
-                slot = self._acquire_slot()
-                header, parts = wire.build_header(payload, seq, slot)
-                try:
-                    self._write_slot(slot, parts)
-                    self._send_msg(header)
-                except TransferError:
-                    self._free.appendleft(slot)  # the decode never heard of it: still ours
-                    raise
-                self.bytes["bulk"] += size
+                self._send_bulk(payload, seq, size)
             else:
                 header, parts = wire.build_header(payload, seq)
                 frames = [b for b, _ in parts]
@@ -309,6 +346,126 @@ class PrefillSender:
             self._seq = seq + 1
             self._outstanding[seq] = payload.request_id
             self.sent += 1
+            if self._inflight:
+                # Keep at most max_inflight_writes - 1 running between calls, so the next
+                # send finds a staging region; the background thread completes the rest.
+                self._settle(self._max_inflight - 1)
+                if self._inflight:
+                    self._work.set()
+
+    def _send_bulk(self, payload: Payload, seq: int, size: int) -> None:
+        """Write the tensors into a slot; send the header now (synchronous) or once landed."""
+        engine, mc = self.engine, self._decode_mc
+        assert engine is not None and mc is not None
+        slot = self._acquire_slot()
+        header, parts = wire.build_header(payload, seq, slot)
+        region = -1
+        try:
+            ranges, region = self._slot_ranges(slot, parts)
+            bids = engine.start_write(mc, ranges)
+            if self._max_inflight > 1:
+                self._inflight.append(_InFlight(seq, slot, header, bids, size, region, self._clock()))
+                return
+            engine.finish_write(mc, bids)
+            self._send_msg(header)
+        except TransferError:
+            self._free.appendleft(slot)  # the decode never heard of it: still ours
+            if region >= 0:
+                self._regions_free.append(region)
+            raise
+        if region >= 0:
+            self._regions_free.append(region)
+        self.bytes["bulk"] += size
+
+    # -- writes in flight (all under self._lock) ------------------------------------
+
+    def _poll_inflight(self) -> None:
+        """One non-blocking pass: send the header of each write that landed, fail the failed."""
+        engine, mc = self.engine, self._decode_mc
+        assert engine is not None and mc is not None
+        still: deque[_InFlight] = deque()
+        now = self._clock()
+        for w in self._inflight:
+            try:
+                pending, err = engine.poll_write(mc, w.bids)
+            except TransferError as exc:  # the engine was closed under us
+                pending, err = [], exc
+            w.error = w.error or err
+            if pending and now - w.started > engine.write_timeout_s:
+                engine.abandon(pending)
+                w.error = TransferError(
+                    f"write not done within write_timeout_s={engine.write_timeout_s:g}",
+                    op="transfer_check_status",
+                    code=-2,
+                    peer=mc,
+                )
+                self._end_write(w, retire_slot=True)  # a late write may still land in it
+            elif pending:
+                w.bids = pending
+                still.append(w)
+            else:
+                self._end_write(w)
+        self._inflight = still
+
+    def _end_write(self, w: _InFlight, retire_slot: bool = False) -> None:
+        if w.region >= 0:
+            self._regions_free.append(w.region)
+        if w.error is None:
+            try:
+                self._send_msg(w.header)
+                self.bytes["bulk"] += w.size
+                return
+            except TransferError as exc:
+                w.error = exc
+        if not retire_slot:
+            self._free.appendleft(w.slot)  # the decode never heard of it
+        rid = self._outstanding.pop(w.seq, None)
+        key = "transfer:write" if w.error.op != "send" else "transfer:control_full"
+        if rid is not None:
+            self.failed[key] += 1
+            self._failures.append((rid, key, str(w.error)))
+        if key == "transfer:write" and self._lost is None:
+            self._lost = f"a Mooncake write to the decode failed ({w.error})"
+            self._lost_error = w.error
+
+    def _settle(self, limit: int) -> None:
+        """Poll writes in flight until at most ``limit`` remain (each one is bounded by write_timeout_s)."""
+        delay = _POLL_MIN_S
+        start = self._clock()
+        while len(self._inflight) > limit:
+            self._poll_inflight()
+            if len(self._inflight) <= limit:
+                return
+            time.sleep(delay)
+            if self._clock() - start > _POLL_FAST_S:
+                delay = min(delay * 2, _POLL_MAX_S)
+
+    def _drop_inflight(self) -> None:
+        """On reset: let running writes land (briefly), then give up on the rest; no header goes out."""
+        if not self._inflight:
+            return
+        engine, mc = self.engine, self._decode_mc
+        deadline = self._clock() + 1.0
+        while self._inflight and engine is not None and not engine.closed and mc is not None:
+            still: deque[_InFlight] = deque()
+            for w in self._inflight:
+                pending, _ = engine.poll_write(mc, w.bids)
+                if pending:
+                    w.bids = pending
+                    still.append(w)
+            self._inflight = still
+            if not still or self._clock() > deadline:
+                break
+            time.sleep(_POLL_MIN_S)
+        for w in self._inflight:
+            if engine is not None:
+                engine.abandon(w.bids)
+        self._inflight.clear()
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Bulk writes submitted whose header has not gone out yet."""
+        return len(self._inflight)
 
     def _acquire_slot(self) -> int:
         if self._free:
@@ -318,12 +475,18 @@ class PrefillSender:
         sock = self._sock
         assert sock is not None
         while not self._free:
+            if self._inflight:
+                # Writes of ours may hold slots: their headers must go out for the decode
+                # to consume and free them (the background thread waits for this lock).
+                self._poll_inflight()
+                if self._free:
+                    break
             left = deadline - self._clock()
             if left <= 0:
                 raise NoSlotError(
                     f"all {len(self._slot_addr)} slots stayed in use for {wait:g} s", op="send", peer=self._address
                 )
-            if sock.poll(min(left, 0.05) * 1000.0):
+            if sock.poll(min(left, _POLL_MAX_S if self._inflight else 0.05) * 1000.0):
                 self._drain()
             self._check_alive("send")
         return self._free.popleft()
@@ -333,7 +496,10 @@ class PrefillSender:
 
         Payload tensors that are views into it are then written straight from it, with no
         staging copy, like SGLang's pre-registered metadata buffers. The caller must not
-        modify the viewed bytes until :meth:`send` has returned.
+        modify the viewed bytes until their write has landed: until :meth:`send` returned
+        when ``mooncake.max_inflight_writes`` is 1, else until :attr:`writes_in_flight`
+        is 0 (for example after :meth:`flush`). Tensors outside registered buffers are
+        copied before :meth:`send` returns and may be reused at once.
         """
         if self.engine is None:
             raise TransferError("no Mooncake engine: nothing to register with", op="register_memory")
@@ -353,15 +519,18 @@ class PrefillSender:
                 return addr
         return 0
 
-    def _write_slot(self, slot: int, parts: list[tuple[Any, int]]) -> None:
-        """Write the tensors to their slot offsets with as few (merged) transfers as possible.
+    def _slot_ranges(self, slot: int, parts: list[tuple[Any, int]]) -> tuple[list[tuple[int, int, int]], int]:
+        """The (source, destination, length) ranges that put ``parts`` at their slot offsets.
 
         Tensors inside a registered source buffer go as they are; others are copied into
-        the staging buffer at their slot offsets, padded so that they merge into one range.
+        a free staging region at their slot offsets, padded so that they merge into one
+        range. Returns the ranges and the staging region taken (-1 for none).
         """
         view = self._staging_view
-        assert view is not None and self.engine is not None and self._decode_mc is not None
-        base, dst = self._staging_addr, self._slot_addr[slot]
+        assert view is not None
+        dst = self._slot_addr[slot]
+        region = -1
+        base = 0
         ranges = []
         for i, (buf, off) in enumerate(parts):
             mv = memoryview(buf)
@@ -372,11 +541,14 @@ class PrefillSender:
             if src:
                 ranges.append((src, dst + off, n))
                 continue
-            view[off : off + n] = mv
+            if region < 0:
+                region = self._regions_free.pop()  # one is free: at most max - 1 writes run between sends
+                base = region * self._slot_size
+            view[base + off : base + off + n] = mv
             # Cover the alignment padding up to the next tensor so staged ranges merge into one.
             span = parts[i + 1][1] - off if i + 1 < len(parts) else n
-            ranges.append((base + off, dst + off, span))
-        self.engine.write(self._decode_mc, ranges)
+            ranges.append((self._staging_addr + base + off, dst + off, span))
+        return ranges, region
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every sent request has a status; False on timeout (or if the decode is gone)."""
@@ -384,6 +556,8 @@ class PrefillSender:
         while True:
             with self._lock:
                 self._drain()
+                if self._inflight:
+                    self._poll_inflight()
                 if not self._outstanding:
                     return True
                 if self._lost is not None or self._sock is None:
@@ -392,7 +566,10 @@ class PrefillSender:
                 left = deadline - self._clock()
                 if left <= 0:
                     return False
-                sock.poll(min(left, 0.05) * 1000.0)
+                if not self._inflight:
+                    sock.poll(min(left, 0.05) * 1000.0)
+                    continue
+            time.sleep(_POLL_MIN_S)  # writes still landing: poll them again shortly
 
     # -- accounting -------------------------------------------------------------
 
@@ -409,6 +586,7 @@ class PrefillSender:
                 "rejected_by_decode": dict(self.rejected),
                 "bytes_by_plane": dict(self.bytes),
                 "free_slots": len(self._free),
+                "writes_in_flight": len(self._inflight),
                 "connected": self._lost is None,
             }
 
@@ -421,25 +599,48 @@ class PrefillSender:
     def connected(self) -> bool:
         return self._lost is None
 
-    # -- heartbeat thread -------------------------------------------------------
+    # -- background thread ------------------------------------------------------
 
-    def _heartbeats(self) -> None:
+    def _background(self) -> None:
+        """Complete writes in flight promptly; heartbeat and watch the decode when idle."""
         hb = self.config.heartbeat_s
-        while not self._hb_stop.wait(hb / 2):
+        next_hb = self._clock() + hb / 2
+        delay = _POLL_MIN_S
+        busy_since: float | None = None
+        while not self._hb_stop.is_set():
             with self._lock:
-                if self._sock is None or self._lost is not None:
-                    continue
-                self._drain()
-                # An idle sender notices a dead decode too: flush() then returns early
-                # and statuses()["connected"] turns False without waiting for a send.
-                self._note_silence()
-                if self._lost is not None:
-                    continue
-                if self._clock() - self._last_sent >= hb:
-                    try:
-                        self._send_msg(wire.Heartbeat())
-                    except TransferError:
-                        pass  # queue full: the decode is not reading; the timeout will tell
+                if self._inflight and self._sock is not None and self._lost is None:
+                    self._poll_inflight()
+                busy = bool(self._inflight) and self._lost is None
+                now = self._clock()
+                if now >= next_hb:
+                    next_hb = now + hb / 2
+                    self._heartbeat_duties(now)
+            if busy:
+                if busy_since is None:
+                    busy_since = now
+                elif now - busy_since > _POLL_FAST_S:
+                    delay = min(delay * 2, _POLL_MAX_S)
+                time.sleep(delay)
+            else:
+                busy_since, delay = None, _POLL_MIN_S
+                self._work.wait(max(0.0, next_hb - self._clock()))
+                self._work.clear()
+
+    def _heartbeat_duties(self, now: float) -> None:
+        if self._sock is None or self._lost is not None:
+            return
+        self._drain()
+        # An idle sender notices a dead decode too: flush() then returns early
+        # and statuses()["connected"] turns False without waiting for a send.
+        self._note_silence()
+        if self._lost is not None:
+            return
+        if now - self._last_sent >= self.config.heartbeat_s:
+            try:
+                self._send_msg(wire.Heartbeat())
+            except TransferError:
+                pass  # queue full: the decode is not reading; the timeout will tell
 
 
 def open_sender(

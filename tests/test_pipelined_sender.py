@@ -1,0 +1,136 @@
+"""The pipelined bulk path: writes in flight, headers sent once the bytes landed, and
+what a write that fails after ``send`` returned does. Real ZMQ sockets and real Mooncake
+engines on loopback; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import pytest
+import zmq
+
+from pd_middleware import OneHotProposal, Payload, TransferError
+from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
+from _transport_peer import collect_outcomes, make_payload  # tests/ is on sys.path (no __init__.py)
+
+
+class OneHot:
+    def synthesize(self, payload: Payload) -> OneHotProposal:
+        return OneHotProposal(payload.draft_tokens)
+
+
+def cfg(inflight: int, per_peer: int = 32) -> TransportConfig:
+    return TransportConfig(
+        heartbeat_s=0.05,
+        peer_timeout_s=2.0,
+        inline_threshold_bytes=0,  # every payload through a Mooncake slot
+        slots=SlotsConfig(count=64, size_bytes=64 * 1024, per_peer=per_peer, wait_s=2.0),
+        mooncake=MooncakeConfig(max_inflight_writes=inflight),
+    )
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def _pair(inflight: int, zctx, mooncake_pair) -> tuple[DecodeReceiver, PrefillSender]:
+    decode_engine, prefill_engine = mooncake_pair
+    c = cfg(inflight)
+    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx).start()
+    tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="pipelined").connect(rx.address)
+    return rx, tx
+
+
+def test_idle_sender_still_delivers(zctx, mooncake_pair) -> None:
+    """One send and then nothing: the background thread sends the header once the write lands."""
+    rx, tx = _pair(8, zctx, mooncake_pair)
+    try:
+        p = make_payload("idle", 1)
+        tx.send(p)
+        (out,) = collect_outcomes(rx, 1, timeout=5.0)
+        assert isinstance(out, Delivery) and out.payload.request_id == p.request_id
+        assert bytes(out.payload.hidden) == bytes(p.hidden)
+        out.release()
+        deadline = time.monotonic() + 5.0
+        while tx.writes_in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tx.writes_in_flight == 0
+    finally:
+        tx.close()
+        rx.stop()
+
+
+def test_close_finishes_writes_in_flight(zctx, mooncake_pair) -> None:
+    """close() right after a burst of sends: every payload is still delivered, bit-exact."""
+    rx, tx = _pair(8, zctx, mooncake_pair)
+    sent = [make_payload("burst", i) for i in range(24)]
+    try:
+        for p in sent:
+            tx.send(p)
+        tx.close()
+        outs = collect_outcomes(rx, len(sent), timeout=10.0)
+        got = {o.payload.request_id: o for o in outs}
+        assert all(isinstance(o, Delivery) for o in outs)
+        for p in sent:
+            assert bytes(got[p.request_id].payload.hidden) == bytes(p.hidden)
+        for o in outs:
+            o.release()
+    finally:
+        tx.close()
+        rx.stop()
+
+
+@pytest.mark.parametrize("inflight", [1, 8])
+def test_write_failure_fails_the_request_then_refuses_until_reconnect(inflight, zctx, mooncake_pair) -> None:
+    """The decode's slot memory is unregistered under a live connection, so the next write is
+    rejected by the decode's engine. With max_inflight_writes = 1 that send raises; when
+    pipelined, send returns, the request fails with ``transfer:write`` and the next send
+    raises the write's error. Either way the counters reconcile and a reconnect recovers."""
+    decode_engine, _ = mooncake_pair
+    rx, tx = _pair(inflight, zctx, mooncake_pair)
+    pool = rx._pool
+    try:
+        tx.send(make_payload("ok", 0))
+        assert tx.flush(5.0)
+        decode_engine.unregister(rx._pool_addr)
+        try:
+            if inflight == 1:
+                with pytest.raises(TransferError) as info:
+                    tx.send(make_payload("bad", 1))
+                assert tx.statuses()["sent"] == 1  # the refused payload was not sent
+            else:
+                tx.send(make_payload("bad", 1))  # returns: the write is in flight
+                assert tx.flush(5.0)  # every request has a status: this one failed
+                st = tx.statuses()
+                assert st["failed_by_reason"] == {"transfer:write": 1} and st["writes_in_flight"] == 0
+                assert st["connected"] is False  # a failed write loses the decode until reconnect()
+                rid, key, reason = tx.failures()[-1]
+                assert (rid, key) == (make_payload("bad", 1).request_id, "transfer:write")
+                assert "transfer_check_status" in reason
+                with pytest.raises(TransferError) as info:
+                    tx.send(make_payload("refused", 2))
+                assert "call reconnect()" in str(info.value)
+            assert info.value.op == "transfer_check_status" and info.value.code == -1
+            assert info.value.peer == decode_engine.peer_name
+        finally:
+            assert decode_engine.register(pool.buffer) == rx._pool_addr
+        st = tx.statuses()
+        assert st["sent"] == st["delivered"] + st["failed"] + st["outstanding"]
+        tx.reconnect()
+        tx.send(make_payload("after", 3))
+        assert tx.flush(5.0)
+        outs = collect_outcomes(rx, 2, timeout=5.0)  # "ok" and "after": the decode never saw the rest
+        assert [o.payload.request_id for o in outs] == [make_payload("ok", 0).request_id, make_payload("after", 3).request_id]
+        for o in outs:
+            o.release()
+        st = tx.statuses()
+        assert st["delivered"] == 2 and st["sent"] == st["delivered"] + st["failed"] + st["outstanding"]
+    finally:
+        tx.close()
+        rx.stop()
