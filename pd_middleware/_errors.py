@@ -69,7 +69,7 @@ class WireError(ValidationError):
 class TransferError(PDMiddlewareError):
     """A data-plane (Mooncake) or control-plane operation failed.
 
-    ``.op`` is the operation (``transfer_sync_write``, ``send_probe``...), ``.code`` the
+    ``.op`` is the operation (``transfer_check_status``, ``send_probe``...), ``.code`` the
     engine's integer return code (``None`` if there was none) and ``.peer`` the remote
     endpoint.
     """
