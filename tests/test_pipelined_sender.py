@@ -66,6 +66,26 @@ def test_idle_sender_still_delivers(zctx, mooncake_pair) -> None:
         rx.stop()
 
 
+def test_bulk_bytes_are_counted_when_sent(zctx, mooncake_pair) -> None:
+    """Per-caller accounting (the A/B job diffs statuses() around each arm's sends) must
+    see a payload's bulk bytes when send returns, not when its write lands later."""
+    from pd_middleware.transport import wire
+
+    rx, tx = _pair(8, zctx, mooncake_pair)
+    try:
+        for i in range(6):
+            p = make_payload("bytes", i)
+            before = tx.statuses()["bytes_by_plane"]["bulk"]
+            tx.send(p)
+            assert tx.statuses()["bytes_by_plane"]["bulk"] - before == wire.bulk_bytes(p)
+        assert tx.flush(5.0)
+        for o in collect_outcomes(rx, 6, timeout=5.0):
+            o.release()
+    finally:
+        tx.close()
+        rx.stop()
+
+
 def test_close_finishes_writes_in_flight(zctx, mooncake_pair) -> None:
     """close() right after a burst of sends: every payload is still delivered, bit-exact."""
     rx, tx = _pair(8, zctx, mooncake_pair)

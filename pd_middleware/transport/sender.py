@@ -59,14 +59,13 @@ _POLL_MAX_S = 1e-3
 class _InFlight:
     """A bulk write submitted but not yet seen complete; its header waits for it."""
 
-    __slots__ = ("seq", "slot", "header", "bids", "size", "region", "started", "error")
+    __slots__ = ("seq", "slot", "header", "bids", "region", "started", "error")
 
-    def __init__(self, seq: int, slot: int, header: Any, bids: list[int], size: int, region: int, started: float) -> None:
+    def __init__(self, seq: int, slot: int, header: Any, bids: list[int], region: int, started: float) -> None:
         self.seq = seq
         self.slot = slot
         self.header = header
         self.bids = bids
-        self.size = size
         self.region = region  # staging region used, or -1
         self.started = started
         self.error: TransferError | None = None
@@ -364,7 +363,10 @@ class PrefillSender:
             ranges, region = self._slot_ranges(slot, parts)
             bids = engine.start_write(mc, ranges)
             if self._max_inflight > 1:
-                self._inflight.append(_InFlight(seq, slot, header, bids, size, region, self._clock()))
+                self._inflight.append(_InFlight(seq, slot, header, bids, region, self._clock()))
+                # Counted when submitted, like inline bytes when queued: a caller that diffs
+                # statuses() around its sends (per-arm accounting) sees its own bytes.
+                self.bytes["bulk"] += size
                 return
             engine.finish_write(mc, bids)
             self._send_msg(header)
@@ -413,7 +415,6 @@ class PrefillSender:
         if w.error is None:
             try:
                 self._send_msg(w.header)
-                self.bytes["bulk"] += w.size
                 return
             except TransferError as exc:
                 w.error = exc
