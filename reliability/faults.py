@@ -195,7 +195,7 @@ class Collector:
         block in ``send``. Bounded by ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        while tx.statuses()["free_slots"] == 0 and time.monotonic() < deadline:
+        while tx.engine is not None and tx.statuses()["free_slots"] == 0 and time.monotonic() < deadline:
             self.poll(0.002)
         tx.send(p)
         self.poll(0)

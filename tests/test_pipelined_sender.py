@@ -154,3 +154,72 @@ def test_write_failure_fails_the_request_then_refuses_until_reconnect(inflight, 
     finally:
         tx.close()
         rx.stop()
+
+
+@pytest.mark.parametrize("inflight", [1, 8])
+def test_a_write_given_up_on_retires_its_slot(inflight, zctx, mooncake_pair, monkeypatch) -> None:
+    """A write that never reports done is given up after write_timeout_s. It may still land,
+    so its slot must not be reused and the sender must not send again before a reconnect.
+    Stand-in: the prefill engine's status poll is made to say "running" forever."""
+    _, prefill_engine = mooncake_pair
+    rx, tx = _pair(inflight, zctx, mooncake_pair)
+    try:
+        tx.send(make_payload("ok", 0))
+        assert tx.flush(5.0)
+        free_before = tx.statuses()["free_slots"]
+        monkeypatch.setattr(prefill_engine, "write_timeout_s", 0.2)
+        monkeypatch.setattr(prefill_engine, "poll_write", lambda peer, bids: (list(bids), None))
+        if inflight == 1:
+            with pytest.raises(TransferError) as info:
+                tx.send(make_payload("stuck", 1))
+            assert info.value.code == -2 and "write_timeout_s" in str(info.value)
+        else:
+            tx.send(make_payload("stuck", 1))
+            deadline = time.monotonic() + 5.0
+            while tx.statuses()["writes_in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert tx.statuses()["failed_by_reason"] == {"transfer:write": 1}
+        st = tx.statuses()
+        assert st["connected"] is False and st["free_slots"] == free_before - 1  # retired, not reused
+        with pytest.raises(TransferError, match="call reconnect"):
+            tx.send(make_payload("refused", 2))
+        monkeypatch.undo()
+        tx.reconnect()
+        tx.send(make_payload("after", 3))
+        assert tx.flush(5.0)
+        assert tx.statuses()["delivered"] == 2
+    finally:
+        monkeypatch.undo()
+        tx.close()
+        rx.stop()
+        for o in rx.drain():
+            o.release()
+
+
+@pytest.mark.parametrize("inflight", [1, 8])
+def test_a_payload_that_cannot_be_staged_leaks_nothing(inflight, zctx, mooncake_pair) -> None:
+    """A tensor view that cannot be cast to bytes (not contiguous) fails its send with the
+    error; its slot and staging region go back, so more such sends than there are regions
+    leave the sender working."""
+    import numpy as np
+
+    from pd_middleware import DenseEncoding
+
+    rx, tx = _pair(inflight, zctx, mooncake_pair)
+    vocab = 64
+    strided = memoryview(np.arange(2 * vocab, dtype=np.float32)[::2])
+    bad = Payload("strided", (3,), (0.5,), vocab, hidden=b"\0" * 64, proposal=DenseEncoding("fp32", strided))
+    try:
+        for _ in range(inflight + 3):
+            with pytest.raises((TypeError, ValueError)):
+                tx.send(bad)
+        st = tx.statuses()
+        assert st["sent"] == 0 and st["free_slots"] == 32
+        p = make_payload("good", 0)
+        tx.send(p)
+        (out,) = collect_outcomes(rx, 1, timeout=5.0)
+        assert isinstance(out, Delivery) and out.payload.request_id == p.request_id
+        out.release()
+    finally:
+        tx.close()
+        rx.stop()

@@ -211,11 +211,12 @@ class MooncakeEngine:
         live = self._live_batches
         results = []
         with self._lock:  # check and free under one lock: two pollers never race on an id
-            for bid in batch_ids:
+            for bid in batch_ids:  # all first: a bad id must not cost the good ones' results
                 if bid not in live:
                     raise TransferError(
                         f"batch id {bid} is not live (0, stale or foreign)", op="transfer_check_status", peer=peer
                     )
+            for bid in batch_ids:
                 st = engine.transfer_check_status(bid)
                 if st == 0:
                     pending.append(bid)

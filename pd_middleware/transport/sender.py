@@ -195,6 +195,7 @@ class PrefillSender:
             self._sock.close(linger)
             self._sock = None
         self._lost = why
+        self._lost_error = None
 
     def _hello(self, timeout: float) -> None:
         sock = self._sock
@@ -357,9 +358,9 @@ class PrefillSender:
         engine, mc = self.engine, self._decode_mc
         assert engine is not None and mc is not None
         slot = self._acquire_slot()
-        header, parts = wire.build_header(payload, seq, slot)
         region = -1
         try:
+            header, parts = wire.build_header(payload, seq, slot)
             ranges, region = self._slot_ranges(slot, parts)
             bids = engine.start_write(mc, ranges)
             if self._max_inflight > 1:
@@ -370,10 +371,15 @@ class PrefillSender:
                 return
             engine.finish_write(mc, bids)
             self._send_msg(header)
-        except TransferError:
-            self._free.appendleft(slot)  # the decode never heard of it: still ours
+        except BaseException as exc:
             if region >= 0:
-                self._regions_free.append(region)
+                self._regions_free.append(region)  # only read by the write: safe to reuse
+            if isinstance(exc, TransferError) and exc.code == -2:
+                # Given up on, not failed: the write may still land in the slot. Retire the
+                # slot and lose the decode, so nothing is written there before a reconnect.
+                self._lose(exc)
+            else:
+                self._free.appendleft(slot)  # the decode never heard of it: still ours
             raise
         if region >= 0:
             self._regions_free.append(region)
@@ -393,7 +399,9 @@ class PrefillSender:
             except TransferError as exc:  # the engine was closed under us
                 pending, err = [], exc
             w.error = w.error or err
-            if pending and now - w.started > engine.write_timeout_s:
+            if not pending and w.error is not None and w.error.code == -2:
+                self._end_write(w, retire_slot=True)  # timed out in the engine: may still land
+            elif pending and now - w.started > engine.write_timeout_s:
                 engine.abandon(pending)
                 w.error = TransferError(
                     f"write not done within write_timeout_s={engine.write_timeout_s:g}",
@@ -425,9 +433,14 @@ class PrefillSender:
         if rid is not None:
             self.failed[key] += 1
             self._failures.append((rid, key, str(w.error)))
-        if key == "transfer:write" and self._lost is None:
-            self._lost = f"a Mooncake write to the decode failed ({w.error})"
-            self._lost_error = w.error
+        if key == "transfer:write":
+            self._lose(w.error)
+
+    def _lose(self, err: TransferError) -> None:
+        """A write failed or was given up on: the decode is lost until reconnect()."""
+        if self._lost is None:
+            self._lost = f"a Mooncake write to the decode failed ({err})"
+            self._lost_error = err
 
     def _settle(self, limit: int) -> None:
         """Poll writes in flight until at most ``limit`` remain (each one is bounded by write_timeout_s)."""
@@ -442,22 +455,35 @@ class PrefillSender:
                 delay = min(delay * 2, _POLL_MAX_S)
 
     def _drop_inflight(self) -> None:
-        """On reset: let running writes land (briefly), then give up on the rest; no header goes out."""
+        """On reset: wait for running writes to end, then give up on the rest; no header goes out.
+
+        A reconnect gets the same slot addresses back, so a write still running could land
+        in a slot the new session has filled: each write is waited for up to its
+        ``write_timeout_s`` (writes to a dead peer fail within milliseconds). Only one
+        that outlives that is abandoned.
+        """
         if not self._inflight:
             return
         engine, mc = self.engine, self._decode_mc
-        deadline = self._clock() + 1.0
+        delay = _POLL_MIN_S
         while self._inflight and engine is not None and not engine.closed and mc is not None:
             still: deque[_InFlight] = deque()
+            now = self._clock()
             for w in self._inflight:
-                pending, _ = engine.poll_write(mc, w.bids)
-                if pending:
+                try:
+                    pending, _ = engine.poll_write(mc, w.bids)
+                except TransferError:  # the engine was closed under us: nothing left to poll
+                    pending = []
+                if pending and now - w.started <= engine.write_timeout_s:
                     w.bids = pending
                     still.append(w)
+                elif pending:
+                    engine.abandon(pending)
             self._inflight = still
-            if not still or self._clock() > deadline:
+            if not still:
                 break
-            time.sleep(_POLL_MIN_S)
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
         for w in self._inflight:
             if engine is not None:
                 engine.abandon(w.bids)
@@ -480,6 +506,7 @@ class PrefillSender:
                 # Writes of ours may hold slots: their headers must go out for the decode
                 # to consume and free them (the background thread waits for this lock).
                 self._poll_inflight()
+                self._check_alive("send")  # a write that failed just now loses the decode
                 if self._free:
                     break
             left = deadline - self._clock()
@@ -533,31 +560,37 @@ class PrefillSender:
         region = -1
         base = 0
         ranges = []
-        for i, (buf, off) in enumerate(parts):
-            mv = memoryview(buf)
-            if mv.format != "B" or mv.ndim != 1:
-                mv = mv.cast("B")
-            n = mv.nbytes
-            src = self._source_addr(mv)
-            if src:
-                ranges.append((src, dst + off, n))
-                continue
-            if region < 0:
-                region = self._regions_free.pop()  # one is free: at most max - 1 writes run between sends
-                base = region * self._slot_size
-            view[base + off : base + off + n] = mv
-            # Cover the alignment padding up to the next tensor so staged ranges merge into one.
-            span = parts[i + 1][1] - off if i + 1 < len(parts) else n
-            ranges.append((self._staging_addr + base + off, dst + off, span))
+        try:
+            for i, (buf, off) in enumerate(parts):
+                mv = memoryview(buf)
+                if mv.format != "B" or mv.ndim != 1:
+                    mv = mv.cast("B")  # TypeError for a non-contiguous view: handled below
+                n = mv.nbytes
+                src = self._source_addr(mv)
+                if src:
+                    ranges.append((src, dst + off, n))
+                    continue
+                if region < 0:
+                    region = self._regions_free.pop()  # one is free: at most max - 1 writes run between sends
+                    base = region * self._slot_size
+                view[base + off : base + off + n] = mv
+                # Cover the alignment padding up to the next tensor so staged ranges merge into one.
+                span = parts[i + 1][1] - off if i + 1 < len(parts) else n
+                ranges.append((self._staging_addr + base + off, dst + off, span))
+        except BaseException:
+            if region >= 0:
+                self._regions_free.append(region)
+            raise
         return ranges, region
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every sent request has a status; False on timeout (or if the decode is gone)."""
         deadline = self._clock() + timeout
+        delay = _POLL_MIN_S
         while True:
             with self._lock:
                 self._drain()
-                if self._inflight:
+                if self._inflight and self._lost is None:
                     self._poll_inflight()
                 if not self._outstanding:
                     return True
@@ -570,7 +603,8 @@ class PrefillSender:
                 if not self._inflight:
                     sock.poll(min(left, 0.05) * 1000.0)
                     continue
-            time.sleep(_POLL_MIN_S)  # writes still landing: poll them again shortly
+            time.sleep(delay)  # writes still landing: poll them again shortly
+            delay = min(delay * 2, _POLL_MAX_S)
 
     # -- accounting -------------------------------------------------------------
 
@@ -608,12 +642,15 @@ class PrefillSender:
         next_hb = self._clock() + hb / 2
         delay = _POLL_MIN_S
         busy_since: float | None = None
+        seen_seq = -1
         while not self._hb_stop.is_set():
             with self._lock:
                 if self._inflight and self._sock is not None and self._lost is None:
                     self._poll_inflight()
                 busy = bool(self._inflight) and self._lost is None
                 now = self._clock()
+                if self._seq != seen_seq:  # new writes since the last pass: poll fast again
+                    seen_seq, busy_since, delay = self._seq, None, _POLL_MIN_S
                 if now >= next_hb:
                     next_hb = now + hb / 2
                     self._heartbeat_duties(now)
