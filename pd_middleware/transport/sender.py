@@ -32,8 +32,6 @@ connection alive when idle and notices a silent or restarted decode.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import threading
 import time
 from collections import Counter, deque
@@ -45,30 +43,11 @@ from .._errors import NoSlotError, TransferError, WireError
 from ..payload import Payload
 from . import wire
 from .auth import Signer
+from .bulk import POLL_FAST_S, POLL_MAX_S, POLL_MIN_S, BulkWriter, InFlight
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
 
 _FAILURE_LOG = 1024  # most recent failures kept for failures()
-# Writes in flight are polled every 20 us (about 70 us with timer slack) for their first
-# 2 ms, then less often, up to every 1 ms (a long transfer costs few wake-ups).
-_POLL_MIN_S = 20e-6
-_POLL_FAST_S = 2e-3
-_POLL_MAX_S = 1e-3
-
-
-class _InFlight:
-    """A bulk write submitted but not yet seen complete; its header waits for it."""
-
-    __slots__ = ("seq", "slot", "header", "bids", "region", "started", "error")
-
-    def __init__(self, seq: int, slot: int, header: Any, bids: list[int], region: int, started: float) -> None:
-        self.seq = seq
-        self.slot = slot
-        self.header = header
-        self.bids = bids
-        self.region = region  # staging region used, or -1
-        self.started = started
-        self.error: TransferError | None = None
 
 
 class PrefillSender:
@@ -103,15 +82,11 @@ class PrefillSender:
         self._slot_addr: dict[int, int] = {}
         self._free: deque[int] = deque()
         self._slot_size = 0
-        self._staging: mmap.mmap | None = None
-        self._staging_view: memoryview | None = None
-        self._staging_addr = 0
-        self._regions_free: list[int] = []
         self._max_inflight = config.mooncake.max_inflight_writes
-        self._inflight: deque[_InFlight] = deque()
+        # Staging, registered sources and writes in flight (bulk.py); None without an engine.
+        self._bulk = BulkWriter(engine, self._max_inflight, clock) if engine is not None else None
         self._work = threading.Event()  # wakes the background thread for new writes in flight
         self._lost_error: TransferError | None = None  # the write failure that lost the decode
-        self._sources: list[tuple[int, int]] = []
         self._seq = 0
         self._outstanding: dict[int, str] = {}
         self._last_heard = 0.0
@@ -162,15 +137,10 @@ class PrefillSender:
             if self._sock is not None and self._lost is None:
                 self._send_msg(wire.Bye(reason="prefill sender closed"))
             self._reset("transfer:decode_lost", "sender closed", linger=100)
-            if self.engine is not None and not self.engine.closed:
-                if self._staging is not None:
-                    self.engine.unregister(self._staging_addr)
-                    self._staging = None
-                for lo, _ in self._sources:
-                    self.engine.unregister(lo)
-                self._sources.clear()
+            if self._bulk is not None and not self._bulk.engine.closed:
+                self._bulk.close()
                 if self._owns_engine:
-                    self.engine.close()
+                    self._bulk.engine.close()
 
     def _open_socket(self, address: str) -> None:
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
@@ -220,17 +190,9 @@ class PrefillSender:
         self._lost = None
         self._lost_error = None
         self._last_heard = self._clock()
-        if self.engine is not None and msg.mooncake is not None and msg.slots:
-            # One staging region per write that may be in flight.
-            need = msg.slot_size * self._max_inflight
-            if self._staging is None or len(self._staging) < need:
-                if self._staging is not None:
-                    self.engine.unregister(self._staging_addr)
-                self._staging = mmap.mmap(-1, need)
-                self._staging_view = memoryview(self._staging)
-                self._staging_addr = self.engine.register(self._staging)
-            self._regions_free = list(range(self._max_inflight))
-            self.engine.probe(msg.mooncake, force=True)
+        if self._bulk is not None and msg.mooncake is not None and msg.slots:
+            self._bulk.prepare(msg.slot_size)  # one staging region per write that may be in flight
+            self._bulk.engine.probe(msg.mooncake, force=True)
 
     # -- inbound ----------------------------------------------------------------
 
@@ -355,16 +317,17 @@ class PrefillSender:
 
     def _send_bulk(self, payload: Payload, seq: int, size: int) -> None:
         """Write the tensors into a slot; send the header now (synchronous) or once landed."""
-        engine, mc = self.engine, self._decode_mc
-        assert engine is not None and mc is not None
+        bulk, mc = self._bulk, self._decode_mc
+        assert bulk is not None and mc is not None
+        engine = bulk.engine
         slot = self._acquire_slot()
         region = -1
         try:
             header, parts = wire.build_header(payload, seq, slot)
-            ranges, region = self._slot_ranges(slot, parts)
+            ranges, region = bulk.ranges(self._slot_addr[slot], parts)
             bids = engine.start_write(mc, ranges)
             if self._max_inflight > 1:
-                self._inflight.append(_InFlight(seq, slot, header, bids, region, self._clock()))
+                bulk.inflight.append(InFlight(seq, slot, header, bids, region, self._clock()))
                 # Counted when submitted, like inline bytes when queued: a caller that diffs
                 # statuses() around its sends (per-arm accounting) sees its own bytes.
                 self.bytes["bulk"] += size
@@ -372,8 +335,7 @@ class PrefillSender:
             engine.finish_write(mc, bids)
             self._send_msg(header)
         except BaseException as exc:
-            if region >= 0:
-                self._regions_free.append(region)  # only read by the write: safe to reuse
+            bulk.free_region(region)  # only read by the write: safe to reuse
             if isinstance(exc, TransferError) and exc.code == -2:
                 # Given up on, not failed: the write may still land in the slot. Retire the
                 # slot and lose the decode, so nothing is written there before a reconnect.
@@ -381,45 +343,20 @@ class PrefillSender:
             else:
                 self._free.appendleft(slot)  # the decode never heard of it: still ours
             raise
-        if region >= 0:
-            self._regions_free.append(region)
+        bulk.free_region(region)
         self.bytes["bulk"] += size
 
     # -- writes in flight (all under self._lock) ------------------------------------
 
     def _poll_inflight(self) -> None:
         """One non-blocking pass: send the header of each write that landed, fail the failed."""
-        engine, mc = self.engine, self._decode_mc
-        assert engine is not None and mc is not None
-        still: deque[_InFlight] = deque()
-        now = self._clock()
-        for w in self._inflight:
-            try:
-                pending, err = engine.poll_write(mc, w.bids)
-            except TransferError as exc:  # the engine was closed under us
-                pending, err = [], exc
-            w.error = w.error or err
-            if not pending and w.error is not None and w.error.code == -2:
-                self._end_write(w, retire_slot=True)  # timed out in the engine: may still land
-            elif pending and now - w.started > engine.write_timeout_s:
-                engine.abandon(pending)
-                w.error = TransferError(
-                    f"write not done within write_timeout_s={engine.write_timeout_s:g}",
-                    op="transfer_check_status",
-                    code=-2,
-                    peer=mc,
-                )
-                self._end_write(w, retire_slot=True)  # a late write may still land in it
-            elif pending:
-                w.bids = pending
-                still.append(w)
-            else:
-                self._end_write(w)
-        self._inflight = still
+        assert self._bulk is not None and self._decode_mc is not None
+        self._bulk.poll(self._decode_mc, self._end_write)
 
-    def _end_write(self, w: _InFlight, retire_slot: bool = False) -> None:
-        if w.region >= 0:
-            self._regions_free.append(w.region)
+    def _end_write(self, w: InFlight, retire_slot: bool) -> None:
+        """A write ended: send its header, or fail its request (and lose the decode)."""
+        assert self._bulk is not None
+        self._bulk.free_region(w.region)
         if w.error is None:
             try:
                 self._send_msg(w.header)
@@ -444,50 +381,25 @@ class PrefillSender:
 
     def _settle(self, limit: int) -> None:
         """Poll writes in flight until at most ``limit`` remain (each one is bounded by write_timeout_s)."""
-        delay = _POLL_MIN_S
+        delay = POLL_MIN_S
         start = self._clock()
         while len(self._inflight) > limit:
             self._poll_inflight()
             if len(self._inflight) <= limit:
                 return
             time.sleep(delay)
-            if self._clock() - start > _POLL_FAST_S:
-                delay = min(delay * 2, _POLL_MAX_S)
+            if self._clock() - start > POLL_FAST_S:
+                delay = min(delay * 2, POLL_MAX_S)
 
     def _drop_inflight(self) -> None:
-        """On reset: wait for running writes to end, then give up on the rest; no header goes out.
+        """On reset: wait for running writes to end (bulk.py), no header goes out."""
+        if self._bulk is not None and self._bulk.inflight:
+            self._bulk.drop(self._decode_mc)
 
-        A reconnect gets the same slot addresses back, so a write still running could land
-        in a slot the new session has filled: each write is waited for up to its
-        ``write_timeout_s`` (writes to a dead peer fail within milliseconds). Only one
-        that outlives that is abandoned.
-        """
-        if not self._inflight:
-            return
-        engine, mc = self.engine, self._decode_mc
-        delay = _POLL_MIN_S
-        while self._inflight and engine is not None and not engine.closed and mc is not None:
-            still: deque[_InFlight] = deque()
-            now = self._clock()
-            for w in self._inflight:
-                try:
-                    pending, _ = engine.poll_write(mc, w.bids)
-                except TransferError:  # the engine was closed under us: nothing left to poll
-                    pending = []
-                if pending and now - w.started <= engine.write_timeout_s:
-                    w.bids = pending
-                    still.append(w)
-                elif pending:
-                    engine.abandon(pending)
-            self._inflight = still
-            if not still:
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
-        for w in self._inflight:
-            if engine is not None:
-                engine.abandon(w.bids)
-        self._inflight.clear()
+    @property
+    def _inflight(self) -> "deque[InFlight] | tuple[()]":
+        """The writes in flight (an empty tuple without an engine)."""
+        return self._bulk.inflight if self._bulk is not None else ()
 
     @property
     def writes_in_flight(self) -> int:
@@ -514,7 +426,7 @@ class PrefillSender:
                 raise NoSlotError(
                     f"all {len(self._slot_addr)} slots stayed in use for {wait:g} s", op="send", peer=self._address
                 )
-            if sock.poll(min(left, _POLL_MAX_S if self._inflight else 0.05) * 1000.0):
+            if sock.poll(min(left, POLL_MAX_S if self._inflight else 0.05) * 1000.0):
                 self._drain()
             self._check_alive("send")
         return self._free.popleft()
@@ -529,64 +441,14 @@ class PrefillSender:
         is 0 (for example after :meth:`flush`). Tensors outside registered buffers are
         copied before :meth:`send` returns and may be reused at once.
         """
-        if self.engine is None:
+        if self._bulk is None:
             raise TransferError("no Mooncake engine: nothing to register with", op="register_memory")
-        addr = self.engine.register(buf)
-        self._sources.append((addr, addr + memoryview(buf).nbytes))
-
-    def _source_addr(self, mv: memoryview) -> int:
-        """Address of ``mv`` if it lies inside a registered source buffer, else 0."""
-        if not self._sources or mv.readonly or not mv.nbytes:
-            return 0
-        try:
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
-        except (TypeError, ValueError):
-            return 0
-        for lo, hi in self._sources:
-            if lo <= addr and addr + mv.nbytes <= hi:
-                return addr
-        return 0
-
-    def _slot_ranges(self, slot: int, parts: list[tuple[Any, int]]) -> tuple[list[tuple[int, int, int]], int]:
-        """The (source, destination, length) ranges that put ``parts`` at their slot offsets.
-
-        Tensors inside a registered source buffer go as they are; others are copied into
-        a free staging region at their slot offsets, padded so that they merge into one
-        range. Returns the ranges and the staging region taken (-1 for none).
-        """
-        view = self._staging_view
-        assert view is not None
-        dst = self._slot_addr[slot]
-        region = -1
-        base = 0
-        ranges = []
-        try:
-            for i, (buf, off) in enumerate(parts):
-                mv = memoryview(buf)
-                if mv.format != "B" or mv.ndim != 1:
-                    mv = mv.cast("B")  # TypeError for a non-contiguous view: handled below
-                n = mv.nbytes
-                src = self._source_addr(mv)
-                if src:
-                    ranges.append((src, dst + off, n))
-                    continue
-                if region < 0:
-                    region = self._regions_free.pop()  # one is free: at most max - 1 writes run between sends
-                    base = region * self._slot_size
-                view[base + off : base + off + n] = mv
-                # Cover the alignment padding up to the next tensor so staged ranges merge into one.
-                span = parts[i + 1][1] - off if i + 1 < len(parts) else n
-                ranges.append((self._staging_addr + base + off, dst + off, span))
-        except BaseException:
-            if region >= 0:
-                self._regions_free.append(region)
-            raise
-        return ranges, region
+        self._bulk.register_source(buf)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every sent request has a status; False on timeout (or if the decode is gone)."""
         deadline = self._clock() + timeout
-        delay = _POLL_MIN_S
+        delay = POLL_MIN_S
         while True:
             with self._lock:
                 self._drain()
@@ -604,7 +466,7 @@ class PrefillSender:
                     sock.poll(min(left, 0.05) * 1000.0)
                     continue
             time.sleep(delay)  # writes still landing: poll them again shortly
-            delay = min(delay * 2, _POLL_MAX_S)
+            delay = min(delay * 2, POLL_MAX_S)
 
     # -- accounting -------------------------------------------------------------
 
@@ -640,7 +502,7 @@ class PrefillSender:
         """Complete writes in flight promptly; heartbeat and watch the decode when idle."""
         hb = self.config.heartbeat_s
         next_hb = self._clock() + hb / 2
-        delay = _POLL_MIN_S
+        delay = POLL_MIN_S
         busy_since: float | None = None
         seen_seq = -1
         while not self._hb_stop.is_set():
@@ -650,18 +512,18 @@ class PrefillSender:
                 busy = bool(self._inflight) and self._lost is None
                 now = self._clock()
                 if self._seq != seen_seq:  # new writes since the last pass: poll fast again
-                    seen_seq, busy_since, delay = self._seq, None, _POLL_MIN_S
+                    seen_seq, busy_since, delay = self._seq, None, POLL_MIN_S
                 if now >= next_hb:
                     next_hb = now + hb / 2
                     self._heartbeat_duties(now)
             if busy:
                 if busy_since is None:
                     busy_since = now
-                elif now - busy_since > _POLL_FAST_S:
-                    delay = min(delay * 2, _POLL_MAX_S)
+                elif now - busy_since > POLL_FAST_S:
+                    delay = min(delay * 2, POLL_MAX_S)
                 time.sleep(delay)
             else:
-                busy_since, delay = None, _POLL_MIN_S
+                busy_since, delay = None, POLL_MIN_S
                 self._work.wait(max(0.0, next_hb - self._clock()))
                 self._work.clear()
 
