@@ -309,8 +309,10 @@ class PrefillSender:
             self._outstanding[seq] = payload.request_id
             self.sent += 1
             if self._inflight:
-                # Keep at most max_inflight_writes - 1 running between calls, so the next
-                # send finds a staging region; the background thread completes the rest.
+                # One pass over the writes in flight (headers of those that landed go out),
+                # then at most max_inflight_writes - 1 left running, so the next send finds a
+                # staging region; the background thread completes the rest.
+                self._poll_inflight()
                 self._settle(self._max_inflight - 1)
                 if self._inflight:
                     self._work.set()
