@@ -277,11 +277,16 @@ class PrefillSender:
         self.bytes["control"] += len(frames[0])
 
     def send(self, payload: Payload) -> None:
-        """Send one payload. Returns once it is handed to the control socket.
+        """Send one payload. Inline: returns once it is queued on the control socket. Bulk:
+        returns once its write is submitted (``max_inflight_writes`` > 1; the header follows
+        when the bytes land) or, with ``max_inflight_writes = 1``, once the write landed and
+        the header is queued.
 
         Raises :class:`NoSlotError` when the bulk path has no free slot within
-        ``slots.wait_s``, and :class:`TransferError` when the decode is gone or a
-        Mooncake write failed (the payload is then not sent).
+        ``slots.wait_s``, and :class:`TransferError` when the decode is gone, when this
+        write could not be submitted or (``max_inflight_writes = 1``) failed, or when an
+        earlier pipelined write failed (that request is then ``failed["transfer:write"]``
+        and the sender needs ``reconnect()``). When it raises, this payload was not sent.
         """
         with self._lock:
             self._drain()
