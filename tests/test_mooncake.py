@@ -36,8 +36,8 @@ def test_write_lands_bit_exact_with_merged_ranges(mooncake_pair) -> None:
         assert dst[:8192] == src[:8192]
         assert dst[20000:20100] == src[10000:10100]
         assert dst[8192:20000] == bytes(20000 - 8192)  # nothing else written
-        bid = prefill.write_async(decode.peer_name, [(s, d + 30000, 2048)])
-        prefill.wait_batch(bid)
+        bids = prefill.start_write(decode.peer_name, [(s, d + 30000, 2048)])
+        prefill.finish_write(decode.peer_name, bids)
         assert dst[30000:32048] == src[:2048]
     finally:
         prefill.unregister(s)
@@ -89,23 +89,25 @@ def test_pipelined_writes_land_bit_exact(mooncake_pair) -> None:
 
 def test_guards_keep_crashing_calls_away_from_the_engine(mooncake_pair) -> None:
     decode, prefill = mooncake_pair
-    # 0 and unknown batch ids would segfault get_batch_transfer_status: refused here.
+    # 0 and unknown batch ids would segfault transfer_check_status: refused here.
     for bad in (0, 123456789):
         with pytest.raises(TransferError) as info:
-            prefill.wait_batch(bad)
-        assert info.value.op == "get_batch_transfer_status" and "is not live" in str(info.value)
+            prefill.finish_write(decode.peer_name, [bad])
+        assert info.value.op == "transfer_check_status" and "is not live" in str(info.value)
     src, s, dst, d = _buffers(mooncake_pair)
-    bid = prefill.write_async(decode.peer_name, [(s, d, 128)])
-    prefill.wait_batch(bid)
-    with pytest.raises(TransferError, match="is not live"):  # stale: already reaped
-        prefill.wait_batch(bid)
-    # The same guard on the per-write status poll: a reaped id never reaches the engine.
     bids = prefill.start_write(decode.peer_name, [(s, d, 128)])
     prefill.finish_write(decode.peer_name, bids)
-    for bad in (bids, [0]):
+    with pytest.raises(TransferError, match="is not live"):  # stale: already reaped
+        prefill.finish_write(decode.peer_name, bids)
+    # A live id listed after a bad one is not polled either, and stays pollable. (Ids are
+    # addresses the engine reuses: a new write may get the reaped id back, so the bad ids
+    # here are ones never issued.)
+    live = prefill.start_write(decode.peer_name, [(s, d, 128)])
+    for bad in ([123456789], [0]):
         with pytest.raises(TransferError) as info:
-            prefill.poll_write(decode.peer_name, bad)
+            prefill.poll_write(decode.peer_name, bad + live)
         assert info.value.op == "transfer_check_status" and "is not live" in str(info.value)
+    prefill.finish_write(decode.peer_name, live)
     prefill.unregister(s)
     decode.unregister(d)
     with pytest.raises(TransferError, match="is not registered"):
@@ -124,7 +126,7 @@ def test_closed_engine_refuses_every_call() -> None:
         lambda: engine.register(bytearray(64)),
         lambda: engine.probe("127.0.0.1:1"),
         lambda: engine.write("127.0.0.1:1", [(1, 2, 3)]),
-        lambda: engine.write_async("127.0.0.1:1", [(1, 2, 3)]),
+        lambda: engine.start_write("127.0.0.1:1", [(1, 2, 3)]),
     ):
         with pytest.raises(TransferError, match="engine is closed"):
             call()

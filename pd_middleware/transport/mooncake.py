@@ -2,8 +2,8 @@
 
 The engine's Python binding returns integer codes and never raises, and a few calls
 kill the process instead of failing (DESIGN.md §5): any method before ``initialize``,
-and ``get_batch_transfer_status``/``transfer_check_status`` with a batch id of 0 or one
-already reaped. This adapter is the boundary where that is made safe:
+and ``transfer_check_status``/``get_batch_transfer_status`` with a batch id of 0 or one
+already reaped (this adapter only ever calls the first). This adapter is the boundary where that is made safe:
 
 - every non-zero code becomes :class:`~pd_middleware.TransferError` with ``.op``,
   ``.code`` and ``.peer``; code above this module never sees a return code;
@@ -297,35 +297,6 @@ class MooncakeEngine:
         self._live("transfer_submit_write", peer)
         ranges = list(ranges)
         return self._pool.submit(self.write, peer, ranges)
-
-    def write_async(self, peer: str, ranges: Iterable[Range]) -> int:
-        """Start an async batch write; returns a batch id for :meth:`wait_batch`."""
-        engine = self._live("batch_transfer_async_write", peer)
-        self.probe(peer)
-        merged = merge_ranges(ranges)
-        bid = engine.batch_transfer_async_write(
-            peer, [r[0] for r in merged], [r[1] for r in merged], [r[2] for r in merged]
-        )
-        if not bid:  # 0 means failure; passing it on would crash the process
-            raise TransferError("async write was not submitted", op="batch_transfer_async_write", code=0, peer=peer)
-        with self._lock:
-            self._live_batches.add(bid)
-        return bid
-
-    def wait_batch(self, batch_id: int) -> None:
-        """Wait for a batch from :meth:`write_async`, on the transfer thread.
-
-        Only ids this adapter issued and has not reaped reach the engine (a 0 or stale
-        id would segfault it); anything else raises :class:`TransferError`.
-        """
-        with self._lock:
-            if batch_id not in self._live_batches:
-                raise TransferError(f"batch id {batch_id} is not live (0, stale or foreign)", op="get_batch_transfer_status")
-            self._live_batches.discard(batch_id)
-        engine = self._live("get_batch_transfer_status")
-        rc = self._pool.submit(engine.get_batch_transfer_status, [batch_id]).result()
-        if rc != 0:
-            raise TransferError(f"batch {batch_id} failed", op="get_batch_transfer_status", code=rc)
 
     def close(self) -> None:
         """Unregister every region and drop the engine; later calls raise TransferError."""
