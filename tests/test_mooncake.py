@@ -116,6 +116,37 @@ def test_guards_keep_crashing_calls_away_from_the_engine(mooncake_pair) -> None:
         prefill.register(b"immutable")
 
 
+def test_a_failed_submit_reaps_the_ranges_already_submitted(mooncake_pair, monkeypatch) -> None:
+    """Stand-in for a submit the engine refuses (it returns 0; hard to provoke on loopback
+    once the probe passed): the binding is wrapped so the second range's submit fails.
+    The first range, already running, is waited for and its id reaped before the error."""
+    decode, prefill = mooncake_pair
+    src, s, dst, d = _buffers(mooncake_pair)
+    real = prefill._engine
+    calls = []
+
+    class RefuseSecondSubmit:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def transfer_submit_write(self, *args):
+            calls.append(args)
+            return 0 if len(calls) == 2 else real.transfer_submit_write(*args)
+
+    monkeypatch.setattr(prefill, "_engine", RefuseSecondSubmit())
+    try:
+        with pytest.raises(TransferError) as info:
+            prefill.write(decode.peer_name, [(s, d, 4096), (s + 8192, d + 20000, 4096)])  # two ranges
+        assert info.value.op == "transfer_submit_write" and info.value.code == -1
+        assert info.value.peer == decode.peer_name and "was not submitted" in str(info.value)
+        assert len(calls) == 2 and not prefill._live_batches  # the first id was reaped
+        assert dst[:4096] == src[:4096]  # and its bytes landed
+    finally:
+        monkeypatch.undo()
+        prefill.unregister(s)
+        decode.unregister(d)
+
+
 def test_closed_engine_refuses_every_call() -> None:
     engine = MooncakeEngine.open()
     name = engine.peer_name
