@@ -276,7 +276,7 @@ def start(specs: list[tuple[str, str, tuple | None]], setup: str | None = None, 
     They fork from multiprocessing's fork server, which imports SGLang once (preload), so
     N ranks cost one SGLang import, not N. No rank thread or engine exists before the fork.
     """
-    mp.get_context("forkserver").set_forkserver_preload(["_sglang_pd_rank"])
+    mp.get_context("forkserver").set_forkserver_preload(["_sglang_pd_rank", "_sglang_pd_dropin"])
     procs = [RankProcess(n, r, gloo=g, setup=setup) for n, r, g in specs]
     try:
         deadline = time.monotonic() + timeout
@@ -312,6 +312,18 @@ class Deployment:
         self.P, self.D = self.ranks[:2], self.ranks[2:]
         self.prefill: list[RankProcess] = []
         self.decode: list[RankProcess] = []
+        self._installed: tuple = (msgspec.json.encode(None), msgspec.json.encode(None), 0)
+
+    def install(self, prefill: dict | None, decode: dict | None, vocab: int = 0) -> list[dict]:
+        """Install the pd-middleware drop-in with config ``prefill`` on the prefill ranks and
+        ``decode`` on the decode ranks (None: without it); effective from the next
+        :meth:`configure`. A no-op when that is already installed."""
+        key = (msgspec.json.encode(prefill, order="sorted"), msgspec.json.encode(decode, order="sorted"), vocab)
+        if key == self._installed:
+            return []
+        out = gather(self.P, "install", config=prefill, vocab=vocab) + gather(self.D, "install", config=decode, vocab=vocab)
+        self._installed = key
+        return out
 
     def configure(self, prefill_tp: int, decode_tp: int, shape: Shape | None = None, *, prefill_args: dict | None = None, decode_args: dict | None = None) -> dict:
         """Rebuild the ranks as prefill TP ``prefill_tp`` -> decode TP ``decode_tp`` (1 or 2)."""

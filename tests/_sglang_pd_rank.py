@@ -40,6 +40,7 @@ from sglang.srt.disaggregation.utils import (
     ReqToMetadataIdxAllocator,
     poll_and_all_reduce,
 )
+from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
 from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
     maybe_init_shared_mooncake_transfer_engine,
 )
@@ -76,8 +77,12 @@ class Rank:
             # One group per decode TP width: {1: this rank alone, world: every decode rank}.
             singles = [dist.new_group([r], backend="gloo") for r in range(world)]
             self.groups = {1: singles[rank], world: dist.group.WORLD}
-        # Hooks a setup function may install (the drop-in tests use them).
+        # Hooks the drop-in installs (tests/_sglang_pd_dropin.py).
         self.make_req = make_req
+        self.prepare_req = None  # prefill: (req, first) -> None, before set_buf
+        self.fresh_engine = False  # the next configure allocates anew on a new engine
+        self.committed: dict[int, Any] = {}  # decode: committed requests, by room, for cmd_build
+        self.vocab = 0
 
     # ----------------------------------------------------------------- topology
 
@@ -109,15 +114,21 @@ class Rank:
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
         # The prefill manager reads pp_group; only init_distributed_environment makes one.
         get_parallel().override_permanently(pp_group=None)
-        maybe_init_shared_mooncake_transfer_engine(gpu_id=0)  # once per process; later calls reuse it
         if serve_bootstrap:
             self.retired.append(MooncakeKVBootstrapServer(host="127.0.0.1", port=bootstrap_port))
             _wait_listening(bootstrap_port, 10.0)  # its thread binds asynchronously
         self.bootstrap_addr = f"127.0.0.1:{bootstrap_port}"
+        if self.fresh_engine:
+            # The drop-in changes the aux list, so the memory changes: a new engine has a
+            # new session name, which no peer has cached regions for.
+            mte._mooncake_transfer_engine = None
+            self.__dict__.pop("arena", None)
+            self.fresh_engine = False
         if not hasattr(self, "arena"):
             # 2 x layers flat buffers, each big enough for every head (TP 1, MHA).
             self.arena = [torch.zeros(s.pages * s.page_size * s.heads * s.head_dim, dtype=KV_DTYPE) for _ in range(2 * s.layers)]
             self.meta = self.make_metadata(s)
+        maybe_init_shared_mooncake_transfer_engine(gpu_id=0)  # a no-op while one exists
         self.meta.bootstrap_room.zero_()
         heads = 1 if s.mla else s.heads // tp_size
         # K then V per layer (MHA), or one latent buffer per layer (MLA, which then has
@@ -212,7 +223,10 @@ class Rank:
         try:
             self._fill_kv(room, pages)
             req = self.make_req(room=room, idx=idx, first=first, side="prefill")
+            if self.prepare_req is not None:
+                self.prepare_req(req, first)
             self.meta.set_buf(req)
+            row = self.aux_row(idx)
             if before_send:
                 getattr(self, before_send)(room=room, idx=idx, req=req)
             sender.init(len(pages), idx)
@@ -224,6 +238,8 @@ class Rank:
                 "targets": targets,
                 "wait_s": t1 - t0,
                 "send_s": time.perf_counter() - t1,
+                "row": row,
+                "x": int(req.output_topk_index[0]),
             }
         finally:
             sender.clear()
@@ -273,7 +289,7 @@ class Rank:
         for buf in self.kv:
             buf.view(self.shape.pages, self.shape.page_size, self.heads, self.shape.head_dim)[torch.as_tensor(pages, dtype=torch.long)] = 0
 
-    def cmd_recv_wait(self, *, room: int, timeout: float = 20.0, before_commit: str | None = None) -> dict:
+    def cmd_recv_wait(self, *, room: int, timeout: float = 20.0, before_commit: str | None = None, hook_kw: dict | None = None) -> dict:
         """Decode: poll through SGLang's metadata gate (all-reduced over the decode TP group),
         then commit with the real ``_commit_transfer_to_req``. Returns what the request got."""
         dreq = self.pending.pop(room)
@@ -299,9 +315,10 @@ class Rank:
         try:
             if poll == KVPoll.Success:
                 if before_commit:
-                    getattr(self, before_commit)(room=room, idx=idx, dreq=dreq)
+                    getattr(self, before_commit)(room=room, idx=idx, dreq=dreq, **(hook_kw or {}))
                 self.queue._commit_transfer_to_req(dreq)
                 out["req"] = self.req_view(dreq.req)
+                self.committed[room] = dreq.req
             else:
                 dreq.kv_receiver.clear()
         finally:
@@ -328,12 +345,27 @@ class Rank:
             "output_topk_p": req.output_topk_p.clone(),
             "output_topk_index": req.output_topk_index.clone(),
             "hidden_states_tensor": req.hidden_states_tensor.clone(),
-            "aborted": getattr(req, "abort_message", None),
+            "aborted": repr(getattr(req, "finished_reason", None)) if getattr(req, "finished_reason", None) is not None else None,
+            "attached": getattr(getattr(req, "pd_middleware", None), "reason", None),
         }
 
-    def cmd_eval(self, *, fn: str, **kw) -> Any:
-        """Run a named hook method (installed by a setup function) in this rank."""
-        return getattr(self, fn)(**kw)
+    def cmd_install(self, *, config: dict | None, vocab: int) -> dict:
+        """Install the pd-middleware drop-in for ``config`` (None: uninstall); see _sglang_pd_dropin."""
+        import _sglang_pd_dropin
+
+        return _sglang_pd_dropin.install(self, config, vocab)
+
+    def cmd_build(self, *, rooms: list[int]) -> dict:
+        """Decode: SGLang's draft-input builder over committed requests (drop-in active)."""
+        import _sglang_pd_dropin
+
+        return _sglang_pd_dropin.build(self, rooms)
+
+    def cmd_counters(self) -> dict:
+        """The drop-in's counters in this rank ({} without it)."""
+        import _sglang_pd_dropin
+
+        return _sglang_pd_dropin.counters()
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -365,8 +397,8 @@ def make_req(*, room: int, idx: int, first: dict | None, side: str) -> SimpleNam
     if first is not None:
         req.output_ids = [first["token"]]
         req.cached_tokens = first.get("cached", 0)
-        req.output_topk_p = torch.tensor(first["topk_p"], dtype=torch.float32)
-        req.output_topk_index = torch.tensor(first["topk_index"], dtype=torch.int64)
+        req.output_topk_p = torch.tensor(first.get("topk_p", [0.0]), dtype=torch.float32)
+        req.output_topk_index = torch.tensor(first.get("topk_index", [0]), dtype=torch.int64)
         req.hidden_states_tensor = torch.tensor(first["hidden"], dtype=torch.float32)
     return req
 
