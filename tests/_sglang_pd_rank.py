@@ -229,15 +229,18 @@ class Rank:
             row = self.aux_row(idx)
             if before_send:
                 getattr(self, before_send)(room=room, idx=idx, req=req)
+            t2 = time.perf_counter()
             sender.init(len(pages), idx)
             sender.send(pages)
             status = _wait(sender.poll, (KVPoll.Success, KVPoll.Failed), timeout)
+            t3 = time.perf_counter()
             return {
                 "status": _poll_name(status),
                 "reason": self.mgr.failure_records.get(room),
                 "targets": targets,
                 "wait_s": t1 - t0,
-                "send_s": time.perf_counter() - t1,
+                "send_s": t3 - t1,  # fill the KV, write the row (set_buf), transfer
+                "transfer_s": t3 - t2,  # SGLang's send() until the sender polls Success
                 "row": row,
                 "x": int(req.output_topk_index[0]),
             }

@@ -124,7 +124,11 @@ def test_one_to_one_kv_and_row_arrive_through_the_metadata_gate(plain):
     assert info["P0"]["aux_item_lens"] == info["D0"]["aux_item_lens"]
     assert len(info["D0"]["aux_item_lens"]) == 10
     per_request_ms = [1e3 * o["seconds"] for o in outs[1:]]  # the first pays the Mooncake handshake
-    print(f"\n1->1 per request (4 IPC round trips included): median {statistics.median(per_request_ms):.1f} ms, max {max(per_request_ms):.1f} ms")
+    send_ms = [1e3 * o["prefill"][0]["send_s"] for o in outs[1:]]
+    print(
+        f"\n1->1 per request, 4 IPC round trips included: median {statistics.median(per_request_ms):.1f} ms, "
+        f"max {max(per_request_ms):.1f} ms; prefill send -> Success: median {statistics.median(send_ms):.1f} ms"
+    )
     assert statistics.median(per_request_ms) < 1000, per_request_ms  # sanity only: timing is not a test here
 
 
@@ -196,8 +200,10 @@ def test_prefill_tp2_to_decode_tp2_is_one_to_one(plain):
 
 def test_prefill_tp1_to_decode_tp2_mla_replicates_kv_and_row(plain):
     dep = plain
-    dep.configure(1, 2, H.Shape(mla=True))
+    info = dep.configure(1, 2, H.Shape(mla=True))
+    decode_eps = sorted((f"127.0.0.1:{info[n]['rank_port']}", False) for n in ("D0", "D1"))
     for out in run(dep):
+        assert targets(out["prefill"][0]) == decode_eps
         assert all(committed_as(got, out["firsts"][0]) for got in out["decode"])
 
 
@@ -334,6 +340,7 @@ def test_dropin_on_the_prefill_only_fails_fast_naming_both_layouts(dep):
     assert p["status"] == "Failed" and got["status"] == "Failed"
     assert "proposal rows differ" in p["reason"] and "capacity=20480" in p["reason"] and "registered none" in p["reason"], p["reason"]
     assert out["seconds"] < 10, out["seconds"]
+    print(f"\nprefill-only drop-in: request failed after {1e3 * out['seconds']:.0f} ms: {p['reason']}")
     assert H.gather(dep.prefill, "counters")[0]["inband"]["inband:peer_rejected"] >= 1
 
 
@@ -356,6 +363,7 @@ def test_dropin_capacity_mismatch_fails_fast_naming_both_layouts(dep):
     assert p["status"] == "Failed" and got["status"] == "Failed"
     assert "capacity=20480" in p["reason"] and "capacity=8192" in p["reason"], p["reason"]
     assert out["seconds"] < 10, out["seconds"]
+    print(f"\ncapacity mismatch: request failed after {1e3 * out['seconds']:.0f} ms: {p['reason']}")
 
 
 def test_dropin_corrupt_row_falls_back_to_one_hot_counted(dep):
