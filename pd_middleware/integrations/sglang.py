@@ -134,7 +134,8 @@ class InstallOptions:
 
     ``channel``: ``metadata`` or ``sidechannel``; None takes ``[sglang].channel``.
     ``facts``: the engine's :class:`EngineFacts`, to activate at once (a harness
-    without a scheduler); None waits for ``Scheduler.init_disaggregation``.
+    that runs SGLang's transfer classes without a scheduler; the scheduler is then not
+    patched); None waits for ``Scheduler.init_disaggregation``.
     ``receiver``/``store``: side channel decode feed (a started receiver, owned by the
     installation, or a :class:`ProposalStore`); ``publisher``: side channel prefill
     publisher. ``registry``/``metrics``: plugin registry and shared metrics.
@@ -417,7 +418,9 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
                 meta_patches = channel.patches(utils, transfer, mooncake)
             else:
                 channel = MetadataChannel(config.sglang.capacity_bytes)
-        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods)
+        # With facts the installation activates now (a harness without a Scheduler);
+        # otherwise at Scheduler.init_disaggregation, which is wrapped.
+        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods) if opts.facts is None else None
         sched_cls = getattr(sched_mod, "Scheduler", None) if sched_mod is not None else None
         if sched_mod is not None and sched_cls is None:
             raise PluginError(f"{sched_mod.__name__}.Scheduler not found", plugin="sglang")
