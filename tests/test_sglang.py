@@ -53,8 +53,9 @@ def make_config(**over):
 
 
 def scheduler_stand_in():
-    """A module with a ``Scheduler.init_disaggregation``: SGLang's real scheduler module
-    imports uvicorn, fastapi and setproctitle, which the CPU tier does not install."""
+    """A module with a ``Scheduler.init_disaggregation`` for the plugin-loader test:
+    SGLang's real scheduler module imports uvicorn, fastapi and setproctitle, which
+    the CPU tier does not install."""
     mod = types.ModuleType("scheduler_stand_in")
 
     class Scheduler:
@@ -67,12 +68,8 @@ def scheduler_stand_in():
 
 def install(cfg, *, decode_module=None, prefill_module=None, version=None, channel="sidechannel", **kw):
     """S.install with the stand-in modules given (only those are patched) or the real SGLang."""
-    mods = S.SGLangModules(
-        builder=decode_module,
-        prefill=prefill_module,
-        scheduler=None if decode_module is not None else scheduler_stand_in(),
-        only_given=decode_module is not None,
-    )
+    mods = S.SGLangModules(builder=decode_module, prefill=prefill_module, only_given=decode_module is not None)
+    kw.setdefault("hook_scheduler", False)  # function-level: no Scheduler here
     return S.install(cfg, S.InstallOptions(channel=channel, modules=mods, version=version, **kw))
 
 

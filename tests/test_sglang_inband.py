@@ -332,3 +332,25 @@ def test_metadata_on_a_device_is_refused(sg) -> None:
 
     with pytest.raises(ConfigError, match=r"at sglang\.channel.*PD metadata on .*needs CPU metadata buffers"):
         _wrap_init(on_npu, inst.channel)(SimpleNamespace(), 4)
+
+
+def test_harness_activation_by_role_and_stage_requests(sg) -> None:
+    # A two-process harness activates each process by its role, without a Scheduler.
+    inst = activate(config(), role="prefill")
+    assert inst.publisher is not None and inst.publisher.stage == inst.channel.stage and inst.proposer.bound is None
+    pbuf = buffers(sg)
+    reqs = [prefill_req(41 + i, i) for i in range(2)]
+    for r in reqs:
+        r.hidden_states_tensor = torch.ones(4)
+    enc = inst.stage_requests(reqs, draft(2, seed=SEED + 3))
+    for r in reqs:
+        pbuf.set_buf(r)
+    assert [int(r.output_topk_index[0]) for r in reqs] == enc.tokens[:, 0].tolist()
+    # ... and this process's decode side (bound by hand: one process plays both here).
+    inst.proposer.bind(V, 1)
+    dbuf = buffers(sg)
+    for i in range(2):
+        send_aux(pbuf, i, dbuf, i)
+    got = build(sg, [commit(sg, dbuf, i, 41 + i) for i in range(2)])
+    for i in range(2):
+        assert torch.equal(got[i], sparse_law_tensor(enc.proposals[i], 1, V)[0]), f"seed {SEED + 3} row {i}"

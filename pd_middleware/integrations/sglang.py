@@ -141,6 +141,9 @@ class InstallOptions:
     publisher. ``registry``/``metrics``: plugin registry and shared metrics.
     ``allow_unsupported``: try a version outside :data:`SUPPORTED_SGLANG_VERSIONS`
     (signatures are still checked). ``modules``/``version``: stand-ins for tests.
+    ``hook_scheduler``: False installs no scheduler-start hook (function-level use,
+    e.g. SGLang's own unit tests of the builder: shapes are then taken per call and
+    the startup checks do not run).
     """
 
     channel: Literal["metadata", "sidechannel"] | None = None
@@ -153,6 +156,7 @@ class InstallOptions:
     allow_unsupported: bool = False
     modules: SGLangModules = SGLangModules()
     version: str | None = None
+    hook_scheduler: bool = True
 
 
 @dataclass
@@ -198,6 +202,25 @@ class Installation:
         if self.channel is not None:
             out["inband"] = dict(self.channel.counts)
         return out
+
+    def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0) -> Any:
+        """Prefill, without a scheduler (a harness): what the prefill wrapper does for ``reqs``.
+
+        ``reqs``: SGLang Reqs (``bootstrap_room`` set); ``draft_probs``: float (B, V)
+        after temperature. Encodes each request from its (seed, room) generator,
+        stages its row for ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index``
+        / ``output_topk_p`` to the encoder's X and q'(X), as SGLang's
+        ``process_batch_result_disagg_prefill`` would after the wrapper. Returns the
+        :class:`~pd_middleware.contracts.EncodedBatch`.
+        """
+        if self.publisher is None:
+            raise ConfigError("stage_requests needs an activated prefill (EngineFacts(role='prefill'))")
+        reqs = list(reqs)
+        enc = self.publisher.publish([r.bootstrap_room for r in reqs], draft_probs, temperature, targets=reqs)
+        for i, r in enumerate(reqs):
+            r.output_topk_index = enc.tokens[i].clone()
+            r.output_topk_p = enc.token_probs[i].clone()
+        return enc
 
     def activate(self, facts: EngineFacts) -> None:
         """Finish activation for the engine ``facts`` (called at scheduler start).
@@ -420,7 +443,8 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
                 channel = MetadataChannel(config.sglang.capacity_bytes)
         # With facts the installation activates now (a harness without a Scheduler);
         # otherwise at Scheduler.init_disaggregation, which is wrapped.
-        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods) if opts.facts is None else None
+        hook = opts.facts is None and opts.hook_scheduler
+        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods) if hook else None
         sched_cls = getattr(sched_mod, "Scheduler", None) if sched_mod is not None else None
         if sched_mod is not None and sched_cls is None:
             raise PluginError(f"{sched_mod.__name__}.Scheduler not found", plugin="sglang")
@@ -431,7 +455,14 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
         from ..config import resolve_plugins
         from ..registry import default_registry
 
-        resolve_plugins(config, opts.registry if opts.registry is not None else default_registry())
+        resolved = resolve_plugins(config, opts.registry if opts.registry is not None else default_registry())
+        if config.arms and not any(getattr(r.spec.factory, "routes_arms", False) for r in resolved.hooks):
+            # An offline A/B job config (pd-middleware ab): a live decode needs a router.
+            raise ConfigError(
+                "[[arms]] needs a routing hook in [[hooks]] (e.g. ab_split) on a live decode; "
+                "a config with arms and no router is for the offline `pd-middleware ab` job",
+                path="hooks",
+            )
         store = opts.store
         if store is None and opts.receiver is not None:
             store = ProposalStore(opts.receiver)
