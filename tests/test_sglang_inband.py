@@ -28,7 +28,7 @@ from pd_middleware.config import parse_config
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang_metadata import FRAME_MARK, _wrap_init, _wrap_registration
-from pd_middleware.integrations.sglang_prefill import wrap_process_batch_result
+from pd_middleware.integrations.sglang_prefill import room_seed, wrap_process_batch_result
 
 pytestmark = [pytest.mark.sglang]
 
@@ -354,3 +354,97 @@ def test_harness_activation_by_role_and_stage_requests(sg) -> None:
     got = build(sg, [commit(sg, dbuf, i, 41 + i) for i in range(2)])
     for i in range(2):
         assert torch.equal(got[i], sparse_law_tensor(enc.proposals[i], 1, V)[0]), f"seed {SEED + 3} row {i}"
+
+
+# ---------------------------------------------------------------- multi-layer chains
+
+STEPS = 3
+
+
+def multi_layer_stand_in():
+    """Shaped like SGLang 0.5.23's multi_layer_eagle_worker_v2 (the real module imports the
+    scheduler, which needs uvicorn/fastapi/setproctitle, absent from the CPU tier): the
+    prefill's chain loop calls the module-global ``sample_draft_proposal`` per step and
+    feeds each step's X into the next step's logits, as ``rotate_input_ids`` does."""
+    import types
+
+    m = types.ModuleType("multi_layer_stand_in")
+
+    def step_logits(prev, b):
+        g = torch.Generator().manual_seed(1000 + int(prev.sum()))
+        return torch.randn(b, V, generator=g) * 2 + torch.nn.functional.one_hot(prev, V).float() * 3
+
+    def sample_draft_proposal(next_token_logits, temperatures, top_ks=None, *, sampling_seed=None, positions=None, draft_step=0):
+        probs = torch.softmax(next_token_logits / temperatures.view(-1, 1), -1)
+        x = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5 + draft_step))
+        return probs, probs.gather(1, x), x
+
+    class MultiLayerEagleDraftWorker:
+        def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, kv_loc_plan=None):
+            prev, ps, xs, qs = next_token_ids, [], [], []
+            for step in range(STEPS):
+                logits = step_logits(prev, len(batch.reqs))
+                q, p, x = m.sample_draft_proposal(logits, batch.sampling_info.temperatures, sampling_seed=None, positions=None, draft_step=step)
+                ps.append(p); xs.append(x); qs.append(q)
+                prev = x[:, 0]
+            return SimpleNamespace(topk_p=torch.cat(ps, 1), topk_index=torch.cat(xs, 1), draft_probs=torch.stack(qs, 1))
+
+    m.step_logits = step_logits
+    m.sample_draft_proposal = sample_draft_proposal
+    m.MultiLayerEagleDraftWorker = MultiLayerEagleDraftWorker
+    return m
+
+
+def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> None:
+    mod = multi_layer_stand_in()
+    orig_sample = mod.sample_draft_proposal
+    cfg = config(capacity=8192)
+    inst = S.install(cfg, S.InstallOptions(channel="metadata", facts=facts("prefill", num_steps=STEPS), modules=S.SGLangModules(multi_layer=mod)))
+    assert mod.sample_draft_proposal is not orig_sample
+    pbuf = buffers(sg)
+    rooms = [501, 502]
+    reqs = [prefill_req(r, i) for i, r in enumerate(rooms)]
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((2, 1))))
+    di = mod.MultiLayerEagleDraftWorker()._draft_extend_for_prefill(batch, None, torch.tensor([1, 2]))
+    payloads = di.pd_middleware_payloads
+    # Each step k was drawn from the encoding of q_k given the chain's own X_{<k}.
+    prev = torch.tensor([1, 2])
+    for k in range(STEPS):
+        q = torch.softmax(mod.step_logits(prev, 2), -1)
+        for i in range(2):
+            g = torch.Generator().manual_seed(room_seed(SEED, f"{rooms[i]}:{k}"))
+            e = inst.publisher.encoder.encode(q[i : i + 1], temperature=1.0, generator=g)
+            assert payloads[i].draft_tokens[k] == int(e.tokens[0, 0]) == int(di.topk_index[i, k]), (i, k)
+            assert torch.equal(sparse_law_tensor(payloads[i].proposal, STEPS, V)[k], sparse_law_tensor(e.proposals[0], 1, V)[0])
+        prev = di.topk_index[:, k]
+    # The prefill wrapper hands those payloads on (no second draw), set_buf writes them.
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    for r in reqs:
+        pbuf.set_buf(r)
+    assert inst.publisher.counts["chain:published"] == 2
+    # Decode: a multi-layer chain of 3 proposals per request, each exact.
+    inst.proposer.bind(V, STEPS)
+    inst.channel.bind(V, STEPS)
+    dbuf = buffers(sg)
+    dreqs = []
+    for i, r in enumerate(rooms):
+        send_aux(pbuf, i, dbuf, i)
+        dreqs.append(commit(sg, dbuf, i, r))
+    assert [d.pd_middleware.reason for d in dreqs] == ["prefill", "prefill"]
+    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=STEPS, enable_multi_layer_eagle=True, speculative_use_rejection_sampling=True)
+    b = SimpleNamespace(reqs=dreqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(2, dtype=torch.int64), None).draft_probs
+    assert got.shape == (2, STEPS, V)
+    for i in range(2):
+        assert torch.equal(got[i], sparse_law_tensor(payloads[i].proposal, STEPS, V)), f"row {i}"
+    assert S.uninstall() and mod.sample_draft_proposal is orig_sample
+
+
+def test_redrawing_a_chain_after_the_fact_is_not_its_law() -> None:
+    # Negative control for the test above: q_1 depends on X_0, so a chain whose X_0 is
+    # redrawn after SGLang drafted step 1 pairs step 1's q with another prefix.
+    mod = multi_layer_stand_in()
+    q_after_3 = torch.softmax(mod.step_logits(torch.tensor([3]), 1), -1)
+    q_after_4 = torch.softmax(mod.step_logits(torch.tensor([4]), 1), -1)
+    assert not torch.equal(q_after_3, q_after_4)

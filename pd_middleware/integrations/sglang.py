@@ -94,6 +94,8 @@ SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 BUILD_PARAMS = ("batch", "last_tokens_tensor", "future_map")
 PROPOSAL_PARAMS = ("topk_index", "vocab_size")
 PREFILL_PARAMS = ("self", "batch", "result")
+SAMPLE_PARAMS = ("next_token_logits", "temperatures", "top_ks", "sampling_seed", "positions", "draft_step")
+EXTEND_PARAMS = ("self", "batch", "target_hidden_states", "next_token_ids", "kv_loc_plan")
 METADATA_PARAMS = {
     "set_buf": ("self", "req"),
     "clear_slot": ("self", "idx"),
@@ -125,6 +127,7 @@ class SGLangModules:
     transfer: ModuleType | None = None  # sglang.srt.disaggregation.decode (DecodeTransferQueue)
     mooncake: ModuleType | None = None  # sglang.srt.disaggregation.mooncake.conn
     scheduler: ModuleType | None = None  # sglang.srt.managers.scheduler (Scheduler)
+    multi_layer: ModuleType | None = None  # sglang.srt.speculative.multi_layer_eagle_worker_v2
     only_given: bool = False
 
 
@@ -242,28 +245,54 @@ class Installation:
                 self.proposer.store = ProposalStore(self.receiver)
                 logger.info("pd-middleware decode receiver listening on %s", self.receiver.address)
         elif self.publisher is None:
-            if self.channel is not None:
-                self.publisher = ProposalPublisher.from_config(
-                    self.config, stage=self.channel.stage, vocab_size=facts.vocab_size, num_steps=facts.num_steps,
-                    registry=self.options.registry,
-                )
-            else:
-                addr = os.environ.get(ENV_DECODE_ADDRESS)
-                if not addr:
-                    raise ConfigError(
-                        f"[sglang].channel = \"sidechannel\" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port",
-                        path="sglang.channel",
-                    )
-                from ..transport import open_sender
-
-                cfg = self.config
-                self.publisher = ProposalPublisher.from_config(
-                    cfg, lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
-                    vocab_size=facts.vocab_size, num_steps=facts.num_steps, registry=self.options.registry,
-                )
+            self._make_publisher(facts)
+        if facts.role == "prefill" and facts.num_steps > 1:
+            self._patch_chain()
         logger.info(
             "pd-middleware active: %s node, channel %s, V=%d, S=%d", facts.role, self.channel_name, facts.vocab_size, facts.num_steps
         )
+
+    def _patch_chain(self) -> None:
+        """Multi-layer prefill: draw each chain step from its encoded law (.sglang_chain)."""
+        if any(attr == "sample_draft_proposal" for _, attr, _, _ in self.patches):
+            return
+        from .sglang_chain import MULTI_LAYER_MODULE, WORKER_CLASS, chain_patches
+
+        mods = self.options.modules
+        mod = _module(mods.multi_layer, MULTI_LAYER_MODULE, mods)
+        if mod is None:
+            return
+        worker = getattr(mod, WORKER_CLASS, None)
+        if worker is None:
+            raise PluginError(f"{mod.__name__}.{WORKER_CLASS} not found", plugin="sglang")
+        _check_signature(mod, "sample_draft_proposal", SAMPLE_PARAMS, mod.__name__)
+        _check_signature(worker, "_draft_extend_for_prefill", EXTEND_PARAMS, f"{mod.__name__}.{WORKER_CLASS}")
+        new = chain_patches(mod, lambda: self.publisher)
+        for owner, attr, _, fn in new:
+            setattr(owner, attr, fn)
+        self.patches.extend(new)
+
+    def _make_publisher(self, facts: EngineFacts) -> None:
+        """The prefill's encoder, fed to the metadata channel or the side channel."""
+        if self.channel is not None:
+            self.publisher = ProposalPublisher.from_config(
+                self.config, stage=self.channel.stage, vocab_size=facts.vocab_size, num_steps=facts.num_steps,
+                registry=self.options.registry,
+            )
+        else:
+            addr = os.environ.get(ENV_DECODE_ADDRESS)
+            if not addr:
+                raise ConfigError(
+                    f"[sglang].channel = \"sidechannel\" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port",
+                    path="sglang.channel",
+                )
+            from ..transport import open_sender
+
+            cfg = self.config
+            self.publisher = ProposalPublisher.from_config(
+                cfg, lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
+                vocab_size=facts.vocab_size, num_steps=facts.num_steps, registry=self.options.registry,
+            )
 
 
 def detect_version() -> str:
