@@ -448,3 +448,28 @@ def test_redrawing_a_chain_after_the_fact_is_not_its_law() -> None:
     q_after_3 = torch.softmax(mod.step_logits(torch.tensor([3]), 1), -1)
     q_after_4 = torch.softmax(mod.step_logits(torch.tensor([4]), 1), -1)
     assert not torch.equal(q_after_3, q_after_4)
+
+
+def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribution(sg) -> None:
+    # A multi-layer batch whose chain was not drawn through the encoder (no chain patch):
+    # the row carries SGLang's own X chain and no q, so the decode answers one-hot.
+    inst = activate(config(capacity=8192), role="prefill", num_steps=1)
+    inst.channel.bind(V, STEPS)
+    inst.publisher.vocab_size = V
+    pbuf = buffers(sg)
+    reqs = [prefill_req(601, 0)]
+    di = SimpleNamespace(topk_index=torch.tensor([[4, 9, 2]]), topk_p=torch.tensor([[0.5, 0.25, 0.125]]), draft_probs=torch.full((1, STEPS, V), 1.0 / V))
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((1, 1))))
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    pbuf.set_buf(reqs[0])
+    assert inst.publisher.counts["skipped:multi_layer"] == 1
+    inst.proposer.bind(V, STEPS)
+    dbuf = buffers(sg)
+    send_aux(pbuf, 0, dbuf, 0)
+    dreq = commit(sg, dbuf, 0, 601)
+    assert dreq.pd_middleware.reason == "no_distribution" and dreq.pd_middleware.tokens == (4, 9, 2)
+    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=STEPS, enable_multi_layer_eagle=True, speculative_use_rejection_sampling=True)
+    b = SimpleNamespace(reqs=[dreq], device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
+    assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())

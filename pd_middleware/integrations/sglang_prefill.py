@@ -219,6 +219,29 @@ class ProposalPublisher:
         return enc
 
 
+def _stage_bare(publisher: ProposalPublisher, batch: Any, draft_input: Any) -> None:
+    """Stage SGLang's own chain (X, q(X)) with no distribution for each finishing request."""
+    from .sglang_decode import _LOCAL_PROVENANCE
+
+    assert publisher.stage is not None
+    tokens = draft_input.topk_index.detach().to("cpu").tolist()
+    probs = draft_input.topk_p.detach().to("cpu", torch.float32).clamp(0.0, 1.0).tolist()
+    for i, req in enumerate(batch.reqs):
+        room = getattr(req, "bootstrap_room", None)
+        if room is None or not _finishing(req):
+            continue
+        publisher.stage(
+            req,
+            Payload(
+                request_id=room_key(room) or "",
+                draft_tokens=tuple(tokens[i]),
+                draft_probs=tuple(probs[i]),
+                vocab_size=publisher.vocab_size,
+                provenance=_LOCAL_PROVENANCE,
+            ),
+        )
+
+
 def _temperatures(temperature: Any, b: int) -> list[float]:
     if isinstance(temperature, torch.Tensor):
         vals = temperature.detach().to("cpu", torch.float64).reshape(-1).tolist()
