@@ -473,3 +473,24 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
     with patch.object(sg.ed, "get_spec", return_value=spec):
         got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
+
+
+def test_fake_transfer_is_not_counted_as_a_missing_row(sg) -> None:
+    # SGLang's warmup requests use a fake bootstrap host: no prefill ever writes them.
+    inst = activate(config())
+    dbuf = buffers(sg)
+    room = 77
+    dbuf.bootstrap_room[0, 0] = room
+    req = SimpleNamespace(
+        rid="warm", bootstrap_room=room, bootstrap_host=sg.utils.FAKE_BOOTSTRAP_HOST, output_ids=[], return_logprob=False,
+        return_sampling_mask=False, finished_reason=None, pd_rebootstrap_forced_output_id=None,
+        time_stats=SimpleNamespace(set_wait_queue_entry_time=lambda: None), origin_input_ids=[1, 2], sampling_params=SimpleNamespace(),
+    )
+    queue = SimpleNamespace(
+        scheduler=SimpleNamespace(kv_checksum_computer=None, batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda r, t: None)),
+        metadata_buffers=dbuf, spec_algorithm=SimpleNamespace(is_none=lambda: False), _commit_hicache_local_restore_to_req=lambda dr: None,
+    )
+    dreq = SimpleNamespace(req=req, metadata_buffer_index=0, is_rebootstrap=False, kv_receiver=SimpleNamespace(clear=lambda: None))
+    with patch.object(sg.decode, "_generate_fake_prefill_handoff_output_id", return_value=3):
+        sg.decode.DecodeTransferQueue._commit_transfer_to_req(queue, dreq)
+    assert not hasattr(req, "pd_middleware") and inst.channel.counts["inband:not_sent"] == 0

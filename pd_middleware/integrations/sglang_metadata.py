@@ -172,7 +172,10 @@ class MetadataChannel:
         ]
         if decode is not None:
             q = decode.DecodeTransferQueue
-            out.append((q, "_commit_transfer_to_req", q._commit_transfer_to_req, _wrap_commit(q._commit_transfer_to_req, self)))
+            fake = getattr(utils, "_is_fake_transfer", None)
+            out.append(
+                (q, "_commit_transfer_to_req", q._commit_transfer_to_req, _wrap_commit(q._commit_transfer_to_req, self, fake))
+            )
         if mooncake is not None:
             mgr, info = mooncake.MooncakeKVManager, mooncake.KVArgsRegisterInfo
             out.append(
@@ -273,12 +276,14 @@ def _wrap_clear(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., 
     return _mark(clear_slot, orig)
 
 
-def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None) -> Callable[..., Any]:
     def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
         out = orig(self, decode_req)
         req = decode_req.req
         if getattr(req, "finished_reason", None) is not None or ch.on_row is None:
             return out  # SGLang aborted it (corruption, gate): nothing to attach
+        if is_fake is not None and is_fake(req):
+            return out  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
         try:
             ch.on_row(req, ch.read(self.metadata_buffers, decode_req.metadata_buffer_index, req))
         except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler; the builder falls back to one-hot
