@@ -494,3 +494,65 @@ def test_fake_transfer_is_not_counted_as_a_missing_row(sg) -> None:
     with patch.object(sg.decode, "_generate_fake_prefill_handoff_output_id", return_value=3):
         sg.decode.DecodeTransferQueue._commit_transfer_to_req(queue, dreq)
     assert not hasattr(req, "pd_middleware") and inst.channel.counts["inband:not_sent"] == 0
+
+
+def scheduler_module(sg):
+    """A ``Scheduler`` whose ``init_disaggregation`` allocates SGLang's real MetadataBuffers,
+    as SGLang's does (the real scheduler module needs uvicorn/fastapi/setproctitle)."""
+    import types
+
+    mod = types.ModuleType("scheduler_with_buffers")
+
+    class Scheduler:
+        def __init__(self, vocab):
+            self.model_config = SimpleNamespace(vocab_size=vocab)
+
+        def init_disaggregation(self):
+            self.disagg_metadata_buffers = buffers(sg)
+
+    mod.Scheduler = Scheduler
+    return mod
+
+
+def runtime(**over):
+    from sglang.srt.runtime_context import get_context, get_parallel
+    import contextlib
+
+    args = dict(
+        speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3, enable_multi_layer_eagle=False,
+        speculative_use_rejection_sampling=True, disaggregation_mode="decode", disaggregation_transfer_backend="mooncake", tp_size=2,
+    )
+    args.update(over)
+    stack = contextlib.ExitStack()
+    stack.enter_context(get_context().override_server_args(**args))
+    stack.enter_context(get_parallel().override(tp_rank=1))
+    return stack
+
+
+def test_scheduler_start_reads_sglangs_runtime_context_and_binds_before_allocation(sg) -> None:
+    mod = scheduler_module(sg)
+    inst = S.install(config(), S.InstallOptions(modules=S.SGLangModules(scheduler=mod)))
+    sched = mod.Scheduler(vocab=V)
+    with runtime():
+        sched.init_disaggregation()
+    assert inst.facts == S.EngineFacts(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True, backend="mooncake", tp_rank=1)
+    assert inst.proposer.bound == (V, 1) and inst.channel.layout.vocab_size == V
+    assert sched.disagg_metadata_buffers.pd_proposal.shape == (8, 4096)  # TP rank 1: no rank-0 restriction
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk is 4"),
+        ({"speculative_use_rejection_sampling": False}, "without --speculative-use-rejection-sampling"),
+        ({"disaggregation_transfer_backend": "nixl"}, "mooncake transfer backend only"),
+        ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm is NGRAM"),
+    ],
+)
+def test_misconfigured_scheduler_stops_at_startup(sg, over, message) -> None:
+    mod = scheduler_module(sg)
+    S.install(config(), S.InstallOptions(modules=S.SGLangModules(scheduler=mod)))
+    sched = mod.Scheduler(vocab=V)
+    with runtime(**over), pytest.raises(ConfigError, match=message):
+        sched.init_disaggregation()
+    assert not hasattr(sched, "disagg_metadata_buffers")  # before SGLang allocated anything
