@@ -115,13 +115,13 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
 
     # How proposals reach the decode: "metadata" = a row appended to SGLang's own PD
     # metadata buffers (travels with the KV, on every rank); "sidechannel" = the
-    # middleware's own transport ([transport], PD_MIDDLEWARE_ROLE/_DECODE_ADDRESS).
+    # middleware's own transport ([transport]; the prefill needs PD_MIDDLEWARE_DECODE_ADDRESS).
     channel: Literal["metadata", "sidechannel"] = "metadata"
     # Bytes per proposal row (a multiple of 64, 256 .. 8 MiB). Each node allocates
     # capacity x metadata rows (decode: 2 x the request pool) of CPU memory. A proposal
     # larger than this travels without its distribution (exact one-hot, counted).
     # 20480 holds sparse_floor/sparse_topp at k_max 4000 (16 KB) at V = 152064;
-    # full fp32 at that V needs 608,512, bf16 304,384 (docs/sglang.md).
+    # full fp32 at that V needs 608,384, bf16 304,256 (docs/sglang.md, "Bytes").
     capacity_bytes: int = 20480
     # Seed of the prefill encoder's draw; each request draws from a generator seeded
     # from (seed, bootstrap room), so every prefill TP rank writes identical bytes.

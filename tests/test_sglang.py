@@ -53,8 +53,9 @@ def make_config(**over):
 
 
 def scheduler_stand_in():
-    """A module with a ``Scheduler.init_disaggregation``: SGLang's real scheduler module
-    imports uvicorn, fastapi and setproctitle, which the CPU tier does not install."""
+    """A module with a ``Scheduler.init_disaggregation`` for the plugin-loader test:
+    SGLang's real scheduler module imports uvicorn, fastapi and setproctitle, which
+    the CPU tier does not install."""
     mod = types.ModuleType("scheduler_stand_in")
 
     class Scheduler:
@@ -67,12 +68,8 @@ def scheduler_stand_in():
 
 def install(cfg, *, decode_module=None, prefill_module=None, version=None, channel="sidechannel", **kw):
     """S.install with the stand-in modules given (only those are patched) or the real SGLang."""
-    mods = S.SGLangModules(
-        builder=decode_module,
-        prefill=prefill_module,
-        scheduler=None if decode_module is not None else scheduler_stand_in(),
-        only_given=decode_module is not None,
-    )
+    mods = S.SGLangModules(builder=decode_module, prefill=prefill_module, only_given=decode_module is not None)
+    kw.setdefault("hook_scheduler", False)  # function-level: no Scheduler here
     return S.install(cfg, S.InstallOptions(channel=channel, modules=mods, version=version, **kw))
 
 
@@ -476,67 +473,9 @@ needs_sglang = [
 
 
 @pytest.fixture(scope="module")
-def ed():
-    """SGLang 0.5.23's real eagle_disaggregation module.
-
-    The torchvision stand-in below is the one stand-in this tier allows. Why: importing
-    eagle_disaggregation imports every model config, and two of them import
-    torchvision at module level. Every reachable torchvision wheel links to the CUDA
-    libraries and fails to import on CPU torch, and installing one would pull a CUDA
-    torch. Nothing on this path calls torchvision; the stand-in only answers imports.
-    """
-    if importlib.util.find_spec("torchvision") is None and "torchvision" not in sys.modules:
-        _install_torchvision_stand_in()
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return importlib.import_module(S.DECODE_MODULE)
-
-
-def _install_torchvision_stand_in() -> None:
-    import importlib.abc
-    import importlib.machinery
-
-    class Meta(type):
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return Meta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": _call})
-
-        def __or__(cls, other):
-            return cls
-
-        __ror__ = __or__
-
-        def __getitem__(cls, item):
-            return cls
-
-    def _call(self, *a, **k):
-        return a[0] if len(a) == 1 and callable(a[0]) and not k else self
-
-    class Mod(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            obj = Meta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": _call})
-            setattr(self, name, obj)
-            return obj
-
-    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, fullname, path, target=None):
-            if fullname.split(".")[0] == "torchvision":
-                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            return Mod(spec.name)
-
-        def exec_module(self, module):
-            module.__path__ = []
-            module.__version__ = "0.0.0+stand-in"
-
-    sys.meta_path.insert(0, Finder())
+def ed(sglang_importable):
+    """SGLang 0.5.23's real eagle_disaggregation module (conftest: the torchvision stand-in)."""
+    return importlib.import_module(S.DECODE_MODULE)
 
 
 def spec(num_steps=1, multi_layer=False, rs=True):

@@ -40,23 +40,39 @@ installs the patches, and each scheduler finishes activation in its
 
 from __future__ import annotations
 
-import contextvars
-import importlib
-import importlib.metadata
-import inspect
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from .._errors import ConfigError, PDMiddlewareError, PluginError
 from .sglang_decode import ATTACH_ATTR, DecodeProposer, ProposalStore, RequestProposal, room_key
+from .sglang_installation import ENV_ALLOW_UNSUPPORTED, ENV_CONFIG, InstallOptions, Installation
 from .sglang_metadata import MetadataChannel
+from .sglang_patch import (
+    BUILD_PARAMS,
+    DECODE_MODULE,
+    METADATA_PARAMS,
+    MOONCAKE_MODULE,
+    PREFILL_CLASS,
+    PREFILL_MODULE,
+    PREFILL_PARAMS,
+    PROPOSAL_PARAMS,
+    SCHEDULER_MODULE,
+    TRANSFER_MODULE,
+    UTILS_MODULE,
+    SGLangModules,
+    _check_signature,
+    _mark,
+    _module,
+    _wrap_build,
+    _wrap_build_post_hoc,
+    _wrap_proposal,
+    detect_version,
+)
 from .sglang_prefill import ProposalPublisher, wrap_process_batch_result
-from .sglang_startup import EngineFacts, check, facts_from_scheduler
+from .sglang_startup import EngineFacts, facts_from_scheduler
 
 __all__ = [
     "ATTACH_ATTR",
@@ -82,262 +98,8 @@ logger = logging.getLogger("pd_middleware.integrations.sglang")
 #: SGLang releases whose decode path this adapter was verified against.
 SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.23",)
 
-DECODE_MODULE = "sglang.srt.speculative.eagle_disaggregation"
-PREFILL_MODULE = "sglang.srt.disaggregation.prefill"
-PREFILL_CLASS = "SchedulerDisaggregationPrefillMixin"
-UTILS_MODULE = "sglang.srt.disaggregation.utils"
-TRANSFER_MODULE = "sglang.srt.disaggregation.decode"
-MOONCAKE_MODULE = "sglang.srt.disaggregation.mooncake.conn"
-SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
-
-# Parameter names the adapter relies on; anything else means SGLang changed under us.
-BUILD_PARAMS = ("batch", "last_tokens_tensor", "future_map")
-PROPOSAL_PARAMS = ("topk_index", "vocab_size")
-PREFILL_PARAMS = ("self", "batch", "result")
-METADATA_PARAMS = {
-    "set_buf": ("self", "req"),
-    "clear_slot": ("self", "idx"),
-    "get_buf_infos": ("self",),
-}
-
-ENV_CONFIG = "PD_MIDDLEWARE_CONFIG"
-ENV_DECODE_ADDRESS = "PD_MIDDLEWARE_DECODE_ADDRESS"
-ENV_ALLOW_UNSUPPORTED = "PD_MIDDLEWARE_ALLOW_UNSUPPORTED_SGLANG"
-
-# The batch whose first draft input SGLang is building (set by the build wrapper,
-# read by the proposal replacement). A ContextVar rather than a global: correct even
-# if two schedulers ever share a process on different threads.
-_current_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("pd_middleware_sglang_batch", default=None)
-
 _lock = threading.RLock()
 _installed: "Installation | None" = None
-
-
-@dataclass(frozen=True)
-class SGLangModules:
-    """The SGLang modules to patch; a field left None is imported (the real SGLang),
-    unless ``only_given`` is set, in which case it is not patched at all (tests with
-    stand-ins for part of SGLang)."""
-
-    builder: ModuleType | None = None  # sglang.srt.speculative.eagle_disaggregation
-    prefill: ModuleType | None = None  # sglang.srt.disaggregation.prefill
-    utils: ModuleType | None = None  # sglang.srt.disaggregation.utils (MetadataBuffers)
-    transfer: ModuleType | None = None  # sglang.srt.disaggregation.decode (DecodeTransferQueue)
-    mooncake: ModuleType | None = None  # sglang.srt.disaggregation.mooncake.conn
-    scheduler: ModuleType | None = None  # sglang.srt.managers.scheduler (Scheduler)
-    only_given: bool = False
-
-
-@dataclass(frozen=True)
-class InstallOptions:
-    """How :func:`install` installs the drop-in.
-
-    ``channel``: ``metadata`` or ``sidechannel``; None takes ``[sglang].channel``.
-    ``facts``: the engine's :class:`EngineFacts`, to activate at once (a harness
-    without a scheduler); None waits for ``Scheduler.init_disaggregation``.
-    ``receiver``/``store``: side channel decode feed (a started receiver, owned by the
-    installation, or a :class:`ProposalStore`); ``publisher``: side channel prefill
-    publisher. ``registry``/``metrics``: plugin registry and shared metrics.
-    ``allow_unsupported``: try a version outside :data:`SUPPORTED_SGLANG_VERSIONS`
-    (signatures are still checked). ``modules``/``version``: stand-ins for tests.
-    """
-
-    channel: Literal["metadata", "sidechannel"] | None = None
-    facts: EngineFacts | None = None
-    receiver: Any = None
-    store: ProposalStore | None = None
-    publisher: ProposalPublisher | None = None
-    registry: Any = None
-    metrics: Any = None
-    allow_unsupported: bool = False
-    modules: SGLangModules = SGLangModules()
-    version: str | None = None
-
-
-@dataclass
-class Installation:
-    """What :func:`install` did; ``current()`` returns it while installed.
-
-    ``proposer``: decode-side proposer (its ``counts`` and the middleware's metrics
-    are the counters to watch); ``channel``: the metadata channel or None;
-    ``publisher``: prefill encoder/publisher once known; ``receiver``: the side
-    channel receiver this installation owns (stopped on uninstall); ``facts``: the
-    engine, once a scheduler started; ``patches``: (owner, attribute, original,
-    replacement).
-    """
-
-    version: str
-    mode: str
-    config: Any
-    options: InstallOptions
-    proposer: DecodeProposer
-    channel: MetadataChannel | None = None
-    publisher: ProposalPublisher | None = None
-    receiver: Any = None
-    facts: EngineFacts | None = None
-    patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
-
-    @property
-    def middleware(self) -> Any:
-        return self.proposer.middleware
-
-    @property
-    def store(self) -> ProposalStore | None:
-        return self.proposer.store
-
-    @property
-    def channel_name(self) -> str:
-        return "metadata" if self.channel is not None else "sidechannel"
-
-    def counters(self) -> dict[str, Any]:
-        """Integration counters plus the middleware's receive-path snapshot."""
-        out: dict[str, Any] = {"decode": dict(self.proposer.counts), "metrics": self.proposer.metrics.snapshot()}
-        if self.publisher is not None:
-            out["prefill"] = dict(self.publisher.counts)
-        if self.channel is not None:
-            out["inband"] = dict(self.channel.counts)
-        return out
-
-    def activate(self, facts: EngineFacts) -> None:
-        """Finish activation for the engine ``facts`` (called at scheduler start).
-
-        Runs every check (raises ConfigError), binds V and S, and builds the
-        role's objects: the decode middleware, the prefill encoder, and the side
-        channel's receiver or publisher.
-        """
-        check(self.config, facts, self.channel_name)
-        self.facts = facts
-        if self.channel is not None:
-            self.channel.bind(facts.vocab_size, facts.num_steps)
-        if facts.role == "decode":
-            self.proposer.bind(facts.vocab_size, facts.num_steps)
-            if self.channel is None and self.receiver is None and self.proposer.store is None and facts.tp_rank == 0:
-                from ..transport import open_receiver
-
-                self.receiver = open_receiver(self.config.transport, self.proposer.middleware.pipeline)
-                self.proposer.store = ProposalStore(self.receiver)
-                logger.info("pd-middleware decode receiver listening on %s", self.receiver.address)
-        elif self.publisher is None:
-            if self.channel is not None:
-                self.publisher = ProposalPublisher.from_config(
-                    self.config, stage=self.channel.stage, vocab_size=facts.vocab_size, num_steps=facts.num_steps,
-                    registry=self.options.registry,
-                )
-            else:
-                addr = os.environ.get(ENV_DECODE_ADDRESS)
-                if not addr:
-                    raise ConfigError(
-                        f"[sglang].channel = \"sidechannel\" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port",
-                        path="sglang.channel",
-                    )
-                from ..transport import open_sender
-
-                cfg = self.config
-                self.publisher = ProposalPublisher.from_config(
-                    cfg, lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
-                    vocab_size=facts.vocab_size, num_steps=facts.num_steps, registry=self.options.registry,
-                )
-        logger.info(
-            "pd-middleware active: %s node, channel %s, V=%d, S=%d", facts.role, self.channel_name, facts.vocab_size, facts.num_steps
-        )
-
-
-def detect_version() -> str:
-    """The installed SGLang version (package metadata; no import). PluginError if absent."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise PluginError("SGLang is not installed (no 'sglang' distribution found)", plugin="sglang") from None
-
-
-def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise PluginError(f"cannot import {name}: {exc}", plugin="sglang") from None
-
-
-def _check_signature(owner: Any, attr: str, expected: tuple[str, ...], where: str) -> Callable[..., Any]:
-    fn = getattr(owner, attr, None)
-    if fn is None:
-        raise PluginError(f"{where}.{attr} not found; this SGLang version is not supported", plugin="sglang")
-    if not callable(fn):
-        raise PluginError(f"{where}.{attr} is not callable", plugin="sglang")
-    if getattr(fn, "__pd_middleware__", False):
-        raise PluginError(f"{where}.{attr} is already patched by pd-middleware", plugin="sglang")
-    try:
-        params = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError) as exc:
-        raise PluginError(f"cannot read the signature of {where}.{attr}: {exc}", plugin="sglang") from None
-    if params != expected:
-        raise PluginError(
-            f"{where}.{attr} has parameters {params}, expected {expected}; SGLang changed this "
-            "function and the adapter would not know what it passes",
-            plugin="sglang",
-        )
-    return fn
-
-
-def _mark(fn: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    fn.__wrapped__ = original  # type: ignore[attr-defined]
-    fn.__pd_middleware__ = True  # type: ignore[attr-defined]
-    return fn
-
-
-
-
-def _wrap_build(build: Callable[..., Any]) -> Callable[..., Any]:
-    def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
-        token = _current_batch.set(batch)
-        try:
-            return build(batch, last_tokens_tensor, future_map)
-        finally:
-            _current_batch.reset(token)
-
-    return _mark(build_eagle_disagg_draft_input, build)
-
-
-def _wrap_proposal(first: Callable[..., Any], proposer: DecodeProposer) -> Callable[..., Any]:
-    def pd_first_draft_proposal(topk_index: Any, vocab_size: int) -> Any:
-        batch = _current_batch.get()
-        if batch is None:
-            # Called from somewhere other than the PD first draft input: not ours.
-            return first(topk_index, vocab_size)
-        return proposer.propose(batch, topk_index, vocab_size)
-
-    return _mark(pd_first_draft_proposal, first)
-
-
-def _wrap_build_post_hoc(build: Callable[..., Any], proposer: DecodeProposer) -> Callable[..., Any]:
-    """Older SGLang: attach the proposal after the call (and into the overlap relay)."""
-
-    def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
-        spec_info = build(batch, last_tokens_tensor, future_map)
-        if not proposer.config.decode.rejection_sampling or getattr(spec_info, "draft_probs", None) is not None:
-            return spec_info
-        topk_index = spec_info.topk_index
-        q = proposer.propose(batch, topk_index, batch.model_config.vocab_size)
-        if q.shape[1] == 1:
-            q = q[:, 0]
-        spec_info.draft_probs = q
-        if getattr(batch, "enable_overlap", False):
-            buf = getattr(future_map, "draft_probs_buf", None)
-            if buf is None:
-                raise PluginError(
-                    "this SGLang's overlap relay carries no draft_probs; run the decode with "
-                    "--disable-overlap-schedule",
-                    plugin="sglang",
-                )
-            buf[spec_info.future_indices] = q
-        return spec_info
-
-    return _mark(build_eagle_disagg_draft_input, build)
-
-
-def _module(given: ModuleType | None, name: str, mods: SGLangModules) -> ModuleType | None:
-    if given is not None:
-        return given
-    return None if mods.only_given else _import(name)
 
 
 def install(config: Any, options: InstallOptions | None = None) -> Installation:
@@ -417,7 +179,10 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
                 meta_patches = channel.patches(utils, transfer, mooncake)
             else:
                 channel = MetadataChannel(config.sglang.capacity_bytes)
-        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods)
+        # With facts the installation activates now (a harness without a Scheduler);
+        # otherwise at Scheduler.init_disaggregation, which is wrapped.
+        hook = opts.facts is None and opts.hook_scheduler
+        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods) if hook else None
         sched_cls = getattr(sched_mod, "Scheduler", None) if sched_mod is not None else None
         if sched_mod is not None and sched_cls is None:
             raise PluginError(f"{sched_mod.__name__}.Scheduler not found", plugin="sglang")
@@ -428,7 +193,14 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
         from ..config import resolve_plugins
         from ..registry import default_registry
 
-        resolve_plugins(config, opts.registry if opts.registry is not None else default_registry())
+        resolved = resolve_plugins(config, opts.registry if opts.registry is not None else default_registry())
+        if config.arms and not any(getattr(r.spec.factory, "routes_arms", False) for r in resolved.hooks):
+            # An offline A/B job config (pd-middleware ab): a live decode needs a router.
+            raise ConfigError(
+                "[[arms]] needs a routing hook in [[hooks]] (e.g. ab_split) on a live decode; "
+                "a config with arms and no router is for the offline `pd-middleware ab` job",
+                path="hooks",
+            )
         store = opts.store
         if store is None and opts.receiver is not None:
             store = ProposalStore(opts.receiver)

@@ -60,9 +60,11 @@ class RequestProposal:
     handed to the assembler (set to None once the first draft input is built, so a
     dense row does not live as long as the request); ``arm``: the A/B arm the pipeline
     routed it to (``default`` without A/B; None when even the local payload failed);
-    ``reason``: ``prefill`` when the prefill's proposal is used, else the fallback
-    reason (``not_sent``, ``overflow``, ``digest``, ``token_mismatch``,
-    ``failed:<stage>``...); ``used``: the first draft input was built from it.
+    ``reason``: ``prefill`` when the prefill's proposal is used; ``no_distribution``
+    when the prefill's row carried X only (one-hot); ``local`` when no row or payload
+    was involved; else the fallback reason (``not_sent``, ``overflow``, ``digest``,
+    ``token_mismatch``, ``failed:<stage>``...); ``used``: the first draft input was
+    built from it.
     """
 
     tokens: tuple[int, ...]
@@ -253,8 +255,10 @@ class DecodeProposer:
         else:
             out = mw.receive(got)
             if isinstance(out, Delivery) and out.proposal is not None:
-                self.counts["attached:prefill"] += 1
-                setattr(req, ATTACH_ATTR, RequestProposal(tokens, out.proposal, out.arm, "prefill"))
+                # A row without a distribution (SGLang's own multi-layer chain) is X only.
+                why = "prefill" if got.proposal is not None else "no_distribution"
+                self.counts[f"attached:{why}"] += 1
+                setattr(req, ATTACH_ATTR, RequestProposal(tokens, out.proposal, out.arm, why))
                 return
             reason = f"failed:{out.key}" if isinstance(out, Failure) else "failed:none"
         self._count(reason)

@@ -95,11 +95,15 @@ class MetadataChannel:
             logger.warning("pd-middleware in-band %s: %s (logged once; counted as %s)", event, detail, key)
 
     # -- buffers --------------------------------------------------------------------
-    def rows(self, buffers: Any) -> np.ndarray:
-        """The (rows, capacity) uint8 numpy view of ``buffers``' proposal buffer."""
+    def rows(self, buffers: Any) -> np.ndarray | None:
+        """The (rows, capacity) uint8 numpy view of ``buffers``' proposal buffer
+        (None for buffers made before the drop-in was installed: SGLang's alone)."""
         arr = buffers.__dict__.get("_pd_proposal_np")
         if arr is None:
-            arr = getattr(buffers, BUFFER_ATTR).numpy()
+            buf = buffers.__dict__.get(BUFFER_ATTR)
+            if buf is None:
+                return None
+            arr = buf.numpy()
             buffers.__dict__["_pd_proposal_np"] = arr
         return arr
 
@@ -109,7 +113,10 @@ class MetadataChannel:
 
     def write(self, buffers: Any, req: Any) -> None:
         """Prefill ``set_buf`` tail: write the staged row of ``req`` (or clear the row)."""
-        row = self.rows(buffers)[req.metadata_buffer_index]
+        rows = self.rows(buffers)
+        if rows is None:
+            return
+        row = rows[req.metadata_buffer_index]
         payload = getattr(req, ROW_ATTR, None)
         room = getattr(req, "bootstrap_room", None)
         if payload is None or room is None or self.layout is None:
@@ -132,7 +139,10 @@ class MetadataChannel:
             return RowFault("layout", "the decode's layout is not bound (scheduler-init check did not run)")
         if room is None:
             return RowFault("not_sent", "request has no bootstrap room")
-        got = read_row(self.rows(buffers)[idx], int(room), self.layout, request_id=str(int(room)))
+        rows = self.rows(buffers)
+        if rows is None:
+            return RowFault("not_sent", "these metadata buffers were made before the drop-in was installed")
+        got = read_row(rows[idx], int(room), self.layout, request_id=str(int(room)))
         if isinstance(got, RowFault):
             detail = got.detail
             if got.reason == "not_sent":
@@ -162,7 +172,10 @@ class MetadataChannel:
         ]
         if decode is not None:
             q = decode.DecodeTransferQueue
-            out.append((q, "_commit_transfer_to_req", q._commit_transfer_to_req, _wrap_commit(q._commit_transfer_to_req, self)))
+            fake = getattr(utils, "_is_fake_transfer", None)
+            out.append(
+                (q, "_commit_transfer_to_req", q._commit_transfer_to_req, _wrap_commit(q._commit_transfer_to_req, self, fake))
+            )
         if mooncake is not None:
             mgr, info = mooncake.MooncakeKVManager, mooncake.KVArgsRegisterInfo
             out.append(
@@ -234,7 +247,9 @@ def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., A
 def _wrap_infos(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
     def get_buf_infos(self: Any) -> Any:
         ptrs, data_lens, item_lens = orig(self)
-        buf = getattr(self, BUFFER_ATTR)
+        buf = self.__dict__.get(BUFFER_ATTR)
+        if buf is None:  # made before the drop-in was installed
+            return ptrs, data_lens, item_lens
         # At the very END: a peer without it still pairs every SGLang buffer with its own.
         return [*ptrs, buf.data_ptr()], [*data_lens, buf.nbytes], [*item_lens, buf[0].nbytes]
 
@@ -253,18 +268,22 @@ def _wrap_set_buf(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[...
 def _wrap_clear(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
     def clear_slot(self: Any, idx: int) -> Any:
         out = orig(self, idx)
-        clear_row(ch.rows(self)[idx])
+        rows = ch.rows(self)
+        if rows is not None:
+            clear_row(rows[idx])
         return out
 
     return _mark(clear_slot, orig)
 
 
-def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None) -> Callable[..., Any]:
     def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
         out = orig(self, decode_req)
         req = decode_req.req
         if getattr(req, "finished_reason", None) is not None or ch.on_row is None:
             return out  # SGLang aborted it (corruption, gate): nothing to attach
+        if is_fake is not None and is_fake(req):
+            return out  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
         try:
             ch.on_row(req, ch.read(self.metadata_buffers, decode_req.metadata_buffer_index, req))
         except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler; the builder falls back to one-hot

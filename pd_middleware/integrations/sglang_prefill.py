@@ -181,6 +181,26 @@ class ProposalPublisher:
         batch = EncodedBatch(tokens, token_probs, [e.proposals[0] for e in encs], encs[0].provenance)
         return batch, payloads
 
+    def deliver(self, targets: Sequence[Any], payloads: Sequence[Payload]) -> None:
+        """Hand already-encoded payloads to the sink (``targets``: what ``stage`` receives)."""
+        with self._lock:
+            if self.stage is not None:
+                for target, payload in zip(targets, payloads):
+                    self.stage(target, payload)
+                self.counts["staged"] += len(payloads)
+                return
+            sender = self.sender
+            for payload in payloads:
+                try:
+                    sender.send(payload)
+                    self.counts["published"] += 1
+                except PDMiddlewareError as exc:
+                    key = f"send_failed:{type(exc).__name__}"
+                    self.counts[key] += 1
+                    if key not in self._logged:
+                        self._logged.add(key)
+                        logger.warning("publishing request %s failed (%s); the decode will use one-hot", payload.request_id, exc)
+
     def publish(
         self,
         rooms: Sequence[Any],
@@ -194,28 +214,13 @@ class ProposalPublisher:
         rooms). A request whose send fails is counted (``send_failed:<error>``) and
         logged once per error; the decode then falls back to one-hot for it.
         """
-        with self._lock:
-            enc, payloads = self.encode(rooms, draft_probs, temperature)
-            if self.stage is not None:
-                for target, payload in zip(targets if targets is not None else rooms, payloads):
-                    self.stage(target, payload)
-                self.counts["staged"] += len(payloads)
-                return enc
-            sender = self.sender
-            for room, payload in zip(rooms, payloads):
-                try:
-                    sender.send(payload)
-                    self.counts["published"] += 1
-                except PDMiddlewareError as exc:
-                    key = f"send_failed:{type(exc).__name__}"
-                    self.counts[key] += 1
-                    if key not in self._logged:
-                        self._logged.add(key)
-                        logger.warning("publishing request %s failed (%s); the decode will use one-hot", room, exc)
+        enc, payloads = self.encode(rooms, draft_probs, temperature)
+        self.deliver(targets if targets is not None else rooms, payloads)
         return enc
 
 
 def _stage_bare(publisher: ProposalPublisher, batch: Any, draft_input: Any) -> None:
+    """Stage SGLang's own chain (X, q(X)) with no distribution for each finishing request."""
     from .sglang_decode import _LOCAL_PROVENANCE
 
     assert publisher.stage is not None
@@ -291,7 +296,19 @@ def _unstage(publisher: ProposalPublisher, batch: Any) -> None:
 
 def _publish_batch(publisher: ProposalPublisher, batch: Any, draft_input: Any, q: torch.Tensor) -> None:
     if q.dim() == 3 and q.shape[1] != 1:
-        # Multi-layer: SGLang's own chain stands (see the module docstring). On the
+        # Multi-layer: the chain was drawn step by step inside SGLang's draft loop
+        # (.sglang_chain) when its patches are active; stage those S-step payloads.
+        chained = getattr(draft_input, "pd_middleware_payloads", None)
+        if chained is not None and len(chained) == len(batch.reqs):
+            pairs = [
+                (req, chained[i])
+                for i, req in enumerate(batch.reqs)
+                if _finishing(req) and getattr(req, "bootstrap_room", None) is not None and chained[i] is not None
+            ]
+            publisher.deliver([r for r, _ in pairs], [p for _, p in pairs])
+            publisher.counts["chain:published"] += len(pairs)
+            return
+        # Otherwise SGLang's own chain stands (see the module docstring). On the
         # metadata channel its X still travels in a row without a distribution, so the
         # decode tells "no distribution" from "no drop-in".
         publisher.counts["skipped:multi_layer"] += 1
