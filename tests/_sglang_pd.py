@@ -1,10 +1,13 @@
 """Harness: SGLang 0.5.23's own PD transfer, unpatched, between processes on this CPU machine.
 
 Not a test module: ``tests/test_sglang_pd.py`` drives it. Each :class:`RankProcess` is one
-spawned OS process that holds ONE engine rank (one prefill or decode attention-TP rank),
-as a real deployment does, because SGLang's runtime context (parallel ranks, config) is
-process-global. A rank process can be re-configured for another topology, so a test
-module pays the SGLang import (about 5-8 s of CPU per process) once.
+OS process that holds ONE engine rank (one prefill or decode attention-TP rank), as a
+real deployment does, because SGLang's runtime context (parallel ranks, config) is
+process-global. Rank processes fork from multiprocessing's fork server, which imports
+SGLang once (about 8 s of CPU); a rank can be re-configured for another topology
+(:meth:`Deployment.configure`), so a test module pays that import once. The SGLang side
+of a rank is ``_sglang_pd_rank.py``; the pd-middleware drop-in inside a rank,
+``_sglang_pd_dropin.py``.
 
 What is real: SGLang's ``ServerArgs``, runtime-context ``publish``, the shared Mooncake
 ``TransferEngine`` (TCP, loopback), ``MooncakeKVBootstrapServer``, ``MooncakeKVManager``
@@ -174,21 +177,23 @@ class RankProcess:
 
     ``role`` is ``"prefill"`` or ``"decode"``. ``gloo`` is ``(port, rank, world)`` for
     decode ranks that share a real gloo group (the metadata gate's all-reduce).
-    ``setup`` names a function ``"module:function"`` the child calls once after the
-    SGLang import (for example to activate a drop-in); it runs in the child.
     """
 
-    def __init__(self, name: str, role: str, *, gloo: tuple[int, int, int] | None = None, setup: str | None = None):
+    def __init__(self, name: str, role: str, *, gloo: tuple[int, int, int] | None = None):
         ctx = mp.get_context("forkserver")
         self.name = name
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child, role, name, gloo, setup, dict(ENV)), name=name, daemon=True)
+        self._proc = ctx.Process(target=_child_main, args=(child, role, name, gloo, dict(ENV)), name=name, daemon=True)
         self._proc.start()
         child.close()
         self._pending: str | None = None
+        self._broken: str | None = None
 
     def submit(self, cmd: str, **kw: Any) -> None:
         """Send one command without waiting for its result."""
+        if self._broken is not None:
+            # A late answer may still be in the pipe: nothing this process says can be trusted.
+            raise RankError(self.name, cmd, f"not sent: the process is out of step since {self._broken}")
         assert self._pending is None, f"{self.name}: {self._pending} still pending"
         self._conn.send((cmd, kw))
         self._pending = cmd
@@ -197,6 +202,7 @@ class RankProcess:
         """The pending command's result; raises :class:`RankError` or TimeoutError."""
         cmd, self._pending = self._pending, None
         if not self._conn.poll(timeout):
+            self._broken = f"{cmd} timed out"
             raise TimeoutError(f"{self.name}: {cmd} gave no answer within {timeout} s (exit code {self._proc.exitcode})")
         try:
             status, value = self._conn.recv()
@@ -224,18 +230,32 @@ class RankProcess:
 
 
 def gather(ranks: list[RankProcess], cmd: str, per_rank: list[dict] | None = None, ipc_timeout: float = CALL_TIMEOUT_S, **kw: Any) -> list:
-    """Run ``cmd`` on all ``ranks`` at once (``per_rank[i]`` adds rank i's own arguments)."""
+    """Run ``cmd`` on all ``ranks`` at once (``per_rank[i]`` adds rank i's own arguments).
+
+    Every rank's answer is collected (within one shared deadline) before the first error
+    is raised, so no rank is left with an unread answer.
+    """
     for i, r in enumerate(ranks):
         r.submit(cmd, **kw, **(per_rank[i] if per_rank else {}))
-    return [r.result(ipc_timeout) for r in ranks]
+    deadline = time.monotonic() + ipc_timeout
+    results: list = []
+    errors: list[Exception] = []
+    for r in ranks:
+        try:
+            results.append(r.result(max(0.1, deadline - time.monotonic())))
+        except (RankError, TimeoutError) as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results
 
 
 # -------------------------------------------------------------------------- child side
 
 
-def _child_main(conn, role: str, name: str, gloo, setup: str | None, env: dict) -> None:
-    # The drop-in activates from PD_MIDDLEWARE_CONFIG; a rank starts without it unless a
-    # setup function says otherwise.
+def _child_main(conn, role: str, name: str, gloo, env: dict) -> None:
+    # The drop-in activates from PD_MIDDLEWARE_CONFIG; a rank starts without it
+    # (Deployment.install activates it explicitly).
     for key in [k for k in os.environ if k.startswith("PD_MIDDLEWARE_")]:
         del os.environ[key]
     os.environ.update(env)
@@ -250,9 +270,6 @@ def _child_main(conn, role: str, name: str, gloo, setup: str | None, env: dict) 
         from _sglang_pd_rank import Rank  # the SGLang-side code, imported only here
 
         state = Rank(role, name, gloo)
-        if setup:
-            mod, fn = setup.split(":")
-            getattr(importlib.import_module(mod), fn)(state)
         conn.send(("ok", "ready"))
     except BaseException:
         conn.send(("err", traceback.format_exc()))
@@ -270,14 +287,14 @@ def _child_main(conn, role: str, name: str, gloo, setup: str | None, env: dict) 
 
 
 
-def start(specs: list[tuple[str, str, tuple | None]], setup: str | None = None, timeout: float = 120.0) -> list[RankProcess]:
+def start(specs: list[tuple[str, str, tuple | None]], timeout: float = 120.0) -> list[RankProcess]:
     """Start rank processes ``(name, role, gloo)`` together and wait until all imported SGLang.
 
     They fork from multiprocessing's fork server, which imports SGLang once (preload), so
     N ranks cost one SGLang import, not N. No rank thread or engine exists before the fork.
     """
     mp.get_context("forkserver").set_forkserver_preload(["_sglang_pd_rank", "_sglang_pd_dropin"])
-    procs = [RankProcess(n, r, gloo=g, setup=setup) for n, r, g in specs]
+    procs = [RankProcess(n, r, gloo=g) for n, r, g in specs]
     try:
         deadline = time.monotonic() + timeout
         for p in procs:
@@ -302,11 +319,10 @@ class Deployment:
     prefill node's launcher does.
     """
 
-    def __init__(self, setup: str | None = None, start_timeout: float = 180.0):
+    def __init__(self, start_timeout: float = 180.0):
         gp = free_port()
         self.ranks = start(
             [("P0", "prefill", None), ("P1", "prefill", None), ("D0", "decode", (gp, 0, 2)), ("D1", "decode", (gp, 1, 2))],
-            setup=setup,
             timeout=start_timeout,
         )
         self.P, self.D = self.ranks[:2], self.ranks[2:]

@@ -170,11 +170,11 @@ class Rank:
         return {"rank_port": self.mgr.rank_port, "aux_item_lens": list(args.aux_item_lens), "session": self.mgr.get_session_id()}
 
     def make_metadata(self, s: Shape) -> MetadataBuffers:
-        """SGLang's real MetadataBuffers (a setup hook may wrap or replace this)."""
+        """SGLang's real MetadataBuffers (patched by the drop-in when it is installed)."""
         return MetadataBuffers(s.aux_rows, s.hidden, torch.float32, 16)
 
     def aux_buf_infos(self) -> tuple[list, list, list]:
-        """The aux list both nodes register (a setup hook may extend it)."""
+        """The aux list both nodes register (the drop-in appends its proposal buffer)."""
         return self.meta.get_buf_infos()
 
     def _transfer_queue(self) -> DecodeTransferQueue | None:
@@ -200,7 +200,7 @@ class Rank:
         self.senders[room] = MooncakeKVSender(self.mgr, self.bootstrap_addr, room)
         return _poll_name(self.senders[room].poll())
 
-    def cmd_send(self, *, room: int, n_pages: int, first: dict, timeout: float = 20.0, before_send: str | None = None) -> dict:
+    def cmd_send(self, *, room: int, n_pages: int, first: dict, timeout: float = 20.0) -> dict:
         """Prefill: wait for the decode's metadata, write the aux row with ``set_buf``, send KV.
 
         ``first`` holds the first-token fields (``token``, ``topk_p``, ``topk_index``,
@@ -227,8 +227,6 @@ class Rank:
                 self.prepare_req(req, first)
             self.meta.set_buf(req)
             row = self.aux_row(idx)
-            if before_send:
-                getattr(self, before_send)(room=room, idx=idx, req=req)
             t2 = time.perf_counter()
             sender.init(len(pages), idx)
             sender.send(pages)
