@@ -8,7 +8,8 @@ counters. Engines call :meth:`DecodeMiddleware.receive` for every incoming paylo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,6 +42,9 @@ class DecodeMiddleware:
     pipeline: ReceivePipeline
     assembler: ProposalAssembler
     metrics: Metrics
+    # Metric exporters this middleware owns (the [metrics] endpoint, an engine's
+    # multiprocess mirror): anything with stop(), stopped by close().
+    exporters: list[Any] = field(default_factory=list)
 
     @classmethod
     def from_config(
@@ -73,7 +77,12 @@ class DecodeMiddleware:
             device=cfg.decode.device,
             num_buffers=cfg.decode.num_buffers,
         )
-        return cls(cfg, pipeline, assembler, m)
+        mw = cls(cfg, pipeline, assembler, m)
+        if cfg.metrics.port is not None:
+            from .metrics_export import MetricsServer
+
+            mw.exporters.append(MetricsServer(m, cfg.metrics.host, cfg.metrics.port).start())
+        return mw
 
     def receive(self, payload: Payload, context: ReceiveContext | None = None) -> Delivery | Failure:
         """Run one payload through hooks and synthesis (never raises for bad payloads)."""
@@ -81,9 +90,16 @@ class DecodeMiddleware:
 
     def assemble(self, deliveries: Sequence[Delivery]) -> Any:
         """``draft_probs`` for a batch: (B, V) or (B, S, V) FP32 view, or None (RS off)."""
-        return self.assembler.build([d.proposal for d in deliveries])
+        t0 = time.perf_counter()
+        out = self.assembler.build([d.proposal for d in deliveries])
+        self.metrics.batch_assembly.observe(time.perf_counter() - t0)
+        return out
 
     def close(self) -> None:
+        """Close plugins and stop the metric exporters (the endpoint releases its port)."""
+        exporters, self.exporters = self.exporters, []
+        for e in exporters:
+            e.stop()
         self.pipeline.close()
 
 
