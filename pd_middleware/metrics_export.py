@@ -105,6 +105,13 @@ class MetricsServer:
             self._thread.join(timeout=5.0)
 
 
+def serve(metrics: Metrics, config: Any) -> MetricsServer | None:
+    """Start the endpoint a :class:`~pd_middleware.config.MetricsConfig` asks for, or None (no port)."""
+    if config.port is None:
+        return None
+    return MetricsServer(metrics, config.host, config.port).start()
+
+
 class MultiprocessMirror:
     """Copies :class:`Metrics` into ``prometheus_client``'s multiprocess files of this process.
 

@@ -48,9 +48,20 @@ class DecodeMiddleware:
 
     @classmethod
     def from_config(
-        cls, config: Config | str | Path, registry: PluginRegistry | None = None, metrics: Metrics | None = None
+        cls,
+        config: Config | str | Path,
+        registry: PluginRegistry | None = None,
+        metrics: Metrics | None = None,
+        *,
+        serve_metrics: bool = True,
     ) -> "DecodeMiddleware":
-        """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError."""
+        """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError.
+
+        With ``[metrics] port`` set and ``serve_metrics``, also starts the metrics
+        endpoint (stopped by :meth:`close`); an engine that builds several middlewares
+        over one ``metrics`` passes False and starts one endpoint itself
+        (:func:`pd_middleware.metrics_export.serve`).
+        """
         resolved, reg = _resolve(config, registry, "decode")
         cfg = resolved.config
         ctx = cfg.plugin_context("decode")
@@ -78,10 +89,12 @@ class DecodeMiddleware:
             num_buffers=cfg.decode.num_buffers,
         )
         mw = cls(cfg, pipeline, assembler, m)
-        if cfg.metrics.port is not None:
-            from .metrics_export import MetricsServer
+        if serve_metrics:
+            from .metrics_export import serve
 
-            mw.exporters.append(MetricsServer(m, cfg.metrics.host, cfg.metrics.port).start())
+            server = serve(m, cfg.metrics)
+            if server is not None:
+                mw.exporters.append(server)
         return mw
 
     def receive(self, payload: Payload, context: ReceiveContext | None = None) -> Delivery | Failure:

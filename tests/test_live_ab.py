@@ -355,3 +355,36 @@ def test_install_patches_and_uninstall_restores(brp) -> None:
     finally:
         S.uninstall()
     assert brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens is orig
+
+
+def test_a_failed_export_is_logged_and_serving_goes_on(monkeypatch, caplog) -> None:
+    """Stand-in processor (shaped like SGLang's: same method name and parameters), no SGLang needed."""
+    from pd_middleware.config import MetricsConfig
+    from pd_middleware.integrations import sglang_ab
+
+    class Processor:
+        def _resolve_spec_v2_tokens(self, result, batch):
+            result.num_correct_drafts_per_req_cpu = [n - 1 for n in result.accept_lens]
+            for r in batch.reqs:
+                r.spec_verify_ct += 1
+            return [[0]] * len(batch.reqs)
+
+    fake = SimpleNamespace(__name__="fake_brp", SchedulerBatchResultProcessor=Processor)
+    calls = []
+
+    def refuse(metrics, interval_s, exporters):
+        calls.append(interval_s)
+        raise PluginError("not in multiprocess mode", plugin="prometheus_client")
+
+    monkeypatch.setattr(sglang_ab, "start_sglang_export", refuse)
+    m, exporters = Metrics(), []
+    owner, attr, orig, new = sglang_ab.install_first_verify(m, MetricsConfig(sync_interval_s=2.0), exporters, fake)
+    assert owner is Processor and orig is Processor.__dict__[attr] and len(exporters) == 1
+    reqs = [SimpleNamespace(spec_verify_ct=0, pd_middleware=SimpleNamespace(arm="a")) for _ in range(3)]
+    batch = SimpleNamespace(reqs=reqs)
+    with caplog.at_level("ERROR", logger="pd_middleware.integrations.sglang"):
+        new(Processor(), SimpleNamespace(accept_lens=[1, 2, 3]), batch)
+        new(Processor(), SimpleNamespace(accept_lens=[3, 3, 3]), batch)  # later verifies: not counted
+    assert calls == [2.0]  # tried once, on the first batch
+    assert "counters not copied into SGLang's /metrics: plugin error: not in multiprocess mode" in caplog.text
+    assert m.snapshot()["first_verify_accepted_by_arm"]["a"][:3] == [1, 1, 1]

@@ -319,8 +319,5 @@ def test_sglang_export_gate_is_off_outside_a_metrics_scheduler(monkeypatch) -> N
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     assert sglang_exports_metrics() is False
 
-    class MW:
-        metrics = Metrics()
-        exporters: list = []
-
-    assert start_sglang_export(MW(), 1.0) is None and MW.exporters == []
+    exporters: list = []
+    assert start_sglang_export(Metrics(), 1.0, exporters) is None and exporters == []

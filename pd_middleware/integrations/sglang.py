@@ -247,7 +247,7 @@ def install(
         ab_patch = None
         if decode_module is None or processor_module is not None:  # live A/B counters (sglang_ab)
             try:
-                ab_patch = install_first_verify(mw, processor_module)
+                ab_patch = install_first_verify(mw.metrics, mw.config.metrics, mw.exporters, processor_module)
             except PluginError:
                 mw.close()
                 raise

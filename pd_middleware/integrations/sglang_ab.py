@@ -173,40 +173,46 @@ def sglang_exports_metrics() -> bool:
         return False
 
 
-def start_sglang_export(middleware: Any, interval_s: float, *, enabled: Callable[[], bool] = sglang_exports_metrics) -> Any:
-    """Start copying ``middleware.metrics`` into SGLang's ``/metrics`` when :func:`sglang_exports_metrics`.
+def start_sglang_export(
+    metrics: Metrics, interval_s: float, exporters: list[Any], *, enabled: Callable[[], bool] = sglang_exports_metrics
+) -> Any:
+    """Start copying ``metrics`` into SGLang's ``/metrics`` when :func:`sglang_exports_metrics`.
 
-    The mirror joins ``middleware.exporters`` (stopped by ``middleware.close()``).
+    The mirror joins ``exporters`` (a middleware's list: stopped by its ``close()``).
     Returns it, or None when this process does not report.
     """
     if not enabled():
         return None
     from ..metrics_export import MultiprocessMirror
 
-    mirror = MultiprocessMirror(middleware.metrics, interval_s).start()
-    middleware.exporters.append(mirror)
+    mirror = MultiprocessMirror(metrics, interval_s).start()
+    exporters.append(mirror)
     logger.info("pd-middleware counters copied into SGLang's /metrics every %.2f s", interval_s)
     return mirror
 
 
-def install_first_verify(middleware: Any, processor_module: ModuleType | None = None) -> tuple[Any, str, Any, Any]:
-    """The live A/B patch for an installation of ``middleware`` (a DecodeMiddleware).
+def install_first_verify(
+    metrics: Metrics, config: Any, exporters: list[Any], processor_module: ModuleType | None = None
+) -> tuple[Any, str, Any, Any]:
+    """The live A/B patch for an SGLang installation; patches nothing itself.
 
-    Checks SGLang's method (PluginError, nothing changed, when it moved), then builds a
-    :class:`FirstVerifyRecorder` over ``middleware.metrics`` with the config's
-    ``[metrics] first_verify_log``, owned by the middleware (closed by its ``close()``),
-    that starts the copy into SGLang's ``/metrics`` on its first call. Returns the patch.
+    ``metrics``: the decode's counters; ``config``: its
+    :class:`~pd_middleware.config.MetricsConfig` (``first_verify_log``,
+    ``sync_interval_s``); ``exporters``: the list whose owner stops its entries on close
+    (``DecodeMiddleware.exporters``). Checks SGLang's method first (PluginError, nothing
+    changed, when it moved), then builds a :class:`FirstVerifyRecorder` (added to
+    ``exporters``) that starts the copy into SGLang's ``/metrics`` on its first call.
+    Returns ``(owner, attribute, original, replacement)``.
     """
-    cfg = middleware.config.metrics
 
     def start_export() -> None:
         # Metrics must never stop serving: a failed export is logged, once.
         try:
-            start_sglang_export(middleware, cfg.sync_interval_s)
+            start_sglang_export(metrics, config.sync_interval_s, exporters)
         except PDMiddlewareError as exc:
             logger.error("pd-middleware: counters not copied into SGLang's /metrics: %s", exc)
 
-    recorder = FirstVerifyRecorder(middleware.metrics, log_path=cfg.first_verify_log, on_first_call=start_export)
+    recorder = FirstVerifyRecorder(metrics, log_path=config.first_verify_log, on_first_call=start_export)
     patch = first_verify_patch(recorder, processor_module)
-    middleware.exporters.append(recorder)
+    exporters.append(recorder)
     return patch
