@@ -173,6 +173,22 @@ def load(source: str, prefix: str = PREFIX, timeout_s: float = 5.0) -> dict[str,
     return parse_prometheus(text, prefix)
 
 
+def subtract(now: Mapping[str, ArmAcceptance], before: Mapping[str, ArmAcceptance]) -> dict[str, ArmAcceptance]:
+    """The first verifies between two reads of the same decode's counters (``now`` minus ``before``).
+
+    ConfigError when a count went down: the decode restarted in between, or ``before``
+    came from another decode.
+    """
+    out: dict[str, list[int]] = {}
+    for arm, a in now.items():
+        b = before.get(arm)
+        diff = [x - (b.counts[k] if b is not None and k < len(b.counts) else 0) for k, x in enumerate(a.counts)]
+        if min(diff, default=0) < 0:
+            raise ConfigError(f"arm {arm!r}: counts went down since the earlier read (decode restarted?)", path="since")
+        out[arm] = diff
+    return _arms(out)
+
+
 def summarize(arms: Mapping[str, ArmAcceptance], baseline: str | None, confidence: float = 0.95) -> dict[str, Any]:
     """The report as plain data: per arm n, mean, acceptance, their CIs, ratio vs baseline."""
     if not arms:
@@ -184,7 +200,8 @@ def summarize(arms: Mapping[str, ArmAcceptance], baseline: str | None, confidenc
     for a in arms.values():
         lo, hi = a.mean_interval(confidence)
         rlo, rhi = a.rate_interval(confidence)
-        r, r_lo, r_hi = ratio_interval(a, arms[base], confidence)
+        # The baseline against itself is 1 by definition: no interval.
+        r, r_lo, r_hi = (1.0, math.nan, math.nan) if a.arm == base else ratio_interval(a, arms[base], confidence)
         rows.append(
             {
                 "arm": a.arm,
@@ -246,6 +263,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a decode's metrics URL, e.g. http://127.0.0.1:9400/metrics")
     src.add_argument("--from", dest="source", metavar="FILE", help="saved scrape, snapshot JSON or first-verify log")
+    p.add_argument(
+        "--since", metavar="FILE", default=None, help="an earlier saved scrape or snapshot: report only what came after it"
+    )
     p.add_argument("--baseline", default=None, metavar="ARM", help="arm to compare against (default: one_hot, else the first)")
     p.add_argument("--confidence", type=float, default=0.95, help="CI level (default 0.95)")
     p.add_argument("--prefix", default=PREFIX, help=f"metric name prefix (default {PREFIX})")
@@ -259,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.confidence < 1:
         raise ConfigError(f"--confidence must be in (0, 1), got {args.confidence}", path="confidence")
     arms = load(args.url or args.source, args.prefix)
+    if args.since is not None:
+        arms = subtract(arms, load(args.since, args.prefix))
     report = summarize(arms, args.baseline, args.confidence)
     if args.json:
         print(json.dumps(_no_nan(report), indent=2))

@@ -112,7 +112,7 @@ def test_summary_figures_match_hand_computation() -> None:
     assert rep["baseline"] == "one_hot"
     row = {r["arm"]: r for r in rep["arms"]}
     assert row["a"]["ratio_vs_baseline"] == pytest.approx(0.9 / 0.4)
-    assert row["one_hot"]["ratio_vs_baseline"] == pytest.approx(1.0)
+    assert row["one_hot"]["ratio_vs_baseline"] == 1.0 and all(math.isnan(x) for x in row["one_hot"]["ratio_ci"])
     with pytest.raises(ConfigError, match=r"baseline arm 'nope' has no first verifies; arms: \['a', 'one_hot'\]"):
         summarize({"a": a, "one_hot": b}, "nope")
     with pytest.raises(ConfigError, match="no first verifies recorded yet"):
@@ -147,6 +147,27 @@ def test_prometheus_snapshot_and_log_sources_agree(tmp_path) -> None:
     from_log = {a: x.counts for a, x in load(str(tmp_path / "fv.jsonl")).items()}
     assert from_text == from_snap == from_log == want
     assert want["sparse"][MAX_ACCEPTED] == 1
+
+
+def test_since_reports_only_the_window(tmp_path) -> None:
+    pytest.importorskip("prometheus_client")
+    rng = random.Random(SEED)
+    m = Metrics()
+    _simulated(m, "a", 0.3, 2, 200, rng)
+    start = tmp_path / "start.prom"
+    start.write_text(_exposition(m))
+    window = Metrics()
+    for k in _simulated(m, "a", 0.8, 2, 300, rng):
+        window.record_first_verify("a", k)
+    now = tmp_path / "now.prom"
+    now.write_text(_exposition(m))
+    out = _cli("--from", str(now), "--since", str(start), "--json")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)["arms"][0]
+    assert row["first_verifies"] == 300
+    assert row["mean_accepted"] == pytest.approx(parse_json(json.dumps(window.snapshot()))["a"].mean)
+    back = _cli("--from", str(start), "--since", str(now))  # reversed: counts went down
+    assert back.returncode == 2 and "arm 'a': counts went down since the earlier read" in back.stderr
 
 
 def test_bad_sources_name_the_problem(tmp_path) -> None:
@@ -192,7 +213,7 @@ def test_cli_reads_a_running_endpoint() -> None:
         assert by["one_hot"]["ratio_vs_baseline"] == pytest.approx(
             next(r for r in exp["arms"] if r["arm"] == "one_hot")["ratio_vs_baseline"]
         )
-        assert by["sparse"]["ratio_vs_baseline"] == pytest.approx(1.0)
+        assert by["sparse"]["ratio_vs_baseline"] == 1.0 and by["sparse"]["ratio_ci"] == [None, None]
     finally:
         server.stop()
     gone = _cli("--url", url)  # stopped: the port is released

@@ -321,3 +321,119 @@ def test_sglang_export_gate_is_off_outside_a_metrics_scheduler(monkeypatch) -> N
 
     exporters: list = []
     assert start_sglang_export(Metrics(), 1.0, exporters) is None and exporters == []
+
+
+# ----------------------------------------------------------------- docs and the dashboard
+
+DOC = os.path.join(ROOT, "docs", "metrics.md")
+DASHBOARD = os.path.join(ROOT, "docs", "grafana", "pd-middleware.json")
+GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "6h", "$baseline": "one_hot"}
+
+
+def doc_promql() -> list[str]:
+    """The expressions of docs/metrics.md's ```promql blocks (comments and blank lines separate them;
+    a line starting at column 0 with a name or number starts a new one)."""
+    text = open(DOC, encoding="utf-8").read()
+    exprs: list[list[str]] = []
+    for block in re.findall(r"```promql\n(.*?)```", text, re.S):
+        fresh = True
+        for line in block.splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                fresh = True
+                continue
+            if fresh or re.match(r"^[A-Za-z0-9]", line):
+                exprs.append([])
+            exprs[-1].append(line)
+            fresh = False
+    return ["\n".join(e) for e in exprs]
+
+
+def dashboard_promql() -> list[str]:
+    import json
+
+    dash = json.load(open(DASHBOARD, encoding="utf-8"))
+    out = []
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            e = t["expr"]
+            for k, v in GRAFANA_VARS.items():
+                e = e.replace(k, v)
+            out.append(e)
+    return out
+
+
+def test_every_name_in_the_docs_and_dashboard_is_exported() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = set()
+    for fam in text_string_to_metric_families(exposition(busy_metrics())):
+        samples.add(fam.name)
+        samples.update(s.name for s in fam.samples)
+    doc = open(DOC, encoding="utf-8").read()
+    used = set(re.findall(r"\bpd_middleware_[a-z_]+\b", doc + "\n".join(dashboard_promql())))
+    used = {u for u in used if not u.startswith("pd_middleware_plugins")}
+    assert used - samples == set()
+    # and every exported family is documented
+    assert {n for n in NAMES} - used == set()
+    assert len(doc_promql()) >= 12 and len(dashboard_promql()) >= 15
+
+
+def _check_rules(exprs: list[str], tmp_path) -> subprocess.CompletedProcess:
+    lines = ["groups:", "  - name: docs", "    rules:"]
+    for i, e in enumerate(exprs):
+        lines += [f"      - record: docs:expr_{i}", "        expr: |"] + [f"          {x}" for x in e.splitlines()]
+    path = tmp_path / "rules.yml"
+    path.write_text("\n".join(lines) + "\n")
+    return subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)")
+def test_promtool_parses_every_documented_query(tmp_path) -> None:
+    exprs = doc_promql() + dashboard_promql()
+    out = _check_rules(exprs, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in out.stdout
+    # Negative control: a broken query is refused.
+    bad = _check_rules(["sum by (arm) (rate(pd_middleware_payloads_received_total[5m]"], tmp_path)
+    assert bad.returncode != 0 and "unclosed left parenthesis" in bad.stdout + bad.stderr
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)")
+def test_the_documented_ab_queries_compute_the_right_numbers(tmp_path) -> None:
+    """promtool evaluates the doc's live A/B queries on series of known increase.
+
+    Per minute: one_hot 8 first verifies, 4 drafts accepted, 4 with none accepted;
+    sparse 8, 6 accepted, 2 with none. Expected: mean 0.5 and 0.75, first-position
+    acceptance 0.5 and 0.75, ratio vs one_hot 1.0 and 1.5 (increase()'s extrapolation
+    scales numerator and denominator alike, and these ratios are exact in binary).
+    """
+    exprs = doc_promql()
+    mean = next(e for e in exprs if e.startswith("sum by (arm) (increase(pd_middleware_first_verify_accepted_tokens_sum"))
+    accept = next(e for e in exprs if e.startswith("1 - sum by (arm)"))
+    ratio = next(e for e in exprs if "group_left()" in e)
+    fv = "pd_middleware_first_verify_accepted_tokens"
+    series = []
+    for arm, acc, zero in (("one_hot", 4, 4), ("sparse", 6, 2)):
+        series += [
+            (f'{fv}_sum{{arm="{arm}"}}', f"0+{acc}x400"),
+            (f'{fv}_count{{arm="{arm}"}}', "0+8x400"),
+            (f'{fv}_bucket{{arm="{arm}",le="0.0"}}', f"0+{zero}x400"),
+        ]
+    want = {mean: {"one_hot": 0.5, "sparse": 0.75}, accept: {"one_hot": 0.5, "sparse": 0.75}, ratio: {"one_hot": 1.0, "sparse": 1.5}}
+    lines = ["tests:", "  - interval: 1m", "    input_series:"]
+    for s, v in series:
+        lines += [f"      - series: '{s}'", f"        values: '{v}'"]
+    lines.append("    promql_expr_test:")
+    for expr, values in want.items():
+        lines += ["      - expr: |"] + [f"          {x}" for x in expr.splitlines()]
+        lines += ["        eval_time: 360m", "        exp_samples:"]
+        for arm, v in values.items():
+            lines += [f"          - labels: '{{arm=\"{arm}\"}}'", f"            value: {v}"]
+    path = tmp_path / "ab_test.yml"
+    path.write_text("\n".join(lines) + "\n")
+    out = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Negative control: a wrong expectation fails.
+    path.write_text(path.read_text().replace("value: 1.5", "value: 1.4"))
+    out = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "FAILED" in out.stdout + out.stderr
