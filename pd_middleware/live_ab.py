@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -159,7 +158,7 @@ def load(source: str, prefix: str = PREFIX, timeout_s: float = 5.0) -> dict[str,
     """Per-arm counts from a URL or a file (format detected from the content)."""
     if source.startswith(("http://", "https://")):
         try:
-            with urllib.request.urlopen(source, timeout=timeout_s) as resp:  # noqa: S310 - operator's URL
+            with urllib.request.urlopen(source, timeout=timeout_s) as resp:
                 text = resp.read().decode("utf-8")
         except (urllib.error.URLError, OSError) as exc:
             raise ConfigError(f"cannot read {source}: {exc}", path="url") from None

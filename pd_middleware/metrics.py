@@ -207,7 +207,7 @@ class Metrics:
         metrics = self
 
         class _Collector:
-            def collect(self):  # noqa: ANN202 - prometheus_client protocol
+            def collect(self):
                 return metrics.families(prefix)
 
         collector = _Collector()
@@ -216,10 +216,11 @@ class Metrics:
 
 
 def _cumulative(counts: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
-    out, acc = [], 0
+    out: list[tuple[str, float]] = []
+    acc = 0
     for bound, n in zip([*map(_le, bounds), "+Inf"], counts):
         acc += n
-        out.append((bound, acc))
+        out.append((bound, float(acc)))
     return out
 
 

@@ -60,7 +60,7 @@ class MetricsServer:
         if self._httpd is None:
             raise RuntimeError("the metrics server is not started")
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/metrics"
+        return f"http://{host!s}:{port}/metrics"
 
     def start(self) -> "MetricsServer":
         pc = _prometheus()
@@ -69,7 +69,7 @@ class MetricsServer:
         content_type = pc.CONTENT_TYPE_LATEST
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's method name
+            def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
                     return
@@ -80,7 +80,7 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+            def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("metrics endpoint: " + format, *args)
 
         try:

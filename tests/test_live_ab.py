@@ -280,7 +280,10 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
     """
     import torch
 
-    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder, first_verify_patch
+    from pd_middleware.integrations.sglang_ab import (
+        FirstVerifyRecorder,
+        first_verify_patch,
+    )
     from pd_middleware.verify import verify_chain
 
     g = torch.Generator().manual_seed(SEED)
@@ -341,7 +344,10 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
 @pytest.mark.sglang
 @pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang`")
 def test_patch_refuses_a_changed_method(brp) -> None:
-    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder, first_verify_patch
+    from pd_middleware.integrations.sglang_ab import (
+        FirstVerifyRecorder,
+        first_verify_patch,
+    )
 
     fake = SimpleNamespace(__name__="fake_brp", SchedulerBatchResultProcessor=type("P", (), {}))
 

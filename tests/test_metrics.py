@@ -297,10 +297,9 @@ def test_mirror_refuses_a_process_not_in_multiprocess_mode() -> None:
 @pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang`")
 def test_counters_appear_in_sglangs_own_metrics_route(tmp_path, monkeypatch) -> None:
     """SGLang's real ``add_prometheus_middleware`` (its HTTP server's /metrics) serves our counters."""
+    from _sglang_import import import_sglang  # tests/ is on sys.path (no __init__.py)
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
-
-    from _sglang_import import import_sglang  # tests/ is on sys.path (no __init__.py)
 
     d = _write_from_processes(tmp_path)
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", d)
@@ -314,7 +313,10 @@ def test_counters_appear_in_sglangs_own_metrics_route(tmp_path, monkeypatch) -> 
 
 
 def test_sglang_export_gate_is_off_outside_a_metrics_scheduler(monkeypatch) -> None:
-    from pd_middleware.integrations.sglang_ab import sglang_exports_metrics, start_sglang_export
+    from pd_middleware.integrations.sglang_ab import (
+        sglang_exports_metrics,
+        start_sglang_export,
+    )
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     assert sglang_exports_metrics() is False

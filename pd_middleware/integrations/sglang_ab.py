@@ -113,8 +113,11 @@ class FirstVerifyRecorder:
         rid = str(int(room)) if room is not None else str(getattr(req, "rid", ""))
         line = json.dumps({"request_id": rid, "arm": arm, "accepted": accepted, "t": round(time.time(), 3)})
         with self._lock:
+            path = self.log_path
+            if path is None:  # stopped meanwhile
+                return
             if self._log is None:
-                self._log = open(self.log_path, "a", buffering=1, encoding="utf-8")  # type: ignore[arg-type]
+                self._log = open(path, "a", buffering=1, encoding="utf-8")
             self._log.write(line + "\n")
 
     def stop(self) -> None:
@@ -163,7 +166,7 @@ def sglang_exports_metrics() -> bool:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return False
     try:
-        from sglang.srt.runtime_context import get_observability, get_parallel
+        from sglang.srt.runtime_context import get_observability, get_parallel  # type: ignore[import-untyped]  # SGLang ships no stubs
 
         obs = get_observability()
         if not obs.enable_metrics:
