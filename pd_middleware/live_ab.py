@@ -35,6 +35,8 @@ from .metrics import MAX_ACCEPTED, PREFIX
 from .stats import normal_quantile, wilson_interval
 
 FAMILY = "first_verify_accepted_tokens"
+#: Below this many first verifies an arm's normal (mean, ratio) intervals are flagged as rough.
+SMALL_N = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,9 @@ def format_table(report: Mapping[str, Any]) -> str:
         "mean accepted: draft tokens accepted at each request's first verify (bonus excluded); "
         "acceptance: share whose first draft position was accepted."
     )
+    few = [r["arm"] for r in report["arms"] if r["first_verifies"] < SMALL_N]
+    if few:
+        lines.append(f"note: fewer than {SMALL_N} first verifies in {', '.join(few)}: the normal intervals are rough there.")
     return "\n".join(lines)
 
 

@@ -119,10 +119,15 @@ def test_summary_figures_match_hand_computation() -> None:
         summarize({}, None)
 
 
-def test_zero_mean_baseline_gives_no_ratio() -> None:
+def test_zero_mean_baseline_gives_no_ratio_and_small_arms_are_flagged() -> None:
+    from pd_middleware.live_ab import format_table
+
     rep = summarize({"a": ArmAcceptance("a", (5, 5)), "b": ArmAcceptance("b", (10,))}, "b")
     row = {r["arm"]: r for r in rep["arms"]}
     assert math.isnan(row["a"]["ratio_vs_baseline"])
+    table = format_table(rep)
+    assert "0.500 [0.237, 0.763]" in table.splitlines()[1]  # Wilson interval of 5/10
+    assert "fewer than 30 first verifies in a, b: the normal intervals are rough there" in table
 
 
 # ------------------------------------------------------------------- sources

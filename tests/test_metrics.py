@@ -439,3 +439,31 @@ def test_the_documented_ab_queries_compute_the_right_numbers(tmp_path) -> None:
     path.write_text(path.read_text().replace("value: 1.5", "value: 1.4"))
     out = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "FAILED" in out.stdout + out.stderr
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang`")
+def test_sglang_export_gate_follows_sglangs_own_rule(monkeypatch, tmp_path) -> None:
+    """Reported where SGLang reports: --enable-metrics, and attention-TP rank 0 or all schedulers.
+
+    SGLang's runtime context is published only inside a started scheduler, so its two
+    getters are replaced here by objects with the attributes SGLang's Scheduler reads.
+    """
+    from types import SimpleNamespace
+
+    from _sglang_import import import_sglang  # tests/ is on sys.path (no __init__.py)
+    from pd_middleware.integrations.sglang_ab import sglang_exports_metrics
+
+    rc = import_sglang("sglang.srt.runtime_context")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert sglang_exports_metrics() is False  # no published context: not a scheduler
+    for enabled, rank, all_schedulers, want in (
+        (True, 0, False, True),
+        (True, 1, False, False),
+        (True, 1, True, True),
+        (False, 0, False, False),
+    ):
+        obs = SimpleNamespace(enable_metrics=enabled, enable_metrics_for_all_schedulers=all_schedulers)
+        monkeypatch.setattr(rc, "get_observability", lambda obs=obs: obs)
+        monkeypatch.setattr(rc, "get_parallel", lambda rank=rank: SimpleNamespace(attn_tp_rank=rank))
+        assert sglang_exports_metrics() is want, (enabled, rank, all_schedulers)
