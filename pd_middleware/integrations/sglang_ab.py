@@ -86,21 +86,27 @@ class FirstVerifyRecorder:
         self._lock = threading.Lock()
 
     def before(self, batch: Any) -> list[int]:
-        """Each request's ``spec_verify_ct`` before the verify result is processed."""
+        """Positions of the batch's requests not verified yet (``spec_verify_ct == 0``)."""
         if self._on_first_call is not None:
             hook, self._on_first_call = self._on_first_call, None
             hook()
-        return [r.spec_verify_ct for r in batch.reqs]
+        return [i for i, r in enumerate(batch.reqs) if r.spec_verify_ct == 0]
 
     def after(self, batch: Any, result: Any, before: list[int]) -> int:
-        """Record the requests whose first verify this was; returns how many."""
+        """Record the requests whose first verify this was; returns how many.
+
+        ``before``: what :meth:`before` returned for this batch.
+        """
+        if not before:
+            return 0
         reqs = batch.reqs
         accepted = getattr(result, "num_correct_drafts_per_req_cpu", None)
-        if accepted is None or len(accepted) != len(reqs) or len(before) != len(reqs):
+        if accepted is None or len(accepted) != len(reqs):
             return 0
         n = 0
-        for i, req in enumerate(reqs):
-            if before[i] == 0 and req.spec_verify_ct > 0:
+        for i in before:
+            req = reqs[i]
+            if req.spec_verify_ct > 0:
                 arm = self.arm_of(req)
                 self.metrics.record_first_verify(arm, int(accepted[i]))
                 n += 1
