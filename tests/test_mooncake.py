@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 
 import pytest
 
-from pd_middleware import TransferError
+from pd_middleware import TransferAbandoned, TransferError
 from pd_middleware.transport import MooncakeEngine
 from pd_middleware.transport.mooncake import merge_ranges
 
@@ -73,11 +74,17 @@ def test_pipelined_writes_land_bit_exact(mooncake_pair) -> None:
     try:
         chunk = 96 << 10
         flights = [prefill.start_write(decode.peer_name, [(s + i * chunk, d + i * chunk, chunk)]) for i in range(6)]
-        for _ in range(200_000):  # bounded: each poll is non-blocking
+        # Bounded in time, not in poll count, and sleeping between passes. This loop used to
+        # spin 200,000 passes: once one write was left that is ~0.5 s of wall time, spent
+        # taking a core from the engine threads that carry the write; on the loaded 2-core
+        # host a straggler took longer once ("writes did not complete").
+        deadline = time.monotonic() + 20.0
+        delay = 20e-6
+        while flights and time.monotonic() < deadline:
             flights = [f for f in (prefill.poll_write(decode.peer_name, f)[0] for f in flights) if f]
-            if not flights:
-                break
-        assert not flights, "writes did not complete"
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        assert not flights, "writes did not complete within 20 s"
         assert dst[: 6 * chunk] == src[: 6 * chunk]
         fut = prefill.submit(decode.peer_name, [(s, d + 7 * chunk, 4096)])  # the transfer-thread variant
         fut.result(10)
@@ -141,6 +148,51 @@ def test_a_failed_submit_reaps_the_ranges_already_submitted(mooncake_pair, monke
         assert info.value.peer == decode.peer_name and "was not submitted" in str(info.value)
         assert len(calls) == 2 and not prefill._live_batches  # the first id was reaped
         assert dst[:4096] == src[:4096]  # and its bytes landed
+    finally:
+        monkeypatch.undo()
+        prefill.unregister(s)
+        decode.unregister(d)
+
+
+def test_an_engine_timeout_is_a_typed_abandoned_write(mooncake_pair, monkeypatch) -> None:
+    """Stand-in for the engine's own timeout (status -2 after MC_TRANSFER_TIMEOUT, >= 5 s):
+    the binding is wrapped so the status call says -2. It surfaces as TransferAbandoned
+    (the write may still land, so callers retire its slot), a plain failure (-1) as a
+    TransferError that is not one; and our own write_timeout_s gives TransferAbandoned."""
+    decode, prefill = mooncake_pair
+    src, s, dst, d = _buffers(mooncake_pair)
+    real = prefill._engine
+    status = [-2]
+
+    class Status:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def transfer_check_status(self, bid):
+            if status[0] != 0:  # the id is reaped after this: let the engine free it once
+                real.transfer_check_status(bid)
+            return status[0]  # (0: never passed on, so no id is polled after the engine freed it)
+
+    try:
+        bids = prefill.start_write(decode.peer_name, [(s, d, 4096)])
+        time.sleep(0.05)
+        monkeypatch.setattr(prefill, "_engine", Status())
+        pending, err = prefill.poll_write(decode.peer_name, bids)
+        assert pending == [] and isinstance(err, TransferAbandoned) and err.code == -2
+        monkeypatch.undo()
+        bids = prefill.start_write(decode.peer_name, [(s, d, 4096)])
+        time.sleep(0.05)
+        status[0] = -1
+        monkeypatch.setattr(prefill, "_engine", Status())
+        pending, err = prefill.poll_write(decode.peer_name, bids)
+        assert isinstance(err, TransferError) and not isinstance(err, TransferAbandoned) and err.code == -1
+        monkeypatch.undo()
+        status[0] = 0  # "running" forever: our write_timeout_s gives up
+        monkeypatch.setattr(prefill, "write_timeout_s", 0.1)
+        bids = prefill.start_write(decode.peer_name, [(s, d, 4096)])
+        monkeypatch.setattr(prefill, "_engine", Status())
+        with pytest.raises(TransferAbandoned, match="write_timeout_s"):
+            prefill.finish_write(decode.peer_name, bids)
     finally:
         monkeypatch.undo()
         prefill.unregister(s)
