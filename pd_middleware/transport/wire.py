@@ -21,6 +21,11 @@ slot that hold them, dtypes, shapes and ranges, and finally builds a
 :class:`~pd_middleware.payload.Payload`, whose constructor validates values. Any
 violation raises :class:`~pd_middleware.WireError` with ``.field`` (``draft_probs``,
 ``hidden.nbytes``, ``proposal.kind``...) and ``.request_id`` when it could be read.
+
+A slot range also carries the slot's generation and a digest of its bytes, stamped by
+:func:`build_header`; the decode checks them against the slot
+(:meth:`~pd_middleware.transport.slots.SlotPool.admit`, :mod:`.integrity`) before it
+delivers anything.
 """
 
 from __future__ import annotations
