@@ -308,3 +308,28 @@ def test_stress_reuse_and_release_stay_bit_exact(zctx, mooncake_pair) -> None:
     finally:
         tx.close()
         rx.stop()
+
+
+@pytest.mark.parametrize("hmac, algorithm, nbytes", [(False, "xxh3_128", 16), (True, "blake3", 32)], ids=["fast", "authenticated"])
+def test_the_real_sender_stamps_what_the_decode_requires(zctx, mooncake_pair, hmac, algorithm, nbytes) -> None:
+    """``digest = "auto"`` on both sides: BLAKE3 exactly when HMAC is on; deliveries arrive."""
+    decode_engine, prefill_engine = mooncake_pair
+    c = cfg(hmac=hmac)
+    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx).start()
+    tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="auto").connect(rx.address)
+    try:
+        assert rx._pool.digest == algorithm
+        h, _ = tx._bulk.header(dense("probe", 9), 0, tx._free[0])  # type: ignore[union-attr]
+        assert len(h.hidden.digest) == nbytes and h.hidden.gen > 0  # type: ignore[union-attr]
+        sent = [dense(f"auto-{i}", 30 + i) for i in range(4)]  # one per slot: this thread also consumes
+        for p in sent:
+            tx.send(p)
+        outs = collect_outcomes(rx, 4)
+        assert all(isinstance(o, Delivery) for o in outs)
+        for o in outs:
+            want = next(p for p in sent if p.request_id == o.request_id)
+            assert _delivered_bytes(o) == (bytes(want.hidden), bytes(want.proposal.data))  # type: ignore[union-attr]
+            o.release()
+    finally:
+        tx.close()
+        rx.stop()
