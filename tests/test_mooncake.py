@@ -223,3 +223,35 @@ def test_env_defaults_are_quiet_and_tcp() -> None:
     assert os.environ["MC_FORCE_TCP"] == "1"
     assert os.environ["MC_LOG_LEVEL"] in ("WARNING", "ERROR", "INFO")
     assert "MC_LOG_DIR" not in os.environ
+
+
+def _listeners(port: int) -> set[str]:
+    """Local addresses listening on TCP ``port`` (from /proc/net/tcp and tcp6, hex)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, p = local.rsplit(":", 1)
+            if state == "0A" and int(p, 16) == port:  # 0A = LISTEN
+                found.add(addr)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc/net/tcp")
+def test_the_engine_listens_on_every_interface_whatever_host_says(mooncake_pair) -> None:
+    """A tripwire for docs/transport.md ("Trust and the bulk plane"): the engine was opened
+    with host 127.0.0.1, yet its RPC port listens on 0.0.0.0, so the plane cannot be bound
+    and must be a trusted fabric. If a Mooncake release binds the host, this fails: then
+    bind it in MooncakeEngine.open and update the doc."""
+    decode, _ = mooncake_pair
+    assert decode.peer_name.startswith("127.0.0.1:")
+    port = int(decode.peer_name.rsplit(":", 1)[1])
+    listening = _listeners(port)
+    assert listening, f"nothing listens on the engine's RPC port {port}"
+    wildcard = {"00000000", "00000000000000000000000000000000"}
+    assert listening & wildcard, f"the RPC port is bound to {listening}: Mooncake now binds the host"
