@@ -21,6 +21,10 @@ bit-exact). Figures per case: ``attacks`` sent, ``refused`` with the expected fa
 key, ``controls_delivered``, and the must-be-zero ``crashes`` (receiver thread died or
 the script raised), ``hangs`` (no outcome within 5 s), ``lost`` (a refused slot never
 freed), ``wrong_deliveries`` (an attack delivered, or a control with wrong bytes).
+
+``--negative-control`` runs the same cases with the decode's integrity check switched off
+(``SlotPool.admit`` only records the generation): the campaign must then report wrong
+deliveries and exit 1, which shows it can fail.
 """
 
 from __future__ import annotations
@@ -253,7 +257,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=200, help="attacks per case (stale: rounds/8 reconnects x 4 slots x 2)")
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--negative-control", action="store_true", help="switch the integrity check off: must fail")
     args = ap.parse_args()
+    if args.negative_control:
+        from pd_middleware.transport.slots import SlotPool
+
+        def unchecked(self: SlotPool, slot: int, refs: list, rid: str) -> int:
+            self.gen[slot] = refs[0][1].gen
+            return self.gen[slot]
+
+        SlotPool.admit = unchecked  # type: ignore[method-assign]
     budget = C.Budget(args.budget_s)
     decode_engine, prefill_engine, other_engine = MooncakeEngine.open(), MooncakeEngine.open(), MooncakeEngine.open()
     ctx = zmq.Context()
@@ -294,6 +307,7 @@ def main() -> int:
     skipped = [n for n, r in cases.items() if "skipped" in r]
     result = {
         "script": "attacks_bulk",
+        "negative_control": args.negative_control,
         **{k: totals[k] for k in ("attacks", "refused", "controls_delivered", "crashes", "hangs", "lost", "wrong_deliveries")},
         "skipped": skipped,
         "cases": cases,
