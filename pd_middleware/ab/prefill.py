@@ -116,11 +116,12 @@ def _run(job: PrefillJob) -> dict[str, Any]:
     from ..middleware import build_encoders
     from ..transport.sender import open_sender
     from ..workloads import make_workload
+    from .config import workload_options
 
     torch.set_num_threads(1)
     cfg = parse_config(job.config_data)
     encoders = build_encoders(cfg)
-    wl = make_workload(cfg.ab.workload.name, **_workload_options(cfg))
+    wl = make_workload(cfg.ab.workload.name, **workload_options(cfg))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.hidden_dtype]
     sender = open_sender(cfg.transport, job.address, name="ab-prefill")
     per_arm_bytes = {a: {"control": 0, "inline": 0, "bulk": 0} for a in job.arm_names}
@@ -151,16 +152,3 @@ def _run(job: PrefillJob) -> dict[str, Any]:
     finally:
         sender.close()
     return {"sent": sent, "bytes": per_arm_bytes, "send_errors": send_errors, "sender": status}
-
-
-def _workload_options(cfg: Any) -> dict[str, Any]:
-    """Workload options, with model facts filled in where the workload takes them."""
-    from ..workloads import workload_options_type
-
-    opts = dict(cfg.ab.workload.options)
-    fields = set(getattr(workload_options_type(cfg.ab.workload.name), "__struct_fields__", ()))
-    if "vocab_size" in fields:
-        opts.setdefault("vocab_size", cfg.model.vocab_size)
-    if "num_steps" in fields:
-        opts.setdefault("num_steps", cfg.model.num_steps)
-    return opts
