@@ -43,8 +43,8 @@ def test_ab_cli_tiny_single_layer(tmp_path, capsys, monkeypatch):
     rc = main(["ab", "configs/ab_tiny.toml", "--requests", "96", "--seed", "3", "--out", str(out), "--no-progress"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert max(len(line) for line in printed.splitlines()) <= 120
-    assert "E[accept]" in printed and "saved vs baseline" in printed
+    assert max(len(line) for line in printed.splitlines() if not line.startswith("wrote ")) <= 120  # a path may not
+    assert printed.count("PASS") == 3 and "reference" in printed and "TV/bound" not in printed
     report = json.loads((out / "report.json").read_text())
     _check_report(report, 96, ["one_hot", "full_fp32", "sparse"])
     assert report["seed"] == 3

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from typing import cast
 
 from ..config import load_config
-from .render import render
+from .render import FORMATS, Format, render
 from .runner import run_ab
 
 __all__ = ["run_ab", "run_ab_command"]
@@ -24,6 +25,9 @@ def run_ab_command(args: argparse.Namespace, cancel: threading.Event | None = No
     report files are written in every format. ``cancel`` is handed to the runner
     (set it from a SIGINT handler to stop with a partial report).
     """
+    fmt = cast(Format, getattr(args, "format", None) or "table")
+    if fmt not in FORMATS:  # checked before the run, never after it
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     cfg = load_config(args.config)
     report = run_ab(
         cfg,
@@ -34,7 +38,6 @@ def run_ab_command(args: argparse.Namespace, cancel: threading.Event | None = No
         source=args.config,
         cancel=cancel,
     )
-    fmt = getattr(args, "format", None) or "table"
     sys.stdout.write(render(report, fmt))
     if fmt == "table":
         print(f"\nwrote {args.out}/report.json and {args.out}/report.png")

@@ -108,15 +108,20 @@ def run_ab(
     targets.start()
     verifier.start()
     prefill_report: dict[str, Any] | None = None
+    aborted = False
     try:
         prefill_report = _drive(receiver, collector, targets, verifier, results, proc, bar, stop, timeout_s)
+    except BaseException:
+        aborted = True  # failed or interrupted: end the prefill now, never wait for it
+        raise
     finally:
         bar.close()
+        fast = aborted or stop.is_set()
         verifier.stop(timeout=1.0)
         targets.stop()
-        if stop.is_set():
+        if fast:
             proc.terminate()
-        proc.join(timeout=1.0 if stop.is_set() else 10.0)
+        proc.join(timeout=1.0 if fast else 10.0)
         if proc.is_alive():
             proc.terminate()
         receiver.stop()

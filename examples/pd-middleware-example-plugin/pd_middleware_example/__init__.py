@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from .min_prob import SYNTHESIZER, MinProbOptions, MinProbOneHot
+from .min_prob import SYNTHESIZER, MinProbOneHot, MinProbOptions
 from .tally import HOOK, ArmTally, ArmTallyOptions
 
 __all__ = ["HOOK", "SYNTHESIZER", "ArmTally", "ArmTallyOptions", "MinProbOneHot", "MinProbOptions"]

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import msgspec
 
-from pd_middleware import OneHotProposal, OptionValueError, Payload, PluginContext, PluginSpec, ValidationError
+from pd_middleware import (
+    OneHotProposal,
+    OptionValueError,
+    Payload,
+    PluginContext,
+    PluginSpec,
+    ValidationError,
+)
 
 
 class MinProbOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -12,7 +12,13 @@ from typing import ClassVar
 
 import msgspec
 
-from pd_middleware import OptionValueError, Payload, PluginContext, PluginSpec, ReceiveContext
+from pd_middleware import (
+    OptionValueError,
+    Payload,
+    PluginContext,
+    PluginSpec,
+    ReceiveContext,
+)
 
 
 class ArmTallyOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from pd_middleware_example import ArmTally
 
 from pd_middleware import ConfigError, Payload, Provenance
 from pd_middleware.config import parse_config
 from pd_middleware.middleware import DecodeMiddleware
 from pd_middleware.registry import default_registry
-
-from pd_middleware_example import ArmTally
 
 V = 64
 
