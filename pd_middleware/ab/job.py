@@ -40,7 +40,8 @@ def run_ab_command(args: argparse.Namespace, cancel: threading.Event | None = No
     )
     sys.stdout.write(render(report, fmt))
     if fmt == "table":
-        print(f"\nwrote {args.out}/report.json and {args.out}/report.png")
+        png = "" if report.partial else f" and {args.out}/report.png"
+        print(f"\nwrote {args.out}/report.json{png}")
     if report.partial:
         print("pd-middleware ab: cancelled; the report is partial", file=sys.stderr)
         return 130

@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from ..payload import DenseEncoding, EncodedProposal, Payload, SparseEncoding
+from ..payload import DenseEncoding, EncodedProposal, HiddenDType, Payload, SparseEncoding
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ def build_payloads(arm: str, start: int, vocab: int, hidden: Any, enc: Any) -> l
     tokens, token_probs, proposals, prov = enc
     hidden_bytes = hidden.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
     h = len(hidden_bytes) // max(1, tokens.shape[0])
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}[str(hidden.dtype)]
+    names: dict[str, HiddenDType] = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+    dtype = names[str(hidden.dtype)]
     tl, pl = tokens.tolist(), token_probs.tolist()
     return [
         Payload(
@@ -103,6 +104,11 @@ def build_payloads(arm: str, start: int, vocab: int, hidden: Any, enc: Any) -> l
 
 def run_prefill(job: PrefillJob, results: Any) -> None:
     """Child-process entry point: send every arm's traffic, then report on ``results``."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; the parent decides (it returns a partial
+    # report and terminates this process), so the child must not die on its own first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results.put(("done", _run(job)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails loudly

@@ -14,6 +14,7 @@ target rows, regenerated from the same seed (:mod:`~pd_middleware.ab.verifier`).
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import threading
 import time
 from pathlib import Path
@@ -57,9 +58,7 @@ def run_ab(
     from ..assembler import ProposalAssembler
     from ..middleware import DecodeMiddleware
     from ..stats import ExactnessAccumulator
-    from ..transport.receiver import open_receiver
     from ..workloads import make_workload
-    from .verifier import TargetFeed, VerifyThread
 
     cfg = config
     plan, seed_v, baseline, reference = _check(cfg, requests, seed, source)
@@ -91,40 +90,13 @@ def run_ab(
         for a in plan.arm_names
     }
     collector = Collector(plan, stats, mw.assemble)
-    receiver = open_receiver(cfg.transport, mw.pipeline)
-    mpctx = mp.get_context("spawn")
-    results = mpctx.Queue()
-    job = PrefillJob(
-        config_data=msgspec.to_builtins(cfg), address=receiver.address, requests=plan.requests,
-        seed=seed_v, batch_size=plan.batch_size, arm_names=plan.arm_names,
-    )
-    proc = mpctx.Process(target=run_prefill, args=(job, results), name="pd-middleware-ab-prefill", daemon=True)
-    targets = TargetFeed(wl, plan.requests, plan.batch_size, seed_v)
-    verifier = VerifyThread(stats, torch.Generator().manual_seed(seed_v ^ 0xC0FFEE))
-    bar = Progress(plan.requests * len(plan.arm_names), "ab", enabled=progress)
     stop = cancel if cancel is not None else threading.Event()
     t_start = time.perf_counter()
-    proc.start()
-    targets.start()
-    verifier.start()
     prefill_report: dict[str, Any] | None = None
-    aborted = False
     try:
-        prefill_report = _drive(receiver, collector, targets, verifier, results, proc, bar, stop, timeout_s)
-    except BaseException:
-        aborted = True  # failed or interrupted: end the prefill now, never wait for it
-        raise
+        if not stop.is_set():  # cancelled during set-up: start nothing
+            prefill_report = _deploy(cfg, mw, collector, wl, seed_v, progress, stop, timeout_s)
     finally:
-        bar.close()
-        fast = aborted or stop.is_set()
-        verifier.stop(timeout=1.0)
-        targets.stop()
-        if fast:
-            proc.terminate()
-        proc.join(timeout=1.0 if fast else 10.0)
-        if proc.is_alive():
-            proc.terminate()
-        receiver.stop()
         mw.close()
     facts = RunFacts(
         config=cfg, workload=wl.describe(), requests=plan.requests, seed=seed_v,
@@ -137,13 +109,88 @@ def run_ab(
     return report
 
 
-def write_outputs(report: Report, out: Path) -> None:
-    """``report.json`` and ``report.png`` into ``out`` (created if missing)."""
-    from .plot import write_plot
+def _deploy(cfg: Config, mw: Any, collector: Collector, wl: Any, seed: int, progress: bool,
+            stop: threading.Event, timeout_s: float) -> dict[str, Any] | None:
+    """Open the receiver, spawn the prefill, drive the run; always tear everything down.
 
+    Returns the prefill's report (None when cancelled before it arrived).
+    """
+    import torch
+
+    from ..transport.receiver import open_receiver
+    from .verifier import TargetFeed, VerifyThread
+
+    plan = collector.plan
+    receiver = open_receiver(cfg.transport, mw.pipeline)
+    try:
+        mpctx = mp.get_context("spawn")
+        results = mpctx.Queue()
+        job = PrefillJob(
+            config_data=msgspec.to_builtins(cfg), address=receiver.address, requests=plan.requests,
+            seed=seed, batch_size=plan.batch_size, arm_names=plan.arm_names,
+        )
+        proc = mpctx.Process(target=run_prefill, args=(job, results), name="pd-middleware-ab-prefill", daemon=True)
+        # Target rows are regenerated from the seed, and batches verified, on their own
+        # threads, so that batch formation (receive -> assemble) never waits for either.
+        targets = TargetFeed(wl, plan.requests, plan.batch_size, seed)
+        verifier = VerifyThread(collector.stats, torch.Generator().manual_seed(seed ^ 0xC0FFEE))
+        bar = Progress(plan.requests * len(plan.arm_names), "ab", enabled=progress)
+        aborted = False
+        try:
+            if stop.is_set():
+                return None
+            _start_ignoring_sigint(proc)
+            targets.start()
+            verifier.start()
+            return _drive(receiver, collector, targets, verifier, results, proc, bar, stop, timeout_s)
+        except BaseException:
+            aborted = True  # failed or interrupted: end the prefill now, never wait for it
+            raise
+        finally:
+            bar.close()
+            fast = aborted or stop.is_set()
+            verifier.stop(timeout=1.0)
+            targets.stop()
+            if proc.pid is not None:  # started
+                if fast:
+                    proc.terminate()
+                proc.join(timeout=1.0 if fast else 10.0)
+                if proc.is_alive():
+                    proc.terminate()
+    finally:
+        receiver.stop()
+
+
+def write_outputs(report: Report, out: Path) -> None:
+    """``report.json`` and ``report.png`` into ``out`` (created if missing).
+
+    A partial (cancelled) report gets its JSON only: drawing the plot takes a second
+    or two, and a cancelled run must end promptly.
+    """
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_bytes(report.to_json())
-    write_plot(report, out / "report.png")
+    if not report.partial:
+        from .plot import write_plot
+
+        write_plot(report, out / "report.png")
+
+
+def _start_ignoring_sigint(proc: Any) -> None:
+    """Start the prefill process with SIGINT ignored from its first instruction.
+
+    Ctrl-C reaches the whole process group. The parent handles it (a partial report,
+    then it terminates the child), so the child must not die of it first, not even
+    while it is still importing; Python keeps an ignored SIGINT ignored in a child.
+    Only the main thread may touch signal handlers; elsewhere the child sets it itself.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _drive(receiver: Any, collector: Collector, targets: Any, verifier: Any, results: Any, proc: Any,
@@ -174,6 +221,8 @@ def _drive(receiver: Any, collector: Collector, targets: Any, verifier: Any, res
         verifier.check()
         if item is not None:
             continue
+        if stop.is_set():  # before judging the prefill: Ctrl-C reaches its process group too
+            return prefill_report
         if time.monotonic() > deadline:
             raise PDMiddlewareError(f"ab: timed out after {timeout_s:.0f}s waiting for batch {next_k}")
         if prefill_report is None and not results.empty():
