@@ -106,6 +106,32 @@ class ArmConfig(msgspec.Struct, **_STRUCT):
             raise OptionValueError("weight", f"must be in [0, 1000000], got {self.weight}")
 
 
+class MetricsConfig(msgspec.Struct, **_STRUCT):
+    """The decode side's metrics export (docs/metrics.md)."""
+
+    # TCP port of an HTTP endpoint serving GET /metrics (Prometheus text); unset: no
+    # endpoint, 0: any free port. Under SGLang use --enable-metrics instead when TP > 1
+    # (every rank would bind it).
+    port: int | None = None
+    # Address the endpoint binds; loopback by default, since the counters name arms and
+    # failure reasons.
+    host: str = "127.0.0.1"
+    # JSON-lines file each request's first verify is appended to (request id, arm,
+    # accepted draft tokens), for `pd-middleware live-ab --from`; unset: not written.
+    first_verify_log: str | None = None
+    # Seconds between copies of the counters into SGLang's multiprocess metric files
+    # (SGLang's /metrics under --enable-metrics).
+    sync_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise OptionValueError("port", f"must be in [0, 65535], got {self.port}")
+        if not self.host:
+            raise OptionValueError("host", "must not be empty")
+        if not 0.05 <= self.sync_interval_s <= 3600:
+            raise OptionValueError("sync_interval_s", f"must be in [0.05, 3600], got {self.sync_interval_s}")
+
+
 class Config(msgspec.Struct, **_STRUCT):
     """The whole deployment: model facts, decode settings, plugins, transport, A/B."""
 
@@ -121,6 +147,7 @@ class Config(msgspec.Struct, **_STRUCT):
     arms: list[ArmConfig] = []
     transport: TransportConfig = TransportConfig()
     ab: ABConfig = ABConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.arms]
