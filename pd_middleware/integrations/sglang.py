@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .._errors import ConfigError, PDMiddlewareError, PluginError
+from .sglang_ab import PROCESSOR_MODULE, install_first_verify
 from .sglang_decode import ATTACH_ATTR, DecodeProposer, ProposalStore, RequestProposal, room_key
 from .sglang_installation import ENV_ALLOW_UNSUPPORTED, ENV_CONFIG, InstallOptions, Installation
 from .sglang_metadata import MetadataChannel
@@ -64,6 +65,7 @@ from .sglang_patch import (
     UTILS_MODULE,
     SGLangModules,
     _check_signature,
+    _import,  # noqa: F401 - re-exported: sglang_ab imports the patch helpers from here
     _mark,
     _module,
     _wrap_build,
@@ -208,6 +210,11 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
         if channel is not None:
             channel.on_row = proposer.on_row
         inst = Installation(ver, mode, config, opts, proposer, channel, opts.publisher, opts.receiver)
+        # Live A/B: each request's first verify, by arm (sglang_ab; checked, nothing patched yet).
+        processor = _module(mods.processor, PROCESSOR_MODULE, mods)
+        ab_patch = (
+            install_first_verify(proposer.metrics, config.metrics, proposer.exporters, processor) if processor is not None else None
+        )
 
         # ... then patch, all at once.
         if mode == "proposal":
@@ -220,6 +227,8 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
                 (pre_owner, "process_batch_result_disagg_prefill", pre_orig, wrap_process_batch_result(pre_orig, lambda: inst.publisher))
             )
         inst.patches.extend(meta_patches)
+        if ab_patch is not None:
+            inst.patches.append(ab_patch)
         if sched_cls is not None:
             inst.patches.append((sched_cls, "init_disaggregation", sched_init, _wrap_scheduler_init(sched_init, inst)))
         for owner, attr, _, new in inst.patches:

@@ -192,6 +192,9 @@ class DecodeProposer:
         self.counts: Counter[str] = Counter()
         self._by_shape: dict[tuple[int, int], Any] = {}
         self.bound: tuple[int, int] | None = None
+        # Metric exporters shared by every shape's middleware (the [metrics] endpoint,
+        # the live A/B recorder and SGLang /metrics mirror): stopped by close().
+        self.exporters: list[Any] = []
 
     def middleware_for(self, vocab_size: int, num_steps: int) -> Any:
         """The :class:`~pd_middleware.DecodeMiddleware` for (V, S), built once.
@@ -213,7 +216,7 @@ class DecodeProposer:
                 )
             model = self.config.model.with_shapes(key[0], key[1], engine="SGLang")
             cfg = msgspec.structs.replace(self.config, model=model)
-            mw = DecodeMiddleware.from_config(cfg, self.registry, self.metrics)
+            mw = DecodeMiddleware.from_config(cfg, self.registry, self.metrics, serve_metrics=False)
             self._by_shape[key] = mw
         return mw
 
@@ -232,6 +235,10 @@ class DecodeProposer:
         return self.middleware_for(m.vocab_size, m.num_steps)
 
     def close(self) -> None:
+        """Stop the exporters and close every shape's middleware (plugins' resources)."""
+        exporters, self.exporters = self.exporters, []
+        for e in exporters:
+            e.stop()
         for mw in self._by_shape.values():
             mw.close()
 

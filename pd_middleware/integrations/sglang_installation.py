@@ -134,6 +134,13 @@ class Installation:
             self.channel.bind(facts.vocab_size, facts.num_steps)
         if facts.role == "decode":
             self.proposer.bind(facts.vocab_size, facts.num_steps)
+            if facts.tp_rank == 0:
+                # One [metrics] endpoint per node (every TP rank would bind the same port).
+                from ..metrics_export import serve
+
+                server = serve(self.proposer.metrics, self.config.metrics)
+                if server is not None:
+                    self.proposer.exporters.append(server)
             if self.channel is None and self.receiver is None and self.proposer.store is None and facts.tp_rank == 0:
                 from ..transport import open_receiver
 

@@ -51,6 +51,7 @@ class SGLangModules:
     mooncake: ModuleType | None = None  # sglang.srt.disaggregation.mooncake.conn
     scheduler: ModuleType | None = None  # sglang.srt.managers.scheduler (Scheduler)
     multi_layer: ModuleType | None = None  # sglang.srt.speculative.multi_layer_eagle_worker_v2
+    processor: ModuleType | None = None  # ...managers.scheduler_components.batch_result_processor (live A/B)
     only_given: bool = False
 
 
