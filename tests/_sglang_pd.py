@@ -54,6 +54,8 @@ ENV = {
     "MOONCAKE_PROTOCOL": "tcp",
     "SGLANG_HOST_IP": "127.0.0.1",
     "MC_LOG_LEVEL": "WARNING",
+    # The decode ranks' gloo group (the metadata gate's all-reduce) on loopback only.
+    "GLOO_SOCKET_IFNAME": "lo",
     # A lost peer fails a request in seconds, not SGLang's default minutes.
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20",
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "20",
