@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._errors import (
     ConfigError,
+    ConfigIssue,
     ExactnessError,
     NoSlotError,
     OptionValueError,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "ConfigIssue",
     "DenseEncoding",
     "DenseProposal",
     "EncodedBatch",
