@@ -268,3 +268,29 @@ def convert(data: Any, typ: type, prefix: str = "", source: str | None = None) -
         return msgspec.convert(data, typ, strict=True)
     except (msgspec.ValidationError, ConfigError) as exc:  # pragma: no cover - the walk found none
         raise ConfigError(f"{exc}", path=prefix, source=source) from None
+
+
+# ---------------------------------------------------------------- shipped configs
+
+
+def shipped_dir() -> Path:
+    """The example configs installed with the package (``pd_middleware/configs``)."""
+    return Path(__file__).resolve().parent / "configs"
+
+
+def shipped_configs() -> list[Path]:
+    """Every shipped example config, sorted by name."""
+    d = shipped_dir()
+    return sorted(p for p in d.iterdir() if p.suffix in _SUFFIXES) if d.is_dir() else []
+
+
+def find_config(ref: str) -> str:
+    """What a command-line config argument means: inline JSON and existing files as given,
+    otherwise the name of a shipped config (``ab`` or ``ab.toml``), otherwise as given (so
+    the loader reports the missing file)."""
+    if is_inline(ref) or Path(ref).exists():
+        return ref
+    for p in shipped_configs():
+        if ref in (p.name, p.stem):
+            return str(p)
+    return ref

@@ -20,11 +20,14 @@ key; import errors are never swallowed: when listing, they are kept in
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
 import re
+import sys
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, Sequence
 
 from ._errors import ConfigError, PluginError
 from .config_loader import did_you_mean
@@ -112,7 +115,13 @@ def validate_spec(spec: Any, origin: str = "<api>") -> PluginSpec:
 class PluginRegistry:
     """Registered plugin specs, keyed by ``(kind, name)``. Duplicates are refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, plugin_paths: Sequence[str] | None = None) -> None:
+        """``plugin_paths``: when given (the CLI does), the directories from which a
+        ``module:attr`` reference may import a module that is not installed; a module that
+        would come from the working directory is refused unless the directory is listed.
+        ``None`` (the library default) trusts ``sys.path`` as the host program set it.
+        """
+        self._plugin_paths = None if plugin_paths is None else tuple(os.path.realpath(p) for p in plugin_paths)
         self._specs: dict[tuple[str, str], PluginInfo] = {}
         self._loaded_eps: set[tuple[str, str]] = set()
         # Discovered entry points not imported yet: by the (kind, name) their name
@@ -222,6 +231,7 @@ class PluginRegistry:
                 plugin=path,
                 key=key,
             )
+        self._check_origin(mod_name, path, key)
         try:
             module = importlib.import_module(mod_name)
         except Exception as exc:  # noqa: BLE001 - re-raised with the config key named
@@ -236,6 +246,37 @@ class PluginRegistry:
             return self.register(spec, origin=f"config path {path}")
         except PluginError as exc:
             raise PluginError(exc.detail, plugin=path, key=key) from None
+
+    def _check_origin(self, mod_name: str, path: str, key: str | None) -> None:
+        """Refuse a module that would be imported from the working directory by accident.
+
+        ``python -m``, ``PYTHONPATH=.`` and a script in the current directory all put it on
+        ``sys.path``, so a config naming ``plugin:SPEC`` would run whatever ``plugin.py``
+        sits where the command was typed. Only the top-level name is located (no import).
+        """
+        if self._plugin_paths is None:
+            return
+        top = mod_name.split(".")[0]
+        if top in sys.modules:
+            return
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            return  # the import below reports it
+        if spec is None:
+            return
+        where = spec.origin if spec.submodule_search_locations is None else next(iter(spec.submodule_search_locations), None)
+        if not where or where in ("built-in", "frozen"):
+            return
+        parent = os.path.dirname(os.path.realpath(where))
+        cwd = os.path.realpath(os.getcwd())
+        if parent == cwd and cwd not in self._plugin_paths:
+            raise PluginError(
+                f"{top!r} would be imported from the working directory ({parent}); "
+                "pass --plugin-path DIR to allow plugins from a directory",
+                plugin=path,
+                key=key,
+            )
 
     def get(self, kind: str, name: str, key: str | None = None) -> PluginSpec:
         """The spec registered as ``(kind, name)``; PluginError naming ``key`` if absent.
@@ -305,8 +346,14 @@ class PluginRegistry:
         return key in self._specs
 
 
-def default_registry() -> PluginRegistry:
-    """A registry that knows every installed entry point and imports each on first use."""
-    reg = PluginRegistry()
+def default_registry(plugin_paths: Sequence[str] | None = None) -> PluginRegistry:
+    """A registry that knows every installed entry point and imports each on first use.
+
+    ``plugin_paths`` (see :class:`PluginRegistry`) are also put on ``sys.path``.
+    """
+    for p in plugin_paths or ():
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    reg = PluginRegistry(plugin_paths=plugin_paths)
     reg.discover_entry_points()
     return reg

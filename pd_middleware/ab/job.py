@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,8 @@ class ArmStats:
     delivered: int = 0
     failed: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    # The first failure text per reason key ("hook:flaky" -> "ValueError: ..."), for the summary.
+    first_errors: dict[str, str] = field(default_factory=dict)
     first_accepted: int = 0
     verified: int = 0
     accepted_sum: int = 0
@@ -84,8 +87,14 @@ def run_ab(
     progress: bool = True,
     source: str | None = None,
     timeout_s: float = 1800.0,
+    cancel: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Run the A/B job and return the report (also written to ``out_dir``)."""
+    """Run the A/B job and return the report (also written to ``out_dir``).
+
+    ``cancel`` (set by the CLI on Ctrl-C): the job stops collecting within a fraction of
+    a second, stops the prefill process without waiting for it, and returns (and writes)
+    the report of what was verified so far, with ``"partial": true``.
+    """
     import torch
 
     from ..assembler import ProposalAssembler
@@ -176,8 +185,12 @@ def run_ab(
     prefill_report: dict[str, Any] | None = None
     deadline = time.monotonic() + timeout_s
     next_k = 0
+    partial = False
     try:
         while next_k < n_batches:
+            if cancel is not None and cancel.is_set():
+                partial = True
+                break
             item = receiver.get(timeout=0.05)
             if item is not None:
                 _collect(item, arm_names, b_max, n_req, buckets, ready, assemblers, stats)
@@ -224,8 +237,10 @@ def run_ab(
                             for i in range(size):
                                 _collect(Failure(f"{arm}/{k * b_max + i}", "transfer", "never arrived at the decode", arm=arm),
                                          arm_names, b_max, n_req, buckets, ready, assemblers, stats)
-        verifier.finish(max(1.0, deadline - time.monotonic()))
-        if prefill_report is None:
+        if partial:  # interrupted: verify nothing more, report what was verified
+            verifier.discard_pending()
+        verifier.finish(1.0 if partial else max(1.0, deadline - time.monotonic()))
+        if prefill_report is None and not partial:
             kind, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
             if kind == "error":
                 raise PDMiddlewareError(f"ab: the prefill process failed: {value}")
@@ -234,19 +249,23 @@ def run_ab(
         bar.close()
         verifier.stop()
         targets.stop()
-        proc.join(timeout=10)
+        if partial:  # interrupted: the prefill's remaining traffic is not wanted
+            proc.terminate()
+        proc.join(timeout=1 if partial else 10)
         if proc.is_alive():
             proc.terminate()
         receiver.stop()
         pipeline.close()
     wall = time.perf_counter() - t_start
     report = _report(cfg, wl, stats, prefill_report, metrics, n_req, seed_v, wall)
+    report["partial"] = partial
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from .report import format_table, write_plot
 
     (out / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
-    write_plot(report, out / "report.png")
+    if not partial:  # an interrupted run exits at once: the plot (matplotlib) takes seconds
+        write_plot(report, out / "report.png")
     report["_table"] = format_table(report)
     return report
 
@@ -352,6 +371,7 @@ def _collect(item, arm_names, b_max, n_req, buckets, ready, assemblers, stats) -
         if isinstance(x, Failure):
             st.failed += 1
             st.failure_reasons[x.key] = st.failure_reasons.get(x.key, 0) + 1
+            st.first_errors.setdefault(x.key, x.reason)
         else:
             deliveries.append(x)
             rows.append(int(x.request_id.partition("/")[2]) - k * b_max)
@@ -415,6 +435,16 @@ class _VerifyThread:
         self.check()
         if self._thread.is_alive():
             raise PDMiddlewareError("ab: verification did not finish in time")
+
+    def discard_pending(self) -> None:
+        """Drop the batches not yet verified (an interrupted run reports without them)."""
+        import queue
+
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -560,13 +590,15 @@ def _report(cfg, wl, stats, prefill, metrics, n_req, seed, wall) -> dict[str, An
                 },
                 "latency_ms": {"p50": _percentile(st.latencies_ms, 50), "p99": _percentile(st.latencies_ms, 99)},
                 "throughput_per_s": (st.delivered / span) if span > 0 else float("nan"),
-                "payloads": {"sent": sent, "delivered": st.delivered, "failed": st.failed, "failed_by_reason": st.failure_reasons},
+                "payloads": {"sent": sent, "delivered": st.delivered, "failed": st.failed, "failed_by_reason": st.failure_reasons,
+                             "first_error_by_reason": st.first_errors},
                 "effect": eff.as_dict(),
             }
         )
     full = next((x for x in arms if x["encoding"] == "full" and x["synthesizer"] == "full_distribution"), None)
     for x in arms:
-        if full is not None and full["acceptance"]["exact_expected"] > 0:
+        # (an interrupted run may have no byte counts from the prefill: no ratio then)
+        if full is not None and full["acceptance"]["exact_expected"] > 0 and full["bytes_per_request"]["total"] > 0:
             x["vs_full"] = {
                 "acceptance_ratio": x["acceptance"]["exact_expected"] / full["acceptance"]["exact_expected"],
                 "bytes_ratio": x["bytes_per_request"]["total"] / full["bytes_per_request"]["total"],

@@ -11,6 +11,7 @@ Runs as a ``spawn`` child: everything it needs arrives as plain data.
 
 from __future__ import annotations
 
+import signal
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,8 @@ def build_payloads(arm: str, start: int, vocab: int, hidden: Any, enc: Any) -> l
 
 def run_prefill(job: PrefillJob, results: Any) -> None:
     """Child-process entry point: send every arm's traffic, then report on ``results``."""
+    # Ctrl-C reaches the whole process group; the parent decides (it stops this process).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results.put(("done", _run(job)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails loudly
