@@ -237,8 +237,8 @@ def format_failures(report: dict[str, Any]) -> list[str]:
 def _cmd_ab(args: argparse.Namespace) -> int:
     from .ab.job import run_ab
 
-    out = check_out_dir(args.out)
     cfg, src = _load(args.config)
+    out = check_out_dir(args.out)
     cancel = threading.Event()
     with interrupt_to_cancel(cancel):
         report = run_ab(
@@ -366,7 +366,6 @@ def _drop_implicit_cwd() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
-    _drop_implicit_cwd()
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
@@ -374,6 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_ERROR
     _setup_logging(args.log_level)
+    for d in reversed(args.plugin_path):  # asked for explicitly: importable by every command
+        d = os.path.abspath(d)
+        if d not in sys.path:
+            sys.path.insert(0, d)
     try:
         return func(args)
     except KeyboardInterrupt:
@@ -387,5 +390,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":  # pragma: no cover - `python -m pd_middleware.cli`
+    _drop_implicit_cwd()
     sys.exit(main())

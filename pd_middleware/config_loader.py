@@ -222,10 +222,10 @@ def _walk_struct(data: Any, struct: type, path: str, issues: list[ConfigIssue]) 
         issues.append(ConfigIssue(path, f"Expected a table/mapping, got `{type(data).__name__}`"))
         return
     fields = {f.encode_name: f for f in msgspec.structs.fields(struct)}
-    before = len(issues)
     for key in data:
         if key not in fields:
             issues.append(ConfigIssue(join_path(path, str(key)), f"unknown field `{key}`{did_you_mean(str(key), fields)}"))
+    before = len(issues)
     for name, f in fields.items():
         if name in data:
             _walk(data[name], f.type, join_path(path, name), issues)
@@ -233,9 +233,10 @@ def _walk_struct(data: Any, struct: type, path: str, issues: list[ConfigIssue]) 
             issues.append(ConfigIssue(join_path(path, name), f"Object missing required field `{name}`"))
     if len(issues) > before:
         return
-    # Every field is well-typed: build the struct once so its __post_init__ range checks run.
+    # Every known field is well-typed (unknown keys aside): build the struct once so its
+    # __post_init__ range checks run too, and a typo does not hide a bad value.
     try:
-        msgspec.convert(data, struct, strict=True)
+        msgspec.convert({k: v for k, v in data.items() if k in fields}, struct, strict=True)
     except msgspec.ValidationError as exc:
         cause = exc.__cause__ or exc.__context__
         m = _AT_RE.match(str(exc))

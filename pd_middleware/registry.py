@@ -235,7 +235,15 @@ class PluginRegistry:
         try:
             module = importlib.import_module(mod_name)
         except Exception as exc:  # noqa: BLE001 - re-raised with the config key named
-            raise PluginError(f"cannot import {mod_name!r}: {type(exc).__name__}: {exc}", plugin=path, key=key) from exc
+            hint = ""
+            top = mod_name.split(".")[0]
+            if self._plugin_paths is not None and isinstance(exc, ModuleNotFoundError) and (
+                os.path.exists(f"{top}.py") or os.path.isdir(top)
+            ):
+                hint = f" ('{top}' in the working directory is not used: pass --plugin-path DIR to allow it)"
+            raise PluginError(
+                f"cannot import {mod_name!r}: {type(exc).__name__}: {exc}{hint}", plugin=path, key=key
+            ) from exc
         if not hasattr(module, attr):
             raise PluginError(f"module {mod_name!r} has no attribute {attr!r}", plugin=path, key=key)
         spec = getattr(module, attr)
