@@ -184,3 +184,23 @@ def test_hostile_documents_are_clean_errors(tmp_path, name, text, message):
         for _ in range(40):
             deep = [deep]
         parse_config({"ab": {"workload": {"options": {"x": deep}}}})
+
+
+def test_every_public_error_derives_from_the_root():
+    """One error root: every exception class the package defines is a PDMiddlewareError."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import pd_middleware
+    from pd_middleware import PDMiddlewareError
+
+    found = []
+    for mod in pkgutil.walk_packages(pd_middleware.__path__, "pd_middleware."):
+        module = importlib.import_module(mod.name)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == module.__name__:
+                found.append(obj)
+    assert len(found) >= 8, found
+    outside = [f"{c.__module__}.{c.__qualname__}" for c in found if not issubclass(c, PDMiddlewareError)]
+    assert outside == []
