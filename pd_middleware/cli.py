@@ -207,64 +207,19 @@ def _raise_interrupt() -> None:
     raise KeyboardInterrupt
 
 
-def format_failures(report: dict[str, Any]) -> list[str]:
-    """Per hook and per arm: how many payloads failed and the first error text."""
-    lines: list[str] = []
-    hooks: dict[str, dict[str, Any]] = {}
-    for a in report.get("arms", []):
-        pl = a.get("payloads", {})
-        by_reason = pl.get("failed_by_reason", {}) or {}
-        first = pl.get("first_error_by_reason", {}) or {}
-        for key, n in sorted(by_reason.items()):
-            if key.startswith("hook:"):
-                h = hooks.setdefault(key.split(":")[1], {"n": 0, "arms": {}, "first": first.get(key)})
-                h["n"] += n
-                h["arms"][a["name"]] = n
-        if by_reason:
-            parts = "; ".join(
-                f"{key} x{n}" + (f": {first[key]}" if first.get(key) else "") for key, n in sorted(by_reason.items())
-            )
-            lines.append(f"  arm {a['name']}: {pl.get('failed', sum(by_reason.values()))} failed ({parts})")
-    hook_lines = [
-        f"  hook {name}: {h['n']} failed ({', '.join(f'{k} {v}' for k, v in h['arms'].items())})"
-        + (f"; first: {h['first']}" if h["first"] else "")
-        for name, h in sorted(hooks.items())
-    ]
-    out = hook_lines + lines
-    return (["payload failures:"] + out) if out else []
-
-
 def _cmd_ab(args: argparse.Namespace) -> int:
-    from .ab.job import run_ab
+    from .ab.job import run_ab_command
+    from .config_loader import find_config
 
-    cfg, src = _load(args.config)
-    out = check_out_dir(args.out)
+    # Everything a user can get wrong is checked before the deployment starts.
+    args.config = find_config(args.config)
+    from .config import load_config
+
+    load_config(args.config)
+    check_out_dir(args.out)
     cancel = threading.Event()
     with interrupt_to_cancel(cancel):
-        report = run_ab(
-            cfg, requests=args.requests, seed=args.seed, out_dir=out, progress=not args.no_progress, source=src, cancel=cancel
-        )
-    table = report.pop("_table", None)
-    if table:
-        print(table)
-    for line in format_failures(report):
-        print(line)
-    if report.get("partial"):
-        print(f"\nwrote {out / 'report.json'} (partial: the batches verified before Ctrl-C; no plot)")
-        return EXIT_INTERRUPTED
-    print(f"\nwrote {out / 'report.json'} and {out / 'report.png'}")
-    arms = report["arms"]
-    ok = all(a["exact"]["pass"] for a in arms)
-    lost = sum(a["payloads"]["sent"] - a["payloads"]["delivered"] - a["payloads"]["failed"] for a in arms)
-    failed = sum(a["payloads"]["failed"] for a in arms)
-    if not ok or lost or (args.fail_on_loss and failed):
-        print(
-            f"pd-middleware ab: exactness {'PASS' if ok else 'FAIL'}, lost payloads {lost}, failed payloads {failed}"
-            + (" (--fail-on-loss)" if args.fail_on_loss and failed else ""),
-            file=sys.stderr,
-        )
-        return EXIT_CHECK_FAILED
-    return EXIT_OK
+        return run_ab_command(args, cancel=cancel)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "loopback deployment (a prefill process running each arm's encoder; this process is the decode, "
         "running receiver, hooks, synthesizer, assembler and a reference verifier, talking over "
         "real ZMQ and Mooncake on TCP). Prints a table, writes DIR/report.json and DIR/report.png. "
+        "The summary lists each hook's and each arm's failed payloads with the first error. "
         "Exit codes as below; Ctrl-C stops within 2 s, writes the partial report and exits 130.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -344,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, metavar="S", help="workload and sampler seed (default: [ab].seed)")
     p.add_argument("--out", default="out/ab", metavar="DIR", help="output directory, checked before the run (default: out/ab)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    p.add_argument(
+        "--format", choices=["table", "markdown", "json", "csv"], default="table",
+        help="what is printed on stdout (the report files are written in every case; default: table)",
+    )
     p.add_argument("--fail-on-loss", action="store_true", help="exit 1 when any payload failed (not only when one was lost)")
     p.set_defaults(func=_cmd_ab)
     return parser

@@ -29,6 +29,7 @@ import msgspec
 
 from . import config_loader
 from ._errors import ConfigError, ConfigIssue, OptionValueError, PluginError
+from .ab.config import ABConfig, WorkloadRef, check_workload_options  # the [ab] table belongs to the job
 from .contracts import NoOptions, PluginContext, PluginSpec
 from .transport.config import TransportConfig
 
@@ -104,41 +105,6 @@ class ArmConfig(msgspec.Struct, **_STRUCT):
             raise OptionValueError("name", f"must be 1-64 of [A-Za-z0-9_.-], got {self.name!r}")
         if not 0 <= self.weight <= 1_000_000:
             raise OptionValueError("weight", f"must be in [0, 1000000], got {self.weight}")
-
-
-class WorkloadRef(msgspec.Struct, **_STRUCT):
-    """Which traffic the offline A/B job generates."""
-
-    # synthetic | ngram | trace
-    name: Literal["synthetic", "ngram", "trace"] = "synthetic"
-    # Workload options (see docs/workloads.md); checked by the workload.
-    options: dict[str, Any] = {}
-
-
-class ABConfig(msgspec.Struct, **_STRUCT):
-    """Defaults of ``pd-middleware ab`` (command-line flags override them)."""
-
-    workload: WorkloadRef = WorkloadRef()
-    # Requests per arm.
-    requests: int = 2000
-    # Seed of the workload and of every sampler.
-    seed: int = 0
-    # Requests per batch sent through the deployment.
-    batch_size: int = 32
-    # Tokens per response, for the whole-response effect-size estimate.
-    response_tokens: int = 256
-    # Acceptance rate of the later verifies (drafted on the decode node, same for all arms).
-    later_acceptance: float = 0.7
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.requests <= 10_000_000:
-            raise OptionValueError("requests", f"must be in [1, 10000000], got {self.requests}")
-        if not 1 <= self.batch_size <= 4096:
-            raise OptionValueError("batch_size", f"must be in [1, 4096], got {self.batch_size}")
-        if not 1 <= self.response_tokens <= 1 << 20:
-            raise OptionValueError("response_tokens", f"must be >= 1, got {self.response_tokens}")
-        if not 0.0 <= self.later_acceptance < 1.0:
-            raise OptionValueError("later_acceptance", f"must be in [0, 1), got {self.later_acceptance}")
 
 
 class Config(msgspec.Struct, **_STRUCT):
@@ -287,20 +253,9 @@ def resolve_plugins(
                 else base_enc
             )
     if pre:  # the prefill's A/B workload: its options are typed too, check them now
-        attempt(_check_workload_options, config, source)
+        attempt(check_workload_options, config, source)
     if plugin_errors:
         raise plugin_errors[0]
     if issues:
         raise ConfigError.from_issues(issues, source=source)
     return ResolvedConfig(config, hooks, synths, encs)
-
-
-def _check_workload_options(config: Config, source: str | None) -> None:
-    """Convert ``ab.workload.options`` to the workload's options type (as make_workload will).
-
-    Without this, a misspelled workload option passed ``check-config`` and failed only
-    when the A/B job started. Paths match :func:`~pd_middleware.workloads.make_workload`.
-    """
-    from .workloads import workload_options_type
-
-    _convert(dict(config.ab.workload.options), workload_options_type(config.ab.workload.name), "ab.workload.options", source)

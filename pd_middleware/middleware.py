@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .assembler import ProposalAssembler
 from ._errors import ConfigError
@@ -44,14 +44,31 @@ class DecodeMiddleware:
 
     @classmethod
     def from_config(
-        cls, config: Config | str | Path, registry: PluginRegistry | None = None, metrics: Metrics | None = None
+        cls,
+        config: Config | str | Path,
+        registry: PluginRegistry | None = None,
+        metrics: Metrics | None = None,
+        *,
+        router: Any | None = None,
+        assembler_factory: Callable[[Config], ProposalAssembler] | None = None,
     ) -> "DecodeMiddleware":
-        """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError."""
+        """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError.
+
+        ``router``: a receive hook that sets ``context.arm``. It replaces every
+        configured hook that routes arms (``routes_arms = True``, e.g. ``ab_split``)
+        and runs first, so every other hook sees the payload's arm. The offline A/B
+        job uses it to route by request id.
+        ``assembler_factory``: builds the assembler from the resolved config instead
+        of ``decode.max_batch``/``decode.num_buffers`` (the A/B job sizes it to its
+        batch).
+        """
         resolved, reg = _resolve(config, registry, "decode")
         cfg = resolved.config
         ctx = cfg.plugin_context("decode")
         hooks = [(r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for r in resolved.hooks]
-        if cfg.arms and not any(getattr(h, "routes_arms", False) for _, h in hooks):
+        if router is not None:
+            hooks = [("router", router)] + [(n, h) for n, h in hooks if not getattr(h, "routes_arms", False)]
+        if cfg.arms and router is None and not any(getattr(h, "routes_arms", False) for _, h in hooks):
             # Without a router every payload would land on the missing "default" arm.
             raise ConfigError(
                 "[[arms]] needs a routing hook in [[hooks]] (e.g. ab_split); none of "
@@ -66,13 +83,16 @@ class DecodeMiddleware:
             if guard is not None and hasattr(guard, "attach_metrics"):
                 guard.attach_metrics(m)
         pipeline = ReceivePipeline(hooks, synths, m)
-        assembler = ProposalAssembler(
-            cfg.model.vocab_size,
-            cfg.model.num_steps,
-            cfg.decode.max_batch,
-            device=cfg.decode.device,
-            num_buffers=cfg.decode.num_buffers,
-        )
+        if assembler_factory is not None:
+            assembler = assembler_factory(cfg)
+        else:
+            assembler = ProposalAssembler(
+                cfg.model.vocab_size,
+                cfg.model.num_steps,
+                cfg.decode.max_batch,
+                device=cfg.decode.device,
+                num_buffers=cfg.decode.num_buffers,
+            )
         return cls(cfg, pipeline, assembler, m)
 
     def receive(self, payload: Payload, context: ReceiveContext | None = None) -> Delivery | Failure:
