@@ -91,7 +91,10 @@ def _defaults_note(cfg: Any, data: Any) -> list[str]:
         if f.encode_name in given:
             continue
         value = getattr(cfg.model, f.name)
-        shown = "taken from the engine at start-up" if value is None else f"default {value!r}"
+        if value is None:  # left to the engine (SGLang); tools without one use a stand-in
+            shown = f"left out: the engine's value at start-up (tools without an engine use {getattr(cfg.model, f.encode_name, '?')!r})"
+        else:
+            shown = f"default {value!r}"
         out.append(f"model.{f.encode_name}: {shown}")
     return out
 
