@@ -309,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--fail-on-loss", action="store_true", help="exit 1 when any payload failed (not only when one was lost)")
     p.set_defaults(func=_cmd_ab)
+    from .live_ab import add_parser as add_live_ab
+
+    add_live_ab(sub)
     return parser
 
 

@@ -8,7 +8,8 @@ counters. Engines call :meth:`DecodeMiddleware.receive` for every incoming paylo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,6 +42,9 @@ class DecodeMiddleware:
     pipeline: ReceivePipeline
     assembler: ProposalAssembler
     metrics: Metrics
+    # Metric exporters this middleware owns (the [metrics] endpoint, an engine's
+    # multiprocess mirror): anything with stop(), stopped by close().
+    exporters: list[Any] = field(default_factory=list)
 
     @classmethod
     def from_config(
@@ -51,6 +55,7 @@ class DecodeMiddleware:
         *,
         router: Any | None = None,
         assembler_factory: Callable[[Config], ProposalAssembler] | None = None,
+        serve_metrics: bool = True,
     ) -> "DecodeMiddleware":
         """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError.
 
@@ -61,6 +66,10 @@ class DecodeMiddleware:
         ``assembler_factory``: builds the assembler from the resolved config instead
         of ``decode.max_batch``/``decode.num_buffers`` (the A/B job sizes it to its
         batch).
+        With ``[metrics] port`` set and ``serve_metrics``, also starts the metrics
+        endpoint (stopped by :meth:`close`); an engine that builds several middlewares
+        over one ``metrics`` passes False and starts one endpoint itself
+        (:func:`pd_middleware.metrics_export.serve`).
         """
         resolved, reg = _resolve(config, registry, "decode")
         cfg = resolved.config
@@ -93,7 +102,14 @@ class DecodeMiddleware:
                 device=cfg.decode.device,
                 num_buffers=cfg.decode.num_buffers,
             )
-        return cls(cfg, pipeline, assembler, m)
+        mw = cls(cfg, pipeline, assembler, m)
+        if serve_metrics:
+            from .metrics_export import serve
+
+            server = serve(m, cfg.metrics)
+            if server is not None:
+                mw.exporters.append(server)
+        return mw
 
     def receive(self, payload: Payload, context: ReceiveContext | None = None) -> Delivery | Failure:
         """Run one payload through hooks and synthesis (never raises for bad payloads)."""
@@ -101,9 +117,16 @@ class DecodeMiddleware:
 
     def assemble(self, deliveries: Sequence[Delivery]) -> Any:
         """``draft_probs`` for a batch: (B, V) or (B, S, V) FP32 view, or None (RS off)."""
-        return self.assembler.build([d.proposal for d in deliveries])
+        t0 = time.perf_counter()
+        out = self.assembler.build([d.proposal for d in deliveries])
+        self.metrics.batch_assembly.observe(time.perf_counter() - t0)
+        return out
 
     def close(self) -> None:
+        """Close plugins and stop the metric exporters (the endpoint releases its port)."""
+        exporters, self.exporters = self.exporters, []
+        for e in exporters:
+            e.stop()
         self.pipeline.close()
 
 

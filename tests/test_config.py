@@ -22,8 +22,8 @@ def test_defaults():
         ({"modle": {}}, "modle", "unknown field `modle`"),
         ({"model": {"vocab_sise": 5}}, "model.vocab_sise", "unknown field `vocab_sise`; did you mean `vocab_size`?"),
         ({"model": {"vocab_size": 0}}, "model.vocab_size", r"must be in \[1, 16777216\]"),
-        ({"model": {"vocab_size": "10"}}, "model.vocab_size", "Expected `int`, got `str`"),
-        ({"model": {"num_steps": True}}, "model.num_steps", "Expected `int`, got `bool`"),
+        ({"model": {"vocab_size": "10"}}, "model.vocab_size", "Expected `int \\| null`, got `str`"),
+        ({"model": {"num_steps": True}}, "model.num_steps", "Expected `int \\| null`, got `bool`"),
         ({"model": {"hidden_dtype": "int8"}}, "model.hidden_dtype", "Invalid enum value 'int8'"),
         ({"decode": {"rejection_sampling": "yes"}}, "decode.rejection_sampling", "Expected `bool`"),
         ({"decode": {"device": "tpu"}}, "decode.device", "must be 'cpu', 'cuda' or 'cuda:N'"),
@@ -117,7 +117,7 @@ def test_every_error_is_reported_at_once_with_suggestions():
     assert got == {
         ("modle", "unknown field `modle`; did you mean `model`?"),
         ("model.vocab_sise", "unknown field `vocab_sise`; did you mean `vocab_size`?"),
-        ("model.num_steps", "Expected `int`, got `str`"),
+        ("model.num_steps", "Expected `int | null`, got `str`"),
         ("decode.max_batch", "must be in [1, 65536], got 0"),
         ("hooks[0].optoins", "unknown field `optoins`; did you mean `options`?"),
     }
