@@ -89,6 +89,11 @@ def check_hosts(config: Config) -> list[Finding]:
     host = getattr(mc, "host", None)
     if isinstance(host, str) and not (_is_ip(host) or _HOSTNAME_RE.match(host)):
         out.append(Finding("error", "transport.mooncake.host", f"{host!r} is not an IP address or a host name"))
+    metrics = getattr(config, "metrics", None)
+    mhost = getattr(metrics, "host", None)
+    if getattr(metrics, "port", None) is not None and isinstance(mhost, str):
+        if not (mhost == "localhost" or _is_ip(mhost) or mhost in interfaces):
+            out.append(Finding("error", "metrics.host", f"{mhost!r} is not an IP address, 'localhost' or a local interface"))
     return out
 
 
