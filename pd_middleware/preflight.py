@@ -198,7 +198,7 @@ def probe_pair(config: Config, registry: Any, encoder: ResolvedPlugin, synthesiz
     )
 
 
-def _context(config: Config, vocab: int, steps: int, side: str) -> Any:
+def _context(config: Config, vocab: int, steps: int, side: Literal["prefill", "decode"]) -> Any:
     from .contracts import PluginContext
 
     return PluginContext(
@@ -206,7 +206,7 @@ def _context(config: Config, vocab: int, steps: int, side: str) -> Any:
         num_steps=steps,
         rejection_sampling=config.decode.rejection_sampling,
         device="cpu",
-        side=side,  # type: ignore[arg-type]  # a Literal checked by the caller
+        side=side,
         arms=tuple((a.name, a.weight) for a in config.arms),
     )
 
