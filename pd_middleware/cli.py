@@ -126,8 +126,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         print(f"  note: {line}")
     m = cfg.model
     print(
-        f"  model: vocab_size={m.vocab_size} num_steps={m.num_steps} "
-        f"rejection_sampling={cfg.decode.rejection_sampling} max_batch={cfg.decode.max_batch} device={cfg.decode.device}"
+        f"  model: vocab_size={m.declared_vocab_size or 'engine'} num_steps={m.declared_num_steps or 'engine'} "
+        f"rejection_sampling={cfg.decode.rejection_sampling} max_batch={cfg.decode.max_batch} "
+        f"device={cfg.decode.device}"
     )
     print(f"  hooks: {', '.join(h.spec.name for h in resolved.hooks) or '(none)'}")
     for arm, r in resolved.synthesizers.items():

@@ -53,12 +53,16 @@ class DecodeMiddleware:
         registry: PluginRegistry | None = None,
         metrics: Metrics | None = None,
         *,
+        serve_metrics: bool = True,
         router: Any | None = None,
         assembler_factory: Callable[[Config], ProposalAssembler] | None = None,
-        serve_metrics: bool = True,
     ) -> "DecodeMiddleware":
         """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError.
 
+        With ``[metrics] port`` set and ``serve_metrics``, also starts the metrics
+        endpoint (stopped by :meth:`close`); an engine that builds several middlewares
+        over one ``metrics`` passes False and starts one endpoint itself
+        (:func:`pd_middleware.metrics_export.serve`).
         ``router``: a receive hook that sets ``context.arm``. It replaces every
         configured hook that routes arms (``routes_arms = True``, e.g. ``ab_split``)
         and runs first, so every other hook sees the payload's arm. The offline A/B
@@ -66,10 +70,6 @@ class DecodeMiddleware:
         ``assembler_factory``: builds the assembler from the resolved config instead
         of ``decode.max_batch``/``decode.num_buffers`` (the A/B job sizes it to its
         batch).
-        With ``[metrics] port`` set and ``serve_metrics``, also starts the metrics
-        endpoint (stopped by :meth:`close`); an engine that builds several middlewares
-        over one ``metrics`` passes False and starts one endpoint itself
-        (:func:`pd_middleware.metrics_export.serve`).
         """
         resolved, reg = _resolve(config, registry, "decode")
         cfg = resolved.config

@@ -126,3 +126,30 @@ def test_markdown_and_csv() -> None:
 def test_fmt_bytes_units() -> None:
     assert [fmt_bytes(x) for x in (0, 999, 4096, 608_256, 2.5e6, None)] == ["0 B", "999 B", "4.1 KB", "608.3 KB", "2.5 MB", "-"]
     assert not math.isnan(_report().arms[0].latency_ms.p50)
+
+
+def test_progress_lines_off_a_terminal_and_a_bar_on_one() -> None:
+    from pd_middleware.ab.progress import Progress
+
+    plain = io.StringIO()
+    bar = Progress(200, "ab", stream=plain)
+    for done in range(0, 201, 10):
+        bar.update(done)
+    bar.close()
+    lines = plain.getvalue().splitlines()
+    assert len(lines) == 11 and lines[-1].startswith("ab: 200/200 payloads (100%)")
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    bar = Progress(200, "ab", stream=tty)
+    bar.update(100)
+    bar.close()
+    assert "100/200" in tty.getvalue() and "━" in tty.getvalue()  # rich drew its bar (transient)
+    silent = io.StringIO()
+    off = Progress(200, "ab", enabled=False, stream=silent)
+    off.update(200)
+    off.close()
+    assert silent.getvalue() == ""

@@ -699,3 +699,17 @@ def test_real_live_ab_split_routes_each_room_to_its_arm(ed) -> None:
         want = sparse_law_tensor(enc.proposals[i], 1, V)[0] if arm == "sparse" else torch.nn.functional.one_hot(enc.tokens[i, 0], V).float()
         assert torch.equal(got[i], want), f"room {rooms[i]} arm {arm}"
     assert inst.middleware.metrics.snapshot()["delivered_by_arm"] == {a: arms.count(a) for a in set(arms)}
+
+
+def test_sidechannel_activation_starts_the_receiver_and_needs_an_address(monkeypatch) -> None:
+    cfg = make_config(synthesizer={"name": "sparse"}, encoder={"name": "sparse", "options": {"k": 3}})
+    inst = install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts())
+    assert inst.receiver is not None and inst.store is not None and inst.receiver.address.startswith("tcp://127.0.0.1:")
+    address = inst.receiver.address
+    assert S.uninstall()
+    monkeypatch.delenv("PD_MIDDLEWARE_DECODE_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="needs PD_MIDDLEWARE_DECODE_ADDRESS"):
+        install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill"))
+    monkeypatch.setenv("PD_MIDDLEWARE_DECODE_ADDRESS", address)
+    inst = install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill"))
+    assert inst.publisher is not None and inst.publisher.stage is None  # connects on its first publish
