@@ -35,6 +35,8 @@ class Metrics:
         self.bytes: dict[str, int] = {p: 0 for p in PLANES}
         self.arm_delivered: dict[str, int] = {}
         self.arm_failed: Counter[str] = Counter()
+        # 1 while the receive loop runs, 0 once it ended (set by the transport receiver).
+        self.receiver_alive = 0
         self._lock = threading.Lock()
 
     @property
@@ -69,6 +71,7 @@ class Metrics:
                 "bytes_by_plane": dict(self.bytes),
                 "delivered_by_arm": dict(self.arm_delivered),
                 "failed_by_arm": dict(self.arm_failed),
+                "receiver_alive": self.receiver_alive,
             }
 
     def format(self) -> str:
@@ -96,7 +99,7 @@ class Metrics:
         renders the Prometheus text format.
         """
         from prometheus_client import REGISTRY
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         metrics = self
 
@@ -124,6 +127,9 @@ class Metrics:
                 for plane, n in sorted(s["bytes_by_plane"].items()):
                     c.add_metric([plane], n)
                 yield c
+                g = GaugeMetricFamily(f"{prefix}_receiver_alive", "1 while the decode receive loop runs")
+                g.add_metric([], s["receiver_alive"])
+                yield g
 
         collector = _Collector()
         (registry if registry is not None else REGISTRY).register(collector)

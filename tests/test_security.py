@@ -34,7 +34,7 @@ from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
 from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
-from pd_middleware.transport.auth import Signer
+from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -64,7 +64,7 @@ class OneHot:
 def zctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
 
 
 def cfg(**kw) -> TransportConfig:
@@ -89,12 +89,13 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
     rec = Recorder()
     rx = DecodeReceiver(cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
     good = Signer(KEY.encode())
+    nonce = new_nonce()
     try:
         attacker = dealer(zctx, rx.address)
         # A signed hello from the attacker socket would make it a peer; send one so that
         # payload rejections below are due to the signature, not to a missing hello.
-        hello = [wire.encode(wire.Hello(name="attacker", want_slots=0))]
-        attacker.send_multipart([*hello, good.sign(hello)])
+        hello = [wire.encode(wire.Hello(name="attacker", want_slots=0, ts=time.time()))]
+        attacker.send_multipart([*hello, *good.sign(hello, nonce, 0, TO_DECODE)])
         assert attacker.poll(5000)
         attacker.recv_multipart()
         n = 20
@@ -102,13 +103,14 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
             frames = tw.inline_frames(tw.make(rid=f"unsigned-{i}"))
             attacker.send_multipart(frames)
             frames = tw.inline_frames(tw.make(rid=f"forged-{i}"))
-            attacker.send_multipart([*frames, Signer(b"not-the-key-not-the-key").sign(frames)])
+            attacker.send_multipart([*frames, *Signer(b"not-the-key-not-the-key").sign(frames, nonce, 1 + i, TO_DECODE)])
             frames = tw.inline_frames(tw.make(rid=f"tampered-{i}"))
-            sig = good.sign(frames)
+            sig = good.sign(frames, nonce, 1 + i, TO_DECODE)
             frames[1] = bytes([frames[1][0] ^ 1]) + frames[1][1:]  # one bit of the tensor frame
-            attacker.send_multipart([*frames, sig])
+            attacker.send_multipart([*frames, *sig])
             frames = tw.inline_frames(tw.make(rid=f"truncsig-{i}"))
-            attacker.send_multipart([*frames, good.sign(frames)[:16]])
+            tail, mac = good.sign(frames, nonce, 1 + i, TO_DECODE)
+            attacker.send_multipart([*frames, tail, mac[:16]])
         bad = collect_outcomes(rx, 4 * n)
         for o in bad:
             assert isinstance(o, Failure) and o.key == "wire:hmac" and o.request_id is None, o
@@ -117,7 +119,7 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
         assert rx.metrics.snapshot()["failed_by_reason"] == {"wire:hmac": 4 * n}
         # Negative control: the same socket, correctly signed, is delivered (the test can fail).
         frames = tw.inline_frames(tw.make(rid="signed-ok"))
-        attacker.send_multipart([*frames, good.sign(frames)])
+        attacker.send_multipart([*frames, *good.sign(frames, nonce, 1, TO_DECODE)])
         (ok,) = collect_outcomes(rx, 1)
         assert isinstance(ok, Delivery) and ok.request_id == "signed-ok" and rec.seen == ["signed-ok"]
         assert rx.get(timeout=0.2) is None  # nothing else queued
@@ -346,10 +348,10 @@ def test_msgspec_decoders_have_no_ext_hook() -> None:
     from pd_middleware.workloads import trace
 
     decoders.update({f"trace.{n}": getattr(trace, n) for n in dir(trace) if isinstance(getattr(trace, n), msgspec.msgpack.Decoder)})
-    assert {"INBOUND_DECODER", "OUTBOUND_DECODER", "_RAW_DECODER"} <= set(decoders)
+    assert {"INBOUND_DECODER", "OUTBOUND_DECODER", "_SHALLOW_DECODER"} <= set(decoders)
     for name, dec in decoders.items():
         assert dec.ext_hook is None, name
-    # An ext value anywhere in a typed message is a WireError, and the untyped decoder
+    # An ext value anywhere in a typed message is a WireError, and the shallow decoder
     # (used to sniff request ids on the error path) yields inert bytes, not objects.
     ext = b"\xd4\x01\x00"
     raw = msgspec.msgpack.decode(tw.inline_frames(tw.make())[0])
@@ -357,8 +359,8 @@ def test_msgspec_decoders_have_no_ext_hook() -> None:
     with pytest.raises(WireError) as info:
         wire.decode_frame(frame, LimitsConfig())
     assert info.value.field == "request_id" and "Expected `str`, got `ext`" in str(info.value)
-    got = wire._RAW_DECODER.decode(ext)
-    assert type(got) is msgspec.msgpack.Ext and got.data == b"\x00"
+    got = wire._SHALLOW_DECODER.decode(msgspec.msgpack.encode({"request_id": msgspec.msgpack.Ext(1, b"\x00")}))
+    assert type(got["request_id"]) is msgspec.Raw and bytes(got["request_id"]) == b"\xd4\x01\x00"
 
 
 # ---- plugin references ------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def small_slots(**kw) -> SlotsConfig:
 def zctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
 
 
 def pipeline() -> ReceivePipeline:
@@ -321,9 +321,11 @@ def _raw_peer(ctx: zmq.Context, address: str, signer=None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
-    frames = [wire.encode(wire.Hello(name="raw", want_slots=0))]
+    frames = [wire.encode(wire.Hello(name="raw", want_slots=0, ts=time.time()))]
     if signer is not None:
-        frames.append(signer.sign(frames))
+        from pd_middleware.transport.auth import TO_DECODE, new_nonce
+
+        frames += signer.sign(frames, new_nonce(), 0, TO_DECODE)
     sock.send_multipart(frames)
     assert sock.poll(5000), "no reply to hello"
     sock.recv_multipart()
@@ -345,7 +347,7 @@ def test_hmac_rejects_unsigned_and_forged(zctx) -> None:
         attacker.connect(rx.address)
         frames = tw.inline_frames(tw.make(rid="injected"))
         attacker.send_multipart(frames)  # unsigned
-        attacker.send_multipart([*frames, Signer(b"wrong-key-wrong-key").sign(frames)])  # forged
+        attacker.send_multipart([*frames, *Signer(b"wrong-key-wrong-key").sign(frames, bytes(16), 0, b"P")])  # forged
         # Replaying the signed sender's payload under an unsigned hello does not help either.
         outs = collect_outcomes(rx, 2)
         for o in outs:

@@ -42,7 +42,7 @@ import zmq
 from .._errors import NoSlotError, TransferError, WireError
 from ..payload import Payload
 from . import wire
-from .auth import Signer
+from .auth import TO_DECODE, TO_PREFILL, Signer, curve_client, new_nonce
 from .bulk import POLL_FAST_S, POLL_MAX_S, POLL_MIN_S, BulkWriter, InFlight
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
@@ -73,6 +73,11 @@ class PrefillSender:
         self._clock = clock
         key = config.secret()
         self._signer = Signer(key) if key is not None else None
+        # HMAC mode: this connection's nonce, the next sequence to send, the last received.
+        self._nonce = new_nonce()
+        self._tx_seq = 0
+        self._rx_seq = -1
+        self._thread_error: str | None = None  # why the background thread died, if it did
         self._lock = threading.RLock()
         self._sock: zmq.Socket | None = None
         self._address = ""
@@ -111,7 +116,8 @@ class PrefillSender:
         with self._lock:
             self._open_socket(address)
             self._hello(timeout if timeout is not None else self.config.connect_timeout_s)
-        if self._hb_thread is None:
+        if self._hb_thread is None or not self._hb_thread.is_alive():
+            self._thread_error = None
             self._hb_stop.clear()
             self._hb_thread = threading.Thread(target=self._background, name=f"{self.name}-background", daemon=True)
             self._hb_thread.start()
@@ -149,6 +155,16 @@ class PrefillSender:
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
+        if self.config.curve.enabled:
+            try:
+                curve_client(sock, self.config.curve)
+            except BaseException:
+                sock.close(0)
+                raise
+        # A fresh connection: a fresh nonce, so nothing signed on an earlier one replays here.
+        self._nonce = new_nonce()
+        self._tx_seq = 0
+        self._rx_seq = -1
         sock.connect(address)
         self._sock = sock
         self._address = address
@@ -172,7 +188,7 @@ class PrefillSender:
         assert sock is not None
         want = self.config.slots.per_peer if self.engine is not None else 0
         mc = self.engine.peer_name if self.engine is not None else None
-        self._send_msg(wire.Hello(name=self.name, want_slots=want, mooncake=mc))
+        self._send_msg(wire.Hello(name=self.name, want_slots=want, mooncake=mc, ts=time.time()))
         deadline = self._clock() + timeout
         while True:
             left = deadline - self._clock()
@@ -201,14 +217,22 @@ class PrefillSender:
         assert self._sock is not None
         frames = self._sock.recv_multipart()
         if self._signer is not None:
-            if not self._signer.verify(frames):
+            opened = self._signer.open(frames, TO_PREFILL)
+            if opened is None:
                 self.rejected["hmac"] += 1
                 return None
-            frames = frames[:-1]
+            if opened[0] != self._nonce or opened[1] <= self._rx_seq:
+                self.rejected["replay"] += 1  # another connection's message, or one seen already
+                return None
+            self._rx_seq = opened[1]
+            frames = frames[:-2]
         try:
             msg = wire.decode_frame(frames[0], self.config.limits, wire.OUTBOUND_DECODER)
         except WireError as exc:
             self.rejected[f"wire:{exc.field}"] += 1
+            return None
+        except Exception as exc:  # noqa: BLE001 - one bad message from the decode, never the sender
+            self.rejected[f"internal:{type(exc).__name__}"] += 1
             return None
         self._last_heard = self._clock()
         kind = type(msg)
@@ -267,7 +291,8 @@ class PrefillSender:
         if extra:
             frames += extra
         if self._signer is not None:
-            frames.append(self._signer.sign(frames))
+            frames += self._signer.sign(frames, self._nonce, self._tx_seq, TO_DECODE)
+            self._tx_seq += 1
         assert self._sock is not None
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
@@ -491,7 +516,8 @@ class PrefillSender:
                 "bytes_by_plane": dict(self.bytes),
                 "free_slots": len(self._free),
                 "writes_in_flight": len(self._inflight),
-                "connected": self._lost is None,
+                "connected": self.connected,
+                "background_error": self._thread_error,
             }
 
     def failures(self) -> list[tuple[str, str, str]]:
@@ -501,11 +527,22 @@ class PrefillSender:
 
     @property
     def connected(self) -> bool:
-        return self._lost is None
+        """True while the decode is reachable and the background thread runs."""
+        return self._lost is None and self._thread_error is None
 
     # -- background thread ------------------------------------------------------
 
     def _background(self) -> None:
+        """Run :meth:`_background_loop`; if it ever ends on an exception, the decode is lost
+        (``connected`` reads False and the next send raises) instead of a silent stall."""
+        try:
+            self._background_loop()
+        except BaseException as exc:  # noqa: BLE001 - reported through connected/send
+            self._thread_error = f"{type(exc).__name__}: {exc}"
+            self._lost = f"the sender's background thread died ({self._thread_error})"
+            raise
+
+    def _background_loop(self) -> None:
         """Complete writes in flight promptly; heartbeat and watch the decode when idle."""
         hb = self.config.heartbeat_s
         next_hb = self._clock() + hb / 2
