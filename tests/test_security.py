@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import zmq
 
-from pd_middleware import ConfigError, OneHotProposal, Payload, PluginError, WireError
+from pd_middleware import ConfigError, OneHotProposal, Payload, PluginError, TransferError, WireError
 from pd_middleware.config import load_config, resolve_plugins
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
@@ -428,3 +428,142 @@ def test_plugin_reference_in_config_names_the_key(tmp_path, plugin_on_disk) -> N
     with pytest.raises(PluginError, match=r"\(config key synthesizer.name\): os:system is a builtin_function_or_method, not a PluginSpec|not a PluginSpec"):
         PluginRegistry().resolve("synthesizer", "os:system", key="synthesizer.name")
     assert not plugin_on_disk.exists()
+
+
+# ---- CURVE: authenticated identity, allowlist, memory against raw ZMTP -----------------
+
+import resource  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "reliability"))
+from _zmtp import RawZmtp  # noqa: E402
+
+from pd_middleware.transport.config import CurveConfig  # noqa: E402
+
+
+def _keys(monkeypatch, name: str) -> tuple[str, str]:
+    """A fresh keypair; the secret goes into the env var PDM_TEST_CURVE_<NAME>."""
+    pub, sec = zmq.curve_keypair()
+    monkeypatch.setenv(f"PDM_TEST_CURVE_{name.upper()}", sec.decode())
+    return pub.decode(), f"PDM_TEST_CURVE_{name.upper()}"
+
+
+@pytest.fixture
+def curve_setup(monkeypatch):
+    server_pub, server_env = _keys(monkeypatch, "server")
+    alice_pub, alice_env = _keys(monkeypatch, "alice")
+    bob_pub, bob_env = _keys(monkeypatch, "bob")
+    eve_pub, eve_env = _keys(monkeypatch, "eve")  # a valid key pair, not on the allowlist
+    server = cfg(curve=CurveConfig(enabled=True, secret_key_env=server_env, clients={"alice": alice_pub, "bob": bob_pub}))
+
+    def client(env: str, **kw) -> TransportConfig:
+        return cfg(curve=CurveConfig(enabled=True, secret_key_env=env, server_key=server_pub), **kw)
+
+    return server, {"alice": client(alice_env), "bob": client(bob_env), "eve": client(eve_env)}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_curve_identity_is_the_key_and_strangers_never_reach_python(zctx, curve_setup) -> None:
+    server, clients = curve_setup
+    rec = Recorder()
+    rx = DecodeReceiver(server, ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    try:
+        # The hello claims "bob", but the key is alice's: the identity is alice.
+        a = PrefillSender(clients["alice"], context=zctx, name="bob").connect(rx.address)
+        a.send(tw.make(rid="from-alice"))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.peer == "alice" and rx.peers == {"alice": 0}
+        # A valid key that is not allowed, and a plain (NULL) client: no grant, nothing received.
+        for c in (clients["eve"], cfg(connect_timeout_s=0.5)):
+            c = msgspec.structs.replace(c, connect_timeout_s=0.5)
+            with pytest.raises(TransferError, match="no slot grant"):
+                PrefillSender(c, context=zctx, name="alice").connect(rx.address)
+        # Spoofing alice's name from bob's (allowed) key neither drops alice nor takes her id.
+        b = PrefillSender(clients["bob"], context=zctx, name="alice").connect(rx.address)
+        assert rx.peers == {"alice": 0, "bob": 0}
+        a.send(tw.make(rid="alice-again"))
+        (d2,) = collect_outcomes(rx, 1)
+        assert d2.peer == "alice" and a.flush(5) and a.statuses()["delivered"] == 2
+        assert rec.seen == ["from-alice", "alice-again"]
+        assert rx.metrics.snapshot()["failed"] == 0
+        a.close()
+        b.close()
+    finally:
+        rx.stop()
+
+
+def test_curve_raw_zmtp_stream_is_refused_at_the_handshake(zctx, curve_setup) -> None:
+    server, _ = curve_setup
+    rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    plain = DecodeReceiver(cfg(), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    try:
+        host, port = rx.address[len("tcp://"):].rsplit(":", 1)
+        # Negative control: the same raw client completes a NULL handshake with a plain receiver.
+        ctl = RawZmtp(host, int(plain.address.rsplit(":", 1)[1]))
+        assert ctl.handshake()
+        ctl.close()
+        before = _rss_mb()
+        raw = RawZmtp(host, int(port))
+        assert not raw.handshake()  # a CURVE server closes a NULL client
+        sent = raw.stream_more(64 << 20)  # a never-ending message: MORE on every empty frame
+        raw.close()
+        time.sleep(0.2)
+        assert sent < 64 << 20 or _rss_mb() - before < 32, (sent, _rss_mb() - before)
+        assert _rss_mb() - before < 32  # MB: nothing was buffered
+        assert rx.healthy and rx.metrics.snapshot()["received"] == 0
+    finally:
+        rx.stop()
+        plain.stop()
+
+
+# ---- HMAC: replay --------------------------------------------------------------------------
+
+
+def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
+    rec = Recorder()
+    rx = DecodeReceiver(cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    good = Signer(KEY.encode())
+    nonce = new_nonce()
+    try:
+        legit = dealer(zctx, rx.address)
+        hello = [wire.encode(wire.Hello(name="legit", want_slots=0, ts=time.time()))]
+        signed_hello = [*hello, *good.sign(hello, nonce, 0, TO_DECODE)]
+        legit.send_multipart(signed_hello)
+        assert legit.poll(5000)
+        legit.recv_multipart()
+        frames = tw.inline_frames(tw.make(rid="once"))
+        captured = [*frames, *good.sign(frames, nonce, 1, TO_DECODE)]
+        legit.send_multipart(captured)
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.release() is None
+        time.sleep(0.05)
+        legit.send_multipart(captured)  # replay on the same connection
+        (r1,) = collect_outcomes(rx, 1)
+        assert r1.key == "wire:replay"
+        # Replay the captured hello, then the payload, from another connection.
+        thief = dealer(zctx, rx.address)
+        thief.send_multipart(signed_hello)
+        thief.send_multipart(captured)
+        r2, r3 = collect_outcomes(rx, 2)
+        assert r2.key == "wire:replay" and r3.key == "wire:peer"  # refused hello, then "unknown peer"
+        assert rx.peers == {"legit": 0}  # the legit peer was not dropped
+        # A stale hello (outside the freshness window) is refused too.
+        old = [wire.encode(wire.Hello(name="late", want_slots=0, ts=time.time() - 3600))]
+        thief.send_multipart([*old, *good.sign(old, new_nonce(), 0, TO_DECODE)])
+        (r4,) = collect_outcomes(rx, 1)
+        assert r4.key == "wire:replay" and "off this clock" in r4.reason
+        # Negative control: the legit connection's next sequence is delivered.
+        frames = tw.inline_frames(tw.make(rid="twice"))
+        legit.send_multipart([*frames, *good.sign(frames, nonce, 2, TO_DECODE)])
+        (ok,) = collect_outcomes(rx, 1)
+        assert isinstance(ok, Delivery) and rec.seen == ["once", "twice"]
+        legit.close(0)
+        thief.close(0)
+    finally:
+        rx.stop()

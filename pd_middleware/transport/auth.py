@@ -35,6 +35,7 @@ import weakref
 from typing import Sequence, Union
 
 import zmq
+import zmq.auth
 
 from .._errors import ConfigError
 
@@ -106,8 +107,6 @@ def write_keypair(directory: str | os.PathLike[str], name: str) -> tuple[str, st
     The public file goes into the decode's ``curve.clients_dir`` (or its Z85 text into
     ``curve.clients``); the secret file is this node's ``curve.secret_key_file``.
     """
-    import zmq.auth
-
     pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
     pub, sec = zmq.auth.create_certificates(str(directory), name)
     return str(pub), str(sec)
@@ -130,8 +129,6 @@ def load_secret_key(curve: object) -> tuple[bytes, bytes]:
     elif path is not None:
         where = "transport.curve.secret_key_file"
         try:
-            import zmq.auth
-
             _, sec = zmq.auth.load_certificate(path)
             secret = sec
         except (OSError, ValueError) as exc:
@@ -152,8 +149,6 @@ def load_allowlist(curve: object) -> dict[str, str]:
     allowed = {key: name for name, key in getattr(curve, "clients", {}).items()}
     directory = getattr(curve, "clients_dir", None)
     if directory is not None:
-        import zmq.auth
-
         root = pathlib.Path(directory)
         if not root.is_dir():
             raise ConfigError(f"{directory} is not a directory", path="transport.curve.clients_dir")
