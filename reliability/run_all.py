@@ -27,6 +27,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str], float]] = {
     "load": ([], ["--per-proc", "2000", "--budget-s", "90"], 420.0),
     "faults": ([], [], 300.0),
     "config_fuzz": ([], ["--cases", "1000"], 240.0),
+    "attacks": ([], ["--scale", "0.2"], 300.0),
 }
 
 # Figures shown in the table, per script.
@@ -35,6 +36,7 @@ SHOWN = {
     "load": ["sent", "delivered", "failed", "lost", "throughput_per_s", "latency_ms_p50", "latency_ms_p99"],
     "faults": ["failed_scenarios"],
     "config_fuzz": ["tried", "rejected_with_path", "accepted_silently"],
+    "attacks": ["attacks", "crashes", "hangs", "lost", "wrong"],
 }
 
 
@@ -99,6 +101,12 @@ def main() -> int:
         for n, s in results["faults"]["scenarios"].items():
             una = s.get("unaffected_delivered", s.get("unaffected_delivered_during_freeze"))
             print(f"{n:<20} {str(s.get('ok')):<5} {str(s.get('affected_failed_with_reason')):>15} {str(una):>21} {str(s.get('lost')):>5} {str(s.get('recovery_s')):>11}")
+    if "attacks" in results and isinstance(results["attacks"].get("cases"), dict):
+        print()
+        print(f"{'attack':<16} {'attacks':>8} {'crashes':>8} {'hangs':>6} {'lost':>5} {'wrong':>6}  figures")
+        for n, c in results["attacks"]["cases"].items():
+            figs = ", ".join(f"{k}={c[k]}" for k in ("rss_growth_mb", "bound_mb", "handshakes_accepted") if k in c)
+            print(f"{n:<16} {c.get('attacks', '-'):>8} {c.get('crashes'):>8} {c.get('hangs'):>6} {c.get('lost'):>5} {c.get('wrong'):>6}  {figs}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
