@@ -45,12 +45,6 @@ class Peer:
     outstanding: dict[str, None] = field(default_factory=dict)
     resolver: Callable[..., memoryview] | None = None
 
-    def hold(self, rid: str) -> None:
-        out = self.outstanding
-        out[rid] = None
-        if len(out) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
-            del out[next(iter(out))]
-
 
 class PeerTable:
     """Peers by routing id, and the coalesced acks owed to them."""

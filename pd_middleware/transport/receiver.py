@@ -49,7 +49,7 @@ from . import wire
 from .auth import HELLO_FRESH_S, TO_DECODE, TO_PREFILL, CurveGate, Signer, curve_server
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
-from .peers import ACK_BATCH, ACK_INTERVAL_S, Peer, PeerTable
+from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, Peer, PeerTable
 from .slots import SlotPool
 
 _PayloadHeader = wire.PayloadHeader
@@ -488,7 +488,7 @@ class DecodeReceiver:
             n = sum(map(len, body))
             self._reject(ident, WireError(f"{len(body)} frames is not in [1, {limits.max_frames}]", field="frames"), "wire", n)
             return
-        peer = self._peers.get(ident)
+        peer = self._peers.by_ident.get(ident)
         nonce, seq = _NO_NONCE, 0
         if signed:
             opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]
@@ -505,8 +505,8 @@ class DecodeReceiver:
                 peer.rx_seq = seq
             else:
                 peer = None  # only a fresh hello may open (or reopen) a connection
-        if curve_key_mismatch(peer, user):
-            peer = None
+        if user is not None and peer is not None and peer.key != user:
+            peer = None  # never expected (libzmq keeps one key per connection): a reused routing id
         try:
             msg = wire.decode_frame(body[0], limits)
         except WireError as exc:
@@ -641,7 +641,10 @@ class DecodeReceiver:
         self._pending_wake = True
         if type(out) is Delivery:
             item[4] = True
-            peer.hold(rid)
+            held = peer.outstanding
+            held[rid] = None
+            if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
+                del held[next(iter(held))]
             if consumed:
                 self._held_n += 1
             else:
@@ -710,13 +713,6 @@ class DecodeReceiver:
             for rid, (name, _) in list(self._expected.items()):
                 if name == peer.name:
                     self._fail_expected(rid, why, reason)
-
-
-def curve_key_mismatch(peer: Peer | None, user: str | None) -> bool:
-    """Whether a message on ``peer``'s connection came under another CURVE key (never
-    expected: libzmq keeps one key per connection; checked so a reused routing id can't
-    speak for a peer)."""
-    return peer is not None and user is not None and peer.key != user
 
 
 def open_receiver(
