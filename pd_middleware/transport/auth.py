@@ -177,6 +177,22 @@ _GATES: "weakref.WeakKeyDictionary[zmq.Context, tuple[object, set[str]]]" = weak
 _GATES_LOCK = threading.Lock()
 
 
+def _start(auth: object, wait_s: float = 2.0) -> None:
+    """Start a ZAP handler; the inproc endpoint of one stopped just before in this
+    context may take a moment to be released (libzmq unbinds asynchronously)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            auth.start()  # type: ignore[attr-defined]
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class CurveGate:
     """The decode's ZAP allowlist for one server socket (see the module docstring)."""
 
@@ -190,7 +206,7 @@ class CurveGate:
             entry = _GATES.get(ctx)
             if entry is None:
                 auth = ThreadAuthenticator(ctx)
-                auth.start()
+                _start(auth)
                 entry = (auth, set())
                 _GATES[ctx] = entry
             auth, domains = entry
