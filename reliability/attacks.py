@@ -353,7 +353,7 @@ def case_inline_flood(ctx: zmq.Context, scale: float) -> dict[str, Any]:
             time.sleep(0.05)
             if time.monotonic() > deadline - 19 - n * 0.1 + 5:  # 5 s of stalled scheduler
                 break
-        queued = len(rx._out)
+        queued = len(rx._queue.items)
         peak = max(peak, rss_mb())
         # Only now does the scheduler drain: every payload the attacker sent arrives intact.
         got: set[str] = set()

@@ -221,8 +221,8 @@ def test_backpressure_bounds_the_queue_and_drops_nothing(zctx, limit: str) -> No
         for i in range(n):
             tx.send(make(f"r{i}", hidden=size))
         time.sleep(1.0)  # the scheduler is stalled past peer_timeout_s
-        queued = len(rx._out)
-        held = rx._bytes_in - rx._bytes_out
+        queued = len(rx._queue.items)
+        held = rx._queue.bytes_in - rx._queue.bytes_out
         if limit == "outcomes":
             assert queued <= 8
         else:

@@ -93,6 +93,37 @@ class Signer:
         return tail[:NONCE_BYTES], int.from_bytes(tail[NONCE_BYTES:], "big")
 
 
+class HelloGuard:
+    """The decode's memory of HMAC hellos: each opens a connection once, while fresh."""
+
+    #: Most nonces remembered; each is kept for twice HELLO_FRESH_S.
+    CAP = 1 << 16
+
+    def __init__(self) -> None:
+        self._nonces: dict[bytes, float] = {}
+
+    def check(self, ts: float, nonce: bytes, seq: int) -> str:
+        """Why a verified hello is a replay or stale ('' when it is fresh); remembers its nonce."""
+        import time
+
+        wall = time.time()
+        nonces = self._nonces
+        if len(nonces) >= self.CAP or (nonces and next(iter(nonces.values())) < wall):
+            for n, until in list(nonces.items()):
+                if until < wall:
+                    del nonces[n]
+        if seq != 0:
+            return f"a hello must open its connection with sequence 0, not {seq}"
+        if abs(wall - ts) > HELLO_FRESH_S:
+            return f"hello timestamp is {wall - ts:+.0f} s off this clock (more than {HELLO_FRESH_S:g} s)"
+        if nonce in nonces:
+            return "this hello's nonce was already used (a replayed hello)"
+        if len(nonces) >= self.CAP:
+            return "too many fresh hellos; try again shortly"
+        nonces[nonce] = wall + 2 * HELLO_FRESH_S
+        return ""
+
+
 def new_nonce() -> bytes:
     """A fresh random connection nonce."""
     return os.urandom(NONCE_BYTES)

@@ -32,7 +32,6 @@ may be overwritten by the next payload. Hooks that keep payloads must copy them.
 
 from __future__ import annotations
 
-import heapq
 import os
 import secrets
 import threading
@@ -46,16 +45,16 @@ from .._errors import TransferError, WireError
 from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
 from . import wire
-from .auth import HELLO_FRESH_S, TO_DECODE, TO_PREFILL, CurveGate, Signer, curve_server
+from .auth import TO_DECODE, TO_PREFILL, CurveGate, HelloGuard, Signer, curve_server
 from .config import TransportConfig
+from .expects import Expectations
 from .mooncake import MooncakeEngine
+from .outcomes import OutcomeQueue
 from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, Peer, PeerTable
 from .slots import SlotPool
 
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
-_ARRIVED_CAP = 1 << 16  # request ids remembered so a late expect() does not fail an arrived request
-_NONCE_CAP = 1 << 16  # HMAC hello nonces remembered (each for HELLO_FRESH_S x 2)
 _NO_NONCE = bytes(16)
 # [peer, request id, seq, slot, delivered?] of a payload whose releaser was called
 # (by the scheduler, or by the pipeline at once when the payload failed).
@@ -92,31 +91,17 @@ class DecodeReceiver:
         self._consumed_acks = config.ack == "consumed"
         self.session = secrets.token_hex(8)
         self.address = ""
-        # Outcomes for the scheduler. A deque plus an event set once per receive batch,
-        # not a queue woken per item: waking the scheduler thread for every payload
-        # made the two threads trade the GIL on every message (benchmarks/receive.py).
-        # _out_bytes runs beside it (appended first, so an outcome's entry is always
-        # there when the scheduler pops it): the inline bytes each outcome holds.
-        self._out: deque[Delivery | Failure] = deque()
-        self._out_bytes: deque[int] = deque()
-        self._bytes_in = 0  # inline bytes queued, ever (receiver thread)
-        self._bytes_out = 0  # inline bytes taken by the scheduler, ever (scheduler thread)
-        self._backpressure = False
-        self._ready = threading.Event()
-        self._pending_wake = False
+        self._queue = OutcomeQueue(self._wake)  # outcomes for the scheduler (outcomes.py)
         self._released: deque[_Release] = deque()
         # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
         self._held_n = 0  # releases the loop waits for: held slots, consumed acks (loop only)
-        self._expects: deque[tuple[str, str | None, float | None]] = deque()
-        self._expected: dict[str, tuple[str | None, float | None]] = {}
-        self._deadlines: list[tuple[float, str]] = []
-        self._arrived: dict[str, None] = {}
+        self._expects = Expectations()
+        self._expected = self._expects.expected  # read on the hot path
         self._peers = PeerTable()
-        self._nonces: dict[bytes, float] = {}  # HMAC hello nonces seen -> when to forget them
+        self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
         self._wake_armed = False
         self._running = False
-        self._dead: str | None = None  # why the loop ended on its own; None while healthy
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
         self._pool: SlotPool | None = None
@@ -171,7 +156,8 @@ class DecodeReceiver:
         os.set_blocking(w, False)
         self._pipe = (r, w)
         self._running = True
-        self._dead = None
+        self._queue.dead = None
+        self._queue.where = self.address
         self.metrics.receiver_alive = 1
         self._thread = threading.Thread(target=self._run, name="pd-decode-receiver", daemon=True)
         self._thread.start()
@@ -213,10 +199,7 @@ class DecodeReceiver:
     @property
     def healthy(self) -> bool:
         """False once the receive loop has ended on its own (never, by design; see :meth:`get`)."""
-        return self._dead is None
-
-    def _raise_dead(self) -> None:
-        raise TransferError(f"the decode receive loop stopped: {self._dead}", op="receive", peer=self.address)
+        return self._queue.dead is None
 
     def get(self, timeout: float | None = None) -> Delivery | Failure | None:
         """Next outcome, waiting up to ``timeout`` seconds; None if none arrived.
@@ -224,50 +207,11 @@ class DecodeReceiver:
         Raises :class:`TransferError` (op ``receive``) once the receive loop has died and
         every outcome it queued was taken: nothing more will ever arrive.
         """
-        out = self._out
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return self._took(out.popleft())
-            except IndexError:
-                pass
-            self._ready.clear()
-            try:  # re-check after clearing: an append before the clear is not lost
-                return self._took(out.popleft())
-            except IndexError:
-                pass
-            if self._dead is not None:
-                self._raise_dead()
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            self._ready.wait(left)
+        return self._queue.get(timeout)
 
     def drain(self, max_items: int = 1 << 30) -> list[Delivery | Failure]:
         """Every outcome ready now, at most ``max_items``; raises like :meth:`get` once the loop died."""
-        out: list[Delivery | Failure] = []
-        pop = self._out.popleft
-        pop_bytes = self._out_bytes.popleft
-        taken = 0
-        try:
-            while len(out) < max_items:
-                out.append(pop())
-                taken += pop_bytes()
-        except IndexError:
-            pass
-        if taken:
-            self._bytes_out += taken
-        if self._backpressure and out:
-            self._wake()
-        if not out and self._dead is not None:
-            self._raise_dead()
-        return out
-
-    def _took(self, item: Delivery | Failure) -> Delivery | Failure:
-        self._bytes_out += self._out_bytes.popleft()
-        if self._backpressure:
-            self._wake()
-        return item
+        return self._queue.drain(max_items)
 
     def expect(self, request_id: str, peer: str | None = None, deadline: float | None = None) -> None:
         """Announce a request the decode awaits (like SGLang's prealloc queue).
@@ -278,7 +222,7 @@ class DecodeReceiver:
         by ``deadline`` (this receiver's clock, ``time.monotonic`` by default), or with
         ``transfer:peer_lost`` when ``peer`` goes silent.
         """
-        self._expects.append((request_id, peer, deadline))
+        self._expects.announce(request_id, peer, deadline)
         self._wake()
 
     @property
@@ -321,19 +265,19 @@ class DecodeReceiver:
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - the application must learn of it, below
-            self._dead = f"{type(exc).__name__}: {exc}"
+            self._queue.dead = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            if self._running and self._dead is None:
-                self._dead = "the receive loop returned while running"
-            if self._dead is not None:
+            if self._running and self._queue.dead is None:
+                self._queue.dead = "the receive loop returned while running"
+            if self._queue.dead is not None:
                 self.metrics.receiver_alive = 0
             try:
                 self._shutdown()
             finally:
                 self.metrics.receiver_alive = 0
-                self._pending_wake = True
-                self._notify()
+                self._queue.pending_wake = True
+                self._queue.notify()
 
     def _loop(self) -> None:
         assert self._sock is not None and self._pipe is not None
@@ -344,6 +288,7 @@ class DecodeReceiver:
         tick = min(0.05, self.config.heartbeat_s / 2)
         next_tick = self._clock()
         batch = self.config.recv_batch
+        queue = self._queue
         max_out = self._limits.max_queued_outcomes
         max_bytes = self._limits.max_queued_inline_bytes
         # Frames kept per message: past this the rest are counted, not copied (the message
@@ -365,8 +310,8 @@ class DecodeReceiver:
                 wait = min(wait, ACK_INTERVAL_S)
             # Backpressure: with the scheduler this far behind, leave messages in libzmq
             # (then TCP) until it catches up; get()/drain() wake the loop.
-            full = len(self._out) >= max_out or self._bytes_in - self._bytes_out >= max_bytes
-            self._backpressure = full
+            full = queue.full(max_out, max_bytes)
+            queue.backpressure = full
             if full == reading:
                 reading = not full
                 poller.modify(sock, zmq.POLLIN if reading else 0)
@@ -377,7 +322,7 @@ class DecodeReceiver:
                 except BlockingIOError:
                     pass
             self._wake_armed = False
-            self._apply_expects()
+            self._expects.apply()
             if sock in events:
                 for _ in range(batch):
                     try:
@@ -400,9 +345,9 @@ class DecodeReceiver:
                             self._handle(frames, user)
                     except Exception as exc:  # noqa: BLE001 - one message fails, never the loop
                         self._internal(frames, exc)
-                    if len(self._out) >= max_out or self._bytes_in - self._bytes_out >= max_bytes:
+                    if queue.full(max_out, max_bytes):
                         break
-            self._notify()
+            queue.notify()
             self._apply_releases()
             now = self._clock()
             if now >= next_tick:
@@ -415,7 +360,7 @@ class DecodeReceiver:
             if pending and (pending >= ACK_BATCH or now - last_flush >= ACK_INTERVAL_S or self._peers.slots_freed()):
                 self._peers.flush(self._send)
                 last_flush = now
-            self._notify()  # outcomes of expiries found by _tick
+            queue.notify()  # outcomes of expiries found by _tick
 
     def _internal(self, frames: list[bytes], exc: Exception) -> None:
         """A message raised something no check foresaw: fail it (counted), keep serving."""
@@ -429,8 +374,8 @@ class DecodeReceiver:
     def _shutdown(self) -> None:
         for peer in self._peers:
             self._send(peer, wire.Bye(reason="decode receiver stopped"))
-        self._apply_expects()
-        for rid in list(self._expected):
+        self._expects.apply()
+        for rid in self._expects.take():
             self._fail_expected(rid, "stopped", "decode receiver stopped before the request arrived")
         if self._sock is not None:
             try:
@@ -461,16 +406,7 @@ class DecodeReceiver:
             self.unsent += 1  # peer gone or its queue full: it will time out and resync
 
     def _emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
-        self._out_bytes.append(nbytes)  # first: the scheduler pops both
-        self._out.append(outcome)
-        self._bytes_in += nbytes
-        self._pending_wake = True
-
-    def _notify(self) -> None:
-        """Wake a waiting scheduler once for everything emitted since the last call."""
-        if self._pending_wake:
-            self._pending_wake = False
-            self._ready.set()
+        self._queue.put(outcome, nbytes)
 
     def _reject(self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE) -> None:
         """Count and report a message that failed before its payload could be built."""
@@ -541,7 +477,7 @@ class DecodeReceiver:
                 return
             name = self._gate.allowed[user]  # the authenticated identity, whatever the hello says
         if self._signer is not None:
-            why = self._stale_hello(msg, nonce, seq)
+            why = self._hellos.check(msg.ts, nonce, seq)
             if why:
                 self._reject(ident, WireError(why, field="replay"), "replay", 0, nonce)
                 return
@@ -572,25 +508,6 @@ class DecodeReceiver:
                 heartbeat_s=self.config.heartbeat_s,
             ),
         )
-
-    def _stale_hello(self, msg: wire.Hello, nonce: bytes, seq: int) -> str:
-        """Why an HMAC-signed hello is a replay ('' when it is fresh); remembers its nonce."""
-        wall = time.time()
-        nonces = self._nonces
-        if len(nonces) > _NONCE_CAP or (nonces and next(iter(nonces.values())) < wall):
-            for n, until in list(nonces.items()):
-                if until < wall:
-                    del nonces[n]
-        if seq != 0:
-            return f"a hello must open its connection with sequence 0, not {seq}"
-        if abs(wall - msg.ts) > HELLO_FRESH_S:
-            return f"hello timestamp is {wall - msg.ts:+.0f} s off this clock (more than {HELLO_FRESH_S:g} s)"
-        if nonce in nonces:
-            return "this hello's nonce was already used (a replayed hello)"
-        if len(nonces) >= _NONCE_CAP:
-            return "too many fresh hellos; try again shortly"
-        nonces[nonce] = wall + 2 * HELLO_FRESH_S
-        return ""
 
     def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[bytes]) -> None:
         m = self.metrics
@@ -625,20 +542,12 @@ class DecodeReceiver:
         elif len(body) > 2:
             inline = sum(map(len, body[1:]))
         by_plane["inline"] += inline
-        if self._expected and rid in self._expected:
-            del self._expected[rid]
-        arrived = self._arrived
-        arrived[rid] = None
-        if len(arrived) > _ARRIVED_CAP:
-            del arrived[next(iter(arrived))]
+        self._expects.arrived(rid)
         consumed = self._consumed_acks
         item: _Release = [peer, rid, h.seq, slot, False]
         releaser = self._releaser(item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
-        self._out_bytes.append(inline)
-        self._out.append(out)
-        self._bytes_in += inline
-        self._pending_wake = True
+        self._queue.put(out, inline)
         if type(out) is Delivery:
             item[4] = True
             held = peer.outstanding
@@ -673,30 +582,16 @@ class DecodeReceiver:
                 if peers.get(peer.ident) is peer:  # still connected: ack it now it was used
                     peer.delivered.append(seq)
 
-    def _apply_expects(self) -> None:
-        while self._expects:
-            rid, peer, deadline = self._expects.popleft()
-            if rid in self._arrived:
-                continue
-            self._expected[rid] = (peer, deadline)
-            if deadline is not None:
-                heapq.heappush(self._deadlines, (deadline, rid))
-
     def _fail_expected(self, rid: str, why: str, reason: str) -> None:
-        del self._expected[rid]
         self._emit(self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field=why)))
 
     def _tick(self, now: float) -> None:
-        dl = self._deadlines
-        while dl and dl[0][0] <= now:
-            deadline, rid = heapq.heappop(dl)
-            entry = self._expected.get(rid)
-            if entry is not None and entry[1] == deadline:
-                self._fail_expected(rid, "deadline", f"request {rid!r} did not arrive by its deadline")
+        for rid in self._expects.overdue(now):
+            self._fail_expected(rid, "deadline", f"request {rid!r} did not arrive by its deadline")
         timeout = self.config.peer_timeout_s
         hb = self.config.heartbeat_s
         for peer in self._peers:
-            if self._backpressure:
+            if self._queue.backpressure:
                 peer.last_seen = now  # not reading: their heartbeats wait in libzmq, unheard
             silent = now - peer.last_seen
             if silent > timeout:
@@ -710,9 +605,8 @@ class DecodeReceiver:
         if self._pool is not None:
             self._pool.reclaim(peer.ident)
         if why is not None:
-            for rid, (name, _) in list(self._expected.items()):
-                if name == peer.name:
-                    self._fail_expected(rid, why, reason)
+            for rid in self._expects.take(peer.name):
+                self._fail_expected(rid, why, reason)
 
 
 def open_receiver(
