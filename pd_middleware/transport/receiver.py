@@ -367,7 +367,7 @@ class DecodeReceiver:
         reason = f"{type(exc).__name__}: {str(exc)[:200]}"
         self._emit(self.pipeline.fail(Failure(request_id=None, stage="receiver", reason=reason, field="internal")))
         try:
-            self._send_raw(frames[0], [wire.encode(wire.ErrorReply(code="internal", reason=reason))])
+            self._send_to(frames[0], wire.ErrorReply(code="internal", reason=reason))
         except Exception:  # noqa: BLE001 - best effort
             pass
 
@@ -386,20 +386,18 @@ class DecodeReceiver:
             self._sock = None
 
     def _send(self, peer: Peer, msg: wire.Message) -> None:
-        body = [wire.encode(msg)]
-        if self._signer is not None:
-            body += self._signer.sign(body, peer.nonce, peer.tx_seq, TO_PREFILL)
-            peer.tx_seq += 1
-        self._send_raw(peer.ident, body)
+        self._send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
+        peer.tx_seq += 1
         peer.last_sent = self._clock()
 
-    def _send_raw(self, ident: bytes, body: list[bytes], nonce: bytes = _NO_NONCE) -> None:
-        """Send to a connection; signed when HMAC is on (for one with no peer, under the
-        nonce its verified message carried, and a clock-based sequence that grows across
-        decode restarts)."""
+    def _send_to(self, ident: bytes, msg: wire.Message, nonce: bytes = _NO_NONCE, seq: int | None = None) -> None:
+        """The one (signed) send path. With HMAC, a connection with no peer is answered under
+        the nonce its verified message carried, and a clock-based sequence that grows
+        across decode restarts (a prefill refuses a sequence it has seen)."""
         assert self._sock is not None
-        if self._signer is not None and len(body) == 1:
-            body = body + self._signer.sign(body, nonce, time.time_ns(), TO_PREFILL)
+        body = [wire.encode(msg)]
+        if self._signer is not None:
+            body += self._signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
         try:
             self._sock.send_multipart([ident, *body], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -413,7 +411,7 @@ class DecodeReceiver:
         self.metrics.bytes["control"] += nbytes
         f = self.pipeline.fail(Failure(request_id=exc.request_id, stage="wire", reason=str(exc), field=exc.field))
         self._emit(f)
-        self._send_raw(ident, [wire.encode(wire.ErrorReply(code=code, reason=str(exc), request_id=exc.request_id))], nonce)
+        self._send_to(ident, wire.ErrorReply(code=code, reason=str(exc), request_id=exc.request_id), nonce)
 
     def _handle(self, frames: list[bytes], user: str | None = None) -> None:
         ident = frames[0]
@@ -464,7 +462,7 @@ class DecodeReceiver:
             self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]
         elif kind is wire.Heartbeat:
             if peer is None:
-                self._send_raw(ident, [wire.encode(wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"))], nonce)
+                self._send_to(ident, wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"), nonce)
         elif kind is wire.Bye:
             if peer is not None:
                 self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]

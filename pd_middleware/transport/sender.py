@@ -43,7 +43,8 @@ from .._errors import NoSlotError, TransferError, WireError
 from ..payload import Payload
 from . import wire
 from .auth import TO_DECODE, TO_PREFILL, Signer, curve_client, new_nonce
-from .bulk import POLL_FAST_S, POLL_MAX_S, POLL_MIN_S, BulkWriter, InFlight
+from .backoff import POLL_MAX_S, Backoff
+from .bulk import BulkWriter, InFlight
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
 
@@ -413,15 +414,12 @@ class PrefillSender:
 
     def _settle(self, limit: int) -> None:
         """Poll writes in flight until at most ``limit`` remain (each one is bounded by write_timeout_s)."""
-        delay = POLL_MIN_S
-        start = self._clock()
+        backoff = Backoff(self._clock)
         while len(self._inflight) > limit:
             self._poll_inflight()
             if len(self._inflight) <= limit:
                 return
-            time.sleep(delay)
-            if self._clock() - start > POLL_FAST_S:
-                delay = min(delay * 2, POLL_MAX_S)
+            backoff.sleep()
 
     def _drop_inflight(self) -> None:
         """On reset: wait for running writes to end (bulk.py), no header goes out."""
@@ -480,7 +478,7 @@ class PrefillSender:
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every sent request has a status; False on timeout (or if the decode is gone)."""
         deadline = self._clock() + timeout
-        delay = POLL_MIN_S
+        backoff = Backoff(self._clock)
         while True:
             with self._lock:
                 self._drain()
@@ -497,8 +495,7 @@ class PrefillSender:
                 if not self._inflight:
                     sock.poll(min(left, 0.05) * 1000.0)
                     continue
-            time.sleep(delay)  # writes still landing: poll them again shortly
-            delay = min(delay * 2, POLL_MAX_S)
+            backoff.sleep()  # writes still landing: poll them again shortly
 
     # -- accounting -------------------------------------------------------------
 
@@ -546,8 +543,7 @@ class PrefillSender:
         """Complete writes in flight promptly; heartbeat and watch the decode when idle."""
         hb = self.config.heartbeat_s
         next_hb = self._clock() + hb / 2
-        delay = POLL_MIN_S
-        busy_since: float | None = None
+        backoff = Backoff(self._clock)
         seen_seq = -1
         while not self._hb_stop.is_set():
             with self._lock:
@@ -556,18 +552,15 @@ class PrefillSender:
                 busy = bool(self._inflight) and self._lost is None
                 now = self._clock()
                 if self._seq != seen_seq:  # new writes since the last pass: poll fast again
-                    seen_seq, busy_since, delay = self._seq, None, POLL_MIN_S
+                    seen_seq = self._seq
+                    backoff.reset()
                 if now >= next_hb:
                     next_hb = now + hb / 2
                     self._heartbeat_duties(now)
             if busy:
-                if busy_since is None:
-                    busy_since = now
-                elif now - busy_since > POLL_FAST_S:
-                    delay = min(delay * 2, POLL_MAX_S)
-                time.sleep(delay)
+                backoff.sleep()
             else:
-                busy_since, delay = None, POLL_MIN_S
+                backoff.reset()
                 self._work.wait(max(0.0, next_hb - self._clock()))
                 self._work.clear()
 
