@@ -567,3 +567,45 @@ def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
         thief.close(0)
     finally:
         rx.stop()
+
+
+def test_curve_keys_from_files_and_config_checks(zctx, tmp_path) -> None:
+    from pd_middleware._errors import OptionValueError
+    from pd_middleware.transport.auth import write_keypair
+
+    allowed = tmp_path / "allowed"
+    _, decode_secret = write_keypair(tmp_path, "decode")
+    pub, sec = write_keypair(tmp_path / "prefill", "prefill-a")
+    allowed.mkdir()
+    (allowed / "prefill-a.key").write_text(pathlib.Path(pub).read_text())
+    server_pub = zmq.auth.load_certificate(str(tmp_path / "decode.key"))[0].decode()
+    server = cfg(curve=CurveConfig(enabled=True, secret_key_file=decode_secret, clients_dir=str(allowed)))
+    client = cfg(curve=CurveConfig(enabled=True, secret_key_file=sec, server_key=server_pub))
+    rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    try:
+        tx = PrefillSender(client, context=zctx, name="whatever").connect(rx.address)
+        tx.send(tw.make(rid="k"))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.peer == "prefill-a"  # the certificate's file name
+        tx.close()
+    finally:
+        rx.stop()
+    # Config checks: each names its field.
+    for kw, field in [
+        (dict(server_key="short"), "server_key"),
+        (dict(clients={"a": "not-a-key"}), "clients.a"),
+        (dict(enabled=True), "secret_key_env"),
+        (dict(secret_key_env="X", secret_key_file="y"), "secret_key_file"),
+    ]:
+        with pytest.raises(OptionValueError) as info:
+            CurveConfig(**kw)
+        assert info.value.field == field
+    with pytest.raises(OptionValueError, match="hmac_key"):
+        TransportConfig(hmac_key=KEY, curve=CurveConfig(enabled=True, secret_key_env="X"))
+    # A missing secret or an empty allowlist fails at start with the config path, never silently open.
+    with pytest.raises(ConfigError) as err:
+        DecodeReceiver(cfg(curve=CurveConfig(enabled=True, secret_key_env="PDM_UNSET_VAR_XYZ")), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    assert err.value.path == "transport.curve.secret_key_env"
+    with pytest.raises(ConfigError) as err:
+        DecodeReceiver(cfg(curve=CurveConfig(enabled=True, secret_key_file=decode_secret)), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    assert err.value.path == "transport.curve.clients"
