@@ -86,7 +86,9 @@ def produce(kind: str, address: str, n: int, hidden: int, keys: dict[str, str] |
     for frames in messages:
         sock.send_multipart(frames, copy=True)
     time.sleep(1.0)  # let the queue drain before the context closes
-    sock.close(linger=5000)
+    # Every message must get out before the context closes: with CURVE the I/O thread still
+    # encrypts long after the last send() returned (a 5 s linger lost messages on 2 loaded cores).
+    sock.close(linger=120_000)
     ctx.term()
 
 
@@ -156,7 +158,7 @@ def run_ours(n: int, hidden: int, curve: bool = False) -> float:
             got += len(items)
         dt = time.perf_counter() - t0
         if got < n:
-            raise SystemExit(f"received {got} of {n}")
+            raise SystemExit(f"received {got} of {n}: {pipeline.metrics.snapshot()}, queued {len(rx._queue.items)}, healthy {rx.healthy}, unsent {rx.unsent}")
         m = pipeline.metrics.snapshot()
         if m["delivered"] != n:
             raise SystemExit(f"delivered {m['delivered']} of {n}: {m}")
