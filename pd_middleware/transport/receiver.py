@@ -45,13 +45,14 @@ from .._errors import TransferError, WireError
 from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
 from . import wire
-from .auth import TO_DECODE, TO_PREFILL, CurveGate, HelloGuard, Signer, curve_server
+from .auth import TO_DECODE, TO_PREFILL, CurveGate, HelloGuard, Signer
 from .config import TransportConfig
 from .expects import Expectations
 from .mooncake import MooncakeEngine
 from .outcomes import OutcomeQueue
 from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, Peer, PeerTable
 from .slots import SlotPool
+from .sockets import bind_router
 
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
@@ -116,37 +117,7 @@ class DecodeReceiver:
         """Bind, register the slots with the engine and start the receive thread."""
         cfg = self.config
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, cfg.hwm)
-        sock.setsockopt(zmq.SNDHWM, cfg.hwm)
-        # libzmq drops (and disconnects) any frame above this before Python sees it.
-        sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.limits.max_message_bytes, cfg.limits.max_tensor_bytes))
-        if self._curve:
-            try:
-                self._gate = curve_server(sock, cfg.curve, self.session)
-            except BaseException:
-                sock.close(0)
-                raise
-        # A fixed port may still be held for a moment by a receiver stopping in this
-        # process (libzmq unbinds asynchronously): retry briefly, then fail clearly.
-        deadline = time.monotonic() + 2.0
-        while True:
-            try:
-                if cfg.port:
-                    sock.bind(f"tcp://{cfg.bind_host}:{cfg.port}")
-                    port = cfg.port
-                else:
-                    port = sock.bind_to_random_port(f"tcp://{cfg.bind_host}")
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EADDRINUSE and cfg.port and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                sock.close(0)
-                self._close_gate()
-                raise TransferError(str(exc), op="bind", peer=f"{cfg.bind_host}:{cfg.port}") from None
-        self.address = f"tcp://{cfg.bind_host}:{port}"
+        sock, self.address, self._gate = bind_router(ctx, cfg, self.session)
         self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes) if self.engine is not None else None
         if self._pool is not None and self.engine is not None:
             self._pool_addr = self.engine.register(self._pool.buffer)

@@ -42,11 +42,12 @@ import zmq
 from .._errors import NoSlotError, TransferError, WireError
 from ..payload import Payload
 from . import wire
-from .auth import TO_DECODE, TO_PREFILL, Signer, curve_client, new_nonce
+from .auth import TO_DECODE, TO_PREFILL, Signer, new_nonce
 from .backoff import POLL_MAX_S, Backoff
 from .bulk import BulkWriter, InFlight
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
+from .sockets import connect_dealer
 
 _FAILURE_LOG = 1024  # most recent failures kept for failures()
 
@@ -151,23 +152,11 @@ class PrefillSender:
 
     def _open_socket(self, address: str) -> None:
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
-        if self.config.curve.enabled:
-            try:
-                curve_client(sock, self.config.curve)
-            except BaseException:
-                sock.close(0)
-                raise
         # A fresh connection: a fresh nonce, so nothing signed on an earlier one replays here.
         self._nonce = new_nonce()
         self._tx_seq = 0
         self._rx_seq = -1
-        sock.connect(address)
-        self._sock = sock
+        self._sock = connect_dealer(ctx, self.config, address)
         self._address = address
 
     def _reset(self, key: str, why: str, linger: int = 0) -> None:
