@@ -353,7 +353,6 @@ def test_msgspec_decoders_have_no_ext_hook() -> None:
         assert dec.ext_hook is None, name
     # An ext value anywhere in a typed message is a WireError, and the shallow decoder
     # (used to sniff request ids on the error path) yields inert bytes, not objects.
-    ext = b"\xd4\x01\x00"
     raw = msgspec.msgpack.decode(tw.inline_frames(tw.make())[0])
     frame = msgspec.msgpack.encode({**raw, "request_id": msgspec.msgpack.Ext(1, b"\x00")})
     with pytest.raises(WireError) as info:
