@@ -63,6 +63,7 @@ FIGURES: dict[str, list[Figure]] = {
     ],
     "bulk": [
         Figure("ratio_vs_raw_mooncake", ">= 0.8", "raw Mooncake transfer_sync_write of the same bytes", lambda x: x >= 0.8),
+        Figure("blake3_ratio_vs_raw_mooncake", "-", "the same with the cryptographic digest (BLAKE3, authenticated mode)"),
     ],
     "end_to_end": [],  # one row per (encoding, B) built in _end_to_end_rows
     "gpu_check": [],  # skipped on CPU; rows built in _gpu_rows

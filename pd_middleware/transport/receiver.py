@@ -41,10 +41,10 @@ from typing import Any, Callable
 
 import zmq
 
-from .._errors import TransferError, WireError
+from .._errors import IntegrityError, TransferError, WireError
 from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
-from . import wire
+from . import integrity, wire
 from .auth import TO_DECODE, TO_PREFILL, CurveGate, HelloGuard, Signer
 from .config import TransportConfig
 from .expects import Expectations
@@ -57,7 +57,7 @@ from .sockets import bind_router
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
 _NO_NONCE = bytes(16)
-# [peer, request id, seq, slot, delivered?] of a payload whose releaser was called
+# [peer, request id, seq, slot, slot generation, delivered?] of a payload whose releaser was called
 # (by the scheduler, or by the pipeline at once when the payload failed).
 _Release = list[Any]
 
@@ -118,7 +118,8 @@ class DecodeReceiver:
         cfg = self.config
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
         sock, self.address, self._gate = bind_router(ctx, cfg, self.session)
-        self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes) if self.engine is not None else None
+        digest = integrity.algorithm_for(cfg)
+        self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes, digest) if self.engine is not None else None
         if self._pool is not None and self.engine is not None:
             self._pool_addr = self.engine.register(self._pool.buffer)
         self._sock = sock
@@ -475,6 +476,7 @@ class DecodeReceiver:
                 slots=peer.slots,
                 addrs=tuple(self._pool_addr + s * size for s in slots),
                 heartbeat_s=self.config.heartbeat_s,
+                gens=tuple(pool.gen[s] for s in slots) if pool is not None else (),
             ),
         )
 
@@ -488,14 +490,18 @@ class DecodeReceiver:
             if expected is not None and expected[0] is not None and expected[0] != peer.name:
                 raise WireError(f"expected from {expected[0]!r}, sent by {peer.name!r}", field="peer", request_id=rid)
             payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
-        except WireError as exc:
+            gen = 0
+            if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
+                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]
+        except (WireError, IntegrityError) as exc:
             named = wire.named_slot(h)
             if named >= 0 and self._pool is not None and named < self._pool.count:
                 pool = self._pool
                 if pool.owner[named] == peer.ident and not pool.held[named]:
                     peer.freed.append(named)  # the sender counts it busy until told otherwise
             m.bytes["control"] += sum(map(len, body))
-            f = self.pipeline.fail(Failure(request_id=exc.request_id, stage="wire", reason=str(exc), field=exc.field))
+            stage, fld = ("transfer", "digest") if isinstance(exc, IntegrityError) else ("wire", exc.field)
+            f = self.pipeline.fail(Failure(request_id=exc.request_id, stage=stage, reason=str(exc), field=fld))
             self._emit(f)
             peer.failed.append((h.seq, f.key, f.reason))
             return
@@ -513,12 +519,12 @@ class DecodeReceiver:
         by_plane["inline"] += inline
         self._expects.arrived(rid)
         consumed = self._consumed_acks
-        item: _Release = [peer, rid, h.seq, slot, False]
+        item: _Release = [peer, rid, h.seq, slot, gen, False]
         releaser = self._releaser(item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
         self._queue.put(out, inline)
         if type(out) is Delivery:
-            item[4] = True
+            item[5] = True
             held = peer.outstanding
             held[rid] = None
             if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
@@ -536,13 +542,14 @@ class DecodeReceiver:
         consumed = self._consumed_acks
         peers = self._peers
         while released:
-            peer, rid, seq, slot, delivered = released.popleft()
+            peer, rid, seq, slot, gen, delivered = released.popleft()
             if delivered:
                 peer.outstanding.pop(rid, None)
             if slot >= 0:
-                self._held_n -= 1
-                owner = pool.release(slot)  # type: ignore[union-attr]
-                if owner is not None:
+                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]
+                if done:  # else stale: the slot was freed or reused since; never free a later use
+                    self._held_n -= 1
+                if done and owner is not None:
                     holder = peers.get(owner)  # type: ignore[arg-type]
                     if holder is not None:
                         holder.freed.append(slot)
