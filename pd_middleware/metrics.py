@@ -114,6 +114,9 @@ class Metrics:
         self.first_verify_unattributed = 0
         # 1 while the transport's receive loop runs, 0 once it ended (set by the receiver).
         self.receiver_alive = 0
+        # Times a receive loop ended on its own (never, by design): a counter, so it sums
+        # across processes where a 0/1 gauge would not (metrics_export's mirror).
+        self.receiver_deaths = 0
         self._lock = threading.Lock()
 
     @property
@@ -171,6 +174,7 @@ class Metrics:
                 "first_verify_accepted_by_arm": {a: list(c) for a, c in self.first_verify.items()},
                 "first_verify_unattributed": self.first_verify_unattributed,
                 "receiver_alive": self.receiver_alive,
+                "receiver_deaths": self.receiver_deaths,
             }
 
     def format(self) -> str:
@@ -235,7 +239,7 @@ def _le(bound: float) -> str:
 
 
 def _families(s: dict[str, Any], prefix: str) -> Iterator[Any]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
     c = CounterMetricFamily(f"{prefix}_payloads_received", "Payloads that reached the decode receive path")
     c.add_metric([], s["received"])
@@ -285,6 +289,6 @@ def _families(s: dict[str, Any], prefix: str) -> Iterator[Any]:
     )
     c.add_metric([], s["first_verify_unattributed"])
     yield c
-    g = GaugeMetricFamily(f"{prefix}_receiver_alive", "1 while the decode receive loop runs, 0 once it ended")
-    g.add_metric([], s["receiver_alive"])
-    yield g
+    c = CounterMetricFamily(f"{prefix}_receive_loop_deaths", "Decode receive loops that ended on their own (alert on any)")
+    c.add_metric([], s["receiver_deaths"])
+    yield c

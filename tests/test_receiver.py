@@ -134,7 +134,7 @@ def test_a_dead_loop_is_reported_at_once(zctx, monkeypatch) -> None:
         deadline = time.monotonic() + 5
         while rx.healthy and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not rx.healthy and rx.metrics.snapshot()["receiver_alive"] == 0
+        assert not rx.healthy and rx.metrics.snapshot()["receiver_alive"] == 0 and rx.metrics.receiver_deaths == 1
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="receive loop stopped: MemoryError"):
             rx.get(timeout=5.0)

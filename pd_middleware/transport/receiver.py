@@ -244,6 +244,7 @@ class DecodeReceiver:
                 self._queue.dead = "the receive loop returned while running"
             if self._queue.dead is not None:
                 self.metrics.receiver_alive = 0
+                self.metrics.receiver_deaths += 1
             try:
                 self._shutdown()
             finally:
