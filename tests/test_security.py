@@ -489,6 +489,11 @@ def test_curve_identity_is_the_key_and_strangers_never_reach_python(zctx, curve_
         a.send(tw.make(rid="alice-again"))
         (d2,) = collect_outcomes(rx, 1)
         assert d2.peer == "alice" and a.flush(5) and a.statuses()["delivered"] == 2
+        a.reconnect()  # the same key on a new connection replaces its old one, nobody else's
+        deadline = time.monotonic() + 5
+        while len(rx._peers) != 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.peers == {"alice": 0, "bob": 0} and len(rx._peers) == 2
         assert rec.seen == ["from-alice", "alice-again"]
         assert rx.metrics.snapshot()["failed"] == 0
         a.close()
