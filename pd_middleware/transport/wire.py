@@ -348,10 +348,12 @@ def payload_from_header(
     vocab = h.vocab_size
     if not 0 < vocab <= limits.max_vocab:
         raise WireError(f"{vocab} is not in [1, {limits.max_vocab}]", field="vocab_size", request_id=rid)
-    if limits.hidden_dtype is not None and h.hidden_dtype != limits.hidden_dtype:
+    # A payload without a hidden state (SGLang's side channel: the engine carries it)
+    # passes; one that carries a hidden state carries exactly the configured one.
+    if h.hidden is not None and limits.hidden_dtype is not None and h.hidden_dtype != limits.hidden_dtype:
         raise WireError(f"{h.hidden_dtype} does not match the configured {limits.hidden_dtype}", field="hidden_dtype", request_id=rid)
-    if limits.hidden_size:
-        width = h.hidden.shape[0] if h.hidden is not None and len(h.hidden.shape) == 1 else 0
+    if limits.hidden_size and h.hidden is not None:
+        width = h.hidden.shape[0] if len(h.hidden.shape) == 1 else 0
         if width != limits.hidden_size:
             raise WireError(f"{width} elements, the configured hidden_size is {limits.hidden_size}", field="hidden.shape", request_id=rid)
     slot = -1
