@@ -30,11 +30,11 @@ def sparse(value_dtype="fp16"):
     )
 
 
-def payload(proposal=None, rule="sampled", sampled_from=None, rid="r0", tokens=(3,)):
+def payload(proposal=None, rule="sampled", sampled_from=None, rid="r0", tokens=(3,), probs=None):
     return Payload(
         request_id=rid,
         draft_tokens=tokens,
-        draft_probs=tuple(0.5 for _ in tokens),
+        draft_probs=tuple(0.5 for _ in tokens) if probs is None else tuple(probs),
         vocab_size=V,
         provenance=Provenance(rule=rule, temperature=1.0, sampled_from=sampled_from),
         proposal=proposal,
@@ -125,7 +125,8 @@ def test_token_outside_the_sent_law_falls_back_to_one_hot():
         lengths=(2,), indices=np.array([1, 3], dtype=np.int32).tobytes(),
         values=np.array([0.45, 0.45], dtype=np.float16).tobytes(), value_dtype="fp16", tail_mass=(0.1,),
     )
-    assert isinstance(sp.synthesize(payload(floored, sampled_from="sparse-fp16", tokens=(0,))), SparseProposal)
+    q0 = float(np.float32(0.1 / 2))  # the fp32 floor: what the assembler writes at X = 0
+    assert isinstance(sp.synthesize(payload(floored, sampled_from="sparse-fp16", tokens=(0,), probs=(q0,))), SparseProposal)
     # Dense: a zero entry at X.
     row = np.array([0.0, 0.5, 0.25, 0.25], dtype=np.float32).tobytes()
     full = FullDistributionSynthesizer(None, ctx)
