@@ -103,8 +103,53 @@ class ProposalAssembler:
         ``max_batch``, a mix of ``None`` and proposals, a wrong step count or an
         out-of-range index; the buffer is then left as the previous build left it.
         """
+        flat = self._flatten(proposals)
+        if flat is None:
+            return None
+        return self._write(*flat, len(proposals))
+
+    def build_fresh(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+        """Like :meth:`build`, but into a new (B, V) / (B, S, V) float32 tensor.
+
+        For callers that keep the result past the next build (SGLang holds
+        ``draft_probs`` across its overlap relay): ``torch.zeros`` (as SGLang's own
+        builder does, so a CPU build keeps the kernel's lazily zeroed pages), then
+        the rows whose content is a whole row (floors, dense laws) and one scatter of
+        the entries; no copy out of a persistent buffer. Any batch size is accepted;
+        the persistent buffers are not touched.
+        """
+        flat = self._flatten(proposals, limit=False)
+        if flat is None:
+            return None
+        idx, val, dense, floor_rows, floor_vals = flat
+        b, s_steps, v = len(proposals), self.num_steps, self.vocab_size
+        dev = self.device
+        out = torch.zeros(b, s_steps, v, dtype=torch.float32, device=dev)
+        rows2d = out.view(b * s_steps, v)
+        for i, p in dense:
+            dst = rows2d[i * s_steps : (i + 1) * s_steps]
+            dst.copy_(p.probs, non_blocking=True)
+            dst.mul_(p.scale.to(dev, non_blocking=True).view(-1, 1))
+        if floor_rows:
+            fv = torch.tensor(floor_vals, dtype=torch.float32, device=dev).view(-1, 1).expand(-1, v)
+            rows2d.index_copy_(0, torch.tensor(floor_rows, device=dev), fv)
+        if idx is not None:
+            flat_out = out.view(-1)
+            idx = self._host_to_device(idx)
+            if val is None:
+                flat_out.index_fill_(0, idx, 1.0)
+            else:
+                flat_out.index_copy_(0, idx, self._host_to_device(val))
+        return out.view(b, v) if s_steps == 1 else out
+
+    def _flatten(
+        self, proposals: Sequence["Proposal | None"], *, limit: bool = True
+    ) -> "tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, DenseProposal]], list[int], list[float]] | None":
+        """Validate every descriptor and flatten them: (flat indices, values or None for
+        all-ones, dense rows, floor rows, floor values), in a contiguous (B, S, V)
+        layout; ``None`` when no proposal is attached. Raises ValueError (see build)."""
         b = len(proposals)
-        if b > self.max_batch:
+        if limit and b > self.max_batch:
             raise ValueError(f"batch of {b} exceeds max_batch={self.max_batch}")
         n_none = sum(1 for p in proposals if p is None)
         if n_none == b:
@@ -115,7 +160,7 @@ class ProposalAssembler:
         v, s_steps = self.vocab_size, self.num_steps
         fast = self._one_hot_indices(proposals)
         if fast is not None:
-            return self._write(fast, None, [], [], [], b)
+            return fast, None, [], [], []
 
         stride = self._row_stride
         oh_idx: list[int] = []
@@ -182,7 +227,7 @@ class ProposalAssembler:
                 val = torch.cat([torch.ones(len(oh_idx), dtype=torch.float32), val])
         elif oh_idx:
             idx = torch.from_numpy(np.array(oh_idx, dtype=np.int64))
-        return self._write(idx, val, dense, floor_rows, floor_vals, b)
+        return idx, val, dense, floor_rows, floor_vals
 
     def _one_hot_indices(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
         """Flat buffer indices of an all-one-hot batch, or ``None`` for the general path.
@@ -208,7 +253,10 @@ class ProposalAssembler:
             return None
         if toks.ndim != 1 or int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size:
             return None
-        toks += self._one_hot_base[:b].reshape(-1)
+        if b <= self.max_batch:
+            toks += self._one_hot_base[:b].reshape(-1)
+        else:  # build_fresh takes any batch size
+            toks += np.arange(b * s_steps, dtype=np.int64) * self.vocab_size
         return torch.from_numpy(toks)
 
     def _host_to_device(self, t: torch.Tensor) -> torch.Tensor:

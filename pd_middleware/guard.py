@@ -151,12 +151,16 @@ class ProvenanceGuard:
             return None
         toks = payload.draft_tokens
         q = law.values_at(toks)
-        if not all(v > 0.0 for v in q):  # also false for NaN
-            return "token_outside_proposal"
+        for v in q:
+            if not v > 0.0:  # also true for NaN
+                return "token_outside_proposal"
         enc = payload.proposal
-        dtype = enc.dtype if isinstance(enc, DenseEncoding) else enc.value_dtype if enc is not None else "fp32"
-        rtol = DECLARED_RTOL.get(dtype, DECLARED_RTOL["fp32"])
-        scale = law.scale.tolist() if isinstance(law, DenseProposal) else law.scale or (1.0,) * len(toks)
+        if type(law) is DenseProposal:
+            rtol = DECLARED_RTOL.get(enc.dtype, DECLARED_RTOL["fp32"]) if type(enc) is DenseEncoding else DECLARED_RTOL["fp32"]
+            scale = law.scale.tolist()
+        else:
+            rtol = DECLARED_RTOL.get(getattr(enc, "value_dtype", "fp32"), DECLARED_RTOL["fp32"])
+            scale = law.scale or (1.0,) * len(toks)
         for declared, v, sc in zip(payload.draft_probs, q, scale):
             if not abs(declared - v) <= (rtol + abs(1.0 - sc)) * v + _DECLARED_ATOL:
                 return "declared_q_mismatch"

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 import msgspec
+import numpy as np
 
 if TYPE_CHECKING:
     import torch
@@ -76,8 +77,6 @@ class SparseProposal(msgspec.Struct, frozen=True, eq=False):
 
         One vectorised comparison per step over its entries; no V-wide row.
         """
-        import numpy as np
-
         idx = self.indices.numpy()
         vals = self.values.numpy()
         out: list[float] = []

@@ -17,17 +17,14 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from ._buffers import tensor_from_buffer
 from ._errors import ValidationError
 from .payload import ITEMSIZE, SUM_TOLERANCE, U16_BUCKET, SparseEncoding, u16_buckets
 from .proposal import SparseProposal
-
-if TYPE_CHECKING:
-    import torch
 
 _NP_VALUES = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2")}
 
@@ -73,8 +70,6 @@ def sparse_law(
     entry order, ``values`` float32 scaled to ``1 - tail_mass``, ``floor`` the fp32
     value of every unlisted token, ``scale`` the factor applied to the listed values.
     """
-    import torch
-
     rid = request_id
     lengths = enc.lengths
     if len(lengths) != num_steps:
