@@ -44,8 +44,8 @@ def _scratch_for(size: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _bucket_bases(n: int) -> np.ndarray:
-    """uint32 (n,): 65536 * b for flat bucket b (read-only, shared)."""
-    bases = np.arange(n, dtype=np.uint32) << 16
+    """int64 (n,): 65536 * b for flat bucket b (read-only, shared)."""
+    bases = np.arange(n, dtype=np.int64) << 16
     bases.flags.writeable = False
     return bases
 
@@ -190,7 +190,7 @@ def _u16_ids(enc: SparseEncoding, lengths: tuple[int, ...], vocab_size: int, rid
         if got != n:
             raise _err(f"step {s}: counts sum to {got}, but the step lists {n} entries", "proposal.bucket_counts", rid)
     low = np.frombuffer(enc.indices, dtype="<u2")
-    # key = 65536 * flat bucket + low, in uint32 (flat buckets < 65536 for any real S).
+    # key = 65536 * flat bucket + low, built as int64 (the ids' final dtype).
     key = np.repeat(_bucket_bases(steps_n * nb), counts) | low
     if key.size > 1:
         # At a step boundary the flat bucket jumps into the next step's range, so the
@@ -206,7 +206,7 @@ def _u16_ids(enc: SparseEncoding, lengths: tuple[int, ...], vocab_size: int, rid
                 "proposal.indices",
                 rid,
             )
-    idx = key.astype(np.int64)
+    idx = key
     if steps_n > 1:
         idx -= np.repeat(np.arange(steps_n, dtype=np.int64) * (nb * U16_BUCKET), lengths)
     # Ids ascend within a step, so only each step's last entry can be out of range.
