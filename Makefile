@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 # Create or update .venv: system library check, torch (CPU) if absent, the Mooncake
 # wheel that fits this machine, the project with its test extras and the plugin
-# distributions under plugins/.
+# distributions under plugins/, and the example third-party plugin (examples/, docs/plugins.md).
 setup:
 	@ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -18,7 +18,7 @@ setup:
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "setup: installing $(TORCH) (CPU)"; $(PIP) install -q $(TORCH); }
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then mc=mooncake; else mc=mooncake-cpu; fi; \
-	  $(PIP) install -q -e ".[test,$$mc]" -e plugins/pd-middleware-full
+	  $(PIP) install -q -e ".[test,$$mc]" -e plugins/pd-middleware-full -e examples/pd-middleware-example-plugin
 	@echo "setup: $(VENV) ready"
 
 demo: setup

@@ -12,6 +12,11 @@ slot. Throughput is sends/s until every payload is acknowledged. *Raw*: one
 registered buffer in a separate process, same engine setup (TCP, loopback). Repeats
 alternate raw/ours; the headline ratio is the median of the per-repeat ratios.
 
+Every bulk region carries a digest the decode checks before delivery
+(``transport/integrity.py``): the headline runs the always-on xxh3-128; ``blake3_ratio``
+is the cryptographic mode (``mooncake.digest = "blake3"``, the default with
+authentication), both sides hashing.
+
 ``--crossover`` instead measures ours inline (ZMQ frames) vs ours bulk (Mooncake) at
 several sizes, to place ``inline_threshold_bytes`` (docs/transport.md).
 
@@ -54,16 +59,16 @@ class _OneHot:
         return OneHotProposal(payload.draft_tokens)
 
 
-def _config(threshold: int, inflight: int = 8) -> TransportConfig:
+def _config(threshold: int, inflight: int = 8, digest: str = "auto") -> TransportConfig:
     return TransportConfig(
         inline_threshold_bytes=threshold,
         peer_timeout_s=60.0,
         slots=SlotsConfig(count=64, size_bytes=1 << 20, per_peer=64, wait_s=30.0),
-        mooncake=MooncakeConfig(max_inflight_writes=inflight),
+        mooncake=MooncakeConfig(max_inflight_writes=inflight, digest=digest),  # type: ignore[arg-type]
     )
 
 
-def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection") -> None:
+def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection", digest: str = "auto") -> None:
     """Remote side: a registered buffer (raw) or a decode receiver (ours), until told to stop."""
     engine = MooncakeEngine.open()
     if mode == "raw":
@@ -72,7 +77,7 @@ def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection") 
         conn.send((engine.peer_name, addr))
         conn.recv()
         return
-    rx = DecodeReceiver(_config(threshold), ReceivePipeline([], {"default": ("one_hot", _OneHot())}), engine=engine).start()
+    rx = DecodeReceiver(_config(threshold, digest=digest), ReceivePipeline([], {"default": ("one_hot", _OneHot())}), engine=engine).start()
     conn.send((rx.address, 0))
     while not conn.poll(0):
         item = rx.get(timeout=0.05)  # the scheduler blocks for work rather than spinning
@@ -83,9 +88,9 @@ def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection") 
     rx.stop()
 
 
-def _spawn(mode: str, threshold: int = 0) -> tuple[mp.Process, "mp.connection.Connection", str, int]:
+def _spawn(mode: str, threshold: int = 0, digest: str = "auto") -> tuple[mp.Process, "mp.connection.Connection", str, int]:
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=decode_process, args=(mode, threshold, child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=decode_process, args=(mode, threshold, child, digest), daemon=True)
     proc.start()
     if not parent.poll(60):
         raise SystemExit(f"{mode} decode process did not start")
@@ -157,13 +162,20 @@ def _payloads(nbytes: int, source: mmap.mmap | None, count: int = 8) -> list[Pay
 
 
 def run_ours(
-    engine: MooncakeEngine, n: int, nbytes: int, threshold: int = 0, registered: bool = True, inflight: int = 8
+    engine: MooncakeEngine,
+    n: int,
+    nbytes: int,
+    threshold: int = 0,
+    registered: bool = True,
+    inflight: int = 8,
+    digest: str = "auto",
 ) -> float:
     """Sends/s through our sender and receiver; ``registered``: payload bytes live in a
     registered prefill buffer (SGLang-style) rather than being staged by a copy;
-    ``inflight``: ``mooncake.max_inflight_writes`` (1 = each send waits for its write)."""
-    proc, conn, address, _ = _spawn("ours", threshold)
-    tx = PrefillSender(_config(threshold, inflight), engine=engine, name="bench").connect(address)
+    ``inflight``: ``mooncake.max_inflight_writes`` (1 = each send waits for its write);
+    ``digest``: ``mooncake.digest`` on both sides."""
+    proc, conn, address, _ = _spawn("ours", threshold, digest)
+    tx = PrefillSender(_config(threshold, inflight, digest), engine=engine, name="bench").connect(address)
     try:
         source = mmap.mmap(-1, 8 * nbytes) if registered and threshold < nbytes else None
         if source is not None:
@@ -217,21 +229,23 @@ def main() -> None:
             print(json.dumps(crossover(engine, args.n)))
             return
         depth = args.inflight
-        runs: dict[str, list[float]] = {k: [] for k in ("raw", "raw_pipelined", "ours", "staged", "ours_sync")}
-        ratio: dict[str, list[float]] = {k: [] for k in ("ours", "staged", "ours_sync", "ours_vs_pipelined")}
+        runs: dict[str, list[float]] = {k: [] for k in ("raw", "raw_pipelined", "ours", "blake3", "staged", "ours_sync")}
+        ratio: dict[str, list[float]] = {k: [] for k in ("ours", "blake3", "staged", "ours_sync", "ours_vs_pipelined")}
         for i in range(args.repeats):
             runs["raw"].append(run_raw(engine, args.n, NBYTES))
             runs["raw_pipelined"].append(run_raw(engine, args.n, NBYTES, depth=depth))
             runs["ours"].append(run_ours(engine, args.n, NBYTES, inflight=depth))
+            runs["blake3"].append(run_ours(engine, args.n, NBYTES, inflight=depth, digest="blake3"))
             runs["staged"].append(run_ours(engine, args.n, NBYTES, registered=False, inflight=depth))
             runs["ours_sync"].append(run_ours(engine, args.n, NBYTES, inflight=1))
             last = {k: v[-1] for k, v in runs.items()}
-            for k in ("ours", "staged", "ours_sync"):
+            for k in ("ours", "blake3", "staged", "ours_sync"):
                 ratio[k].append(last[k] / last["raw"])
             ratio["ours_vs_pipelined"].append(last["ours"] / last["raw_pipelined"])
             print(
                 f"repeat {i}: raw sync {last['raw']:,.0f}/s, raw pipelined x{depth} {last['raw_pipelined']:,.0f}/s | "
-                f"ours {last['ours']:,.0f}/s ({ratio['ours'][-1]:.3f}), staged {last['staged']:,.0f}/s "
+                f"ours {last['ours']:,.0f}/s ({ratio['ours'][-1]:.3f}), blake3 {last['blake3']:,.0f}/s "
+                f"({ratio['blake3'][-1]:.3f}), staged {last['staged']:,.0f}/s "
                 f"({ratio['staged'][-1]:.3f}), ours with max_inflight_writes=1 {last['ours_sync']:,.0f}/s "
                 f"({ratio['ours_sync'][-1]:.3f})",
                 file=sys.stderr,
@@ -245,6 +259,8 @@ def main() -> None:
                 "benchmark": "bulk",
                 "ratio_vs_raw_mooncake": round(statistics.median(ratio["ours"]), 3),
                 "ratio_of_medians": round(med["ours"] / med["raw"], 3),
+                "digest": "xxh3_128",
+                "blake3_ratio_vs_raw_mooncake": round(statistics.median(ratio["blake3"]), 3),
                 "staged_copy_ratio_vs_raw_mooncake": round(statistics.median(ratio["staged"]), 3),
                 "sync_sender_ratio_vs_raw_mooncake": round(statistics.median(ratio["ours_sync"]), 3),
                 "ratio_vs_raw_pipelined": round(statistics.median(ratio["ours_vs_pipelined"]), 3),

@@ -63,6 +63,7 @@ FIGURES: dict[str, list[Figure]] = {
     ],
     "bulk": [
         Figure("ratio_vs_raw_mooncake", ">= 0.8", "raw Mooncake transfer_sync_write of the same bytes", lambda x: x >= 0.8),
+        Figure("blake3_ratio_vs_raw_mooncake", "-", "the same with the cryptographic digest (BLAKE3, authenticated mode)"),
     ],
     "sglang_inband": [
         Figure("per_request_us", "<= 50", "one in-band row -> proposal (read, validate, synthesize) at sparse_floor, ~2,700 entries", lambda x: x <= 50),

@@ -88,6 +88,30 @@ class NoSlotError(TransferError):
     """Every receive slot stayed busy for longer than the configured wait."""
 
 
+class TransferAbandoned(TransferError):
+    """A bulk write was given up on (past ``write_timeout_s``, or timed out in the engine).
+
+    Unlike a failed write it may still land later, so its slot must be retired (never
+    written again) until a reconnect brings a new grant. ``.code`` is the engine's code
+    when the engine reported the timeout, None when this adapter gave up.
+    """
+
+
+class IntegrityError(TransferError):
+    """A payload's bulk bytes do not match their authenticated header.
+
+    Raised by the decode before anything is delivered: a slot generation that is stale or
+    foreign, or a region whose digest differs (an unwritten, stale, torn or tampered
+    slot). ``.field`` names the region (``hidden.digest``, ``proposal.data.gen``) and
+    ``.request_id`` its request; the failure is counted as ``transfer:digest``.
+    """
+
+    def __init__(self, message: str, *, field: str, request_id: str | None = None, peer: str | None = None) -> None:
+        super().__init__(message, op="verify", peer=peer)
+        self.field = field
+        self.request_id = request_id
+
+
 class ExactnessError(PDMiddlewareError):
     """A proposal/drafting combination would bias the verifier's output law."""
 

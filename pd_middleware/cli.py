@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/ab", metavar="DIR", help="output directory (default: out/ab)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     p.set_defaults(func=_cmd_ab)
+    from .live_ab import add_parser as add_live_ab
+
+    add_live_ab(sub)
     return parser
 
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import msgspec
 
 from ._errors import ConfigError, OptionValueError, PluginError
+from .ab.config import ABConfig, WorkloadRef, check_workload_options  # the [ab] table belongs to the job
 from .contracts import NoOptions, PluginContext, PluginSpec
 from .transport.config import TransportConfig
 
@@ -105,39 +106,30 @@ class ArmConfig(msgspec.Struct, **_STRUCT):
             raise OptionValueError("weight", f"must be in [0, 1000000], got {self.weight}")
 
 
-class WorkloadRef(msgspec.Struct, **_STRUCT):
-    """Which traffic the offline A/B job generates."""
+class MetricsConfig(msgspec.Struct, **_STRUCT):
+    """The decode side's metrics export (docs/metrics.md)."""
 
-    # synthetic | ngram | trace
-    name: Literal["synthetic", "ngram", "trace"] = "synthetic"
-    # Workload options (see docs/workloads.md); checked by the workload.
-    options: dict[str, Any] = {}
-
-
-class ABConfig(msgspec.Struct, **_STRUCT):
-    """Defaults of ``pd-middleware ab`` (command-line flags override them)."""
-
-    workload: WorkloadRef = WorkloadRef()
-    # Requests per arm.
-    requests: int = 2000
-    # Seed of the workload and of every sampler.
-    seed: int = 0
-    # Requests per batch sent through the deployment.
-    batch_size: int = 32
-    # Tokens per response, for the whole-response effect-size estimate.
-    response_tokens: int = 256
-    # Acceptance rate of the later verifies (drafted on the decode node, same for all arms).
-    later_acceptance: float = 0.7
+    # TCP port of an HTTP endpoint serving GET /metrics (Prometheus text); unset: no
+    # endpoint, 0: any free port. Under SGLang use --enable-metrics instead when TP > 1
+    # (every rank would bind it).
+    port: int | None = None
+    # Address the endpoint binds; loopback by default, since the counters name arms and
+    # failure reasons.
+    host: str = "127.0.0.1"
+    # JSON-lines file each request's first verify is appended to (request id, arm,
+    # accepted draft tokens), for `pd-middleware live-ab --from`; unset: not written.
+    first_verify_log: str | None = None
+    # Seconds between copies of the counters into SGLang's multiprocess metric files
+    # (SGLang's /metrics under --enable-metrics).
+    sync_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.requests <= 10_000_000:
-            raise OptionValueError("requests", f"must be in [1, 10000000], got {self.requests}")
-        if not 1 <= self.batch_size <= 4096:
-            raise OptionValueError("batch_size", f"must be in [1, 4096], got {self.batch_size}")
-        if not 1 <= self.response_tokens <= 1 << 20:
-            raise OptionValueError("response_tokens", f"must be >= 1, got {self.response_tokens}")
-        if not 0.0 <= self.later_acceptance < 1.0:
-            raise OptionValueError("later_acceptance", f"must be in [0, 1), got {self.later_acceptance}")
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise OptionValueError("port", f"must be in [0, 65535], got {self.port}")
+        if not self.host:
+            raise OptionValueError("host", "must not be empty")
+        if not 0.05 <= self.sync_interval_s <= 3600:
+            raise OptionValueError("sync_interval_s", f"must be in [0.05, 3600], got {self.sync_interval_s}")
 
 
 class Config(msgspec.Struct, **_STRUCT):
@@ -155,6 +147,7 @@ class Config(msgspec.Struct, **_STRUCT):
     arms: list[ArmConfig] = []
     transport: TransportConfig = TransportConfig()
     ab: ABConfig = ABConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.arms]
@@ -353,23 +346,5 @@ def resolve_plugins(
                 else base_enc
             )
     if pre:  # the prefill's A/B workload: its options are typed too, check them now
-        _check_workload_options(config, source)
+        check_workload_options(config, source)
     return ResolvedConfig(config, hooks, synths, encs)
-
-
-def _check_workload_options(config: Config, source: str | None) -> None:
-    """Convert ``ab.workload.options`` to the workload's options type (as make_workload will).
-
-    Without this, a misspelled workload option passed ``check-config`` and failed only
-    when the A/B job started. Paths match :func:`~pd_middleware.workloads.make_workload`.
-    """
-    from .workloads import workload_options_type
-
-    prefix = "ab.workload.options"
-    try:
-        _convert(dict(config.ab.workload.options), workload_options_type(config.ab.workload.name), prefix, source)
-    except ConfigError as exc:
-        m = _FIELD_RE.search(exc.detail) if exc.path == prefix else None
-        if m is None:
-            raise
-        raise ConfigError(exc.detail, path=f"{prefix}.{m.group(1)}", source=source) from None

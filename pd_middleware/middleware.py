@@ -8,9 +8,10 @@ counters. Engines call :meth:`DecodeMiddleware.receive` for every incoming paylo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .assembler import ProposalAssembler
 from ._errors import ConfigError
@@ -41,17 +42,42 @@ class DecodeMiddleware:
     pipeline: ReceivePipeline
     assembler: ProposalAssembler
     metrics: Metrics
+    # Metric exporters this middleware owns (the [metrics] endpoint, an engine's
+    # multiprocess mirror): anything with stop(), stopped by close().
+    exporters: list[Any] = field(default_factory=list)
 
     @classmethod
     def from_config(
-        cls, config: Config | str | Path, registry: PluginRegistry | None = None, metrics: Metrics | None = None
+        cls,
+        config: Config | str | Path,
+        registry: PluginRegistry | None = None,
+        metrics: Metrics | None = None,
+        *,
+        serve_metrics: bool = True,
+        router: Any | None = None,
+        assembler_factory: Callable[[Config], ProposalAssembler] | None = None,
     ) -> "DecodeMiddleware":
-        """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError."""
+        """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError.
+
+        With ``[metrics] port`` set and ``serve_metrics``, also starts the metrics
+        endpoint (stopped by :meth:`close`); an engine that builds several middlewares
+        over one ``metrics`` passes False and starts one endpoint itself
+        (:func:`pd_middleware.metrics_export.serve`).
+        ``router``: a receive hook that sets ``context.arm``. It replaces every
+        configured hook that routes arms (``routes_arms = True``, e.g. ``ab_split``)
+        and runs first, so every other hook sees the payload's arm. The offline A/B
+        job uses it to route by request id.
+        ``assembler_factory``: builds the assembler from the resolved config instead
+        of ``decode.max_batch``/``decode.num_buffers`` (the A/B job sizes it to its
+        batch).
+        """
         resolved, reg = _resolve(config, registry, "decode")
         cfg = resolved.config
         ctx = cfg.plugin_context("decode")
         hooks = [(r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for r in resolved.hooks]
-        if cfg.arms and not any(getattr(h, "routes_arms", False) for _, h in hooks):
+        if router is not None:
+            hooks = [("router", router)] + [(n, h) for n, h in hooks if not getattr(h, "routes_arms", False)]
+        if cfg.arms and router is None and not any(getattr(h, "routes_arms", False) for _, h in hooks):
             # Without a router every payload would land on the missing "default" arm.
             raise ConfigError(
                 "[[arms]] needs a routing hook in [[hooks]] (e.g. ab_split); none of "
@@ -66,14 +92,24 @@ class DecodeMiddleware:
             if guard is not None and hasattr(guard, "attach_metrics"):
                 guard.attach_metrics(m)
         pipeline = ReceivePipeline(hooks, synths, m)
-        assembler = ProposalAssembler(
-            cfg.model.vocab_size,
-            cfg.model.num_steps,
-            cfg.decode.max_batch,
-            device=cfg.decode.device,
-            num_buffers=cfg.decode.num_buffers,
-        )
-        return cls(cfg, pipeline, assembler, m)
+        if assembler_factory is not None:
+            assembler = assembler_factory(cfg)
+        else:
+            assembler = ProposalAssembler(
+                cfg.model.vocab_size,
+                cfg.model.num_steps,
+                cfg.decode.max_batch,
+                device=cfg.decode.device,
+                num_buffers=cfg.decode.num_buffers,
+            )
+        mw = cls(cfg, pipeline, assembler, m)
+        if serve_metrics:
+            from .metrics_export import serve
+
+            server = serve(m, cfg.metrics)
+            if server is not None:
+                mw.exporters.append(server)
+        return mw
 
     def receive(self, payload: Payload, context: ReceiveContext | None = None) -> Delivery | Failure:
         """Run one payload through hooks and synthesis (never raises for bad payloads)."""
@@ -81,9 +117,16 @@ class DecodeMiddleware:
 
     def assemble(self, deliveries: Sequence[Delivery]) -> Any:
         """``draft_probs`` for a batch: (B, V) or (B, S, V) FP32 view, or None (RS off)."""
-        return self.assembler.build([d.proposal for d in deliveries])
+        t0 = time.perf_counter()
+        out = self.assembler.build([d.proposal for d in deliveries])
+        self.metrics.batch_assembly.observe(time.perf_counter() - t0)
+        return out
 
     def close(self) -> None:
+        """Close plugins and stop the metric exporters (the endpoint releases its port)."""
+        exporters, self.exporters = self.exporters, []
+        for e in exporters:
+            e.stop()
         self.pipeline.close()
 
 

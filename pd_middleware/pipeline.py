@@ -145,6 +145,8 @@ class ReceivePipeline:
             m.record_failure(f.key, ctx.arm)
             return f
         m.delivered += 1
+        if ctx.received_at:  # 0.0: a caller's context without an arrival stamp
+            m.receive_to_delivery.observe(self._clock() - ctx.received_at)
         per_arm = m.arm_delivered
         try:
             per_arm[arm] += 1

@@ -55,7 +55,7 @@ import zmq  # noqa: E402
 
 from pd_middleware import WireError  # noqa: E402
 from pd_middleware.pipeline import Delivery, Failure  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, SlotsConfig, TransportConfig, wire  # noqa: E402
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, SlotsConfig, TransportConfig, integrity, wire  # noqa: E402
 
 FAMILIES = (
     "field", "missing", "unknown", "truncate", "bytes", "swap", "huge", "version",
@@ -137,6 +137,7 @@ class Peer:
         self.free: set[int] = set()
         self.slots: tuple[int, ...] = ()
         self.slot_size = 0
+        self.gens: dict[int, int] = {}  # each slot's last generation: a valid header names the next
         self.replies: Counter[str] = Counter()
         self.hello()
 
@@ -154,6 +155,7 @@ class Peer:
         if isinstance(msg, wire.Grant):
             self.slots, self.slot_size = msg.slots, msg.slot_size
             self.free = set(msg.slots)
+            self.gens = dict(zip(msg.slots, msg.gens))
             return True
         if isinstance(msg, wire.Ack):
             self.free.update(s for s in msg.freed if s in self.slots)
@@ -189,7 +191,10 @@ class Fuzzer:
         slot = -1
         if slot_mode and self.main.free:
             slot = min(self.main.free)
-        header, parts = wire.build_header(p, self.n, slot)
+        gen = 0
+        if slot >= 0:  # a valid bulk header: the slot's next generation and the bytes' digest
+            gen = self.main.gens[slot] = self.main.gens.get(slot, 0) + 1
+        header, parts = wire.build_header(p, self.n, slot, gen=gen, digest=integrity.DIGESTS["xxh3_128"])
         raw = msgspec.msgpack.decode(wire.encode(header))
         return raw, [bytearray(bytes(b)) for b, _ in parts], slot
 

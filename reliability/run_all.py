@@ -27,6 +27,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str], float]] = {
     "load": ([], ["--per-proc", "2000", "--budget-s", "90"], 420.0),
     "faults": ([], [], 300.0),
     "config_fuzz": ([], ["--cases", "1000"], 240.0),
+    "attacks_bulk": ([], ["--rounds", "24", "--budget-s", "60"], 300.0),
 }
 
 # Figures shown in the table, per script.
@@ -35,6 +36,7 @@ SHOWN = {
     "load": ["sent", "delivered", "failed", "lost", "throughput_per_s", "latency_ms_p50", "latency_ms_p99"],
     "faults": ["failed_scenarios"],
     "config_fuzz": ["tried", "rejected_with_path", "accepted_silently"],
+    "attacks_bulk": ["attacks", "refused", "controls_delivered", "crashes", "hangs", "lost", "wrong_deliveries"],
 }
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pd_middleware import Payload, PluginError, Provenance
+from pd_middleware import ConfigError, Payload, PluginError, Provenance
 from pd_middleware.config import parse_config
 from pd_middleware.middleware import DecodeMiddleware
 from pd_middleware.pipeline import Delivery, Failure
@@ -74,3 +74,39 @@ def test_arms_without_a_router_is_a_config_error():
     with pytest.raises(ConfigError, match=r"\[\[arms\]\] needs a routing hook") as ei:
         DecodeMiddleware.from_config(c)
     assert ei.value.path == "hooks"
+
+
+
+class _FixedRouter:
+    """A router that sends everything to arm "other" (it needs no routes_arms flag)."""
+
+    def on_receive(self, payload, context):
+        context.arm = "other"
+
+
+def test_router_override_replaces_routing_hooks_and_runs_first():
+    from _ab_hooks import SeeArm  # tests/ is on sys.path (no __init__.py)
+
+    from pd_middleware.assembler import ProposalAssembler
+
+    see = [{"name": "_ab_hooks:SEE_ARM"}]
+    # Negative control: in config order, a hook listed before ab_split sees no arm yet.
+    plain = DecodeMiddleware.from_config(cfg(extra_hooks=see))
+    plain.receive(payload(1))
+    assert SeeArm.latest.seen == ["default"]
+    mw = DecodeMiddleware.from_config(
+        cfg(extra_hooks=see),
+        router=_FixedRouter(),
+        assembler_factory=lambda c: ProposalAssembler(c.model.vocab_size, c.model.num_steps, 3),
+    )
+    # ab_split (routes_arms) is replaced, the router runs first, the other hooks keep their order.
+    assert [type(h).__name__ for h in mw.pipeline.hook_objects] == ["_FixedRouter", "SeeArm"]
+    assert mw.assembler.max_batch == 3
+    outs = [mw.receive(payload(i)) for i in range(20)]
+    assert {o.arm for o in outs} == {"other"}
+    assert SeeArm.latest.seen == ["other"] * 20
+    # Without a router, [[arms]] still needs a configured routing hook.
+    with pytest.raises(ConfigError, match=r"needs a routing hook"):
+        DecodeMiddleware.from_config(
+            parse_config({"model": {"vocab_size": 100}, "arms": [{"name": "a", "synthesizer": {"name": "one_hot"}}]})
+        )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 
 import pytest
 
-from pd_middleware import TransferError
+from pd_middleware import TransferAbandoned, TransferError
 from pd_middleware.transport import MooncakeEngine
 from pd_middleware.transport.mooncake import merge_ranges
 
@@ -73,11 +74,17 @@ def test_pipelined_writes_land_bit_exact(mooncake_pair) -> None:
     try:
         chunk = 96 << 10
         flights = [prefill.start_write(decode.peer_name, [(s + i * chunk, d + i * chunk, chunk)]) for i in range(6)]
-        for _ in range(200_000):  # bounded: each poll is non-blocking
+        # Bounded in time, not in poll count, and sleeping between passes. This loop used to
+        # spin 200,000 passes: once one write was left that is ~0.5 s of wall time, spent
+        # taking a core from the engine threads that carry the write; on the loaded 2-core
+        # host a straggler took longer once ("writes did not complete").
+        deadline = time.monotonic() + 20.0
+        delay = 20e-6
+        while flights and time.monotonic() < deadline:
             flights = [f for f in (prefill.poll_write(decode.peer_name, f)[0] for f in flights) if f]
-            if not flights:
-                break
-        assert not flights, "writes did not complete"
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        assert not flights, "writes did not complete within 20 s"
         assert dst[: 6 * chunk] == src[: 6 * chunk]
         fut = prefill.submit(decode.peer_name, [(s, d + 7 * chunk, 4096)])  # the transfer-thread variant
         fut.result(10)
@@ -147,6 +154,51 @@ def test_a_failed_submit_reaps_the_ranges_already_submitted(mooncake_pair, monke
         decode.unregister(d)
 
 
+def test_an_engine_timeout_is_a_typed_abandoned_write(mooncake_pair, monkeypatch) -> None:
+    """Stand-in for the engine's own timeout (status -2 after MC_TRANSFER_TIMEOUT, >= 5 s):
+    the binding is wrapped so the status call says -2. It surfaces as TransferAbandoned
+    (the write may still land, so callers retire its slot), a plain failure (-1) as a
+    TransferError that is not one; and our own write_timeout_s gives TransferAbandoned."""
+    decode, prefill = mooncake_pair
+    src, s, dst, d = _buffers(mooncake_pair)
+    real = prefill._engine
+    status = [-2]
+
+    class Status:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def transfer_check_status(self, bid):
+            if status[0] != 0:  # the id is reaped after this: let the engine free it once
+                real.transfer_check_status(bid)
+            return status[0]  # (0: never passed on, so no id is polled after the engine freed it)
+
+    try:
+        bids = prefill.start_write(decode.peer_name, [(s, d, 4096)])
+        time.sleep(0.05)
+        monkeypatch.setattr(prefill, "_engine", Status())
+        pending, err = prefill.poll_write(decode.peer_name, bids)
+        assert pending == [] and isinstance(err, TransferAbandoned) and err.code == -2
+        monkeypatch.undo()
+        bids = prefill.start_write(decode.peer_name, [(s, d, 4096)])
+        time.sleep(0.05)
+        status[0] = -1
+        monkeypatch.setattr(prefill, "_engine", Status())
+        pending, err = prefill.poll_write(decode.peer_name, bids)
+        assert isinstance(err, TransferError) and not isinstance(err, TransferAbandoned) and err.code == -1
+        monkeypatch.undo()
+        status[0] = 0  # "running" forever: our write_timeout_s gives up
+        monkeypatch.setattr(prefill, "write_timeout_s", 0.1)
+        bids = prefill.start_write(decode.peer_name, [(s, d, 4096)])
+        monkeypatch.setattr(prefill, "_engine", Status())
+        with pytest.raises(TransferAbandoned, match="write_timeout_s"):
+            prefill.finish_write(decode.peer_name, bids)
+    finally:
+        monkeypatch.undo()
+        prefill.unregister(s)
+        decode.unregister(d)
+
+
 def test_closed_engine_refuses_every_call() -> None:
     engine = MooncakeEngine.open()
     name = engine.peer_name
@@ -171,3 +223,35 @@ def test_env_defaults_are_quiet_and_tcp() -> None:
     assert os.environ["MC_FORCE_TCP"] == "1"
     assert os.environ["MC_LOG_LEVEL"] in ("WARNING", "ERROR", "INFO")
     assert "MC_LOG_DIR" not in os.environ
+
+
+def _listeners(port: int) -> set[str]:
+    """Local addresses listening on TCP ``port`` (from /proc/net/tcp and tcp6, hex)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, p = local.rsplit(":", 1)
+            if state == "0A" and int(p, 16) == port:  # 0A = LISTEN
+                found.add(addr)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc/net/tcp")
+def test_the_engine_listens_on_every_interface_whatever_host_says(mooncake_pair) -> None:
+    """A tripwire for docs/transport.md ("Trust and the bulk plane"): the engine was opened
+    with host 127.0.0.1, yet its RPC port listens on 0.0.0.0, so the plane cannot be bound
+    and must be a trusted fabric. If a Mooncake release binds the host, this fails: then
+    bind it in MooncakeEngine.open and update the doc."""
+    decode, _ = mooncake_pair
+    assert decode.peer_name.startswith("127.0.0.1:")
+    port = int(decode.peer_name.rsplit(":", 1)[1])
+    listening = _listeners(port)
+    assert listening, f"nothing listens on the engine's RPC port {port}"
+    wildcard = {"00000000", "00000000000000000000000000000000"}
+    assert listening & wildcard, f"the RPC port is bound to {listening}: Mooncake now binds the host"

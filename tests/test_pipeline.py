@@ -82,6 +82,6 @@ def test_metrics_format_and_prometheus():
     reg = CollectorRegistry()
     m.register_prometheus(reg)
     out = generate_latest(reg).decode()
-    assert "pd_middleware_received_total 2.0" in out
-    assert 'pd_middleware_failed_total{reason="hook:boom"} 1.0' in out
-    assert 'pd_middleware_delivered_total{arm="default"} 1.0' in out
+    assert "pd_middleware_payloads_received_total 2.0" in out
+    assert 'pd_middleware_payloads_failed_total{reason="hook:boom"} 1.0' in out
+    assert 'pd_middleware_payloads_delivered_total{arm="default"} 1.0' in out

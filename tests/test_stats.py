@@ -90,3 +90,27 @@ def test_exactness_accumulator_flags_zero_mass_tokens() -> None:
     assert r.tv == pytest.approx(1.0) and not r.passed
     with pytest.raises(ValueError, match="no tokens recorded"):
         ExactnessAccumulator().result()
+
+
+def test_chi_square_tail_matches_the_closed_forms() -> None:
+    # df = 2: P(χ² > x) = exp(-x/2) exactly; df = 1: erfc(sqrt(x/2)).
+    for x in (0.1, 1.0, 5.0, 40.0):
+        assert chi_square_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-12)
+        assert chi_square_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-10)
+    assert chi_square_sf(0.0, 3) == 1.0 and chi_square_sf(math.inf, 3) == 0.0
+    with pytest.raises(ValueError, match="df must be positive"):
+        chi_square_sf(1.0, 0)
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    import numpy as np
+
+    from pd_middleware.stats import percentile
+
+    rng = np.random.default_rng(11)
+    values = rng.exponential(3.0, size=257).tolist()
+    for q in (0, 1, 25, 50, 90, 99, 99.9, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12), q
+    assert percentile([4.0], 99) == 4.0 and math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match=r"q must be in \[0, 100\]"):
+        percentile(values, 101)

@@ -435,8 +435,8 @@ def test_metrics_export_prometheus(zctx) -> None:
         tx.send(tw.make())
         collect_outcomes(rx, 1)
         text = prometheus_client.generate_latest(registry).decode()
-        assert 'pd_middleware_bytes_total{plane="inline"} 128.0' in text
-        assert "pd_middleware_delivered_total" in text
+        assert 'pd_middleware_received_bytes_total{plane="inline"} 128.0' in text
+        assert "pd_middleware_payloads_delivered_total" in text
     finally:
         tx.close()
         rx.stop()

@@ -1,15 +1,28 @@
-"""The A/B comparison job (``pd-middleware ab``): arms, effect size, report."""
+"""The A/B comparison job (``pd-middleware ab``): arms, effect size, typed report.
+
+Modules: :mod:`.config` (the ``[ab]`` table), :mod:`.prefill` (the spawned prefill),
+:mod:`.collector` (outcomes -> assembled batches), :mod:`.verifier` (targets and the
+reference verify), :mod:`.runner` (``run_ab``), :mod:`.schema` and :mod:`.report` (the
+typed :class:`Report`), :mod:`.render` and :mod:`.plot` (its outputs).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from .config import ABConfig, WorkloadRef
 from .effect import ResponseEffect, later_tokens_per_verify, response_effect
 
-__all__ = ["ResponseEffect", "later_tokens_per_verify", "response_effect", "run_ab"]
+__all__ = ["ABConfig", "Report", "ResponseEffect", "WorkloadRef", "later_tokens_per_verify", "response_effect", "run_ab"]
 
 
-def __getattr__(name: str):  # lazy: the job imports torch, zmq and the transport
+def __getattr__(name: str) -> Any:  # lazy: the job imports torch, zmq and the transport
     if name == "run_ab":
-        from .job import run_ab
+        from .runner import run_ab
 
         return run_ab
+    if name == "Report":
+        from .schema import Report
+
+        return Report
     raise AttributeError(name)

@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from ..payload import DenseEncoding, EncodedProposal, Payload, SparseEncoding
+from ..payload import DenseEncoding, EncodedProposal, HiddenDType, Payload, SparseEncoding
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ def build_payloads(arm: str, start: int, vocab: int, hidden: Any, enc: Any) -> l
     tokens, token_probs, proposals, prov = enc
     hidden_bytes = hidden.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
     h = len(hidden_bytes) // max(1, tokens.shape[0])
-    dtype = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}[str(hidden.dtype)]
+    names: dict[str, HiddenDType] = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+    dtype = names[str(hidden.dtype)]
     tl, pl = tokens.tolist(), token_probs.tolist()
     return [
         Payload(
@@ -103,6 +104,11 @@ def build_payloads(arm: str, start: int, vocab: int, hidden: Any, enc: Any) -> l
 
 def run_prefill(job: PrefillJob, results: Any) -> None:
     """Child-process entry point: send every arm's traffic, then report on ``results``."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; the parent decides (it returns a partial
+    # report and terminates this process), so the child must not die on its own first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results.put(("done", _run(job)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails loudly
@@ -116,11 +122,12 @@ def _run(job: PrefillJob) -> dict[str, Any]:
     from ..middleware import build_encoders
     from ..transport.sender import open_sender
     from ..workloads import make_workload
+    from .config import workload_options
 
     torch.set_num_threads(1)
     cfg = parse_config(job.config_data)
     encoders = build_encoders(cfg)
-    wl = make_workload(cfg.ab.workload.name, **_workload_options(cfg))
+    wl = make_workload(cfg.ab.workload.name, **workload_options(cfg))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.hidden_dtype]
     sender = open_sender(cfg.transport, job.address, name="ab-prefill")
     per_arm_bytes = {a: {"control": 0, "inline": 0, "bulk": 0} for a in job.arm_names}
@@ -151,16 +158,3 @@ def _run(job: PrefillJob) -> dict[str, Any]:
     finally:
         sender.close()
     return {"sent": sent, "bytes": per_arm_bytes, "send_errors": send_errors, "sender": status}
-
-
-def _workload_options(cfg: Any) -> dict[str, Any]:
-    """Workload options, with model facts filled in where the workload takes them."""
-    from ..workloads import workload_options_type
-
-    opts = dict(cfg.ab.workload.options)
-    fields = set(getattr(workload_options_type(cfg.ab.workload.name), "__struct_fields__", ()))
-    if "vocab_size" in fields:
-        opts.setdefault("vocab_size", cfg.model.vocab_size)
-    if "num_steps" in fields:
-        opts.setdefault("num_steps", cfg.model.num_steps)
-    return opts

@@ -54,6 +54,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from .._errors import ConfigError, PDMiddlewareError, PluginError
+from .sglang_ab import install_first_verify
 from .sglang_decode import DecodeProposer, ProposalStore, room_key
 from .sglang_prefill import ProposalPublisher, wrap_process_batch_result
 
@@ -186,6 +187,7 @@ def install(
     decode_module: ModuleType | None = None,
     prefill_module: ModuleType | None = None,
     version: str | None = None,
+    processor_module: ModuleType | None = None,
 ) -> Installation:
     """Route SGLang's PD first draft input (and, with ``publisher``, the prefill) through the middleware.
 
@@ -196,7 +198,10 @@ def install(
     :class:`ProposalStore` instead. ``publisher``: patch the prefill too.
     ``allow_unsupported``: try a version outside :data:`SUPPORTED_SGLANG_VERSIONS`
     (signatures are still checked). ``decode_module``/``prefill_module``/``version``
-    inject stand-ins for tests; by default the real SGLang modules are imported.
+    inject stand-ins for tests; by default the real SGLang modules are imported. The
+    live A/B counters (:mod:`.sglang_ab`) patch the real scheduler's verify-result
+    method, or ``processor_module``; with a stand-in ``decode_module`` and no
+    ``processor_module`` they are left out.
 
     Installing again first uninstalls the previous installation. Raises PluginError
     (unsupported version, missing function, changed signature: nothing is patched)
@@ -239,6 +244,13 @@ def install(
 
             config = load_config(config)
         mw = DecodeMiddleware.from_config(config, registry, metrics)
+        ab_patch = None
+        if decode_module is None or processor_module is not None:  # live A/B counters (sglang_ab)
+            try:
+                ab_patch = install_first_verify(mw.metrics, mw.config.metrics, mw.exporters, processor_module)
+            except PluginError:
+                mw.close()
+                raise
         if store is None and receiver is not None:
             store = ProposalStore(receiver)
         proposer = DecodeProposer(mw, store)
@@ -259,6 +271,8 @@ def install(
                     wrap_process_batch_result(pre_orig, lambda: inst.publisher),
                 )
             )
+        if ab_patch is not None:
+            inst.patches.append(ab_patch)
         for owner, attr, _, new in inst.patches:
             setattr(owner, attr, new)
         _set_installed(inst)

@@ -21,7 +21,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from .._errors import TransferError
+from .._errors import TransferAbandoned, TransferError
+from ..payload import Payload
+from . import integrity, wire
 from .mooncake import MooncakeEngine, Range
 
 # Writes in flight are polled every 20 us (about 70 us with timer slack) for their first
@@ -29,6 +31,12 @@ from .mooncake import MooncakeEngine, Range
 POLL_MIN_S = 20e-6
 POLL_FAST_S = 2e-3
 POLL_MAX_S = 1e-3
+
+
+def _flat(buf: Any) -> memoryview:
+    """``buf`` as a flat byte view, read in place (TypeError for a non-contiguous view)."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 class InFlight:
@@ -50,13 +58,19 @@ class BulkWriter:
     """Staging memory, registered sources and the writes in flight of one sender.
 
     ``engine``: the sender's open engine; ``max_inflight``: writes that may run at once
-    (one staging region each); ``clock``: the sender's clock.
+    (one staging region each); ``clock``: the sender's clock; ``digest``: the algorithm
+    that stamps each region in its header (:mod:`.integrity`).
     """
 
-    def __init__(self, engine: MooncakeEngine, max_inflight: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, engine: MooncakeEngine, max_inflight: int, clock: Callable[[], float], digest: str = "xxh3_128"
+    ) -> None:
         self.engine = engine
         self.max_inflight = max_inflight
         self._clock = clock
+        fn = integrity.DIGESTS[digest]
+        self._digest: Callable[[Any], bytes] = lambda buf: fn(_flat(buf))
+        self._gens: dict[int, int] = {}
         self._staging: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._addr = 0
@@ -67,8 +81,10 @@ class BulkWriter:
 
     # -- memory -----------------------------------------------------------------
 
-    def prepare(self, slot_size: int) -> None:
-        """Size the staging area for slots of ``slot_size`` bytes (at a grant); every region free."""
+    def prepare(self, slot_size: int, slots: tuple[int, ...] = (), gens: tuple[int, ...] = ()) -> None:
+        """At a grant: size the staging area for slots of ``slot_size`` bytes (every region
+        free) and note each granted slot's generation (``gens``, in ``slots`` order)."""
+        self._gens = dict(zip(slots, gens))
         need = slot_size * self.max_inflight
         if self._staging is None or len(self._staging) < need:
             if self._staging is not None:
@@ -125,9 +141,7 @@ class BulkWriter:
         out: list[Range] = []
         try:
             for i, (buf, off) in enumerate(parts):
-                mv = memoryview(buf)
-                if mv.format != "B" or mv.ndim != 1:
-                    mv = mv.cast("B")  # TypeError for a non-contiguous view
+                mv = _flat(buf)
                 n = mv.nbytes
                 src = self._source_addr(mv)
                 if src:
@@ -144,6 +158,18 @@ class BulkWriter:
             self.free_region(region)
             raise
         return out, region
+
+    def header(self, payload: Payload, seq: int, slot: int) -> tuple[wire.PayloadHeader, list[tuple[Any, int]]]:
+        """The header and parts of ``payload`` written into ``slot``, at the slot's next generation.
+
+        Each region's digest is taken here, from the bytes about to be staged or written
+        in place (they must not change until the write landed, as for any source). The
+        generation is used up even if the write then fails: the decode only asks that
+        each header name a higher one than the last it admitted.
+        """
+        gen = self._gens.get(slot, 0) + 1
+        self._gens[slot] = gen
+        return wire.build_header(payload, seq, slot, gen=gen, digest=self._digest)
 
     def free_region(self, region: int) -> None:
         if region >= 0:
@@ -167,14 +193,13 @@ class BulkWriter:
             except TransferError as exc:  # the engine was closed under us
                 pending, err = [], exc
             w.error = w.error or err
-            if not pending and w.error is not None and w.error.code == -2:
+            if not pending and isinstance(w.error, TransferAbandoned):
                 on_end(w, True)  # timed out in the engine: may still land
             elif pending and now - w.started > engine.write_timeout_s:
                 engine.abandon(pending)
-                w.error = TransferError(
+                w.error = TransferAbandoned(
                     f"write not done within write_timeout_s={engine.write_timeout_s:g}",
                     op="transfer_check_status",
-                    code=-2,
                     peer=peer,
                 )
                 on_end(w, True)

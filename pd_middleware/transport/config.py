@@ -98,6 +98,9 @@ class MooncakeConfig(msgspec.Struct, **_STRUCT):
     # Bulk writes a prefill sender keeps running at once (pipelined: send() returns once its
     # write is submitted); 1 = send() waits for its own write and raises its failure.
     max_inflight_writes: int = 8
+    # Digest that ties each bulk region to its header (transport/integrity.py): "auto" = BLAKE3
+    # when the control plane is authenticated, else xxh3-128; the decode refuses weaker ones.
+    digest: Literal["auto", "xxh3_128", "blake3"] = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host", "must not be empty")

@@ -35,7 +35,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from .._errors import TransferError
+from .._errors import TransferAbandoned, TransferError
 from .config import MooncakeConfig
 
 Range = tuple[int, int, int]
@@ -225,8 +225,10 @@ class MooncakeEngine:
                     results.append(st)
         for st in results:
             if st != 1 and error is None:
-                what = "timed out in the engine" if st == -2 else "failed"
-                error = TransferError(f"transfer {what}", op="transfer_check_status", code=st, peer=peer)
+                if st == -2:  # the engine's timeout: the write may still land (TransferAbandoned)
+                    error = TransferAbandoned("transfer timed out in the engine", op="transfer_check_status", code=st, peer=peer)
+                else:
+                    error = TransferError("transfer failed", op="transfer_check_status", code=st, peer=peer)
         if error is not None:
             self._probed.discard(peer)
         return pending, error
@@ -246,7 +248,8 @@ class MooncakeEngine:
         Sleeps between status polls rather than spinning: 20 us (about 70 us with the
         kernel's timer slack) for the first _POLL_FAST_S, so a write is seen done soon
         after it lands, then doubling up to 1 ms. Past ``write_timeout_s`` the remaining
-        ids are abandoned and TransferError (op ``transfer_check_status``, code -2) raised.
+        ids are abandoned and :class:`TransferAbandoned` (op ``transfer_check_status``) raised:
+        those writes may still land, so their slot must not be written again.
         """
         error: TransferError | None = None
         delay = _POLL_MIN_S
@@ -260,10 +263,9 @@ class MooncakeEngine:
             if now - start > self.write_timeout_s:
                 self.abandon(batch_ids)
                 self._probed.discard(peer)
-                raise TransferError(
+                raise TransferAbandoned(
                     f"{len(batch_ids)} transfer(s) not done within write_timeout_s={self.write_timeout_s:g}",
                     op="transfer_check_status",
-                    code=-2,
                     peer=peer,
                 )
             time.sleep(delay)
@@ -285,7 +287,8 @@ class MooncakeEngine:
             self.finish_write(peer, self.start_write(peer, ranges))
         except TransferError as exc:
             total = sum(r[2] for r in ranges)
-            raise TransferError(
+            cls = TransferAbandoned if isinstance(exc, TransferAbandoned) else TransferError  # the caller retires on the first
+            raise cls(
                 f"write of {total} bytes in {len(ranges)} range(s) failed: {exc}", op=exc.op, code=exc.code, peer=peer
             ) from None
 

@@ -35,10 +35,10 @@ from typing import Any, Callable
 
 import zmq
 
-from .._errors import TransferError, WireError
+from .._errors import IntegrityError, TransferError, WireError
 from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
-from . import wire
+from . import integrity, wire
 from .auth import Signer
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
@@ -98,7 +98,7 @@ class DecodeReceiver:
         self._out: deque[Delivery | Failure] = deque()
         self._ready = threading.Event()
         self._pending_wake = False
-        self._released: deque[int] = deque()
+        self._released: deque[tuple[int, int]] = deque()
         # Releases that wake the loop at once; the rest are found within _ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
         self._held_n = 0  # slots held by delivered payloads (receiver thread only)
@@ -147,7 +147,8 @@ class DecodeReceiver:
                 sock.close(0)
                 raise TransferError(str(exc), op="bind", peer=f"{cfg.bind_host}:{cfg.port}") from None
         self.address = f"tcp://{cfg.bind_host}:{port}"
-        self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes) if self.engine is not None else None
+        digest = integrity.algorithm_for(cfg)
+        self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes, digest) if self.engine is not None else None
         if self._pool is not None and self.engine is not None:
             self._pool_addr = self.engine.register(self._pool.buffer)
         self._sock = sock
@@ -247,7 +248,7 @@ class DecodeReceiver:
             except (BlockingIOError, OSError):
                 pass  # a full pipe already wakes the loop; a closed one means stopped
 
-    def _releaser(self, slot: int) -> Callable[[], None]:
+    def _releaser(self, slot: int, gen: int) -> Callable[[], None]:
         done = False
         released = self._released
         batch = self._release_batch
@@ -256,7 +257,7 @@ class DecodeReceiver:
             nonlocal done
             if not done:  # idempotent: a second release must not free a reused slot
                 done = True
-                released.append(slot)
+                released.append((slot, gen))  # generation-checked when applied
                 if len(released) >= batch:
                     self._wake()
 
@@ -442,6 +443,7 @@ class DecodeReceiver:
                 slots=peer.slots,
                 addrs=tuple(self._pool_addr + s * size for s in slots),
                 heartbeat_s=self.config.heartbeat_s,
+                gens=tuple(pool.gen[s] for s in slots) if pool is not None else (),
             ),
         )
 
@@ -449,14 +451,17 @@ class DecodeReceiver:
         m = self.metrics
         try:
             payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
-        except WireError as exc:
+            if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
+                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]
+        except (WireError, IntegrityError) as exc:
             named = _named_slot(h)
             if named >= 0 and self._pool is not None and named < self._pool.count:
                 pool = self._pool
                 if pool.owner[named] == peer.ident and not pool.held[named]:
                     peer.freed.append(named)  # the sender counts it busy until told otherwise
             m.bytes["control"] += sum(map(len, body))
-            f = self.pipeline.fail(Failure(request_id=exc.request_id, stage="wire", reason=str(exc), field=exc.field))
+            stage, fld = ("transfer", "digest") if isinstance(exc, IntegrityError) else ("wire", exc.field)
+            f = self.pipeline.fail(Failure(request_id=exc.request_id, stage=stage, reason=str(exc), field=fld))
             self._emit(f)
             peer.failed.append((h.seq, f.key, f.reason))
             return
@@ -466,7 +471,7 @@ class DecodeReceiver:
         if slot >= 0:
             self._pool.hold(slot)  # type: ignore[union-attr]
             self._held_n += 1
-            releaser = self._releaser(slot)
+            releaser = self._releaser(slot, gen)
             by_plane["bulk"] += wire.bulk_bytes(payload)
         elif len(body) == 2:
             by_plane["inline"] += len(body[1])
@@ -491,9 +496,11 @@ class DecodeReceiver:
         pool = self._pool
         released = self._released
         while released:
-            slot = released.popleft()
+            slot, gen = released.popleft()
+            done, owner = pool.release(slot, gen)  # type: ignore[union-attr]
+            if not done:  # stale: the slot was freed or reused since; never free a later use
+                continue
             self._held_n -= 1
-            owner = pool.release(slot)  # type: ignore[union-attr]
             if owner is not None:
                 peer = self._peers.get(owner)  # type: ignore[arg-type]
                 if peer is not None:

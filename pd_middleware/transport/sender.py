@@ -39,9 +39,9 @@ from typing import Any, Callable
 
 import zmq
 
-from .._errors import NoSlotError, TransferError, WireError
+from .._errors import NoSlotError, TransferAbandoned, TransferError, WireError
 from ..payload import Payload
-from . import wire
+from . import integrity, wire
 from .auth import Signer
 from .bulk import POLL_FAST_S, POLL_MAX_S, POLL_MIN_S, BulkWriter, InFlight
 from .config import TransportConfig
@@ -84,7 +84,8 @@ class PrefillSender:
         self._slot_size = 0
         self._max_inflight = config.mooncake.max_inflight_writes
         # Staging, registered sources and writes in flight (bulk.py); None without an engine.
-        self._bulk = BulkWriter(engine, self._max_inflight, clock) if engine is not None else None
+        digest = integrity.algorithm_for(config)
+        self._bulk = BulkWriter(engine, self._max_inflight, clock, digest) if engine is not None else None
         self._work = threading.Event()  # wakes the background thread for new writes in flight
         self._lost_error: TransferError | None = None  # the write failure that lost the decode
         self._seq = 0
@@ -191,7 +192,7 @@ class PrefillSender:
         self._lost_error = None
         self._last_heard = self._clock()
         if self._bulk is not None and msg.mooncake is not None and msg.slots:
-            self._bulk.prepare(msg.slot_size)  # one staging region per write that may be in flight
+            self._bulk.prepare(msg.slot_size, msg.slots, msg.gens)  # staging regions; slot generations
             self._bulk.engine.probe(msg.mooncake, force=True)
 
     # -- inbound ----------------------------------------------------------------
@@ -330,7 +331,7 @@ class PrefillSender:
         slot = self._acquire_slot()
         region = -1
         try:
-            header, parts = wire.build_header(payload, seq, slot)
+            header, parts = bulk.header(payload, seq, slot)  # stamps generation and digests
             ranges, region = bulk.ranges(self._slot_addr[slot], parts)
             bids = engine.start_write(mc, ranges)
             if self._max_inflight > 1:
@@ -343,7 +344,7 @@ class PrefillSender:
             self._send_msg(header)
         except BaseException as exc:
             bulk.free_region(region)  # only read by the write: safe to reuse
-            if isinstance(exc, TransferError) and exc.code == -2:
+            if isinstance(exc, TransferAbandoned):
                 # Given up on, not failed: the write may still land in the slot. Retire the
                 # slot and lose the decode, so nothing is written there before a reconnect.
                 self._lose(exc)

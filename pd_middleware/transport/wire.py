@@ -21,6 +21,11 @@ slot that hold them, dtypes, shapes and ranges, and finally builds a
 :class:`~pd_middleware.payload.Payload`, whose constructor validates values. Any
 violation raises :class:`~pd_middleware.WireError` with ``.field`` (``draft_probs``,
 ``hidden.nbytes``, ``proposal.kind``...) and ``.request_id`` when it could be read.
+
+A slot range also carries the slot's generation and a digest of its bytes, stamped by
+:func:`build_header`; the decode checks them against the slot
+(:meth:`~pd_middleware.transport.slots.SlotPool.admit`, :mod:`.integrity`) before it
+delivers anything.
 """
 
 from __future__ import annotations
@@ -51,8 +56,13 @@ Buffer = Union[bytes, memoryview]
 SlotResolver = Callable[[int, int, int, str, str], memoryview]
 
 
-class TensorRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Where one tensor's raw bytes are: an inline frame or a slot range."""
+class TensorRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Where one tensor's raw bytes are: an inline frame or a slot range.
+
+    A slot range also carries what ties its bytes to this (authenticated) header: the
+    slot's generation and a digest of the bytes (:mod:`.integrity`). ``omit_defaults``:
+    an inline reference encodes without them.
+    """
 
     dtype: TensorDType
     shape: tuple[Count, ...]
@@ -63,6 +73,10 @@ class TensorRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     slot: Annotated[int, msgspec.Meta(ge=-1)] = -1
     # Byte offset inside the slot.
     offset: NonNeg = 0
+    # Slot generation this write belongs to (slot ranges only); fresh for every use of a grant.
+    gen: NonNeg = 0
+    # Digest of the range's bytes (slot ranges only): 16 bytes xxh3-128 or 32 bytes BLAKE3.
+    digest: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class WireProvenance(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -144,6 +158,8 @@ class Grant(Message, tag="grant"):
     slots: tuple[NonNeg, ...]
     addrs: tuple[NonNeg, ...]
     heartbeat_s: float
+    # Current generation of each granted slot (same order as ``slots``); a header names the next.
+    gens: tuple[NonNeg, ...] = ()
 
 
 class Ack(Message, tag="ack"):
@@ -416,6 +432,17 @@ def _check_frames_named(h: PayloadHeader, n_frames: int, rid: str) -> None:
         )
 
 
+def slot_refs(h: PayloadHeader) -> list[tuple[str, TensorRef]]:
+    """``(field, ref)`` of every slot range a (decoded) header names, in header order."""
+    p = h.proposal
+    refs: list[tuple[str, TensorRef | None]] = [("hidden", h.hidden)]
+    if type(p) is DenseMeta:
+        refs.append(("proposal.data", p.data))
+    elif p is not None:
+        refs += [("proposal.indices", p.indices), ("proposal.values", p.values)]
+    return [(f, r) for f, r in refs if r is not None and r.frame == 0]
+
+
 def _same_slot(a: int, b: int, field: str, rid: str) -> int:
     if a != -1 and b != -1 and a != b:
         raise WireError(f"names slot {b}, but this payload's other tensors are in slot {a}", field=f"{field}.slot", request_id=rid)
@@ -442,13 +469,21 @@ def bulk_bytes(payload: Payload) -> int:
     return total
 
 
-def build_header(payload: Payload, seq: int, slot: int = -1) -> tuple[PayloadHeader, list[tuple[Buffer, int]]]:
+def build_header(
+    payload: Payload,
+    seq: int,
+    slot: int = -1,
+    *,
+    gen: int = 0,
+    digest: Callable[[Buffer], bytes] | None = None,
+) -> tuple[PayloadHeader, list[tuple[Buffer, int]]]:
     """Describe ``payload`` on the wire.
 
     With ``slot == -1`` the tensors go inline: returns the header and the extra frames
     as ``(buffer, -1)`` in frame order. Otherwise they go into ``slot``: returns
     ``(buffer, offset)`` pairs, offsets ``SLOT_ALIGN``-aligned and packed so that the
-    padded ranges are contiguous (one Mooncake transfer).
+    padded ranges are contiguous (one Mooncake transfer); each range carries ``gen`` and
+    ``digest(buffer)`` (the decode refuses a slot range without a matching digest).
     """
     parts: list[tuple[Buffer, int]] = []
     cursor = 0
@@ -462,7 +497,8 @@ def build_header(payload: Payload, seq: int, slot: int = -1) -> tuple[PayloadHea
         off = cursor
         cursor += _aligned(n)
         parts.append((buf, off))
-        return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off)  # type: ignore[arg-type]
+        d = digest(buf) if digest is not None else b""
+        return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off, gen=gen, digest=d)  # type: ignore[arg-type]
 
     steps = len(payload.draft_tokens)
     hidden = None

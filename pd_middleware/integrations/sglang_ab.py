@@ -1,0 +1,227 @@
+"""Live A/B on an SGLang PD decode: each request's arm and the result of its first verify.
+
+Only a request's first verify depends on the proposal strategy (``docs/strategies.md``):
+later drafts run on the decode and are the same in every arm. So the live comparison
+counts, per arm, the first verifies and the draft tokens accepted at them
+(:meth:`~pd_middleware.metrics.Metrics.record_first_verify`); ``pd-middleware live-ab``
+turns the counts into acceptance with 95% CIs and the ratio against a baseline arm.
+
+Where SGLang 0.5.23 has the per-request result: the EAGLE verify
+(``speculative/eagle_utils.py``, ``verify_tree_greedy``/the rejection-sampling kernel)
+returns ``accept_lens`` (b,), drafts accepted plus the bonus token, carried on the
+``GenerationBatchResult`` to the scheduler. There
+``SchedulerBatchResultProcessor._resolve_spec_v2_tokens(self, result, batch)``
+(``managers/scheduler_components/batch_result_processor.py``), on the overlap and the
+non-overlap path alike, copies it to CPU, sets ``result.num_correct_drafts_per_req_cpu``
+(accepted drafts per request, the bonus excluded) and increments ``req.spec_verify_ct``
+for every request still running. A request's first verify is the call in which its
+``spec_verify_ct`` goes from 0 to 1; a request that finished at the prebuilt step or
+was retracted is not counted (SGLang skips it too).
+
+:func:`first_verify_patch` wraps that method (signature checked, restorable, in the
+style of :mod:`.sglang`): it reads each request's ``spec_verify_ct`` before the call and
+records the requests whose first verify this was. The arm is read from the request:
+``req.pd_middleware.arm``, the record the decode path attaches (the arm that the
+``ab_split`` hook routed its payload to). A request with no record counts as
+unattributed.
+
+On its first call (in the scheduler process, after SGLang has published its runtime
+context) the wrapper also starts the copy into SGLang's own ``/metrics`` when SGLang runs
+with ``--enable-metrics``, on the ranks where SGLang itself reports (attention-TP rank 0,
+or every scheduler with ``--enable-metrics-for-all-schedulers``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from .._errors import PDMiddlewareError, PluginError
+from ..metrics import Metrics
+
+logger = logging.getLogger("pd_middleware.integrations.sglang")
+
+PROCESSOR_MODULE = "sglang.srt.managers.scheduler_components.batch_result_processor"
+PROCESSOR_CLASS = "SchedulerBatchResultProcessor"
+RESOLVE_METHOD = "_resolve_spec_v2_tokens"
+# Parameter names the hook relies on; anything else means SGLang changed under us.
+RESOLVE_PARAMS = ("self", "result", "batch")
+
+
+def arm_of(req: Any) -> str | None:
+    """The A/B arm the decode path attached to ``req`` (``req.pd_middleware.arm``), or None."""
+    record = getattr(req, "pd_middleware", None)
+    arm = getattr(record, "arm", None)
+    return arm if isinstance(arm, str) else None
+
+
+class FirstVerifyRecorder:
+    """Counts each request's first verify into ``metrics``, by arm.
+
+    ``arm_of``: reads a request's arm (default :func:`arm_of`). ``log_path``: a JSON-lines
+    file to append one ``{"request_id", "arm", "accepted", "t"}`` line per first verify
+    (``[metrics] first_verify_log``), or None. ``on_first_call``: run once, in the
+    scheduler process, before the first batch is recorded (starts the multiprocess copy).
+    """
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        arm_of: Callable[[Any], str | None] = arm_of,
+        log_path: str | Path | None = None,
+        on_first_call: Callable[[], None] | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.arm_of = arm_of
+        self.log_path = log_path
+        self._log: Any = None  # opened at the first line, so a refused install leaves no file open
+        self._on_first_call = on_first_call
+        self._lock = threading.Lock()
+
+    def before(self, batch: Any) -> list[int]:
+        """Positions of the batch's requests not verified yet (``spec_verify_ct == 0``)."""
+        if self._on_first_call is not None:
+            hook, self._on_first_call = self._on_first_call, None
+            hook()
+        return [i for i, r in enumerate(batch.reqs) if r.spec_verify_ct == 0]
+
+    def after(self, batch: Any, result: Any, before: list[int]) -> int:
+        """Record the requests whose first verify this was; returns how many.
+
+        ``before``: what :meth:`before` returned for this batch.
+        """
+        if not before:
+            return 0
+        reqs = batch.reqs
+        accepted = getattr(result, "num_correct_drafts_per_req_cpu", None)
+        if accepted is None or len(accepted) != len(reqs):
+            return 0
+        n = 0
+        for i in before:
+            req = reqs[i]
+            if req.spec_verify_ct > 0:
+                arm = self.arm_of(req)
+                self.metrics.record_first_verify(arm, int(accepted[i]))
+                n += 1
+                if self.log_path is not None:
+                    self._write(req, arm, int(accepted[i]))
+        return n
+
+    def _write(self, req: Any, arm: str | None, accepted: int) -> None:
+        room = getattr(req, "bootstrap_room", None)
+        rid = str(int(room)) if room is not None else str(getattr(req, "rid", ""))
+        line = json.dumps({"request_id": rid, "arm": arm, "accepted": accepted, "t": round(time.time(), 3)})
+        with self._lock:
+            path = self.log_path
+            if path is None:  # stopped meanwhile
+                return
+            if self._log is None:
+                self._log = open(path, "a", buffering=1, encoding="utf-8")
+            self._log.write(line + "\n")
+
+    def stop(self) -> None:
+        """Close the log file (a middleware exporter: ``DecodeMiddleware.close`` calls it)."""
+        with self._lock:
+            log, self._log, self.log_path = self._log, None, None
+        if log is not None:
+            log.close()
+
+
+def first_verify_patch(
+    recorder: FirstVerifyRecorder, processor_module: ModuleType | None = None
+) -> tuple[Any, str, Any, Any]:
+    """Check SGLang's verify-result method and build its wrapper; patches nothing.
+
+    Returns ``(owner, attribute, original, replacement)`` for an installation's patch
+    list (:func:`pd_middleware.integrations.sglang.install` applies and restores it).
+    Raises PluginError when the class or method is missing or its signature changed.
+    """
+    from .sglang import _check_signature, _import, _mark
+
+    mod = processor_module if processor_module is not None else _import(PROCESSOR_MODULE)
+    owner = getattr(mod, PROCESSOR_CLASS, None)
+    if owner is None:
+        raise PluginError(f"{mod.__name__}.{PROCESSOR_CLASS} not found", plugin="sglang")
+    original = _check_signature(owner, RESOLVE_METHOD, RESOLVE_PARAMS, f"{mod.__name__}.{PROCESSOR_CLASS}")
+
+    def _resolve_spec_v2_tokens(self: Any, result: Any, batch: Any) -> Any:
+        before = recorder.before(batch)
+        out = original(self, result, batch)
+        recorder.after(batch, result, before)
+        return out
+
+    return owner, RESOLVE_METHOD, original, _mark(_resolve_spec_v2_tokens, original)
+
+
+def sglang_exports_metrics() -> bool:
+    """Whether this SGLang scheduler process reports to SGLang's ``/metrics``.
+
+    True under ``--enable-metrics`` with ``PROMETHEUS_MULTIPROC_DIR`` set, on
+    attention-TP rank 0 (or every scheduler with ``--enable-metrics-for-all-schedulers``),
+    SGLang's own rule (``Scheduler.__init__``), so each DP group's first verifies are
+    counted once, not once per TP rank. False outside a scheduler whose runtime context
+    is published.
+    """
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return False
+    try:
+        from sglang.srt.runtime_context import get_observability, get_parallel  # type: ignore[import-untyped]  # SGLang ships no stubs
+
+        obs = get_observability()
+        if not obs.enable_metrics:
+            return False
+        return get_parallel().attn_tp_rank == 0 or bool(obs.enable_metrics_for_all_schedulers)
+    except (ImportError, AttributeError, ValueError):  # not a published scheduler context
+        return False
+
+
+def start_sglang_export(
+    metrics: Metrics, interval_s: float, exporters: list[Any], *, enabled: Callable[[], bool] = sglang_exports_metrics
+) -> Any:
+    """Start copying ``metrics`` into SGLang's ``/metrics`` when :func:`sglang_exports_metrics`.
+
+    The mirror joins ``exporters`` (a middleware's list: stopped by its ``close()``).
+    Returns it, or None when this process does not report.
+    """
+    if not enabled():
+        return None
+    from ..metrics_export import MultiprocessMirror
+
+    mirror = MultiprocessMirror(metrics, interval_s).start()
+    exporters.append(mirror)
+    logger.info("pd-middleware counters copied into SGLang's /metrics every %.2f s", interval_s)
+    return mirror
+
+
+def install_first_verify(
+    metrics: Metrics, config: Any, exporters: list[Any], processor_module: ModuleType | None = None
+) -> tuple[Any, str, Any, Any]:
+    """The live A/B patch for an SGLang installation; patches nothing itself.
+
+    ``metrics``: the decode's counters; ``config``: its
+    :class:`~pd_middleware.config.MetricsConfig` (``first_verify_log``,
+    ``sync_interval_s``); ``exporters``: the list whose owner stops its entries on close
+    (``DecodeMiddleware.exporters``). Checks SGLang's method first (PluginError, nothing
+    changed, when it moved), then builds a :class:`FirstVerifyRecorder` (added to
+    ``exporters``) that starts the copy into SGLang's ``/metrics`` on its first call.
+    Returns ``(owner, attribute, original, replacement)``.
+    """
+
+    def start_export() -> None:
+        # Metrics must never stop serving: a failed export is logged, once.
+        try:
+            start_sglang_export(metrics, config.sync_interval_s, exporters)
+        except PDMiddlewareError as exc:
+            logger.error("pd-middleware: counters not copied into SGLang's /metrics: %s", exc)
+
+    recorder = FirstVerifyRecorder(metrics, log_path=config.first_verify_log, on_first_call=start_export)
+    patch = first_verify_patch(recorder, processor_module)
+    exporters.append(recorder)
+    return patch
