@@ -43,6 +43,7 @@ def tensor_from_buffer(buf: bytes | memoryview, dtype: str, *, copy: bool = True
     n = len(buf) if isinstance(buf, bytes) else buf.nbytes
     if n == 0:
         return torch.empty(0, dtype=torch_dtype(dtype))
+    src: bytes | bytearray | memoryview = buf
     if copy or isinstance(buf, bytes) or buf.readonly:
-        buf = bytearray(buf)
-    return torch.frombuffer(buf, dtype=torch_dtype(dtype))
+        src = bytearray(buf)  # torch.frombuffer needs a writable buffer
+    return torch.frombuffer(src, dtype=torch_dtype(dtype))

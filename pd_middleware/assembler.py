@@ -186,6 +186,7 @@ class ProposalAssembler:
                 lengths = p.lengths
                 if len(lengths) != s_steps:
                     raise ValueError(f"request {i}: sparse proposal has {len(lengths)} steps, expected {s_steps}")
+                offs: int | torch.Tensor
                 if s_steps == 1:
                     offs = i * stride
                 else:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from .metrics import Metrics
 from .payload import DenseEncoding, Payload
@@ -155,7 +155,8 @@ class ProvenanceGuard:
             if not v > 0.0:  # also true for NaN
                 return "token_outside_proposal"
         enc = payload.proposal
-        if type(law) is DenseProposal:
+        scale: Sequence[float]
+        if isinstance(law, DenseProposal):
             rtol = DECLARED_RTOL.get(enc.dtype, DECLARED_RTOL["fp32"]) if type(enc) is DenseEncoding else DECLARED_RTOL["fp32"]
             scale = law.scale.tolist()
         else:
@@ -190,6 +191,8 @@ class GuardedSynthesizer:
 
     name: str = "guarded"
     accepts: tuple[str, ...] = ()
+    # Set by each subclass (``staticmethod(sparse_law)``...); checked in __init__.
+    decode_law: "Callable[..., DenseProposal | SparseProposal]"
 
     def __init__(self, options: object, context: "PluginContext", *, unsafe_disable_guard: bool = False) -> None:
         self.vocab_size = context.vocab_size

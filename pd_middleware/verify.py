@@ -152,7 +152,7 @@ def residual_weights(p: "torch.Tensor", q: "torch.Tensor", kernel: Kernel = "fla
     return torch.where(diff > 0, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
 
 
-def _draw_residual(p: "torch.Tensor", q: "torch.Tensor", u: "torch.Tensor", kernel: str) -> "torch.Tensor":
+def _draw_residual(p: "torch.Tensor", q: "torch.Tensor", u: "torch.Tensor", kernel: Kernel) -> "torch.Tensor":
     """int64 (n,): one residual draw per row, with the kernels' corner cases (module docstring)."""
     import torch
 
