@@ -112,11 +112,12 @@ class ProposalAssembler:
         """Like :meth:`build`, but into a new (B, V) / (B, S, V) float32 tensor.
 
         For callers that keep the result past the next build (SGLang holds
-        ``draft_probs`` across its overlap relay): ``torch.zeros`` (as SGLang's own
-        builder does, so a CPU build keeps the kernel's lazily zeroed pages), then
-        the rows whose content is a whole row (floors, dense laws) and one scatter of
-        the entries; no copy out of a persistent buffer. Any batch size is accepted;
-        the persistent buffers are not touched.
+        ``draft_probs`` across its overlap relay). Every row is written exactly once:
+        zeroed, filled with its floor, or copied from a dense law; then one scatter of
+        the entries. So the cost is that of ``torch.zeros`` of the same shape (SGLang's
+        own builder; on CPU a fresh tensor's cost is mostly its first write) plus the
+        scatter, and there is no copy out of a persistent buffer. Any batch size is
+        accepted; the persistent buffers are not touched.
         """
         flat = self._flatten(proposals, limit=False)
         if flat is None:
@@ -124,14 +125,22 @@ class ProposalAssembler:
         idx, val, dense, floor_rows, floor_vals = flat
         b, s_steps, v = len(proposals), self.num_steps, self.vocab_size
         dev = self.device
-        out = torch.zeros(b, s_steps, v, dtype=torch.float32, device=dev)
+        out = torch.empty(b, s_steps, v, dtype=torch.float32, device=dev)
         rows2d = out.view(b * s_steps, v)
-        for i, p in dense:
-            dst = rows2d[i * s_steps : (i + 1) * s_steps]
-            dst.copy_(p.probs, non_blocking=True)
-            dst.mul_(p.scale.to(dev, non_blocking=True).view(-1, 1))
-        if floor_rows:
-            _fill_rows(rows2d, floor_rows, floor_vals)
+        dense_rows = {i * s_steps + s for i, _ in dense for s in range(s_steps)}
+        whole = dense_rows.union(floor_rows)
+        if not whole:
+            rows2d.zero_()
+        else:
+            zero_rows = [r for r in range(b * s_steps) if r not in whole]
+            if zero_rows:
+                rows2d.index_fill_(0, torch.tensor(zero_rows, device=dev), 0.0)
+            for i, p in dense:
+                dst = rows2d[i * s_steps : (i + 1) * s_steps]
+                dst.copy_(p.probs, non_blocking=True)
+                dst.mul_(p.scale.to(dev, non_blocking=True).view(-1, 1))
+            if floor_rows:
+                _fill_rows(rows2d, floor_rows, floor_vals)
         if idx is not None:
             flat_out = out.view(-1)
             idx = self._host_to_device(idx)

@@ -150,7 +150,8 @@ def test_dense_rows_are_scaled_copies():
 def test_build_fresh_equals_the_reference_and_leaves_the_buffers_alone(num_steps):
     """build_fresh: a new tensor per call, equal to a freshly zeroed reference for every
     kind of proposal, any batch size (past max_batch too); the persistent buffer is not
-    written."""
+    written. The tensor starts as torch.empty (whatever memory held), so a row that
+    build_fresh forgot to write would show."""
     rng = random.Random(SEED + 7 * num_steps)
     v, max_b = 37, 4
     asm = ProposalAssembler(v, num_steps, max_b)
