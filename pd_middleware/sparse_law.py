@@ -97,7 +97,8 @@ def sparse_law(
     if len(tail) != num_steps:
         raise _err(f"has {len(tail)} entries, expected {num_steps}", "proposal.tail_mass", rid)
     for s, t in enumerate(tail):
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t < 1.0:
+        tt = type(t)  # exact types: bool is not a probability
+        if (tt is not float and tt is not int) or not 0.0 <= t < 1.0:
             raise _err(f"step {s}: {t!r} is not a probability in [0, 1)", "proposal.tail_mass", rid)
         if t > 0.0 and lengths[s] == vocab_size:
             raise _err(f"step {s} lists the whole vocab but spreads {t} over no token", "proposal.tail_mass", rid)
@@ -115,7 +116,7 @@ def sparse_law(
         sums = np.add.reduceat(vals, starts, dtype=np.float64).tolist()
     # A NaN or inf anywhere makes its step's float64 sum non-finite (fp32/fp16 values
     # cannot overflow a float64 sum), so one pass over the sums finds them all.
-    if not all(math.isfinite(m) for m in sums):
+    if not math.isfinite(sum(sums)):
         raise _err("contains NaN or inf", "proposal.values", rid)
     if float(vals.min()) < 0.0:
         raise _err("contains negative values", "proposal.values", rid)
@@ -130,17 +131,17 @@ def sparse_law(
         scales.append((1.0 - t) / m)
         # fp32, as the assembler writes it: the law and the buffer hold the same number.
         floors.append(float(np.float32(t / (vocab_size - lengths[s]))) if t > 0.0 else 0.0)
-    scale32 = np.asarray(scales, dtype=np.float32)
+    # The values are scaled in fp32 (one rounding), as the law is defined.
     if num_steps == 1:
-        vals *= scale32[0]
+        sc = np.float32(scales[0])
+        vals *= sc
+        scale = (float(sc),)
     else:
+        scale32 = np.asarray(scales, dtype=np.float32)
         vals *= np.repeat(scale32, lengths)
+        scale = tuple(scale32.tolist())
     return SparseProposal(
-        lengths=tuple(lengths),
-        indices=torch.from_numpy(idx),
-        values=vals_t,
-        floor=tuple(floors),
-        scale=tuple(scale32.tolist()),
+        lengths=tuple(lengths), indices=torch.from_numpy(idx), values=vals_t, floor=tuple(floors), scale=scale
     )
 
 
