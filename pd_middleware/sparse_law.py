@@ -97,8 +97,8 @@ def sparse_law(
     if len(tail) != num_steps:
         raise _err(f"has {len(tail)} entries, expected {num_steps}", "proposal.tail_mass", rid)
     for s, t in enumerate(tail):
-        tt = type(t)  # exact types: bool is not a probability
-        if (tt is not float and tt is not int) or not 0.0 <= t < 1.0:
+        tt = type(t)  # bool is an int, not a probability; float subclasses (np.float64) are fine
+        if (tt is not float and tt is not int and not isinstance(t, float)) or not 0.0 <= t < 1.0:
             raise _err(f"step {s}: {t!r} is not a probability in [0, 1)", "proposal.tail_mass", rid)
         if t > 0.0 and lengths[s] == vocab_size:
             raise _err(f"step {s} lists the whole vocab but spreads {t} over no token", "proposal.tail_mass", rid)
