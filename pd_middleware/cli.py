@@ -48,7 +48,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     resolved = resolve_plugins(cfg, default_registry(), source=args.file)
     print(f"{args.file}: OK")
     print(
-        f"  model: vocab_size={cfg.model.vocab_size} num_steps={cfg.model.num_steps} "
+        f"  model: vocab_size={cfg.model.declared_vocab_size or 'engine'} num_steps={cfg.model.declared_num_steps or 'engine'} "
         f"rejection_sampling={cfg.decode.rejection_sampling} max_batch={cfg.decode.max_batch} "
         f"device={cfg.decode.device}"
     )

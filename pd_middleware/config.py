@@ -45,24 +45,95 @@ class PluginRef(msgspec.Struct, **_STRUCT):
 
 
 class ModelConfig(msgspec.Struct, **_STRUCT):
-    """Facts about the target and draft models."""
+    """Facts about the target and draft models.
 
-    # Target vocabulary size V: every proposal row is exactly this wide.
-    vocab_size: int = 152064
-    # Draft steps per request: 1 = single-layer EAGLE, >1 = multi-layer chain (num_steps).
-    num_steps: int = 1
+    ``vocab_size`` and ``num_steps`` may be left out: an engine integration (SGLang)
+    then takes them from the engine when it starts (:meth:`with_shapes`), and tools
+    that run without an engine (the offline A/B job, the loopback example) use
+    :data:`DEFAULT_VOCAB_SIZE` and :data:`DEFAULT_NUM_STEPS`. ``declared_*`` say what
+    the file itself declared (None: left out).
+    """
+
+    # Target vocabulary size V: every proposal row is exactly this wide. Optional:
+    # left out, the engine's own value is used (offline tools: 152064).
+    declared_vocab_size: int | None = msgspec.field(default=None, name="vocab_size")
+    # Draft steps per request: 1 = single-layer EAGLE, >1 = multi-layer chain
+    # (num_steps). Optional: left out, the engine's own value is used (offline tools: 1).
+    declared_num_steps: int | None = msgspec.field(default=None, name="num_steps")
     # Hidden-state width H the prefill sends to seed the next draft step.
     hidden_size: int = 4096
     # Hidden-state dtype on the wire.
     hidden_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.vocab_size <= 1 << 24:
-            raise OptionValueError("vocab_size", f"must be in [1, 16777216], got {self.vocab_size}")
-        if not 1 <= self.num_steps <= 16:
-            raise OptionValueError("num_steps", f"must be in [1, 16], got {self.num_steps}")
+        v, s = self.declared_vocab_size, self.declared_num_steps
+        if v is not None and not 1 <= v <= 1 << 24:
+            raise OptionValueError("vocab_size", f"must be in [1, 16777216], got {v}")
+        if s is not None and not 1 <= s <= 16:
+            raise OptionValueError("num_steps", f"must be in [1, 16], got {s}")
         if not 0 <= self.hidden_size <= 1 << 16:
             raise OptionValueError("hidden_size", f"must be in [0, 65536], got {self.hidden_size}")
+
+    @property
+    def vocab_size(self) -> int:
+        """V: the declared value, or :data:`DEFAULT_VOCAB_SIZE` when left out."""
+        v = self.declared_vocab_size
+        return DEFAULT_VOCAB_SIZE if v is None else v
+
+    @property
+    def num_steps(self) -> int:
+        """S: the declared value, or :data:`DEFAULT_NUM_STEPS` when left out."""
+        s = self.declared_num_steps
+        return DEFAULT_NUM_STEPS if s is None else s
+
+    def with_shapes(self, vocab_size: int, num_steps: int, *, engine: str = "the engine") -> "ModelConfig":
+        """This model section with V and S taken from ``engine``.
+
+        Raises :class:`ConfigError` naming both values when the file declared a
+        different one (``model.vocab_size`` or ``model.num_steps``).
+        """
+        for key, declared, got in (
+            ("vocab_size", self.declared_vocab_size, vocab_size),
+            ("num_steps", self.declared_num_steps, num_steps),
+        ):
+            if declared is not None and declared != got:
+                raise ConfigError(
+                    f"{engine} runs with {key} = {got}, the config says {declared}; "
+                    "make them equal or leave the key out to take the engine's value",
+                    path=f"model.{key}",
+                )
+        return msgspec.structs.replace(self, declared_vocab_size=vocab_size, declared_num_steps=num_steps)
+
+
+#: V used by tools that run without an engine when ``model.vocab_size`` is left out.
+DEFAULT_VOCAB_SIZE = 152064
+#: S used by tools that run without an engine when ``model.num_steps`` is left out.
+DEFAULT_NUM_STEPS = 1
+
+
+class SGLangConfig(msgspec.Struct, **_STRUCT):
+    """The SGLang drop-in (``[sglang]``; read only by ``pd_middleware.integrations``)."""
+
+    # How proposals reach the decode: "metadata" = a row appended to SGLang's own PD
+    # metadata buffers (travels with the KV, on every rank); "sidechannel" = the
+    # middleware's own transport ([transport]; the prefill needs PD_MIDDLEWARE_DECODE_ADDRESS).
+    channel: Literal["metadata", "sidechannel"] = "metadata"
+    # Bytes per proposal row (a multiple of 64, 256 .. 8 MiB). Each node allocates
+    # capacity x metadata rows (decode: 2 x the request pool) of CPU memory. A proposal
+    # larger than this travels without its distribution (exact one-hot, counted).
+    # 20480 holds sparse_floor/sparse_topp at k_max 4000 (16 KB) at V = 152064;
+    # full fp32 at that V needs 608,384, bf16 304,256 (docs/sglang.md, "Bytes").
+    capacity_bytes: int = 20480
+    # Seed of the prefill encoder's draw; each request draws from a generator seeded
+    # from (seed, bootstrap room), so every prefill TP rank writes identical bytes.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        c = self.capacity_bytes
+        if not 256 <= c <= 8 << 20 or c % 64:
+            raise OptionValueError("capacity_bytes", f"must be a multiple of 64 in [256, 8388608], got {c}")
+        if not 0 <= self.seed < 1 << 63:
+            raise OptionValueError("seed", f"must be in [0, 2**63), got {self.seed}")
 
 
 class DecodeConfig(msgspec.Struct, **_STRUCT):
@@ -148,6 +219,8 @@ class Config(msgspec.Struct, **_STRUCT):
     transport: TransportConfig = TransportConfig()
     ab: ABConfig = ABConfig()
     metrics: MetricsConfig = MetricsConfig()
+    # The SGLang drop-in: which channel carries proposals, and the row capacity.
+    sglang: SGLangConfig = SGLangConfig()
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.arms]

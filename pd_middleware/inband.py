@@ -44,10 +44,11 @@ through its own metadata and never pair a proposal with a different draw.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -119,6 +120,7 @@ class RowLayout:
     capacity_bytes: int
     vocab_size: int
     num_steps: int
+    _signature: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         c = self.capacity_bytes
@@ -130,12 +132,14 @@ class RowLayout:
             raise ValueError(f"num_steps must be in [1, {MAX_STEPS}], got {self.num_steps}")
         if c < HEADER_BYTES + 12 * self.num_steps + 1:
             raise ValueError(f"capacity_bytes {c} cannot hold the header of {self.num_steps} steps")
+        raw = struct.pack("<HIII", ROW_VERSION, c, self.vocab_size, self.num_steps)
+        sig = int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"pd-mw-row").digest(), "little")
+        object.__setattr__(self, "_signature", sig)  # computed once: read per row
 
     @property
     def signature(self) -> int:
         """A 64-bit digest of (format version, capacity, V, S); equal on both nodes or a mismatch."""
-        raw = struct.pack("<HIII", ROW_VERSION, self.capacity_bytes, self.vocab_size, self.num_steps)
-        return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"pd-mw-row").digest(), "little")
+        return self._signature
 
     def describe(self) -> str:
         """``rowv1 capacity=... vocab=... steps=... sig=...``: for error messages naming both sides."""
@@ -298,6 +302,11 @@ def read_row(row: np.ndarray, room: int, layout: RowLayout, request_id: str | No
         return RowFault(f"decode:{exc.field}", exc.detail)
 
 
+@functools.lru_cache(maxsize=64)
+def _fmt(code: str, n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}{code}")
+
+
 def _body(
     view: memoryview, end: int, flags: int, s: int, vocab: int, kind: int, dtype: int, fmt: int, temp: float, rid: str
 ) -> Payload:
@@ -308,8 +317,8 @@ def _body(
 
     off = HEADER_BYTES
     nxt = take(off, 12 * s + 1, "draft_tokens")
-    tokens = tuple(np.frombuffer(view, "<i8", s, off).tolist())
-    probs = tuple(np.frombuffer(view, "<f4", s, off + 8 * s).tolist())
+    tokens = _fmt("q", s).unpack_from(view, off)
+    probs = _fmt("f", s).unpack_from(view, off + 8 * s)
     n_sf = view[nxt - 1]
     off = take(nxt, n_sf, "provenance.sampled_from")
     try:
@@ -332,13 +341,13 @@ def _body(
             raise ValidationError(f"unknown index format code {fmt}", field="proposal.index_format", request_id=rid)
         vname, iname = _DTYPES[dtype], _INDEX_FORMATS[fmt]
         start, off = off, take(off, 12 * s, "proposal.lengths")
-        lengths = tuple(np.frombuffer(view, "<u4", s, start).tolist())
-        tail = tuple(np.frombuffer(view, "<f8", s, start + 4 * s).tolist())
+        lengths = _fmt("I", s).unpack_from(view, start)
+        tail = _fmt("d", s).unpack_from(view, start + 4 * s)
         buckets: tuple[int, ...] = ()
         if iname == "u16":
             nb = s * u16_buckets(vocab)
             start, off = off, take(off, 4 * nb, "proposal.bucket_counts")
-            buckets = tuple(np.frombuffer(view, "<u4", nb, start).tolist())
+            buckets = _fmt("I", nb).unpack_from(view, start)
         off = take(off, -off % 8, "proposal.indices")
         total = sum(lengths)
         if total > s * vocab:

@@ -4,8 +4,8 @@ The one stand-in this tier allows is torchvision's. Why: importing SGLang's sche
 modules imports every model config, and two of them import torchvision at module level.
 Every reachable torchvision wheel links to the CUDA libraries and fails to import on CPU
 torch, and installing one would pull a CUDA torch. Nothing on the paths these tests
-call uses torchvision; the stand-in only answers imports. (Same stand-in as
-``tests/test_sglang.py``'s, shared from here.)
+call uses torchvision; the stand-in only answers imports. (Shared from here by every
+SGLang test, through conftest's ``sglang_importable`` fixture or ``import_sglang``.)
 """
 
 from __future__ import annotations

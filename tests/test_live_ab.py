@@ -380,7 +380,8 @@ def test_install_patches_and_uninstall_restores(brp) -> None:
         build_eagle_disagg_draft_input=lambda batch, last_tokens_tensor, future_map: None,
         pd_first_draft_proposal=lambda topk_index, vocab_size: None,
     )
-    inst = S.install(cfg, decode_module=ed, processor_module=brp, version="0.5.23")
+    mods = S.SGLangModules(builder=ed, processor=brp, only_given=True)
+    inst = S.install(cfg, S.InstallOptions(modules=mods, version="0.5.23", hook_scheduler=False))
     try:
         assert brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens is not orig
         assert any(a == "_resolve_spec_v2_tokens" for _, a, _, _ in inst.patches)

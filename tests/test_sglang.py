@@ -52,6 +52,27 @@ def make_config(**over):
     return parse_config(data)
 
 
+def scheduler_stand_in():
+    """A module with a ``Scheduler.init_disaggregation`` for the plugin-loader test:
+    SGLang's real scheduler module imports uvicorn, fastapi and setproctitle, which
+    the CPU tier does not install."""
+    mod = types.ModuleType("scheduler_stand_in")
+
+    class Scheduler:
+        def init_disaggregation(self):
+            self.inited = True
+
+    mod.Scheduler = Scheduler
+    return mod
+
+
+def install(cfg, *, decode_module=None, prefill_module=None, version=None, channel="sidechannel", **kw):
+    """S.install with the stand-in modules given (only those are patched) or the real SGLang."""
+    mods = S.SGLangModules(builder=decode_module, prefill=prefill_module, only_given=decode_module is not None)
+    kw.setdefault("hook_scheduler", False)  # function-level: no Scheduler here
+    return S.install(cfg, S.InstallOptions(channel=channel, modules=mods, version=version, **kw))
+
+
 @pytest.fixture(autouse=True)
 def _clean_install():
     yield
@@ -151,7 +172,7 @@ def test_unsupported_version_refused_and_nothing_patched() -> None:
     m = fake_decode_module()
     build, prop = m.build_eagle_disagg_draft_input, m.pd_first_draft_proposal
     with pytest.raises(PluginError, match=r"SGLang 0\.4\.0 is not a supported version \('0\.5\.23',\)"):
-        S.install(make_config(), decode_module=m, version="0.4.0")
+        install(make_config(), decode_module=m, version="0.4.0")
     assert m.build_eagle_disagg_draft_input is build and m.pd_first_draft_proposal is prop
     assert S.current() is None
 
@@ -160,21 +181,21 @@ def test_missing_proposal_function_refused_on_supported_version() -> None:
     m = fake_decode_module(proposal=False)
     build = m.build_eagle_disagg_draft_input
     with pytest.raises(PluginError, match=r"fake_sglang_ed\.pd_first_draft_proposal not found"):
-        S.install(make_config(), decode_module=m, version="0.5.23")
+        install(make_config(), decode_module=m, version="0.5.23")
     assert m.build_eagle_disagg_draft_input is build
 
 
 def test_missing_build_function_refused() -> None:
     m = types.ModuleType("empty_ed")
     with pytest.raises(PluginError, match=r"empty_ed\.build_eagle_disagg_draft_input not found"):
-        S.install(make_config(), decode_module=m, version="0.5.23")
+        install(make_config(), decode_module=m, version="0.5.23")
 
 
 def test_changed_signature_refused_and_nothing_patched() -> None:
     m = fake_decode_module(build_params="batch, last_tokens_tensor, future_map, extra=None")
     build, prop = m.build_eagle_disagg_draft_input, m.pd_first_draft_proposal
     with pytest.raises(PluginError, match=r"has parameters \('batch', 'last_tokens_tensor', 'future_map', 'extra'\)"):
-        S.install(make_config(), decode_module=m, version="0.5.23")
+        install(make_config(), decode_module=m, version="0.5.23")
     assert m.build_eagle_disagg_draft_input is build and m.pd_first_draft_proposal is prop
 
 
@@ -183,7 +204,7 @@ def test_missing_prefill_class_refused_before_decode_is_patched() -> None:
     build = m.build_eagle_disagg_draft_input
     pub = ProposalPublisher(object(), RecordingSender(), vocab_size=V)
     with pytest.raises(PluginError, match=r"empty_pre\.SchedulerDisaggregationPrefillMixin not found"):
-        S.install(make_config(), decode_module=m, prefill_module=types.ModuleType("empty_pre"), publisher=pub, version="0.5.23")
+        install(make_config(), decode_module=m, prefill_module=types.ModuleType("empty_pre"), publisher=pub, version="0.5.23")
     assert m.build_eagle_disagg_draft_input is build
 
 
@@ -192,15 +213,15 @@ def test_bad_config_leaves_sglang_untouched() -> None:
     build = m.build_eagle_disagg_draft_input
     cfg = make_config(synthesizer={"name": "no_such_synth"})
     with pytest.raises(PluginError, match="no_such_synth"):
-        S.install(cfg, decode_module=m, version="0.5.23")
+        install(cfg, decode_module=m, version="0.5.23")
     assert m.build_eagle_disagg_draft_input is build
 
 
 def test_install_uninstall_idempotent_and_restores_identity() -> None:
     m = fake_decode_module()
     build, prop = m.build_eagle_disagg_draft_input, m.pd_first_draft_proposal
-    a = S.install(make_config(), decode_module=m, version="0.5.23")
-    b = S.install(make_config(), decode_module=m, version="0.5.23")  # replaces, never stacks
+    a = install(make_config(), decode_module=m, version="0.5.23")
+    b = install(make_config(), decode_module=m, version="0.5.23")  # replaces, never stacks
     assert S.current() is b and a is not b
     assert m.build_eagle_disagg_draft_input.__wrapped__ is build
     assert m.pd_first_draft_proposal.__wrapped__ is prop
@@ -211,7 +232,7 @@ def test_install_uninstall_idempotent_and_restores_identity() -> None:
 
 def test_uninstall_refuses_to_drop_a_foreign_patch() -> None:
     m = fake_decode_module()
-    S.install(make_config(), decode_module=m, version="0.5.23")
+    install(make_config(), decode_module=m, version="0.5.23")
     ours = m.build_eagle_disagg_draft_input
     m.pd_first_draft_proposal = lambda topk_index, vocab_size: None  # someone patched on top
     with pytest.raises(PluginError, match=r"pd_first_draft_proposal was replaced by someone else after install"):
@@ -226,12 +247,12 @@ def test_uninstall_refuses_to_drop_a_foreign_patch() -> None:
 
 def test_one_hot_through_the_wrapped_function_single_and_multi_layer() -> None:
     m = fake_decode_module()
-    S.install(make_config(decode={"max_batch": 2}), decode_module=m, version="0.5.23")
+    install(make_config(decode={"max_batch": 2}), decode_module=m, version="0.5.23")
     reqs = [req([3]), req([0]), req([15])]  # 3 requests > max_batch 2: assembled in chunks
     out = m.build_eagle_disagg_draft_input(batch_of(reqs), None, None).draft_probs
     assert out.dtype == torch.float32 and tuple(out.shape) == (3, V)
     assert torch.equal(out, torch.nn.functional.one_hot(torch.tensor([3, 0, 15]), V).float())
-    S.install(make_config(model={"vocab_size": V, "num_steps": 3}), decode_module=m, version="0.5.23")
+    install(make_config(model={"vocab_size": V, "num_steps": 3}), decode_module=m, version="0.5.23")
     m.SPEC = SimpleNamespace(rs=True, multi_layer=True, num_steps=3)
     out = m.build_eagle_disagg_draft_input(batch_of([req([1, 2, 3]), req([4, 5, 6])]), None, None).draft_probs
     assert tuple(out.shape) == (2, 3, V)
@@ -240,13 +261,13 @@ def test_one_hot_through_the_wrapped_function_single_and_multi_layer() -> None:
 
 def test_config_mismatches_are_config_errors() -> None:
     m = fake_decode_module()
-    S.install(make_config(), decode_module=m, version="0.5.23")
-    with pytest.raises(ConfigError, match=r"at model\.vocab_size.*SGLang's target vocab is 32, the config says 16"):
+    install(make_config(), decode_module=m, version="0.5.23")
+    with pytest.raises(ConfigError, match=r"at model\.vocab_size.*SGLang runs with vocab_size = 32, the config says 16"):
         m.build_eagle_disagg_draft_input(batch_of([req([1])], vocab=32), None, None)
     m.SPEC = SimpleNamespace(rs=True, multi_layer=True, num_steps=2)
-    with pytest.raises(ConfigError, match=r"at model\.num_steps.*SGLang sends 2 draft token\(s\)"):
+    with pytest.raises(ConfigError, match=r"at model\.num_steps.*SGLang runs with num_steps = 2, the config says 1"):
         m.build_eagle_disagg_draft_input(batch_of([req([1, 2])]), None, None)
-    S.install(make_config(decode={"rejection_sampling": False}), decode_module=m, version="0.5.23")
+    install(make_config(decode={"rejection_sampling": False}), decode_module=m, version="0.5.23")
     m.SPEC = SimpleNamespace(rs=True, multi_layer=False, num_steps=1)
     with pytest.raises(ConfigError, match=r"at decode\.rejection_sampling"):
         m.build_eagle_disagg_draft_input(batch_of([req([1])]), None, None)
@@ -254,7 +275,7 @@ def test_config_mismatches_are_config_errors() -> None:
 
 def test_proposal_outside_the_build_call_is_sglangs() -> None:
     m = fake_decode_module()
-    S.install(make_config(), decode_module=m, version="0.5.23")
+    install(make_config(), decode_module=m, version="0.5.23")
     out = m.pd_first_draft_proposal(torch.tensor([[2]]), V)  # no batch in context
     assert tuple(out.shape) == (1, 1, V) and out[0, 0, 2] == 1.0
 
@@ -273,7 +294,7 @@ def _sparse(idx, val):
 def test_store_feeds_proposals_and_counts_every_fallback() -> None:
     m = fake_decode_module()
     store = ProposalStore()
-    inst = S.install(make_config(), decode_module=m, version="0.5.23", store=store)
+    inst = install(make_config(), decode_module=m, version="0.5.23", store=store)
     released: list[str] = []
     store.put(_delivery("7", [2], _sparse([2, 5], [0.75, 0.25]), released))  # matches
     store.put(_delivery("8", [9], _sparse([9], [1.0]), released))  # SGLang received 4: mismatch
@@ -305,8 +326,8 @@ def test_store_bounds_capacity_and_age() -> None:
 def test_post_hoc_mode_for_older_sglang() -> None:
     m = fake_decode_module(proposal=False)
     with pytest.raises(PluginError, match="not a supported version"):
-        S.install(make_config(), decode_module=m, version="0.5.9")
-    inst = S.install(make_config(), decode_module=m, version="0.5.9", allow_unsupported=True)
+        install(make_config(), decode_module=m, version="0.5.9")
+    inst = install(make_config(), decode_module=m, version="0.5.9", allow_unsupported=True)
     assert inst.mode == "post_hoc"
     out = m.build_eagle_disagg_draft_input(batch_of([req([6])]), None, None).draft_probs
     assert tuple(out.shape) == (1, V) and out[0, 6] == 1.0 and out.sum() == 1.0
@@ -358,7 +379,7 @@ def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None
     tx = RecordingSender()
     pub = ProposalPublisher(sparse_encoder(k=2), tx, vocab_size=V, seed=SEED)
     pre, dec = fake_prefill_module(), fake_decode_module()
-    S.install(make_config(), decode_module=dec, prefill_module=pre, publisher=pub, version="0.5.23")
+    install(make_config(), decode_module=dec, prefill_module=pre, publisher=pub, version="0.5.23")
     reqs = [req([0], room=21), req([0], room=22), req([0], room=None)]
     reqs[1].inflight_middle_chunks = 1  # an unfinished chunk: not shipped
     q = draft_rows(3)
@@ -381,18 +402,47 @@ def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None
 
 def test_activate_from_env(tmp_path, monkeypatch) -> None:
     assert S.activate_from_env({}) is None
-    cfg = tmp_path / "pd.toml"
-    cfg.write_text(f"[model]\nvocab_size = {V}\n")
-    with pytest.raises(ConfigError, match="PD_MIDDLEWARE_ROLE must be 'decode', 'prefill' or unset, got 'both'"):
-        S.activate_from_env({"PD_MIDDLEWARE_CONFIG": str(cfg), "PD_MIDDLEWARE_ROLE": "both"})
-    with pytest.raises(ConfigError, match="PD_MIDDLEWARE_ROLE=prefill needs PD_MIDDLEWARE_DECODE_ADDRESS"):
-        S.activate_from_env({"PD_MIDDLEWARE_CONFIG": str(cfg), "PD_MIDDLEWARE_ROLE": "prefill"})
-    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
-    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "nope")
-    with pytest.raises(SystemExit, match="pd-middleware: config error"):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sglang]\nchannel = \"carrier-pigeon\"\n")
+    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(bad))
+    with pytest.raises(SystemExit, match=r"pd-middleware: config error at sglang\.channel"):
         S.sglang_plugin()
     monkeypatch.delenv("PD_MIDDLEWARE_CONFIG")
     assert S.sglang_plugin() is None and S.current() is None
+
+
+def facts(**over):
+    base = dict(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    return S.EngineFacts(**{**base, **over})
+
+
+@pytest.mark.parametrize(
+    ("over", "cfg_over", "channel", "message"),
+    [
+        ({"role": "null"}, {}, "metadata", "runs --disaggregation-mode null"),
+        ({"algorithm": None}, {}, "metadata", "--speculative-algorithm is None"),
+        ({"topk": 4}, {}, "metadata", "--speculative-eagle-topk is 4"),
+        ({"rejection_sampling": False}, {}, "metadata", "without --speculative-use-rejection-sampling"),
+        ({}, {"decode": {"rejection_sampling": False}}, "metadata", "at decode.rejection_sampling"),
+        ({"vocab_size": 32}, {}, "metadata", "at model.vocab_size.*SGLang runs with vocab_size = 32, the config says 16"),
+        ({"num_steps": 3}, {}, "metadata", "at model.num_steps.*num_steps = 3, the config says 1"),
+        ({"backend": "nixl"}, {}, "metadata", "at sglang.channel.*mooncake transfer backend only.*nixl"),
+        ({"tp_rank": 1}, {"synthesizer": {"name": "sparse"}}, "sidechannel", "TP rank 1 would not see the payloads"),
+    ],
+)
+def test_startup_checks_name_the_flag(over, cfg_over, channel, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        install(make_config(**cfg_over), decode_module=fake_decode_module(), version="0.5.23", channel=channel, facts=facts(**over))
+    assert S.current() is None  # a failed activation leaves SGLang unpatched
+
+
+def test_startup_takes_shapes_from_the_engine_when_the_config_leaves_them_out() -> None:
+    cfg = parse_config({"decode": {"max_batch": 4}, "transport": {"mooncake": {"enabled": False}}})
+    assert cfg.model.declared_vocab_size is None and cfg.model.declared_num_steps is None
+    m = fake_decode_module()
+    inst = install(cfg, decode_module=m, version="0.5.23", channel="metadata", facts=facts(vocab_size=48, num_steps=1))
+    assert inst.proposer.bound == (48, 1) and inst.channel.layout.vocab_size == 48
+    assert inst.middleware.config.model.vocab_size == 48
 
 
 def test_publisher_from_config_uses_the_top_level_encoder_under_ab() -> None:
@@ -413,22 +463,6 @@ def test_publisher_from_config_uses_the_top_level_encoder_under_ab() -> None:
         ProposalPublisher.from_config(cfg, tx, arm="x")
 
 
-def test_plugin_checks_role_and_rank_inside_a_scheduler(tmp_path, monkeypatch) -> None:
-    cfg = tmp_path / "pd.toml"
-    cfg.write_text(f"[model]\nvocab_size = {V}\n")
-    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
-    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "decode")
-
-    def run_scheduler_process(server_args, tp_rank):  # the name SGLang's loader runs under
-        S.sglang_plugin()
-
-    with pytest.raises(SystemExit, match="PD_MIDDLEWARE_ROLE=decode but this SGLang server runs --disaggregation-mode prefill"):
-        run_scheduler_process(SimpleNamespace(disaggregation_mode="prefill"), 0)
-    with pytest.raises(SystemExit, match="TP rank 1 would not see the payloads"):
-        run_scheduler_process(SimpleNamespace(disaggregation_mode="decode"), 1)
-    assert S.current() is None
-
-
 # ================================================================= the real SGLang package
 
 SGLANG_ABSENT = importlib.util.find_spec("sglang") is None
@@ -439,67 +473,9 @@ needs_sglang = [
 
 
 @pytest.fixture(scope="module")
-def ed():
-    """SGLang 0.5.23's real eagle_disaggregation module.
-
-    The torchvision stand-in below is the one stand-in this tier allows. Why: importing
-    eagle_disaggregation imports every model config, and two of them import
-    torchvision at module level. Every reachable torchvision wheel links to the CUDA
-    libraries and fails to import on CPU torch, and installing one would pull a CUDA
-    torch. Nothing on this path calls torchvision; the stand-in only answers imports.
-    """
-    if importlib.util.find_spec("torchvision") is None and "torchvision" not in sys.modules:
-        _install_torchvision_stand_in()
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return importlib.import_module(S.DECODE_MODULE)
-
-
-def _install_torchvision_stand_in() -> None:
-    import importlib.abc
-    import importlib.machinery
-
-    class Meta(type):
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return Meta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": _call})
-
-        def __or__(cls, other):
-            return cls
-
-        __ror__ = __or__
-
-        def __getitem__(cls, item):
-            return cls
-
-    def _call(self, *a, **k):
-        return a[0] if len(a) == 1 and callable(a[0]) and not k else self
-
-    class Mod(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            obj = Meta(name, (), {"__init__": lambda self, *a, **k: None, "__call__": _call})
-            setattr(self, name, obj)
-            return obj
-
-    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, fullname, path, target=None):
-            if fullname.split(".")[0] == "torchvision":
-                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            return Mod(spec.name)
-
-        def exec_module(self, module):
-            module.__path__ = []
-            module.__version__ = "0.0.0+stand-in"
-
-    sys.meta_path.insert(0, Finder())
+def ed(sglang_importable):
+    """SGLang 0.5.23's real eagle_disaggregation module (conftest: the torchvision stand-in)."""
+    return importlib.import_module(S.DECODE_MODULE)
 
 
 def spec(num_steps=1, multi_layer=False, rs=True):
@@ -540,7 +516,7 @@ def test_real_single_layer_one_hot_fp32_vocab_wide_and_identical_to_sglang(ed) -
     rows = [[3], [0], [15]]
     with spec():
         ref = build(ed, real_batch(rows))
-        S.install(make_config())
+        install(make_config())
         got = build(ed, real_batch(rows))
     assert got.draft_probs.dtype == torch.float32 and tuple(got.draft_probs.shape) == (3, V)
     assert torch.equal(got.draft_probs, ref.draft_probs)  # SGLang's own one-hot, bit for bit
@@ -554,7 +530,7 @@ def test_real_single_layer_one_hot_fp32_vocab_wide_and_identical_to_sglang(ed) -
 @sglang_test
 @pytest.mark.parametrize("multi_layer", [False, True])
 def test_real_no_proposal_without_rejection_sampling(ed, multi_layer) -> None:
-    S.install(make_config(model={"vocab_size": V, "num_steps": 3 if multi_layer else 1}))
+    install(make_config(model={"vocab_size": V, "num_steps": 3 if multi_layer else 1}))
     with spec(num_steps=3, multi_layer=multi_layer, rs=False):
         got = build(ed, real_batch([[1, 2, 3], [4, 5, 6]]))
     assert got.draft_probs is None
@@ -563,7 +539,7 @@ def test_real_no_proposal_without_rejection_sampling(ed, multi_layer) -> None:
 
 @sglang_test
 def test_real_multi_layer_chain(ed) -> None:
-    S.install(make_config(model={"vocab_size": V, "num_steps": 3}))
+    install(make_config(model={"vocab_size": V, "num_steps": 3}))
     with spec(num_steps=3, multi_layer=True):
         got = build(ed, real_batch([[1, 2, 3], [4, 5, 6]]))
     dp = got.draft_probs
@@ -586,7 +562,7 @@ def test_real_exactness_by_enumeration(ed) -> None:
     vocab = 5
     p = [Fraction(1, 10), Fraction(2, 5), Fraction(1, 5), Fraction(1, 5), Fraction(1, 10)]
     s = [Fraction(1, 2), Fraction(1, 8), Fraction(1, 8), Fraction(1, 8), Fraction(1, 8)]
-    S.install(make_config(model={"vocab_size": vocab}), store=ProposalStore())
+    install(make_config(model={"vocab_size": vocab}), store=ProposalStore())
     # One-hot, whatever law X was drawn from.
     law = exact_verify_law(p, lambda x: [Fraction(v) for v in _row_for(ed, x, vocab)], s)
     assert law == p
@@ -607,7 +583,7 @@ def _serve_and_publish(ed, cfg, rooms, rows_q, seed=SEED):
     """Real transport on loopback: decode receiver + prefill sender + publisher."""
     from pd_middleware.transport import open_receiver, open_sender
 
-    inst = S.install(cfg)
+    inst = install(cfg)
     rx = open_receiver(cfg.transport, inst.middleware.pipeline)
     inst.receiver = rx
     inst.proposer.store = ProposalStore(rx)
@@ -671,7 +647,7 @@ def test_real_uninstall_restores_sglang(ed) -> None:
     pre_fn = pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill
     pub = ProposalPublisher(sparse_encoder(), RecordingSender(), vocab_size=V)
     store = ProposalStore()
-    S.install(make_config(), publisher=pub, store=store)
+    install(make_config(), publisher=pub, store=store)
     assert pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill is not pre_fn
     store.put(_delivery("9", [4], _sparse([4, 7], [0.5, 0.5]), []))
     with spec():
@@ -696,12 +672,12 @@ def test_real_plugin_loader_activates_from_env(ed, tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(plugins, "entry_points", lambda group: [ep] if group == plugins.GENERAL_PLUGINS_GROUP else [])
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
-    monkeypatch.setenv("PD_MIDDLEWARE_ROLE", "decode")
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    monkeypatch.setitem(sys.modules, S.SCHEDULER_MODULE, scheduler_stand_in())
     plugins.load_plugins()
     inst = S.current()
-    assert inst is not None and inst.mode == "proposal"
-    assert inst.receiver is None  # not a scheduler process: patches only, no port bound
+    assert inst is not None and inst.mode == "proposal" and inst.channel_name == "metadata"
+    assert inst.receiver is None and inst.facts is None  # no scheduler started: patches only, idle
     assert ed.pd_first_draft_proposal.__pd_middleware__
 
 
@@ -723,3 +699,17 @@ def test_real_live_ab_split_routes_each_room_to_its_arm(ed) -> None:
         want = sparse_law_tensor(enc.proposals[i], 1, V)[0] if arm == "sparse" else torch.nn.functional.one_hot(enc.tokens[i, 0], V).float()
         assert torch.equal(got[i], want), f"room {rooms[i]} arm {arm}"
     assert inst.middleware.metrics.snapshot()["delivered_by_arm"] == {a: arms.count(a) for a in set(arms)}
+
+
+def test_sidechannel_activation_starts_the_receiver_and_needs_an_address(monkeypatch) -> None:
+    cfg = make_config(synthesizer={"name": "sparse"}, encoder={"name": "sparse", "options": {"k": 3}})
+    inst = install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts())
+    assert inst.receiver is not None and inst.store is not None and inst.receiver.address.startswith("tcp://127.0.0.1:")
+    address = inst.receiver.address
+    assert S.uninstall()
+    monkeypatch.delenv("PD_MIDDLEWARE_DECODE_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="needs PD_MIDDLEWARE_DECODE_ADDRESS"):
+        install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill"))
+    monkeypatch.setenv("PD_MIDDLEWARE_DECODE_ADDRESS", address)
+    inst = install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill"))
+    assert inst.publisher is not None and inst.publisher.stage is None  # connects on its first publish

@@ -1,4 +1,4 @@
-"""Drop-in for SGLang PD deployments: route the PD decode's first draft input through the middleware.
+"""Drop-in for SGLang PD deployments: proposals for the PD decode's first verify.
 
 SGLang's PD decode builds the first verify's draft input of each request in
 ``sglang.srt.speculative.eagle_disaggregation.build_eagle_disagg_draft_input(batch,
@@ -8,61 +8,84 @@ last_tokens_tensor, future_map)``. Since 0.5.23, under
 sliced by the caller to (b, V) for single-layer EAGLE. :func:`install` makes that
 proposal come from the configured synthesizer and assembler:
 
-- **decode** (``mode = "proposal"``, supported versions): ``build_eagle_disagg_draft_input``
-  is wrapped only to publish the current batch in a :class:`contextvars.ContextVar`, and
-  ``pd_first_draft_proposal`` is replaced by the middleware's proposer, which reads it.
-  SGLang's own code keeps doing everything else: the rejection-sampling gate (None
-  without it), the single-layer ``[:, 0]`` slice, every other field, and the overlap
-  relay (``FutureMap.stash`` copies our tensor, so the next forward reads our q). A
-  post-call replacement would not work under overlap: the relay already holds a copy.
-- **decode** (``mode = "post_hoc"``, older SGLang without ``pd_first_draft_proposal``,
-  only with ``allow_unsupported=True``): the proposal is attached after the call, and
-  written into the overlap relay's ``draft_probs_buf`` when there is one.
-- **prefill** (when a :class:`ProposalPublisher` is given): an AROUND wrapper of
-  ``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``; see
-  :mod:`.sglang_prefill`.
+- **decode builder** (``mode = "proposal"``): ``build_eagle_disagg_draft_input`` is
+  wrapped only to publish the current batch in a :class:`contextvars.ContextVar`, and
+  ``pd_first_draft_proposal`` is replaced by the middleware's proposer, which reads
+  it. SGLang's own code keeps doing everything else (the rejection-sampling gate, the
+  single-layer ``[:, 0]`` slice, the overlap relay, which copies our tensor).
+  ``mode = "post_hoc"`` (older SGLang, ``allow_unsupported`` only) attaches it after.
+- **how proposals arrive** (``[sglang].channel``):
+  ``"metadata"`` (default): a row appended to SGLang's own PD metadata buffers
+  (:mod:`.sglang_metadata`), written by the prefill's ``set_buf`` and read on every
+  decode rank when the transfer commits; ``"sidechannel"``: the middleware's own
+  transport (a receiver on the decode, a publisher on the prefill).
+- **prefill**: an AROUND wrapper of
+  ``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill`` that
+  encodes each finishing request's draft distribution (:mod:`.sglang_prefill`).
+- **scheduler start**: ``Scheduler.init_disaggregation`` is wrapped so every check
+  (config, version, algorithm, top-k, rejection sampling, shapes, backend) runs before
+  SGLang allocates its buffers, the shapes V and S are taken from the engine, and the
+  prefill/decode objects are built (:mod:`.sglang_startup`).
 
 Everything is checked before anything is patched: a missing module, function or class,
 or a changed signature, raises :class:`~pd_middleware.PluginError` and leaves SGLang
 untouched. :func:`uninstall` restores the originals.
 
-Activation without editing SGLang (``docs/sglang.md``):
-
-- SGLang's plugin mechanism: the entry point ``pd_middleware =
-  "pd_middleware.integrations.sglang:sglang_plugin"`` in group ``sglang.srt.plugins``;
-  SGLang calls it first thing in every scheduler process.
-- A launch wrapper that calls :func:`activate_from_env` at module level.
-
-Both read ``PD_MIDDLEWARE_CONFIG`` (the config file) and ``PD_MIDDLEWARE_ROLE``
-(``decode``: start a receiver and use published proposals; ``prefill``: publish to
-``PD_MIDDLEWARE_DECODE_ADDRESS``; unset: decode-side synthesis only, no transport).
+**One switch** (``docs/sglang.md``): ``PD_MIDDLEWARE_CONFIG=<config file>`` in the
+environment of both servers. SGLang's plugin loader (entry point ``pd_middleware`` in
+group ``sglang.srt.plugins``) calls :func:`sglang_plugin` in every process it starts; it
+installs the patches, and each scheduler finishes activation in its
+``init_disaggregation``, with the role from ``--disaggregation-mode``.
 """
 
 from __future__ import annotations
 
-import contextvars
-import importlib
-import importlib.metadata
-import inspect
 import logging
 import os
-import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 from .._errors import ConfigError, PDMiddlewareError, PluginError
-from .sglang_ab import install_first_verify
-from .sglang_decode import DecodeProposer, ProposalStore, room_key
+from .sglang_ab import PROCESSOR_MODULE, install_first_verify
+from .sglang_decode import ATTACH_ATTR, DecodeProposer, ProposalStore, RequestProposal, room_key
+from .sglang_installation import ENV_ALLOW_UNSUPPORTED, ENV_CONFIG, InstallOptions, Installation
+from .sglang_metadata import MetadataChannel
+from .sglang_patch import (
+    BUILD_PARAMS,
+    DECODE_MODULE,
+    METADATA_PARAMS,
+    MOONCAKE_MODULE,
+    PREFILL_CLASS,
+    PREFILL_MODULE,
+    PREFILL_PARAMS,
+    PROPOSAL_PARAMS,
+    SCHEDULER_MODULE,
+    TRANSFER_MODULE,
+    UTILS_MODULE,
+    SGLangModules,
+    _check_signature,
+    _import,  # noqa: F401 - re-exported: sglang_ab imports the patch helpers from here
+    _mark,
+    _module,
+    _wrap_build,
+    _wrap_build_post_hoc,
+    _wrap_proposal,
+    detect_version,
+)
 from .sglang_prefill import ProposalPublisher, wrap_process_batch_result
+from .sglang_startup import EngineFacts, facts_from_scheduler
 
 __all__ = [
+    "ATTACH_ATTR",
     "SUPPORTED_SGLANG_VERSIONS",
+    "EngineFacts",
+    "InstallOptions",
     "Installation",
     "ProposalPublisher",
     "ProposalStore",
+    "RequestProposal",
+    "SGLangModules",
     "activate_from_env",
     "current",
     "detect_version",
@@ -77,184 +100,121 @@ logger = logging.getLogger("pd_middleware.integrations.sglang")
 #: SGLang releases whose decode path this adapter was verified against.
 SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.23",)
 
-DECODE_MODULE = "sglang.srt.speculative.eagle_disaggregation"
-PREFILL_MODULE = "sglang.srt.disaggregation.prefill"
-PREFILL_CLASS = "SchedulerDisaggregationPrefillMixin"
-
-# Parameter names the adapter relies on; anything else means SGLang changed under us.
-BUILD_PARAMS = ("batch", "last_tokens_tensor", "future_map")
-PROPOSAL_PARAMS = ("topk_index", "vocab_size")
-PREFILL_PARAMS = ("self", "batch", "result")
-
-ENV_CONFIG = "PD_MIDDLEWARE_CONFIG"
-ENV_ROLE = "PD_MIDDLEWARE_ROLE"
-ENV_DECODE_ADDRESS = "PD_MIDDLEWARE_DECODE_ADDRESS"
-ENV_ALLOW_UNSUPPORTED = "PD_MIDDLEWARE_ALLOW_UNSUPPORTED_SGLANG"
-
-# The batch whose first draft input SGLang is building (set by the build wrapper,
-# read by the proposal replacement). A ContextVar rather than a global: correct even
-# if two schedulers ever share a process on different threads.
-_current_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("pd_middleware_sglang_batch", default=None)
-
 _lock = threading.RLock()
 _installed: "Installation | None" = None
 
 
-@dataclass
-class Installation:
-    """What :func:`install` did; ``current()`` returns it while installed.
+def install(config: Any, options: InstallOptions | None = None) -> Installation:
+    """Install the drop-in into SGLang for ``config`` (a Config or a config file path).
 
-    ``proposer``: decode-side proposer (its ``counts`` and the middleware's metrics
-    are the counters to watch); ``publisher``: prefill publisher or None;
-    ``receiver``: the transport receiver this installation owns (stopped on
-    uninstall), if any; ``patches``: (owner, attribute, original, replacement).
+    See :class:`InstallOptions`. Installing again first uninstalls the previous
+    installation. Raises PluginError (unsupported version, missing function, changed
+    signature: nothing is patched), and Config/PluginError from the config and plugins
+    (also nothing patched). With ``options.facts`` the installation is activated at
+    once (:meth:`Installation.activate`); otherwise at scheduler start.
     """
-
-    version: str
-    mode: str
-    proposer: DecodeProposer
-    publisher: ProposalPublisher | None = None
-    receiver: Any = None
-    patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
-
-    @property
-    def middleware(self) -> Any:
-        return self.proposer.middleware
-
-    @property
-    def store(self) -> ProposalStore | None:
-        return self.proposer.store
-
-    def counters(self) -> dict[str, Any]:
-        """Integration counters plus the middleware's receive-path snapshot."""
-        out: dict[str, Any] = {"decode": dict(self.proposer.counts), "metrics": self.middleware.metrics.snapshot()}
-        if self.publisher is not None:
-            out["prefill"] = dict(self.publisher.counts)
-        return out
-
-
-def detect_version() -> str:
-    """The installed SGLang version (package metadata; no import). PluginError if absent."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise PluginError("SGLang is not installed (no 'sglang' distribution found)", plugin="sglang") from None
-
-
-def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise PluginError(f"cannot import {name}: {exc}", plugin="sglang") from None
-
-
-def _check_signature(owner: Any, attr: str, expected: tuple[str, ...], where: str) -> Callable[..., Any]:
-    fn = getattr(owner, attr, None)
-    if fn is None:
-        raise PluginError(f"{where}.{attr} not found; this SGLang version is not supported", plugin="sglang")
-    if not callable(fn):
-        raise PluginError(f"{where}.{attr} is not callable", plugin="sglang")
-    if getattr(fn, "__pd_middleware__", False):
-        raise PluginError(f"{where}.{attr} is already patched by pd-middleware", plugin="sglang")
-    try:
-        params = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError) as exc:
-        raise PluginError(f"cannot read the signature of {where}.{attr}: {exc}", plugin="sglang") from None
-    if params != expected:
-        raise PluginError(
-            f"{where}.{attr} has parameters {params}, expected {expected}; SGLang changed this "
-            "function and the adapter would not know what it passes",
-            plugin="sglang",
-        )
-    return fn
-
-
-def _mark(fn: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    fn.__wrapped__ = original  # type: ignore[attr-defined]
-    fn.__pd_middleware__ = True  # type: ignore[attr-defined]
-    return fn
-
-
-def install(
-    config: Any,
-    *,
-    receiver: Any = None,
-    publisher: ProposalPublisher | None = None,
-    store: ProposalStore | None = None,
-    registry: Any = None,
-    metrics: Any = None,
-    allow_unsupported: bool = False,
-    decode_module: ModuleType | None = None,
-    prefill_module: ModuleType | None = None,
-    version: str | None = None,
-    processor_module: ModuleType | None = None,
-) -> Installation:
-    """Route SGLang's PD first draft input (and, with ``publisher``, the prefill) through the middleware.
-
-    ``config``: a :class:`~pd_middleware.config.Config` or a config file path.
-    ``receiver``: a started :class:`~pd_middleware.transport.DecodeReceiver` feeding
-    published proposals (its pipeline should be the installation's; see
-    :func:`activate_from_env`), owned by the installation. ``store``: an existing
-    :class:`ProposalStore` instead. ``publisher``: patch the prefill too.
-    ``allow_unsupported``: try a version outside :data:`SUPPORTED_SGLANG_VERSIONS`
-    (signatures are still checked). ``decode_module``/``prefill_module``/``version``
-    inject stand-ins for tests; by default the real SGLang modules are imported. The
-    live A/B counters (:mod:`.sglang_ab`) patch the real scheduler's verify-result
-    method, or ``processor_module``; with a stand-in ``decode_module`` and no
-    ``processor_module`` they are left out.
-
-    Installing again first uninstalls the previous installation. Raises PluginError
-    (unsupported version, missing function, changed signature: nothing is patched)
-    and Config/PluginError from building the middleware.
-    """
-    from ..middleware import DecodeMiddleware
-
+    opts = options if options is not None else InstallOptions()
+    mods = opts.modules
     with _lock:
         if _installed is not None:
             uninstall()
-        ver = version if version is not None else detect_version()
-        if ver not in SUPPORTED_SGLANG_VERSIONS and not allow_unsupported:
+        ver = opts.version if opts.version is not None else detect_version()
+        if ver not in SUPPORTED_SGLANG_VERSIONS and not opts.allow_unsupported:
             raise PluginError(
                 f"SGLang {ver} is not a supported version {SUPPORTED_SGLANG_VERSIONS}; pass "
                 f"allow_unsupported=True (or set {ENV_ALLOW_UNSUPPORTED}=1) to try it, signatures are still checked",
                 plugin="sglang",
             )
-        dec = decode_module if decode_module is not None else _import(DECODE_MODULE)
+        if isinstance(config, (str, Path)):
+            from ..config import load_config
+
+            config = load_config(config)
+        channel_name = opts.channel if opts.channel is not None else config.sglang.channel
+        if channel_name not in ("metadata", "sidechannel"):
+            raise ConfigError(f"channel must be 'metadata' or 'sidechannel', got {channel_name!r}", path="sglang.channel")
+
+        dec = _module(mods.builder, DECODE_MODULE, mods)
+        if dec is None:
+            raise PluginError("no SGLang builder module given", plugin="sglang")
         build = _check_signature(dec, "build_eagle_disagg_draft_input", BUILD_PARAMS, dec.__name__)
         if hasattr(dec, "pd_first_draft_proposal"):
             first = _check_signature(dec, "pd_first_draft_proposal", PROPOSAL_PARAMS, dec.__name__)
             mode = "proposal"
-        elif allow_unsupported:
+        elif opts.allow_unsupported:
             first, mode = None, "post_hoc"
         else:
             raise PluginError(f"{dec.__name__}.pd_first_draft_proposal not found", plugin="sglang")
+        need_prefill = channel_name == "metadata" or opts.publisher is not None or mods.prefill is not None
+        pre = _module(mods.prefill, PREFILL_MODULE, mods) if need_prefill else None
         pre_owner = pre_orig = None
-        if publisher is not None:
-            pre = prefill_module if prefill_module is not None else _import(PREFILL_MODULE)
+        if pre is not None:
             pre_owner = getattr(pre, PREFILL_CLASS, None)
             if pre_owner is None:
                 raise PluginError(f"{pre.__name__}.{PREFILL_CLASS} not found", plugin="sglang")
             pre_orig = _check_signature(
                 pre_owner, "process_batch_result_disagg_prefill", PREFILL_PARAMS, f"{pre.__name__}.{PREFILL_CLASS}"
             )
+        channel = None
+        meta_patches: list[tuple[Any, str, Any, Any]] = []
+        if channel_name == "metadata":
+            utils = _module(mods.utils, UTILS_MODULE, mods)
+            if utils is not None:
+                mb = getattr(utils, "MetadataBuffers", None)
+                if mb is None:
+                    raise PluginError(f"{utils.__name__}.MetadataBuffers not found", plugin="sglang")
+                for attr, params in METADATA_PARAMS.items():
+                    _check_signature(mb, attr, params, f"{utils.__name__}.MetadataBuffers")
+                transfer = _module(mods.transfer, TRANSFER_MODULE, mods)
+                if transfer is not None:
+                    _check_signature(
+                        transfer.DecodeTransferQueue, "_commit_transfer_to_req", ("self", "decode_req"), transfer.__name__
+                    )
+                mooncake = _module(mods.mooncake, MOONCAKE_MODULE, mods)
+                if mooncake is not None:
+                    _check_signature(
+                        mooncake.MooncakeKVManager, "build_receiver_registration_message", ("self",), mooncake.__name__
+                    )
+                    _check_signature(
+                        mooncake.MooncakeKVManager, "_validate_peer_state_layout", ("self", "registration_info"), mooncake.__name__
+                    )
+                channel = MetadataChannel(config.sglang.capacity_bytes)
+                meta_patches = channel.patches(utils, transfer, mooncake)
+            else:
+                channel = MetadataChannel(config.sglang.capacity_bytes)
+        # With facts the installation activates now (a harness without a Scheduler);
+        # otherwise at Scheduler.init_disaggregation, which is wrapped.
+        hook = opts.facts is None and opts.hook_scheduler
+        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods) if hook else None
+        sched_cls = getattr(sched_mod, "Scheduler", None) if sched_mod is not None else None
+        if sched_mod is not None and sched_cls is None:
+            raise PluginError(f"{sched_mod.__name__}.Scheduler not found", plugin="sglang")
+        sched_init = _check_signature(sched_cls, "init_disaggregation", ("self",), "Scheduler") if sched_cls else None
 
-        # Everything checked; build the middleware (may raise Config/PluginError) ...
-        if isinstance(config, (str, Path)):
-            from ..config import load_config
+        # Every plugin name and option, on both sides, before anything is patched
+        # (building them needs the engine's shapes: at scheduler start).
+        from ..config import resolve_plugins
+        from ..registry import default_registry
 
-            config = load_config(config)
-        mw = DecodeMiddleware.from_config(config, registry, metrics)
-        ab_patch = None
-        if decode_module is None or processor_module is not None:  # live A/B counters (sglang_ab)
-            try:
-                ab_patch = install_first_verify(mw.metrics, mw.config.metrics, mw.exporters, processor_module)
-            except PluginError:
-                mw.close()
-                raise
-        if store is None and receiver is not None:
-            store = ProposalStore(receiver)
-        proposer = DecodeProposer(mw, store)
-        inst = Installation(ver, mode, proposer, publisher, receiver)
+        resolved = resolve_plugins(config, opts.registry if opts.registry is not None else default_registry())
+        if config.arms and not any(getattr(r.spec.factory, "routes_arms", False) for r in resolved.hooks):
+            # An offline A/B job config (pd-middleware ab): a live decode needs a router.
+            raise ConfigError(
+                "[[arms]] needs a routing hook in [[hooks]] (e.g. ab_split) on a live decode; "
+                "a config with arms and no router is for the offline `pd-middleware ab` job",
+                path="hooks",
+            )
+        store = opts.store
+        if store is None and opts.receiver is not None:
+            store = ProposalStore(opts.receiver)
+        proposer = DecodeProposer(config, store, registry=opts.registry, metrics=opts.metrics)
+        if channel is not None:
+            channel.on_row = proposer.on_row
+        inst = Installation(ver, mode, config, opts, proposer, channel, opts.publisher, opts.receiver)
+        # Live A/B: each request's first verify, by arm (sglang_ab; checked, nothing patched yet).
+        processor = _module(mods.processor, PROCESSOR_MODULE, mods)
+        ab_patch = (
+            install_first_verify(proposer.metrics, config.metrics, proposer.exporters, processor) if processor is not None else None
+        )
 
         # ... then patch, all at once.
         if mode == "proposal":
@@ -264,20 +224,35 @@ def install(
             inst.patches.append((dec, "build_eagle_disagg_draft_input", build, _wrap_build_post_hoc(build, proposer)))
         if pre_owner is not None:
             inst.patches.append(
-                (
-                    pre_owner,
-                    "process_batch_result_disagg_prefill",
-                    pre_orig,
-                    wrap_process_batch_result(pre_orig, lambda: inst.publisher),
-                )
+                (pre_owner, "process_batch_result_disagg_prefill", pre_orig, wrap_process_batch_result(pre_orig, lambda: inst.publisher))
             )
+        inst.patches.extend(meta_patches)
         if ab_patch is not None:
             inst.patches.append(ab_patch)
+        if sched_cls is not None:
+            inst.patches.append((sched_cls, "init_disaggregation", sched_init, _wrap_scheduler_init(sched_init, inst)))
         for owner, attr, _, new in inst.patches:
             setattr(owner, attr, new)
         _set_installed(inst)
-        logger.info("pd-middleware installed into SGLang %s (%s mode, %d patches)", ver, mode, len(inst.patches))
+        logger.info("pd-middleware installed into SGLang %s (%s mode, channel %s, %d patches)", ver, mode, channel_name, len(inst.patches))
+        if opts.facts is not None:
+            try:
+                inst.activate(opts.facts)
+            except BaseException:
+                uninstall()
+                raise
         return inst
+
+
+def _wrap_scheduler_init(orig: Callable[..., Any], inst: Installation) -> Callable[..., Any]:
+    def init_disaggregation(self: Any) -> Any:
+        facts = facts_from_scheduler(self)
+        if facts.role in ("prefill", "decode"):
+            # Before SGLang allocates MetadataBuffers: the row layout must be bound.
+            inst.activate(facts)
+        return orig(self)
+
+    return _mark(init_disaggregation, orig)
 
 
 def _set_installed(inst: "Installation | None") -> None:
@@ -288,6 +263,13 @@ def _set_installed(inst: "Installation | None") -> None:
 def current() -> Installation | None:
     """The active installation, or None."""
     return _installed
+
+
+def _attr_now(owner: Any, attr: str) -> Any:
+    # A class's own __dict__ entry (a classmethod object stays itself there).
+    if isinstance(owner, type) and attr in owner.__dict__:
+        return owner.__dict__[attr]
+    return getattr(owner, attr, None)
 
 
 def uninstall() -> bool:
@@ -301,7 +283,7 @@ def uninstall() -> bool:
         if inst is None:
             return False
         for owner, attr, _, new in inst.patches:
-            if getattr(owner, attr, None) is not new:
+            if _attr_now(owner, attr) is not new:
                 raise PluginError(
                     f"{getattr(owner, '__name__', owner)}.{attr} was replaced by someone else after install; "
                     "not restoring, remove their patch first",
@@ -314,70 +296,18 @@ def uninstall() -> bool:
             inst.receiver.stop()
         if inst.store is not None:
             inst.store.clear()
-        inst.middleware.close()
+        inst.proposer.close()
         return True
 
 
-def _wrap_build(build: Callable[..., Any]) -> Callable[..., Any]:
-    def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
-        token = _current_batch.set(batch)
-        try:
-            return build(batch, last_tokens_tensor, future_map)
-        finally:
-            _current_batch.reset(token)
-
-    return _mark(build_eagle_disagg_draft_input, build)
-
-
-def _wrap_proposal(first: Callable[..., Any], proposer: DecodeProposer) -> Callable[..., Any]:
-    def pd_first_draft_proposal(topk_index: Any, vocab_size: int) -> Any:
-        batch = _current_batch.get()
-        if batch is None:
-            # Called from somewhere other than the PD first draft input: not ours.
-            return first(topk_index, vocab_size)
-        return proposer.propose(batch, topk_index, vocab_size)
-
-    return _mark(pd_first_draft_proposal, first)
-
-
-def _wrap_build_post_hoc(build: Callable[..., Any], proposer: DecodeProposer) -> Callable[..., Any]:
-    """Older SGLang: attach the proposal after the call (and into the overlap relay)."""
-
-    def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
-        spec_info = build(batch, last_tokens_tensor, future_map)
-        if not proposer.config.decode.rejection_sampling or getattr(spec_info, "draft_probs", None) is not None:
-            return spec_info
-        topk_index = spec_info.topk_index
-        q = proposer.propose(batch, topk_index, batch.model_config.vocab_size)
-        if q.shape[1] == 1:
-            q = q[:, 0]
-        spec_info.draft_probs = q
-        if getattr(batch, "enable_overlap", False):
-            buf = getattr(future_map, "draft_probs_buf", None)
-            if buf is None:
-                raise PluginError(
-                    "this SGLang's overlap relay carries no draft_probs; run the decode with "
-                    "--disable-overlap-schedule",
-                    plugin="sglang",
-                )
-            buf[spec_info.future_indices] = q
-        return spec_info
-
-    return _mark(build_eagle_disagg_draft_input, build)
-
-
-def activate_from_env(environ: Any = None, *, transport: bool = True) -> Installation | None:
+def activate_from_env(environ: Any = None) -> Installation | None:
     """Install from ``PD_MIDDLEWARE_CONFIG`` (no-op returning None when it is unset).
 
-    ``transport=False`` installs the patches without starting a receiver or publisher
-    (processes that never build batches: SGLang's launcher, detokenizer, DP controller).
-
-    ``PD_MIDDLEWARE_ROLE=decode`` also starts a :class:`DecodeReceiver` on
-    ``transport.bind_host:port`` feeding the installation's pipeline;
-    ``PD_MIDDLEWARE_ROLE=prefill`` patches the prefill with a publisher that connects to
-    ``PD_MIDDLEWARE_DECODE_ADDRESS`` on its first publish. Idempotent per process.
-    Raises ConfigError for a bad role or a missing address, and whatever
-    :func:`install` raises.
+    The one switch: the config file names the channel; the role, shapes and ranks come
+    from SGLang when each scheduler starts (``Scheduler.init_disaggregation``). In a
+    process that never starts a scheduler (launcher, detokenizer) the patches are
+    installed and stay idle. Idempotent per process. Raises ConfigError for a bad
+    config, and whatever :func:`install` raises.
     """
     env = os.environ if environ is None else environ
     path = env.get(ENV_CONFIG)
@@ -388,70 +318,23 @@ def activate_from_env(environ: Any = None, *, transport: bool = True) -> Install
             return _installed
         from ..config import load_config
 
+        if env.get("PD_MIDDLEWARE_ROLE"):
+            logger.warning("PD_MIDDLEWARE_ROLE is no longer read: the role comes from --disaggregation-mode")
         cfg = load_config(path)
-        role = env.get(ENV_ROLE, "")
-        allow = env.get(ENV_ALLOW_UNSUPPORTED, "") == "1"
-        if role not in ("", "decode", "prefill"):
-            raise ConfigError(f"{ENV_ROLE} must be 'decode', 'prefill' or unset, got {role!r}", source=path)
-        if role == "prefill" and transport:
-            addr = env.get(ENV_DECODE_ADDRESS)
-            if not addr:
-                raise ConfigError(f"{ENV_ROLE}=prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port", source=path)
-            from ..transport import open_sender
-
-            pub = ProposalPublisher.from_config(
-                cfg, lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}")
-            )
-            return install(cfg, publisher=pub, allow_unsupported=allow)
-        inst = install(cfg, allow_unsupported=allow)
-        if role == "decode" and transport:
-            from ..transport import open_receiver
-
-            rx = open_receiver(cfg.transport, inst.middleware.pipeline)
-            inst.receiver = rx
-            inst.proposer.store = ProposalStore(rx)
-            logger.info("pd-middleware decode receiver listening on %s", rx.address)
-        return inst
-
-
-def _scheduler_locals() -> dict[str, Any] | None:
-    """Locals of SGLang's ``run_scheduler_process`` when it is on the call stack.
-
-    SGLang runs its plugin loader in every process it starts (launcher, schedulers,
-    detokenizer, DP controller); only a scheduler builds batches, so only a scheduler
-    may bind the receiver port. Its parameters also say the role and the TP rank.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "run_scheduler_process":
-            return dict(frame.f_locals)
-        frame = frame.f_back
-    return None
+        return install(cfg, InstallOptions(allow_unsupported=env.get(ENV_ALLOW_UNSUPPORTED, "") == "1"))
 
 
 def sglang_plugin() -> None:
     """Entry point of group ``sglang.srt.plugins``; SGLang calls it in each process it starts.
 
-    Does nothing unless ``PD_MIDDLEWARE_CONFIG`` is set. Outside a scheduler process it
-    installs the patches without transport. In a scheduler it checks that
-    ``PD_MIDDLEWARE_ROLE`` matches ``--disaggregation-mode`` and that a transport role
-    runs at TP rank 0 only. When activation fails the process exits with the error:
-    SGLang's loader logs and swallows plugin exceptions, and an operator who asked for
-    the middleware must not get a server silently running without it.
+    Does nothing unless ``PD_MIDDLEWARE_CONFIG`` is set. When activation fails the
+    process exits with the error: SGLang's loader logs and swallows plugin exceptions,
+    and an operator who asked for the middleware must not get a server silently
+    running without it. (Checks that need the engine run at scheduler start, where a
+    ConfigError stops the scheduler process, and SGLang with it.)
     """
     try:
-        sched = _scheduler_locals()
-        role = os.environ.get(ENV_ROLE, "")
-        if sched is not None and role and os.environ.get(ENV_CONFIG):
-            mode = getattr(sched.get("server_args"), "disaggregation_mode", None)
-            if mode is not None and mode != role:
-                raise ConfigError(f"{ENV_ROLE}={role} but this SGLang server runs --disaggregation-mode {mode}")
-            if sched.get("tp_rank", 0) not in (0, None):
-                raise ConfigError(
-                    f"{ENV_ROLE}={role} needs one scheduler per node (TP size 1): TP rank "
-                    f"{sched.get('tp_rank')} would not see the payloads; use one_hot with TP > 1"
-                )
-        activate_from_env(transport=sched is not None)
+        activate_from_env()
     except PDMiddlewareError as exc:
         logger.error("pd-middleware activation failed: %s", exc)
         raise SystemExit(f"pd-middleware: {exc}") from exc

@@ -1,25 +1,29 @@
 """SGLang decode side: the proposal of a PD decode's first verify, built by the middleware.
 
-Two pieces, both engine-agnostic apart from the attribute names they read from
-SGLang's ``ScheduleBatch``/``Req``:
+Engine-agnostic apart from the attribute names it reads from SGLang's
+``ScheduleBatch``/``Req``:
 
-- :class:`ProposalStore`: the outcomes a :class:`~pd_middleware.transport.DecodeReceiver`
-  delivered, keyed by request id, which is the prefill's ``bootstrap_room`` as a
-  decimal string (the publisher uses the same key). Drained from the receiver on the
-  scheduler thread at lookup time, so no extra thread is needed. Bounded in count and
-  age; evicted deliveries release their receive slot.
+- :class:`RequestProposal`: what the decode attached to a request (``req.pd_middleware``):
+  its arm, the proposal handed to the verifier and why (``reason``). Attached when the
+  request's PD transfer commits (metadata channel), read when SGLang builds the first
+  draft input, and left on the request for per-arm accounting.
+- :class:`ProposalStore`: the side channel's outcomes by request id (the prefill's
+  ``bootstrap_room`` as a decimal string), drained from a
+  :class:`~pd_middleware.transport.DecodeReceiver` on the scheduler thread.
 - :class:`DecodeProposer`: given SGLang's batch and the received draft tokens
   ``topk_index`` (b, n), returns ``draft_probs`` (b, n, V) float32 on
-  ``topk_index.device``, the layout of SGLang's ``pd_first_draft_proposal`` (SGLang
-  itself slices ``[:, 0]`` for single-layer EAGLE).
+  ``topk_index.device``, the layout of SGLang's ``pd_first_draft_proposal``. It serves
+  whatever (V, n) SGLang hands it: one middleware per shape, built on first use from
+  the config with the shape filled in (:meth:`ModelConfig.with_shapes
+  <pd_middleware.config.ModelConfig.with_shapes>`, which refuses a config that
+  declares another value).
 
-Per request, the proposal is the one the configured synthesizer attached to the payload
-the prefill published for that bootstrap room, when one arrived and its draft tokens are
-exactly the tokens SGLang received. Otherwise the request is run through the same
-pipeline as a local payload built from SGLang's own fields, which ships no distribution,
-so every synthesizer answers one-hot (exact for any drafting rule). Each such case is
-counted in ``counts`` and in ``Metrics.fallbacks`` (``sglang:missing``,
-``sglang:token_mismatch``, ``sglang:failed:<reason>``).
+Per request, the proposal is the one the configured synthesizer attached to the
+payload the prefill sent, when one arrived and its draft tokens are exactly the tokens
+SGLang received. Otherwise the request is run through the same pipeline as a local
+payload built from SGLang's own fields, which ships no distribution, so every
+synthesizer answers one-hot (exact for any drafting rule). Each such case is counted
+in ``counts`` and in ``Metrics.fallbacks`` (``sglang:<reason>``).
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .._errors import ConfigError
+from ..inband import RowFault
+from ..metrics import Metrics
 from ..payload import Payload, Provenance
 from ..pipeline import Delivery, Failure
 from ..proposal import OneHotProposal
@@ -40,6 +47,31 @@ from ..proposal import OneHotProposal
 # draws X ~ q under rejection sampling and does not send q, so nothing but one-hot
 # is exact for it (the synthesizers' provenance guard enforces that).
 _LOCAL_PROVENANCE = Provenance(rule="sampled", temperature=1.0, sampled_from=None)
+
+#: Req attribute holding the :class:`RequestProposal`.
+ATTACH_ATTR = "pd_middleware"
+
+
+@dataclass(slots=True)
+class RequestProposal:
+    """What the decode attached to one request (``req.pd_middleware``).
+
+    ``tokens``: the S draft tokens the proposal is for; ``proposal``: the descriptor
+    handed to the assembler (set to None once the first draft input is built, so a
+    dense row does not live as long as the request); ``arm``: the A/B arm the pipeline
+    routed it to (``default`` without A/B; None when even the local payload failed);
+    ``reason``: ``prefill`` when the prefill's proposal is used; ``no_distribution``
+    when the prefill's row carried X only (one-hot); ``local`` when no row or payload
+    was involved; else the fallback reason (``not_sent``, ``overflow``, ``digest``,
+    ``token_mismatch``, ``failed:<stage>``...); ``used``: the first draft input was
+    built from it.
+    """
+
+    tokens: tuple[int, ...]
+    proposal: Any
+    arm: str | None
+    reason: str
+    used: bool = False
 
 
 def room_key(room: Any) -> str | None:
@@ -145,48 +177,111 @@ def _release(outcome: Delivery | Failure) -> None:
 
 
 class DecodeProposer:
-    """Builds SGLang's first-verify ``draft_probs`` from a :class:`DecodeMiddleware`.
+    """Builds SGLang's first-verify ``draft_probs`` through the middleware.
 
-    ``middleware``: the decode middleware (pipeline + assembler + metrics);
-    ``store``: where published payloads arrive, or None when the prefill publishes
-    nothing (one-hot deployments).
+    ``config``: the :class:`~pd_middleware.config.Config` (shape keys optional);
+    ``store``: the side channel's :class:`ProposalStore`, or None; ``registry``,
+    ``metrics``: shared by the middleware of every shape.
     """
 
-    def __init__(self, middleware: Any, store: ProposalStore | None = None) -> None:
-        self.middleware = middleware
+    def __init__(self, config: Any, store: ProposalStore | None = None, *, registry: Any = None, metrics: Metrics | None = None) -> None:
+        self.config = config
         self.store = store
-        self.config = middleware.config
+        self.registry = registry
+        self.metrics = metrics if metrics is not None else Metrics()
         self.counts: Counter[str] = Counter()
+        self._by_shape: dict[tuple[int, int], Any] = {}
+        self.bound: tuple[int, int] | None = None
+        # Metric exporters shared by every shape's middleware (the [metrics] endpoint,
+        # the live A/B recorder and SGLang /metrics mirror): stopped by close().
+        self.exporters: list[Any] = []
+
+    def middleware_for(self, vocab_size: int, num_steps: int) -> Any:
+        """The :class:`~pd_middleware.DecodeMiddleware` for (V, S), built once.
+
+        Raises ConfigError naming both values when the config declares another V or S,
+        or turns rejection sampling off (SGLang builds a proposal only with it on).
+        """
+        key = (int(vocab_size), int(num_steps))
+        mw = self._by_shape.get(key)
+        if mw is None:
+            import msgspec
+
+            from ..middleware import DecodeMiddleware
+
+            if not self.config.decode.rejection_sampling:
+                raise ConfigError(
+                    "SGLang runs with --speculative-use-rejection-sampling but the config turns it off",
+                    path="decode.rejection_sampling",
+                )
+            model = self.config.model.with_shapes(key[0], key[1], engine="SGLang")
+            cfg = msgspec.structs.replace(self.config, model=model)
+            mw = DecodeMiddleware.from_config(cfg, self.registry, self.metrics, serve_metrics=False)
+            self._by_shape[key] = mw
+        return mw
+
+    def bind(self, vocab_size: int, num_steps: int) -> Any:
+        """Build (at scheduler start) the middleware of the engine's shape; it becomes :attr:`middleware`."""
+        mw = self.middleware_for(vocab_size, num_steps)
+        self.bound = (int(vocab_size), int(num_steps))
+        return mw
+
+    @property
+    def middleware(self) -> Any:
+        """The bound shape's middleware (else the config's declared or default shape)."""
+        if self.bound is not None:
+            return self._by_shape[self.bound]
+        m = self.config.model
+        return self.middleware_for(m.vocab_size, m.num_steps)
+
+    def close(self) -> None:
+        """Stop the exporters and close every shape's middleware (plugins' resources)."""
+        exporters, self.exporters = self.exporters, []
+        for e in exporters:
+            e.stop()
+        for mw in self._by_shape.values():
+            mw.close()
 
     def _count(self, reason: str) -> None:
         self.counts[f"fallback:{reason}"] += 1
-        self.middleware.metrics.fallbacks[f"sglang:{reason}"] += 1
+        self.metrics.fallbacks[f"sglang:{reason}"] += 1
 
+    # -- metadata channel: at transfer commit -----------------------------------------
+    def on_row(self, req: Any, got: "Payload | RowFault") -> None:
+        """Attach ``req.pd_middleware`` from the request's in-band row (decode, every rank)."""
+        if self.bound is None:
+            raise ConfigError("the decode's shapes were not bound at scheduler start", path="model")
+        vocab, n = self.bound
+        mw = self._by_shape[self.bound]
+        tokens = _tokens(req, n)
+        if isinstance(got, RowFault):
+            reason = got.reason
+        elif got.draft_tokens != tokens:
+            # The row's X is not what SGLang will verify: its q says nothing about it.
+            reason = "token_mismatch"
+        else:
+            out = mw.receive(got)
+            if isinstance(out, Delivery) and out.proposal is not None:
+                # A row without a distribution (SGLang's own multi-layer chain) is X only.
+                why = "prefill" if got.proposal is not None else "no_distribution"
+                self.counts[f"attached:{why}"] += 1
+                setattr(req, ATTACH_ATTR, RequestProposal(tokens, out.proposal, out.arm, why))
+                return
+            reason = f"failed:{out.key}" if isinstance(out, Failure) else "failed:none"
+        self._count(reason)
+        proposal, arm = self._local(mw, req, room_key(getattr(req, "bootstrap_room", None)), tokens, vocab)
+        setattr(req, ATTACH_ATTR, RequestProposal(tokens, proposal, arm, reason))
+
+    # -- the builder ------------------------------------------------------------------
     def propose(self, batch: Any, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """``draft_probs`` for ``batch``: float32 (b, n, V) on ``topk_index.device``.
 
         ``topk_index``: int64 (b, n), the draft tokens SGLang received (n = 1 single
-        layer, ``num_steps`` multi-layer). Raises ConfigError when the config's
-        vocab, step count or rejection-sampling flag disagrees with SGLang's.
+        layer, ``num_steps`` multi-layer). Raises ConfigError when the config declares
+        another V or n, or turns rejection sampling off.
         """
-        cfg = self.config
         b, n = int(topk_index.shape[0]), int(topk_index.shape[1])
-        if vocab_size != cfg.model.vocab_size:
-            raise ConfigError(
-                f"SGLang's target vocab is {vocab_size}, the config says {cfg.model.vocab_size}",
-                path="model.vocab_size",
-            )
-        if n != cfg.model.num_steps:
-            raise ConfigError(
-                f"SGLang sends {n} draft token(s) per request, the config says num_steps = {cfg.model.num_steps}"
-                " (1 for single-layer EAGLE, speculative_num_steps for multi-layer)",
-                path="model.num_steps",
-            )
-        if not cfg.decode.rejection_sampling:
-            raise ConfigError(
-                "SGLang runs with --speculative-use-rejection-sampling but the config turns it off",
-                path="decode.rejection_sampling",
-            )
+        mw = self.middleware_for(vocab_size, n)
         reqs = batch.reqs
         if len(reqs) != b:
             raise ValueError(f"batch has {len(reqs)} requests but topk_index has {b} rows")
@@ -195,38 +290,48 @@ class DecodeProposer:
         proposals: list[Any] = []
         used: list[Delivery] = []
         for req in reqs:
-            proposal, delivery = self._one(req, n, vocab_size)
+            proposal, delivery = self._one(mw, req, n, vocab_size)
             proposals.append(proposal)
             if delivery is not None:
                 used.append(delivery)
         self.counts["batches"] += 1
         self.counts["requests"] += b
         try:
-            return self._assemble(proposals, n, vocab_size, topk_index.device)
+            return self._assemble(mw, proposals, n, vocab_size, topk_index.device)
         finally:
             # The assembler copied every value; the receive slots may be reused now.
             for d in used:
                 d.release()
 
-    def _one(self, req: Any, n: int, vocab: int) -> tuple[Any, Delivery | None]:
-        # SGLang's own CPU rows (16-wide metadata rows on a real decode): no device sync.
-        tokens = tuple(int(t) for t in torch.as_tensor(req.output_topk_index[:n]).tolist())
+    def _one(self, mw: Any, req: Any, n: int, vocab: int) -> tuple[Any, Delivery | None]:
+        tokens = _tokens(req, n)
+        att = getattr(req, ATTACH_ATTR, None)
+        if isinstance(att, RequestProposal) and att.proposal is not None and att.tokens == tokens:
+            self.counts["proposal:prefill" if att.reason == "prefill" else "proposal:local"] += 1
+            proposal = att.proposal
+            att.proposal, att.used = None, True
+            return proposal, None
         rid = room_key(getattr(req, "bootstrap_room", None))
+        if isinstance(att, RequestProposal) and att.proposal is not None:
+            self._count("token_mismatch")
         outcome = self.store.take(rid) if self.store is not None else None
         if isinstance(outcome, Delivery):
             if outcome.payload.draft_tokens == tokens and outcome.proposal is not None:
                 self.counts["proposal:prefill"] += 1
+                setattr(req, ATTACH_ATTR, RequestProposal(tokens, None, outcome.arm, "prefill", True))
                 return outcome.proposal, outcome
-            # The payload's X is not what SGLang will verify: its q says nothing about it.
             outcome.release()
             self._count("token_mismatch")
         elif isinstance(outcome, Failure):
             self._count(f"failed:{outcome.key}")
         elif self.store is not None:
             self._count("missing")
-        return self._local(req, rid, tokens, vocab), None
+        proposal, arm = self._local(mw, req, rid, tokens, vocab)
+        if not isinstance(att, RequestProposal):
+            setattr(req, ATTACH_ATTR, RequestProposal(tokens, None, arm, "local", True))
+        return proposal, None
 
-    def _local(self, req: Any, rid: str | None, tokens: tuple[int, ...], vocab: int) -> Any:
+    def _local(self, mw: Any, req: Any, rid: str | None, tokens: tuple[int, ...], vocab: int) -> tuple[Any, str | None]:
         """Run SGLang's own fields through the pipeline (the configured synthesizer)."""
         probs = torch.as_tensor(req.output_topk_p[: len(tokens)], dtype=torch.float32).clamp(0.0, 1.0).tolist()
         payload = Payload(
@@ -236,20 +341,20 @@ class DecodeProposer:
             vocab_size=vocab,
             provenance=_LOCAL_PROVENANCE,
         )
-        out = self.middleware.receive(payload)
+        out = mw.receive(payload)
         if isinstance(out, Failure) or out.proposal is None:
             # Never hand SGLang a hole: one-hot at X is exact whatever went wrong.
             self._count(f"local:{out.key}" if isinstance(out, Failure) else "local:none")
-            return OneHotProposal(tokens)
+            return OneHotProposal(tokens), out.arm
         self.counts["proposal:local"] += 1
-        return out.proposal
+        return out.proposal, out.arm
 
-    def _assemble(self, proposals: Sequence[Any], n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    def _assemble(self, mw: Any, proposals: Sequence[Any], n: int, vocab: int, device: torch.device) -> torch.Tensor:
         # A fresh tensor, like SGLang's own function: SGLang keeps draft_probs past the
         # next prebuilt batch (merge_batch, the overlap relay), so a view of the
         # assembler's rotating buffer could be overwritten under it. Chunks of
         # max_batch let any batch size through.
-        asm = self.middleware.assembler
+        asm = mw.assembler
         out = torch.empty((len(proposals), n, vocab), dtype=torch.float32, device=device)
         step = asm.max_batch
         for start in range(0, len(proposals), step):
@@ -257,3 +362,8 @@ class DecodeProposer:
             assert view is not None  # every entry is a proposal (rejection sampling is on)
             out[start : start + view.shape[0]].copy_(view.view(view.shape[0], n, vocab))
         return out
+
+
+def _tokens(req: Any, n: int) -> tuple[int, ...]:
+    # SGLang's own CPU rows (16-wide metadata rows on a real decode): no device sync.
+    return tuple(int(t) for t in torch.as_tensor(req.output_topk_index[:n]).tolist())

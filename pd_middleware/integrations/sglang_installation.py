@@ -1,0 +1,198 @@
+"""One installation of the SGLang drop-in: its options, its objects, and its activation.
+
+:class:`InstallOptions` says how :func:`~pd_middleware.integrations.sglang.install`
+installs; :class:`Installation` is what it did, and :meth:`Installation.activate`
+finishes the job when the engine is known (a scheduler starts, or a harness passes
+:class:`~.sglang_startup.EngineFacts`): the checks, the shapes, the role's objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._errors import ConfigError, PluginError
+from .sglang_decode import DecodeProposer, ProposalStore
+from .sglang_metadata import MetadataChannel
+from .sglang_patch import EXTEND_PARAMS, SAMPLE_PARAMS, SGLangModules, _check_signature, _module
+from .sglang_prefill import ProposalPublisher
+from .sglang_startup import EngineFacts, check
+
+logger = logging.getLogger("pd_middleware.integrations.sglang")
+
+ENV_CONFIG = "PD_MIDDLEWARE_CONFIG"
+ENV_DECODE_ADDRESS = "PD_MIDDLEWARE_DECODE_ADDRESS"
+ENV_ALLOW_UNSUPPORTED = "PD_MIDDLEWARE_ALLOW_UNSUPPORTED_SGLANG"
+
+
+@dataclass(frozen=True)
+class InstallOptions:
+    """How :func:`install` installs the drop-in.
+
+    ``channel``: ``metadata`` or ``sidechannel``; None takes ``[sglang].channel``.
+    ``facts``: the engine's :class:`EngineFacts`, to activate at once (a harness
+    that runs SGLang's transfer classes without a scheduler; the scheduler is then not
+    patched); None waits for ``Scheduler.init_disaggregation``.
+    ``receiver``/``store``: side channel decode feed (a started receiver, owned by the
+    installation, or a :class:`ProposalStore`); ``publisher``: side channel prefill
+    publisher. ``registry``/``metrics``: plugin registry and shared metrics.
+    ``allow_unsupported``: try a version outside :data:`SUPPORTED_SGLANG_VERSIONS`
+    (signatures are still checked). ``modules``/``version``: stand-ins for tests.
+    ``hook_scheduler``: False installs no scheduler-start hook (function-level use,
+    e.g. SGLang's own unit tests of the builder: shapes are then taken per call and
+    the startup checks do not run).
+    """
+
+    channel: Literal["metadata", "sidechannel"] | None = None
+    facts: EngineFacts | None = None
+    receiver: Any = None
+    store: ProposalStore | None = None
+    publisher: ProposalPublisher | None = None
+    registry: Any = None
+    metrics: Any = None
+    allow_unsupported: bool = False
+    modules: SGLangModules = SGLangModules()
+    version: str | None = None
+    hook_scheduler: bool = True
+
+
+@dataclass
+class Installation:
+    """What :func:`install` did; ``current()`` returns it while installed.
+
+    ``proposer``: decode-side proposer (its ``counts`` and the middleware's metrics
+    are the counters to watch); ``channel``: the metadata channel or None;
+    ``publisher``: prefill encoder/publisher once known; ``receiver``: the side
+    channel receiver this installation owns (stopped on uninstall); ``facts``: the
+    engine, once a scheduler started; ``patches``: (owner, attribute, original,
+    replacement).
+    """
+
+    version: str
+    mode: str
+    config: Any
+    options: InstallOptions
+    proposer: DecodeProposer
+    channel: MetadataChannel | None = None
+    publisher: ProposalPublisher | None = None
+    receiver: Any = None
+    facts: EngineFacts | None = None
+    patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+
+    @property
+    def middleware(self) -> Any:
+        return self.proposer.middleware
+
+    @property
+    def store(self) -> ProposalStore | None:
+        return self.proposer.store
+
+    @property
+    def channel_name(self) -> str:
+        return "metadata" if self.channel is not None else "sidechannel"
+
+    def counters(self) -> dict[str, Any]:
+        """Integration counters plus the middleware's receive-path snapshot."""
+        out: dict[str, Any] = {"decode": dict(self.proposer.counts), "metrics": self.proposer.metrics.snapshot()}
+        if self.publisher is not None:
+            out["prefill"] = dict(self.publisher.counts)
+        if self.channel is not None:
+            out["inband"] = dict(self.channel.counts)
+        return out
+
+    def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0) -> Any:
+        """Prefill, without a scheduler (a harness): what the prefill wrapper does for ``reqs``.
+
+        ``reqs``: SGLang Reqs (``bootstrap_room`` set); ``draft_probs``: float (B, V)
+        after temperature. Encodes each request from its (seed, room) generator,
+        stages its row for ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index``
+        / ``output_topk_p`` to the encoder's X and q'(X), as SGLang's
+        ``process_batch_result_disagg_prefill`` would after the wrapper. Returns the
+        :class:`~pd_middleware.contracts.EncodedBatch`.
+        """
+        if self.publisher is None:
+            raise ConfigError("stage_requests needs an activated prefill (EngineFacts(role='prefill'))")
+        reqs = list(reqs)
+        enc = self.publisher.publish([r.bootstrap_room for r in reqs], draft_probs, temperature, targets=reqs)
+        for i, r in enumerate(reqs):
+            r.output_topk_index = enc.tokens[i].clone()
+            r.output_topk_p = enc.token_probs[i].clone()
+        return enc
+
+    def activate(self, facts: EngineFacts) -> None:
+        """Finish activation for the engine ``facts`` (called at scheduler start).
+
+        Runs every check (raises ConfigError), binds V and S, and builds the
+        role's objects: the decode middleware, the prefill encoder, and the side
+        channel's receiver or publisher.
+        """
+        check(self.config, facts, self.channel_name)
+        self.facts = facts
+        if self.channel is not None:
+            self.channel.bind(facts.vocab_size, facts.num_steps)
+        if facts.role == "decode":
+            self.proposer.bind(facts.vocab_size, facts.num_steps)
+            if facts.tp_rank == 0:
+                # One [metrics] endpoint per node (every TP rank would bind the same port).
+                from ..metrics_export import serve
+
+                server = serve(self.proposer.metrics, self.config.metrics)
+                if server is not None:
+                    self.proposer.exporters.append(server)
+            if self.channel is None and self.receiver is None and self.proposer.store is None and facts.tp_rank == 0:
+                from ..transport import open_receiver
+
+                self.receiver = open_receiver(self.config.transport, self.proposer.middleware.pipeline)
+                self.proposer.store = ProposalStore(self.receiver)
+                logger.info("pd-middleware decode receiver listening on %s", self.receiver.address)
+        elif self.publisher is None:
+            self._make_publisher(facts)
+        if facts.role == "prefill" and facts.num_steps > 1:
+            self._patch_chain()
+        logger.info(
+            "pd-middleware active: %s node, channel %s, V=%d, S=%d", facts.role, self.channel_name, facts.vocab_size, facts.num_steps
+        )
+
+    def _patch_chain(self) -> None:
+        """Multi-layer prefill: draw each chain step from its encoded law (.sglang_chain)."""
+        if any(attr == "sample_draft_proposal" for _, attr, _, _ in self.patches):
+            return
+        from .sglang_chain import MULTI_LAYER_MODULE, WORKER_CLASS, chain_patches
+
+        mods = self.options.modules
+        mod = _module(mods.multi_layer, MULTI_LAYER_MODULE, mods)
+        if mod is None:
+            return
+        worker = getattr(mod, WORKER_CLASS, None)
+        if worker is None:
+            raise PluginError(f"{mod.__name__}.{WORKER_CLASS} not found", plugin="sglang")
+        _check_signature(mod, "sample_draft_proposal", SAMPLE_PARAMS, mod.__name__)
+        _check_signature(worker, "_draft_extend_for_prefill", EXTEND_PARAMS, f"{mod.__name__}.{WORKER_CLASS}")
+        new = chain_patches(mod, lambda: self.publisher)
+        for owner, attr, _, fn in new:
+            setattr(owner, attr, fn)
+        self.patches.extend(new)
+
+    def _make_publisher(self, facts: EngineFacts) -> None:
+        """The prefill's encoder, fed to the metadata channel or the side channel."""
+        if self.channel is not None:
+            self.publisher = ProposalPublisher.from_config(
+                self.config, stage=self.channel.stage, vocab_size=facts.vocab_size, num_steps=facts.num_steps,
+                registry=self.options.registry,
+            )
+        else:
+            addr = os.environ.get(ENV_DECODE_ADDRESS)
+            if not addr:
+                raise ConfigError(
+                    f"[sglang].channel = \"sidechannel\" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port",
+                    path="sglang.channel",
+                )
+            from ..transport import open_sender
+
+            cfg = self.config
+            self.publisher = ProposalPublisher.from_config(
+                cfg, lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
+                vocab_size=facts.vocab_size, num_steps=facts.num_steps, registry=self.options.registry,
+            )

@@ -1,0 +1,332 @@
+"""The in-band channel: proposals ride SGLang's own PD metadata transfer.
+
+SGLang moves a fixed set of per-request rows from prefill to decode
+(``sglang.srt.disaggregation.utils.MetadataBuffers``): both nodes register the buffers
+of ``get_buf_infos()`` with the KV manager, the prefill fills its row in
+``set_buf(req)`` and ``send_aux`` copies row i of each buffer into the decode's row,
+buffer by buffer, in list order. :class:`MetadataChannel` appends ONE more buffer, a
+``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.inband` rows:
+
+- ``MetadataBuffers.__init__``: allocate it (CPU) as ``self.pd_proposal``;
+- ``get_buf_infos``: append it at the very END of the lists (after ``kv_checksum``), so a
+  peer without it still pairs every SGLang buffer with its own;
+- ``set_buf(req)`` (prefill): write the row staged on ``req`` by the prefill wrapper
+  (``req.pd_middleware_row``, a :class:`~pd_middleware.Payload`), or clear it;
+- ``clear_slot(idx)``: clear the row (zero magic reads as "not sent");
+- ``DecodeTransferQueue._commit_transfer_to_req`` (decode, every TP rank): after SGLang's
+  own commit, read the row and hand it to ``on_row(req, payload_or_fault)``, which runs
+  the middleware pipeline and attaches the result to the Req. Never raises.
+
+Layout handshake (Mooncake backend): the decode appends a trailing frame
+``pd-middleware-row <layout>`` to its KV-args registration
+(``MooncakeKVManager.build_receiver_registration_message``); SGLang's parser reads
+fixed positions and ignores it. The prefill's ``_validate_peer_state_layout`` (SGLang's
+own per-session rejection hook) compares that layout and the aux buffer counts with
+its own; a difference rejects the session, and every transfer to it then fails with a
+reason that names both layouts (SGLang's ``conclude_failure``). Without the check a
+larger prefill row would be written past the decode's buffer. A decode that has the
+drop-in while its prefill has not sees zero rows: counted ``inband:not_sent`` and
+logged once naming its own layout (exact one-hot for those requests).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any, Callable
+
+import numpy as np
+
+from ..inband import RowFault, RowLayout, RowOverflowError, clear_row, mark_overflow, read_row, write_row
+from ..payload import Payload
+
+logger = logging.getLogger("pd_middleware.integrations.sglang")
+
+#: Req attribute the prefill wrapper stages the row's payload under.
+ROW_ATTR = "pd_middleware_row"
+#: MetadataBuffers attribute of the proposal buffer (a torch uint8 (rows, capacity)).
+BUFFER_ATTR = "pd_proposal"
+#: Marker of the layout frame appended to the decode's Mooncake registration.
+FRAME_MARK = b"pd-middleware-row "
+
+UTILS_MODULE = "sglang.srt.disaggregation.utils"
+DECODE_MODULE = "sglang.srt.disaggregation.decode"
+MOONCAKE_MODULE = "sglang.srt.disaggregation.mooncake.conn"
+
+Patch = tuple[Any, str, Any, Any]
+
+
+class MetadataChannel:
+    """One process's end of the in-band channel (either role, or both in a test).
+
+    ``capacity_bytes``: bytes per row (:class:`~pd_middleware.inband.RowLayout`);
+    ``on_row(req, payload_or_fault)``: decode callback after a transfer commits (the
+    installation's proposer). The layout is bound to the engine's shapes with
+    :meth:`bind` before SGLang allocates its buffers (the scheduler-init check does it).
+    ``counts``: ``inband:<event>`` counters.
+    """
+
+    def __init__(self, capacity_bytes: int, on_row: Callable[[Any, "Payload | RowFault"], None] | None = None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.on_row = on_row
+        self.layout: RowLayout | None = None
+        self.counts: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    # -- shapes ---------------------------------------------------------------------
+    def bind(self, vocab_size: int, num_steps: int) -> RowLayout:
+        """Fix V and S (both nodes must bind the same); returns the layout."""
+        self.layout = RowLayout(self.capacity_bytes, vocab_size, num_steps)
+        return self.layout
+
+    def describe(self) -> str:
+        """This node's layout for error messages (or its capacity while unbound)."""
+        return self.layout.describe() if self.layout is not None else f"capacity={self.capacity_bytes} (shapes not bound)"
+
+    def _count(self, event: str, detail: str = "") -> None:
+        key = f"inband:{event}"
+        with self._lock:
+            self.counts[key] += 1
+            first = key not in self._logged
+            self._logged.add(key)
+        if first and event not in ("written", "read"):
+            logger.warning("pd-middleware in-band %s: %s (logged once; counted as %s)", event, detail, key)
+
+    # -- buffers --------------------------------------------------------------------
+    def rows(self, buffers: Any) -> np.ndarray | None:
+        """The (rows, capacity) uint8 numpy view of ``buffers``' proposal buffer
+        (None for buffers made before the drop-in was installed: SGLang's alone)."""
+        arr = buffers.__dict__.get("_pd_proposal_np")
+        if arr is None:
+            buf = buffers.__dict__.get(BUFFER_ATTR)
+            if buf is None:
+                return None
+            arr = buf.numpy()
+            buffers.__dict__["_pd_proposal_np"] = arr
+        return arr
+
+    def stage(self, req: Any, payload: Payload | None) -> None:
+        """Prefill: the payload ``set_buf`` will write into ``req``'s row (None: no row)."""
+        setattr(req, ROW_ATTR, payload)
+
+    def write(self, buffers: Any, req: Any) -> None:
+        """Prefill ``set_buf`` tail: write the staged row of ``req`` (or clear the row)."""
+        rows = self.rows(buffers)
+        if rows is None:
+            return
+        row = rows[req.metadata_buffer_index]
+        payload = getattr(req, ROW_ATTR, None)
+        room = getattr(req, "bootstrap_room", None)
+        if payload is None or room is None or self.layout is None:
+            clear_row(row)
+            return
+        try:
+            write_row(row, int(room), payload, self.layout)
+            self._count("written")
+        except RowOverflowError as exc:
+            mark_overflow(row, int(room), payload, self.layout)
+            self._count("overflow", f"{exc.needed} bytes > capacity {exc.capacity}; raise [sglang].capacity_bytes")
+        except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler: no row, exact one-hot
+            clear_row(row)
+            self._count(f"write_failed:{type(exc).__name__}", str(exc))
+
+    def read(self, buffers: Any, idx: int, req: Any) -> "Payload | RowFault":
+        """Decode: the row of metadata slot ``idx`` for ``req`` (a Payload or a RowFault)."""
+        room = getattr(req, "bootstrap_room", None)
+        if self.layout is None:
+            return RowFault("layout", "the decode's layout is not bound (scheduler-init check did not run)")
+        if room is None:
+            return RowFault("not_sent", "request has no bootstrap room")
+        rows = self.rows(buffers)
+        if rows is None:
+            return RowFault("not_sent", "these metadata buffers were made before the drop-in was installed")
+        got = read_row(rows[idx], int(room), self.layout, request_id=str(int(room)))
+        if isinstance(got, RowFault):
+            detail = got.detail
+            if got.reason == "not_sent":
+                detail = (
+                    f"{detail}; this decode is {self.describe()}: the prefill runs without the drop-in, "
+                    "or with [sglang].channel = \"sidechannel\""
+                )
+            self._count(got.reason, detail)
+        else:
+            self._count("read")
+        return got
+
+    # -- patches --------------------------------------------------------------------
+    def patches(self, utils: Any, decode: Any | None, mooncake: Any | None) -> list[Patch]:
+        """The (owner, attribute, original, replacement) list for the given modules.
+
+        ``utils``: ``sglang.srt.disaggregation.utils`` (or a stand-in with a
+        ``MetadataBuffers`` class); ``decode``: ``...disaggregation.decode`` (its
+        ``DecodeTransferQueue``) or None; ``mooncake``: ``...mooncake.conn`` or None.
+        """
+        mb = utils.MetadataBuffers
+        out: list[Patch] = [
+            (mb, "__init__", mb.__init__, _wrap_init(mb.__init__, self)),
+            (mb, "get_buf_infos", mb.get_buf_infos, _wrap_infos(mb.get_buf_infos, self)),
+            (mb, "set_buf", mb.set_buf, _wrap_set_buf(mb.set_buf, self)),
+            (mb, "clear_slot", mb.clear_slot, _wrap_clear(mb.clear_slot, self)),
+        ]
+        if decode is not None:
+            q = decode.DecodeTransferQueue
+            fake = getattr(utils, "_is_fake_transfer", None)
+            out.append(
+                (q, "_commit_transfer_to_req", q._commit_transfer_to_req, _wrap_commit(q._commit_transfer_to_req, self, fake))
+            )
+        if mooncake is not None:
+            mgr, info = mooncake.MooncakeKVManager, mooncake.KVArgsRegisterInfo
+            out.append(
+                (
+                    mgr,
+                    "build_receiver_registration_message",
+                    mgr.build_receiver_registration_message,
+                    _wrap_registration(mgr.build_receiver_registration_message, self),
+                )
+            )
+            raw_from_zmq = info.__dict__["from_zmq"]
+            out.append((info, "from_zmq", raw_from_zmq, _wrap_from_zmq(raw_from_zmq)))
+            out.append(
+                (
+                    mgr,
+                    "_validate_peer_state_layout",
+                    mgr._validate_peer_state_layout,
+                    _wrap_validate(mgr._validate_peer_state_layout, self),
+                )
+            )
+        return out
+
+    def peer_mismatch(self, local_aux: int, remote_aux: int, remote_layout: str | None) -> str | None:
+        """Prefill, at a decode's registration: why the pair must not transfer, or None."""
+        mine = self.describe()
+        if remote_layout is None:
+            return (
+                f"pd-middleware proposal rows differ: this prefill appends one ({mine}), the decode registered "
+                f"none ({remote_aux} metadata buffers vs {local_aux} here); run both nodes with the drop-in "
+                "and [sglang].channel = \"metadata\", or neither"
+            )
+        if remote_layout != mine:
+            return f"pd-middleware proposal rows differ: prefill {mine}, decode {remote_layout}; use one config on both nodes"
+        if remote_aux != local_aux:
+            return (
+                f"metadata buffer count differs: prefill {local_aux}, decode {remote_aux} (both {mine}); an optional "
+                "SGLang metadata buffer is enabled on one node only, so the proposal row would land in the wrong buffer"
+            )
+        return None
+
+
+def _mark(fn: Callable[..., Any], original: Any) -> Callable[..., Any]:
+    fn.__wrapped__ = original  # type: ignore[attr-defined]  # functools.wraps' attribute, set by hand
+    fn.__pd_middleware__ = True  # type: ignore[attr-defined]  # our marker: "already patched"
+    return fn
+
+
+def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        orig(self, *args, **kwargs)
+        where = self.bootstrap_room.device
+        if where.type != "cpu":
+            # Our row is read with numpy on the scheduler thread; SGLang puts metadata
+            # on a device only for NPU or a custom NVLink pool.
+            from .._errors import ConfigError
+
+            raise ConfigError(
+                f"SGLang keeps its PD metadata on {where}; the metadata channel needs CPU metadata "
+                "buffers: use [sglang].channel = \"sidechannel\" on this deployment",
+                path="sglang.channel",
+            )
+        setattr(self, BUFFER_ATTR, torch.zeros((self.output_ids.shape[0], ch.capacity_bytes), dtype=torch.uint8))
+
+    return _mark(__init__, orig)
+
+
+def _wrap_infos(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+    def get_buf_infos(self: Any) -> Any:
+        ptrs, data_lens, item_lens = orig(self)
+        buf = self.__dict__.get(BUFFER_ATTR)
+        if buf is None:  # made before the drop-in was installed
+            return ptrs, data_lens, item_lens
+        # At the very END: a peer without it still pairs every SGLang buffer with its own.
+        return [*ptrs, buf.data_ptr()], [*data_lens, buf.nbytes], [*item_lens, buf[0].nbytes]
+
+    return _mark(get_buf_infos, orig)
+
+
+def _wrap_set_buf(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+    def set_buf(self: Any, req: Any) -> Any:
+        out = orig(self, req)
+        ch.write(self, req)
+        return out
+
+    return _mark(set_buf, orig)
+
+
+def _wrap_clear(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+    def clear_slot(self: Any, idx: int) -> Any:
+        out = orig(self, idx)
+        rows = ch.rows(self)
+        if rows is not None:
+            clear_row(rows[idx])
+        return out
+
+    return _mark(clear_slot, orig)
+
+
+def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None) -> Callable[..., Any]:
+    def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
+        out = orig(self, decode_req)
+        req = decode_req.req
+        if getattr(req, "finished_reason", None) is not None or ch.on_row is None:
+            return out  # SGLang aborted it (corruption, gate): nothing to attach
+        if is_fake is not None and is_fake(req):
+            return out  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
+        try:
+            ch.on_row(req, ch.read(self.metadata_buffers, decode_req.metadata_buffer_index, req))
+        except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler; the builder falls back to one-hot
+            ch._count(f"attach_failed:{type(exc).__name__}", str(exc))
+        return out
+
+    return _mark(_commit_transfer_to_req, orig)
+
+
+def _wrap_registration(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+    def build_receiver_registration_message(self: Any) -> Any:
+        msg = list(orig(self))
+        # Trailing frame: SGLang's parser reads fixed positions and ignores it.
+        return [*msg, FRAME_MARK + ch.describe().encode("ascii")]
+
+    return _mark(build_receiver_registration_message, orig)
+
+
+def _wrap_from_zmq(raw: Any) -> Any:
+    func = raw.__func__
+
+    def from_zmq(cls: Any, msg: Any) -> Any:
+        info = func(cls, msg)
+        last = msg[-1] if len(msg) else b""
+        layout = bytes(last)[len(FRAME_MARK) :].decode("ascii", "replace") if bytes(last).startswith(FRAME_MARK) else None
+        info.pd_middleware_layout = layout
+        return info
+
+    return classmethod(_mark(from_zmq, func))
+
+
+def _wrap_validate(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
+    def _validate_peer_state_layout(self: Any, registration_info: Any) -> Any:
+        fully_checked, mismatch = orig(self, registration_info)
+        if mismatch is None:
+            mismatch = ch.peer_mismatch(
+                len(self.kv_args.aux_data_ptrs),
+                len(registration_info.dst_aux_ptrs),
+                getattr(registration_info, "pd_middleware_layout", None),
+            )
+            if mismatch is not None:
+                ch._count("peer_rejected", mismatch)
+                logger.error("pd-middleware: rejecting decode session %s: %s", registration_info.mooncake_session_id, mismatch)
+        return fully_checked, mismatch
+
+    return _mark(_validate_peer_state_layout, orig)

@@ -1,0 +1,558 @@
+"""The metadata channel through SGLang 0.5.23's real code, in one process.
+
+Real: ``MetadataBuffers`` (both nodes, with the drop-in's buffer), its ``set_buf`` /
+``get_buf_infos`` / ``clear_slot``, ``DecodeTransferQueue._commit_transfer_to_req``,
+``KVArgsRegisterInfo.from_zmq`` and ``MooncakeKVManager._validate_peer_state_layout``,
+and the builder ``build_eagle_disagg_draft_input``. Stand-ins, said where used: the copy
+between the two nodes' buffers is ``send_aux``'s own loop (row i of each registered
+buffer, prefill item lengths, ``ctypes.memmove`` instead of Mooncake; the two-process
+Mooncake tier is tests/test_sglang_pd*.py), the queue/scheduler objects around
+``_commit_transfer_to_req`` are namespaces with the attributes it reads, and the
+prefill's ``process_batch_result_disagg_prefill`` body (it needs a whole scheduler) is a
+function that copies the draft input onto the requests, as SGLang's does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import numpy as np
+import pytest
+import torch
+
+from pd_middleware import ConfigError
+from pd_middleware.config import parse_config
+from pd_middleware.encodings import sparse_law_tensor
+from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations.sglang_metadata import FRAME_MARK, _wrap_init, _wrap_registration
+from pd_middleware.integrations.sglang_prefill import room_seed, wrap_process_batch_result
+
+pytestmark = [pytest.mark.sglang]
+
+V = 64
+SEED = 77
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    S.uninstall()
+
+
+@pytest.fixture
+def sg(sglang_importable):
+    import importlib
+
+    return SimpleNamespace(
+        utils=importlib.import_module("sglang.srt.disaggregation.utils"),
+        decode=importlib.import_module("sglang.srt.disaggregation.decode"),
+        mooncake=importlib.import_module("sglang.srt.disaggregation.mooncake.conn"),
+        ed=importlib.import_module("sglang.srt.speculative.eagle_disaggregation"),
+    )
+
+
+def config(capacity=4096, **over):
+    data = {
+        "decode": {"max_batch": 8},
+        "synthesizer": {"name": "sparse"},
+        "encoder": {"name": "sparse", "options": {"mode": "topk", "k": 5, "value_dtype": "fp32"}},
+        "sglang": {"capacity_bytes": capacity, "seed": SEED},
+    }
+    data.update(over)
+    return parse_config(data)
+
+
+def facts(role="decode", **over):
+    return S.EngineFacts(**{**dict(role=role, vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True), **over})
+
+
+def activate(cfg, role="decode", **over):
+    return S.install(cfg, S.InstallOptions(channel="metadata", facts=facts(role, **over)))
+
+
+def buffers(sg, size=8):
+    return sg.utils.MetadataBuffers(size, hidden_size=4, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4)
+
+
+def prefill_req(room, idx):
+    return SimpleNamespace(
+        bootstrap_room=room, metadata_buffer_index=idx, output_ids=[5], cached_tokens=0, cached_tokens_device=0,
+        cached_tokens_host=0, cached_tokens_storage=0, get_mm_token_counts=lambda: (0, 0, 0), return_logprob=False,
+        return_sampling_mask=False, hidden_states_tensor=torch.ones(4), output_dsa_topk_indices=None,
+        inflight_middle_chunks=0, to_finish=None, discard_output_reason=None,
+    )
+
+
+def sglang_copies_draft_input(self, batch, result):
+    # What process_batch_result_disagg_prefill does for finished requests (prefill.py).
+    di = result.next_draft_input
+    for i, r in enumerate(batch.reqs):
+        r.output_topk_p, r.output_topk_index = di.topk_p[i], di.topk_index[i]
+
+
+def prefill(inst, reqs, q, pbuf):
+    """The prefill of one batch: SGLang's draw, our wrapper, SGLang's copy, the real set_buf."""
+    b = len(reqs)
+    di = SimpleNamespace(topk_index=torch.zeros((b, 1), dtype=torch.int64), topk_p=torch.full((b, 1), 0.5), draft_probs=q)
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1))))
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    for r in reqs:
+        pbuf.set_buf(r)
+    return di
+
+
+def send_aux(src, src_idx, dst, dst_idx):
+    """mooncake/conn.py send_aux: row src_idx of buffer i -> row dst_idx of the peer's buffer i."""
+    sp, _, sl = src.get_buf_infos()
+    dp, _, _ = dst.get_buf_infos()
+    for i in range(min(len(sp), len(dp))):
+        ctypes.memmove(dp[i] + sl[i] * dst_idx, sp[i] + sl[i] * src_idx, sl[i])
+
+
+def commit(sg, dbuf, idx, room):
+    req = SimpleNamespace(
+        rid=f"r{room}", bootstrap_room=room, bootstrap_host="10.0.0.2", output_ids=[], return_logprob=False,
+        return_sampling_mask=False, finished_reason=None, pd_rebootstrap_forced_output_id=None,
+        time_stats=SimpleNamespace(set_wait_queue_entry_time=lambda: None),
+    )
+    queue = SimpleNamespace(
+        scheduler=SimpleNamespace(kv_checksum_computer=None, batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda r, t: None)),
+        metadata_buffers=dbuf, spec_algorithm=SimpleNamespace(is_none=lambda: False),
+        _commit_hicache_local_restore_to_req=lambda dr: None,
+    )
+    dreq = SimpleNamespace(req=req, metadata_buffer_index=idx, is_rebootstrap=False, kv_receiver=SimpleNamespace(clear=lambda: None))
+    sg.decode.DecodeTransferQueue._commit_transfer_to_req(queue, dreq)
+    return req
+
+
+def build(sg, reqs):
+    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=1, enable_multi_layer_eagle=False, speculative_use_rejection_sampling=True)
+    batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        return sg.ed.build_eagle_disagg_draft_input(batch, torch.zeros(len(reqs), dtype=torch.int64), None).draft_probs
+
+
+def draft(b, seed=SEED):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(b, V, generator=g) * 2, -1)
+
+
+def test_buffer_is_appended_last_and_cleared(sg) -> None:
+    plain = buffers(sg)
+    n = len(plain.get_buf_infos()[0])
+    activate(config())
+    mine = buffers(sg)
+    ptrs, lens, items = mine.get_buf_infos()
+    assert len(ptrs) == n + 1 and items[-1] == 4096 and lens[-1] == 8 * 4096
+    assert items[:-1] == plain.get_buf_infos()[2]
+    row = mine.pd_proposal[3]
+    row[:8] = 7
+    mine.clear_slot(3)
+    assert int(row[:48].sum()) == 0
+
+
+def test_published_row_reaches_draft_probs_bit_identically(sg) -> None:
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, dbuf = buffers(sg), buffers(sg, 16)
+    rooms = [2**62 + 11, 12, 13]  # SGLang stores rooms as uint64 through int64 assignment
+    reqs = [prefill_req(r, i) for i, r in enumerate(rooms)]
+    q = draft(3)
+    prefill(inst, reqs, q, pbuf)
+    enc_rows = [r.pd_middleware_row for r in reqs]
+    for i in range(3):
+        send_aux(pbuf, i, dbuf, 5 + i)
+    dreqs = [commit(sg, dbuf, 5 + i, r) for i, r in enumerate(rooms)]
+    assert [d.pd_middleware.reason for d in dreqs] == ["prefill"] * 3
+    got = build(sg, dreqs)
+    for i in range(3):
+        want = sparse_law_tensor(enc_rows[i].proposal, 1, V)[0]
+        assert torch.equal(got[i], want), f"seed {SEED} row {i}"
+        assert int(dreqs[i].output_topk_index[0]) == enc_rows[i].draft_tokens[0]
+    assert inst.counters()["inband"]["inband:read"] == 3
+    assert all(d.pd_middleware.used and d.pd_middleware.proposal is None for d in dreqs)
+
+
+def test_two_prefill_ranks_write_identical_rows_and_two_decode_ranks_build_identical_q(sg) -> None:
+    inst = activate(config())
+    pub = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    inst.publisher = pub
+    q = draft(2, seed=SEED + 1)
+    p0, p1 = buffers(sg), buffers(sg)
+    r0 = [prefill_req(100 + i, i) for i in range(2)]
+    r1 = [prefill_req(100 + i, 4 + i) for i in range(2)]  # another rank, other slots
+    prefill(inst, r0, q.clone(), p0)
+    prefill(inst, r1, q.clone(), p1)
+    for i in range(2):
+        assert p0.pd_proposal[i].numpy().tobytes() == p1.pd_proposal[4 + i].numpy().tobytes()
+    # Decode TP 2: each rank reads its own row (TP 2 -> 2, one to one).
+    d0, d1 = buffers(sg), buffers(sg)
+    for i in range(2):
+        send_aux(p0, i, d0, i)
+        send_aux(p1, 4 + i, d1, i)
+    a = build(sg, [commit(sg, d0, i, 100 + i) for i in range(2)])
+    b = build(sg, [commit(sg, d1, i, 100 + i) for i in range(2)])
+    assert torch.equal(a, b) and (a.max(-1).values < 1).all()
+    # TP 2 -> 1 (MHA): both prefill ranks write the same decode row, the last one wins.
+    d = buffers(sg)
+    send_aux(p0, 0, d, 3)
+    send_aux(p1, 4, d, 3)
+    assert torch.equal(build(sg, [commit(sg, d, 3, 100)]), a[:1])
+
+
+def test_rank_divergence_falls_back_to_one_hot(sg) -> None:
+    # Negative control: a row whose X is not SGLang's (another rank drew another X).
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    reqs = [prefill_req(7, 0)]
+    prefill(inst, reqs, draft(1), pbuf)
+    x = int(reqs[0].output_topk_index[0])
+    pbuf.output_topk_index[0, 0] = (x + 1) % V  # SGLang's metadata now carries another X
+    send_aux(pbuf, 0, dbuf, 0)
+    dreq = commit(sg, dbuf, 0, 7)
+    assert dreq.pd_middleware.reason == "token_mismatch"
+    got = build(sg, [dreq])
+    assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor((x + 1) % V), V).float())
+    assert inst.proposer.counts["fallback:token_mismatch"] == 1
+
+
+@pytest.mark.parametrize("where", [60, 200, 3000])
+def test_corrupt_row_falls_back_to_one_hot_counted(sg, where) -> None:
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    reqs = [prefill_req(9, 0)]
+    prefill(inst, reqs, draft(1), pbuf)
+    send_aux(pbuf, 0, dbuf, 0)
+    n = int(np.frombuffer(dbuf.pd_proposal[0, 24:28].numpy().tobytes(), "<u4")[0]) + 48
+    at = min(where, n - 1)
+    dbuf.pd_proposal[0, at] ^= 0x5A
+    dreq = commit(sg, dbuf, 0, 9)
+    assert dreq.pd_middleware.reason == "digest", at
+    x = int(dreq.output_topk_index[0])
+    assert torch.equal(build(sg, [dreq])[0], torch.nn.functional.one_hot(torch.tensor(x), V).float())
+    assert inst.channel.counts["inband:digest"] == 1
+
+
+def test_overflow_sends_x_only_counted(sg) -> None:
+    cfg = config(capacity=256, encoder={"name": "sparse", "options": {"mode": "topk", "k": 40, "value_dtype": "fp32"}})
+    inst = activate(cfg)
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    reqs = [prefill_req(21, 0)]
+    prefill(inst, reqs, draft(1), pbuf)
+    send_aux(pbuf, 0, dbuf, 0)
+    dreq = commit(sg, dbuf, 0, 21)
+    assert dreq.pd_middleware.reason == "overflow"
+    assert inst.channel.counts["inband:overflow"] == 2  # counted on write (prefill) and on read (decode)
+    x = int(dreq.output_topk_index[0])
+    assert torch.equal(build(sg, [dreq])[0], torch.nn.functional.one_hot(torch.tensor(x), V).float())
+
+
+def test_prefill_without_drop_in_reads_as_not_sent(sg) -> None:
+    pbuf = buffers(sg)  # no drop-in on the prefill: one buffer fewer
+    reqs = [prefill_req(31, 0)]
+    for r in reqs:
+        r.output_topk_p, r.output_topk_index = torch.tensor([0.5]), torch.tensor([3])
+        pbuf.set_buf(r)
+    inst = activate(config())
+    dbuf = buffers(sg)
+    send_aux(pbuf, 0, dbuf, 0)  # send_aux stops at the shorter list
+    dreq = commit(sg, dbuf, 0, 31)
+    assert dreq.pd_middleware.reason == "not_sent" and dreq.bootstrap_room == 31
+    assert torch.equal(build(sg, [dreq])[0], torch.nn.functional.one_hot(torch.tensor(3), V).float())
+    assert inst.channel.counts["inband:not_sent"] == 1
+
+
+def _registration(aux_ptrs, extra=None):
+    from sglang.srt.disaggregation.common.utils import pack_int_lists
+
+    msg = [
+        b"None", b"127.0.0.1", b"17000", b"127.0.0.1:17001", b"", struct.pack(f"{len(aux_ptrs)}Q", *aux_ptrs),
+        pack_int_lists([], "Q"), b"0", b"1", b"0", pack_int_lists([], "I"), pack_int_lists([], "I"),
+        b"", b"", b"", b"", b"1", b"0", b"", b"",
+    ]
+    return msg + ([extra] if extra is not None else [])
+
+
+def _validate(sg, inst, local_aux, msg):
+    info = sg.mooncake.KVArgsRegisterInfo.from_zmq(msg)
+    mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[], aux_data_ptrs=[0] * local_aux), state_tp_size=1, attn_tp_size=1)
+    spec = SimpleNamespace(speculative_algorithm="EAGLE")
+    with patch.object(sg.mooncake, "get_spec", return_value=spec):
+        return sg.mooncake.MooncakeKVManager._validate_peer_state_layout(mgr, info)
+
+
+def test_handshake_rejects_one_sided_drop_in_and_other_capacity(sg) -> None:
+    inst = activate(config(), role="prefill")
+    mine = inst.channel.describe().encode()
+    ok = _validate(sg, inst, 16, _registration([1] * 16, FRAME_MARK + mine))
+    assert ok[1] is None
+    _, why = _validate(sg, inst, 16, _registration([1] * 15))
+    assert "the decode registered none (15 metadata buffers vs 16 here)" in why and "capacity=4096" in why
+    theirs = b"rowv1 capacity=8192 vocab=64 steps=1 sig=0000000000000000"
+    _, why = _validate(sg, inst, 16, _registration([1] * 16, FRAME_MARK + theirs))
+    assert why.startswith("pd-middleware proposal rows differ: prefill rowv1 capacity=4096") and "decode rowv1 capacity=8192" in why
+    _, why = _validate(sg, inst, 16, _registration([1] * 17, FRAME_MARK + mine))
+    assert "metadata buffer count differs: prefill 16, decode 17" in why
+    assert inst.channel.counts["inband:peer_rejected"] == 3
+
+
+def test_decode_registration_carries_its_layout_last(sg) -> None:
+    # The real builder needs a running engine; the wrapper around a stand-in original
+    # shows the frame goes last, where SGLang's fixed-position parser never looks.
+    inst = activate(config())
+    out = _wrap_registration(lambda self: [b"None", b"x"], inst.channel)(SimpleNamespace())
+    assert out[:2] == [b"None", b"x"] and out[-1] == FRAME_MARK + inst.channel.describe().encode()
+    info = sg.mooncake.KVArgsRegisterInfo.from_zmq(_registration([1, 2], out[-1]))
+    assert info.dst_aux_ptrs == [1, 2] and info.pd_middleware_layout == inst.channel.describe()
+
+
+def test_uninstall_restores_every_sglang_attribute(sg) -> None:
+    mb = sg.utils.MetadataBuffers
+    before = {a: mb.__dict__[a] for a in ("__init__", "get_buf_infos", "set_buf", "clear_slot")}
+    from_zmq = sg.mooncake.KVArgsRegisterInfo.__dict__["from_zmq"]
+    activate(config())
+    assert mb.__dict__["set_buf"] is not before["set_buf"]
+    assert S.uninstall()
+    assert {a: mb.__dict__[a] for a in before} == before
+    assert sg.mooncake.KVArgsRegisterInfo.__dict__["from_zmq"] is from_zmq
+    assert not hasattr(buffers(sg), "pd_proposal")
+
+
+def test_metadata_on_a_device_is_refused(sg) -> None:
+    inst = activate(config())
+
+    def on_npu(self, *a, **k):  # SGLang puts metadata on the NPU (or a custom NVLink pool)
+        self.bootstrap_room = SimpleNamespace(device=SimpleNamespace(type="npu"))
+
+    with pytest.raises(ConfigError, match=r"at sglang\.channel.*PD metadata on .*needs CPU metadata buffers"):
+        _wrap_init(on_npu, inst.channel)(SimpleNamespace(), 4)
+
+
+def test_harness_activation_by_role_and_stage_requests(sg) -> None:
+    # A two-process harness activates each process by its role, without a Scheduler.
+    inst = activate(config(), role="prefill")
+    assert inst.publisher is not None and inst.publisher.stage == inst.channel.stage and inst.proposer.bound is None
+    pbuf = buffers(sg)
+    reqs = [prefill_req(41 + i, i) for i in range(2)]
+    for r in reqs:
+        r.hidden_states_tensor = torch.ones(4)
+    enc = inst.stage_requests(reqs, draft(2, seed=SEED + 3))
+    for r in reqs:
+        pbuf.set_buf(r)
+    assert [int(r.output_topk_index[0]) for r in reqs] == enc.tokens[:, 0].tolist()
+    # ... and this process's decode side (bound by hand: one process plays both here).
+    inst.proposer.bind(V, 1)
+    dbuf = buffers(sg)
+    for i in range(2):
+        send_aux(pbuf, i, dbuf, i)
+    got = build(sg, [commit(sg, dbuf, i, 41 + i) for i in range(2)])
+    for i in range(2):
+        assert torch.equal(got[i], sparse_law_tensor(enc.proposals[i], 1, V)[0]), f"seed {SEED + 3} row {i}"
+
+
+# ---------------------------------------------------------------- multi-layer chains
+
+STEPS = 3
+
+
+def multi_layer_stand_in():
+    """Shaped like SGLang 0.5.23's multi_layer_eagle_worker_v2 (the real module imports the
+    scheduler, which needs uvicorn/fastapi/setproctitle, absent from the CPU tier): the
+    prefill's chain loop calls the module-global ``sample_draft_proposal`` per step and
+    feeds each step's X into the next step's logits, as ``rotate_input_ids`` does."""
+    import types
+
+    m = types.ModuleType("multi_layer_stand_in")
+
+    def step_logits(prev, b):
+        g = torch.Generator().manual_seed(1000 + int(prev.sum()))
+        return torch.randn(b, V, generator=g) * 2 + torch.nn.functional.one_hot(prev, V).float() * 3
+
+    def sample_draft_proposal(next_token_logits, temperatures, top_ks=None, *, sampling_seed=None, positions=None, draft_step=0):
+        probs = torch.softmax(next_token_logits / temperatures.view(-1, 1), -1)
+        x = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5 + draft_step))
+        return probs, probs.gather(1, x), x
+
+    class MultiLayerEagleDraftWorker:
+        def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, kv_loc_plan=None):
+            prev, ps, xs, qs = next_token_ids, [], [], []
+            for step in range(STEPS):
+                logits = step_logits(prev, len(batch.reqs))
+                q, p, x = m.sample_draft_proposal(logits, batch.sampling_info.temperatures, sampling_seed=None, positions=None, draft_step=step)
+                ps.append(p); xs.append(x); qs.append(q)
+                prev = x[:, 0]
+            return SimpleNamespace(topk_p=torch.cat(ps, 1), topk_index=torch.cat(xs, 1), draft_probs=torch.stack(qs, 1))
+
+    m.step_logits = step_logits
+    m.sample_draft_proposal = sample_draft_proposal
+    m.MultiLayerEagleDraftWorker = MultiLayerEagleDraftWorker
+    return m
+
+
+def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> None:
+    mod = multi_layer_stand_in()
+    orig_sample = mod.sample_draft_proposal
+    cfg = config(capacity=8192)
+    inst = S.install(cfg, S.InstallOptions(channel="metadata", facts=facts("prefill", num_steps=STEPS), modules=S.SGLangModules(multi_layer=mod)))
+    assert mod.sample_draft_proposal is not orig_sample
+    pbuf = buffers(sg)
+    rooms = [501, 502]
+    reqs = [prefill_req(r, i) for i, r in enumerate(rooms)]
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((2, 1))))
+    di = mod.MultiLayerEagleDraftWorker()._draft_extend_for_prefill(batch, None, torch.tensor([1, 2]))
+    payloads = di.pd_middleware_payloads
+    # Each step k was drawn from the encoding of q_k given the chain's own X_{<k}.
+    prev = torch.tensor([1, 2])
+    for k in range(STEPS):
+        q = torch.softmax(mod.step_logits(prev, 2), -1)
+        for i in range(2):
+            g = torch.Generator().manual_seed(room_seed(SEED, f"{rooms[i]}:{k}"))
+            e = inst.publisher.encoder.encode(q[i : i + 1], temperature=1.0, generator=g)
+            assert payloads[i].draft_tokens[k] == int(e.tokens[0, 0]) == int(di.topk_index[i, k]), (i, k)
+            assert torch.equal(sparse_law_tensor(payloads[i].proposal, STEPS, V)[k], sparse_law_tensor(e.proposals[0], 1, V)[0])
+        prev = di.topk_index[:, k]
+    # The prefill wrapper hands those payloads on (no second draw), set_buf writes them.
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    for r in reqs:
+        pbuf.set_buf(r)
+    assert inst.publisher.counts["chain:published"] == 2
+    # Decode: a multi-layer chain of 3 proposals per request, each exact.
+    inst.proposer.bind(V, STEPS)
+    inst.channel.bind(V, STEPS)
+    dbuf = buffers(sg)
+    dreqs = []
+    for i, r in enumerate(rooms):
+        send_aux(pbuf, i, dbuf, i)
+        dreqs.append(commit(sg, dbuf, i, r))
+    assert [d.pd_middleware.reason for d in dreqs] == ["prefill", "prefill"]
+    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=STEPS, enable_multi_layer_eagle=True, speculative_use_rejection_sampling=True)
+    b = SimpleNamespace(reqs=dreqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(2, dtype=torch.int64), None).draft_probs
+    assert got.shape == (2, STEPS, V)
+    for i in range(2):
+        assert torch.equal(got[i], sparse_law_tensor(payloads[i].proposal, STEPS, V)), f"row {i}"
+    assert S.uninstall() and mod.sample_draft_proposal is orig_sample
+
+
+def test_redrawing_a_chain_after_the_fact_is_not_its_law() -> None:
+    # Negative control for the test above: q_1 depends on X_0, so a chain whose X_0 is
+    # redrawn after SGLang drafted step 1 pairs step 1's q with another prefix.
+    mod = multi_layer_stand_in()
+    q_after_3 = torch.softmax(mod.step_logits(torch.tensor([3]), 1), -1)
+    q_after_4 = torch.softmax(mod.step_logits(torch.tensor([4]), 1), -1)
+    assert not torch.equal(q_after_3, q_after_4)
+
+
+def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribution(sg) -> None:
+    # A multi-layer batch whose chain was not drawn through the encoder (no chain patch):
+    # the row carries SGLang's own X chain and no q, so the decode answers one-hot.
+    inst = activate(config(capacity=8192), role="prefill", num_steps=1)
+    inst.channel.bind(V, STEPS)
+    inst.publisher.vocab_size = V
+    pbuf = buffers(sg)
+    reqs = [prefill_req(601, 0)]
+    di = SimpleNamespace(topk_index=torch.tensor([[4, 9, 2]]), topk_p=torch.tensor([[0.5, 0.25, 0.125]]), draft_probs=torch.full((1, STEPS, V), 1.0 / V))
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((1, 1))))
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    pbuf.set_buf(reqs[0])
+    assert inst.publisher.counts["skipped:multi_layer"] == 1
+    inst.proposer.bind(V, STEPS)
+    dbuf = buffers(sg)
+    send_aux(pbuf, 0, dbuf, 0)
+    dreq = commit(sg, dbuf, 0, 601)
+    assert dreq.pd_middleware.reason == "no_distribution" and dreq.pd_middleware.tokens == (4, 9, 2)
+    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=STEPS, enable_multi_layer_eagle=True, speculative_use_rejection_sampling=True)
+    b = SimpleNamespace(reqs=[dreq], device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
+    assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
+
+
+def test_fake_transfer_is_not_counted_as_a_missing_row(sg) -> None:
+    # SGLang's warmup requests use a fake bootstrap host: no prefill ever writes them.
+    inst = activate(config())
+    dbuf = buffers(sg)
+    room = 77
+    dbuf.bootstrap_room[0, 0] = room
+    req = SimpleNamespace(
+        rid="warm", bootstrap_room=room, bootstrap_host=sg.utils.FAKE_BOOTSTRAP_HOST, output_ids=[], return_logprob=False,
+        return_sampling_mask=False, finished_reason=None, pd_rebootstrap_forced_output_id=None,
+        time_stats=SimpleNamespace(set_wait_queue_entry_time=lambda: None), origin_input_ids=[1, 2], sampling_params=SimpleNamespace(),
+    )
+    queue = SimpleNamespace(
+        scheduler=SimpleNamespace(kv_checksum_computer=None, batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda r, t: None)),
+        metadata_buffers=dbuf, spec_algorithm=SimpleNamespace(is_none=lambda: False), _commit_hicache_local_restore_to_req=lambda dr: None,
+    )
+    dreq = SimpleNamespace(req=req, metadata_buffer_index=0, is_rebootstrap=False, kv_receiver=SimpleNamespace(clear=lambda: None))
+    with patch.object(sg.decode, "_generate_fake_prefill_handoff_output_id", return_value=3):
+        sg.decode.DecodeTransferQueue._commit_transfer_to_req(queue, dreq)
+    assert not hasattr(req, "pd_middleware") and inst.channel.counts["inband:not_sent"] == 0
+
+
+def scheduler_module(sg):
+    """A ``Scheduler`` whose ``init_disaggregation`` allocates SGLang's real MetadataBuffers,
+    as SGLang's does (the real scheduler module needs uvicorn/fastapi/setproctitle)."""
+    import types
+
+    mod = types.ModuleType("scheduler_with_buffers")
+
+    class Scheduler:
+        def __init__(self, vocab):
+            self.model_config = SimpleNamespace(vocab_size=vocab)
+
+        def init_disaggregation(self):
+            self.disagg_metadata_buffers = buffers(sg)
+
+    mod.Scheduler = Scheduler
+    return mod
+
+
+def runtime(**over):
+    from sglang.srt.runtime_context import get_context, get_parallel
+    import contextlib
+
+    args = dict(
+        speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3, enable_multi_layer_eagle=False,
+        speculative_use_rejection_sampling=True, disaggregation_mode="decode", disaggregation_transfer_backend="mooncake", tp_size=2,
+    )
+    args.update(over)
+    stack = contextlib.ExitStack()
+    stack.enter_context(get_context().override_server_args(**args))
+    stack.enter_context(get_parallel().override(tp_rank=1))
+    return stack
+
+
+def test_scheduler_start_reads_sglangs_runtime_context_and_binds_before_allocation(sg) -> None:
+    mod = scheduler_module(sg)
+    inst = S.install(config(), S.InstallOptions(modules=S.SGLangModules(scheduler=mod)))
+    sched = mod.Scheduler(vocab=V)
+    with runtime():
+        sched.init_disaggregation()
+    assert inst.facts == S.EngineFacts(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True, backend="mooncake", tp_rank=1)
+    assert inst.proposer.bound == (V, 1) and inst.channel.layout.vocab_size == V
+    assert sched.disagg_metadata_buffers.pd_proposal.shape == (8, 4096)  # TP rank 1: no rank-0 restriction
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk is 4"),
+        ({"speculative_use_rejection_sampling": False}, "without --speculative-use-rejection-sampling"),
+        ({"disaggregation_transfer_backend": "nixl"}, "mooncake transfer backend only"),
+        ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm is NGRAM"),
+    ],
+)
+def test_misconfigured_scheduler_stops_at_startup(sg, over, message) -> None:
+    mod = scheduler_module(sg)
+    S.install(config(), S.InstallOptions(modules=S.SGLangModules(scheduler=mod)))
+    sched = mod.Scheduler(vocab=V)
+    with runtime(**over), pytest.raises(ConfigError, match=message):
+        sched.init_disaggregation()
+    assert not hasattr(sched, "disagg_metadata_buffers")  # before SGLang allocated anything
