@@ -327,7 +327,7 @@ def test_no_code_path_unpickles_or_evaluates() -> None:
                 assert "Loader=_strict_yaml_loader()" in line or "Loader=yaml.SafeLoader" in line, (p, line)
     import yaml
 
-    from pd_middleware.config import _strict_yaml_loader
+    from pd_middleware.config_loader import _strict_yaml_loader
 
     assert issubclass(_strict_yaml_loader(), yaml.SafeLoader)
 
