@@ -65,6 +65,12 @@ FIGURES: dict[str, list[Figure]] = {
         Figure("ratio_vs_raw_mooncake", ">= 0.8", "raw Mooncake transfer_sync_write of the same bytes", lambda x: x >= 0.8),
         Figure("blake3_ratio_vs_raw_mooncake", "-", "the same with the cryptographic digest (BLAKE3, authenticated mode)"),
     ],
+    "sglang_inband": [
+        Figure("per_request_us", "<= 50", "one in-band row -> proposal (read, validate, synthesize) at sparse_floor, ~2,700 entries", lambda x: x <= 50),
+        Figure("ratio_vs_sglang_builder_B1", "<= 1.5", "SGLang's pd_first_draft_proposal alone, B=1 (sparse_floor rows: read, decode, synthesize, assemble)", lambda x: x <= 1.5),
+        Figure("ratio_vs_sglang_builder_B16", "<= 1.5", "the same at B=16", lambda x: x <= 1.5),
+        Figure("ratio_vs_sglang_builder_B256", "<= 1.5", "the same at B=256", lambda x: x <= 1.5),
+    ],
     "end_to_end": [],  # one row per (encoding, B) built in _end_to_end_rows
     "gpu_check": [],  # skipped on CPU; rows built in _gpu_rows
 }

@@ -252,7 +252,38 @@ def parse_config(data: Any, source: str | None = None) -> Config:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"top level must be a table/mapping, got {type(data).__name__}", source=source)
-    return _convert(data, Config, "", source)
+    return _hidden_limits_from_model(data, _convert(data, Config, "", source), source)
+
+
+def _hidden_limits_from_model(data: dict[str, Any], cfg: Config, source: str | None) -> Config:
+    """The receiver checks the hidden state the config's ``[model]`` declares.
+
+    A ``model.hidden_size`` / ``model.hidden_dtype`` written in the config becomes the
+    receiver's ``transport.limits`` check unless the limits set their own, in which case
+    the two must agree. Defaults are not promoted: an unwritten ``hidden_size`` checks
+    nothing, as before.
+    """
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    transport = data.get("transport") if isinstance(data.get("transport"), dict) else {}
+    limits_raw = transport.get("limits") if isinstance(transport.get("limits"), dict) else {}
+    limits = cfg.transport.limits
+    changes: dict[str, Any] = {}
+    for key in ("hidden_size", "hidden_dtype"):
+        if key not in model:
+            continue
+        declared = getattr(cfg.model, key)
+        if key in limits_raw and getattr(limits, key) not in (declared, 0, None):
+            raise ConfigError(
+                f"model.{key} = {declared!r} but transport.limits.{key} = {getattr(limits, key)!r}",
+                path=f"transport.limits.{key}",
+                source=source,
+            )
+        if key not in limits_raw:
+            changes[key] = declared
+    if not changes:
+        return cfg
+    new_limits = msgspec.structs.replace(limits, **changes)
+    return msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, limits=new_limits))
 
 
 def load_config(path: str | Path) -> Config:

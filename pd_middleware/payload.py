@@ -30,6 +30,11 @@ DraftRule = Literal["greedy", "sampled"]
 #: Bytes per element of each wire dtype.
 ITEMSIZE: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8, "uint16": 2}
 
+#: Largest allowed |sum - 1| of a received proposal step, by value dtype: a vector far
+#: from normalised is a sign of corruption, not of rounding. 16-bit formats carry 8-11
+#: mantissa bits, so their rounded values may drift by ~2^-9.
+SUM_TOLERANCE: dict[str, float] = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 1e-2}
+
 IndexFormat = Literal["int32", "u16"]
 #: Tokens per bucket of the ``u16`` index format: an id is ``U16_BUCKET * block + low``.
 U16_BUCKET = 1 << 16
@@ -323,6 +328,6 @@ class Payload(msgspec.Struct, frozen=True):
 
     def hidden_tensor(self) -> Any:
         """The hidden state as a (H,) torch tensor of ``hidden_dtype`` (a copy)."""
-        from .encodings import tensor_from_buffer
+        from ._buffers import tensor_from_buffer
 
         return tensor_from_buffer(self.hidden, self.hidden_dtype)

@@ -152,12 +152,12 @@ def test_fallbacks_are_counted_into_the_pipeline_metrics():
 # ----------------------------------------------------------------------------- validation errors
 
 
-def _payload(proposal, rid="bad", sampled_from=None, steps=1):
+def _payload(proposal, rid="bad", sampled_from=None, steps=1, probs=None):
     sf = sampled_from if sampled_from is not None else proposal.encoding_id
     return Payload(
         request_id=rid,
         draft_tokens=(0,) * steps,
-        draft_probs=(0.5,) * steps,
+        draft_probs=(0.5,) * steps if probs is None else probs,
         vocab_size=V,
         provenance=Provenance(rule="sampled", sampled_from=sf),
         proposal=proposal,
@@ -244,6 +244,7 @@ def test_malformed_proposal_fails_only_its_request():
 def test_valid_proposals_come_back_as_laws():
     d = build("full_distribution").synthesize(_payload(_dense([0.5, 0.25, 0.25] + [0.0] * (V - 3), "bf16")))
     assert isinstance(d, DenseProposal) and d.to_dense(V)[0, :3].tolist() == [0.5, 0.25, 0.25]
-    s = build("sparse").synthesize(_payload(_sparse([7, 2], [0.25, 0.25], tail=(0.5,))))
-    assert isinstance(s, SparseProposal) and s.floor == (0.5 / (V - 2),)
+    floor32 = float(np.float32(0.5 / (V - 2)))  # the law's floor is the fp32 number the assembler writes
+    s = build("sparse").synthesize(_payload(_sparse([7, 2], [0.25, 0.25], tail=(0.5,)), probs=(floor32,)))
+    assert isinstance(s, SparseProposal) and s.floor == (floor32,)
     assert s.indices.tolist() == [7, 2] and s.values.tolist() == [0.25, 0.25]
