@@ -9,11 +9,14 @@ one run, with medians over repeats:
 - ``aux_bytes_per_request``: bytes of each strategy's row (header + X + q(X) + proposal),
   mean over the requests; ``aux_capacity_needed``: the largest row, the capacity the
   config's ``capacity_bytes`` must hold.
-- ``ratio_vs_sglang_builder``: the decode's cost per batch of B requests (read each row
-  with :func:`~pd_middleware.inband.read_row`, check X against the engine's, run the
-  receive pipeline with the strategy's synthesizer, and build a fresh (B, V) fp32
-  ``draft_probs`` with :meth:`~pd_middleware.assembler.ProposalAssembler.build_fresh`)
-  over SGLang's own ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
+- ``ratio_vs_sglang_builder``: the decode's cost per batch of B requests, through the
+  drop-in's own SGLang decode code (:class:`~pd_middleware.integrations.sglang_decode.DecodeProposer`):
+  at each request's transfer commit, read its row with
+  :func:`~pd_middleware.inband.read_row` and attach it (``on_row``: X checked against
+  the engine's, the receive pipeline with the strategy's synthesizer), then build the
+  batch's fresh (B, 1, V) fp32 ``draft_probs`` (``propose``, which ends in
+  :meth:`~pd_middleware.assembler.ProposalAssembler.build_fresh`), over SGLang's own
+  ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
   at B = 1, 16, 256. Goal <= 1.5 on CPU. SGLang's function is taken from the installed
   package: imported when it imports, else its source compiled from the installed file
   (importing the module pulls every model config, two of which need torchvision; the
@@ -21,7 +24,7 @@ one run, with medians over repeats:
   ``ratio_vs_sglang_builder_best`` is the ratio of the fastest repeats (on a loaded
   machine, the least disturbed samples).
 - ``per_request_us``: the scheduler-thread cost of turning one row into a proposal
-  (read_row + pipeline + synthesizer, every check included) at the ``sparse_floor``
+  (read_row + ``on_row``: pipeline and synthesizer, every check included) at the ``sparse_floor``
   operating point (about 2,700 entries per request). Goal <= 50 us. Also per strategy:
   on the thread's CPU clock (``per_request_cpu_us_by_strategy``) and the fastest repeat
   (``per_request_best_us_by_strategy``).
@@ -29,7 +32,11 @@ one run, with medians over repeats:
     python benchmarks/sglang_inband.py [--quick] [--requests 32] [--seed 0] [--repeats 9]
                                        [--strategies one_hot sparse_floor ...]
 
-The last stdout line is one JSON object. Figures taken on a loaded machine are inflated.
+The requests are stand-ins for SGLang's ``Req`` (a real one needs a scheduler) holding
+the fields the decode reads, of SGLang's types: ``bootstrap_room``, and
+``output_topk_index``/``output_topk_p`` as the int64/fp32 (16,) CPU rows SGLang clones
+out of its metadata buffers at commit. The last stdout line is one JSON object. Figures
+taken on a loaded machine are inflated.
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ from _common import emit  # noqa: E402
 
 from pd_middleware import Payload  # noqa: E402
 from pd_middleware.inband import RowLayout, read_row, row_bytes, write_row  # noqa: E402
-from pd_middleware.middleware import DecodeMiddleware, build_encoders  # noqa: E402
-from pd_middleware.pipeline import Delivery  # noqa: E402
+from pd_middleware.config import load_config  # noqa: E402
+from pd_middleware.integrations.sglang_decode import DecodeProposer  # noqa: E402
+from pd_middleware.middleware import build_encoders  # noqa: E402
 from pd_middleware.workloads import make_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,20 +130,33 @@ def encode_rows(strategy: str, q: torch.Tensor, seed: int) -> tuple[list[Payload
     return payloads, layout, rows, rooms
 
 
-def decode_batch(mw: DecodeMiddleware, layout: RowLayout, rows: np.ndarray, rooms: list[int], x: list[tuple[int, ...]], b: int) -> torch.Tensor:
-    """What the decode's draft-input wrapper does per batch of ``b`` requests."""
+class Req:
+    """The fields of SGLang's ``Req`` the decode side reads (a stand-in; see above)."""
+
+    def __init__(self, room: int, tokens: tuple[int, ...], probs: tuple[float, ...]) -> None:
+        self.bootstrap_room = room
+        self.rid = str(room)
+        # SGLang's metadata rows are 16 wide; commit clones the request's row.
+        self.output_topk_index = torch.zeros(16, dtype=torch.int64)
+        self.output_topk_index[: len(tokens)] = torch.tensor(tokens)
+        self.output_topk_p = torch.zeros(16, dtype=torch.float32)
+        self.output_topk_p[: len(probs)] = torch.tensor(probs)
+
+
+class Batch:
+    """SGLang's ``ScheduleBatch`` as the builder sees it: its requests."""
+
+    def __init__(self, reqs: list[Req]) -> None:
+        self.reqs = reqs
+
+
+def decode_batch(proposer: DecodeProposer, layout: RowLayout, rows: np.ndarray, batch: Batch, topk: torch.Tensor) -> torch.Tensor:
+    """What the decode does for a batch of requests: each row at its transfer commit, then the draft input."""
     n = rows.shape[0]
-    props = []
-    for j in range(b):
-        i = j % n
-        pl = read_row(rows[i], rooms[i], layout)
-        if not isinstance(pl, Payload) or pl.draft_tokens != x[i]:
-            raise RuntimeError(f"row {i} did not decode: {pl}")
-        out = mw.receive(pl)
-        if not isinstance(out, Delivery):
-            raise RuntimeError(f"row {i} failed: {out}")
-        props.append(out.proposal)
-    return mw.assembler.build_fresh(props)
+    for j, req in enumerate(batch.reqs):
+        room = req.bootstrap_room
+        proposer.on_row(req, read_row(rows[j % n], room, layout, request_id=req.rid))
+    return proposer.propose(batch, topk, layout.vocab_size)
 
 
 def side_by_side(
@@ -200,19 +221,26 @@ def main() -> None:
         aux_capacity[strategy] = layout.capacity_bytes
         props = [p.proposal for p in payloads]
         entries[strategy] = round(statistics.fmean(sum(p.lengths) if p is not None and p.kind == "sparse" else (v if p is not None else 0) for p in props), 1)
-        mw = DecodeMiddleware.from_config(ROOT / "configs" / f"{strategy}.toml")
+        proposer = DecodeProposer(load_config(ROOT / "configs" / f"{strategy}.toml"))
+        proposer.bind(v, 1)
+        mw = proposer.middleware
         x = [p.draft_tokens for p in payloads]
+        # Request j of a batch carries row j mod N (its room and X).
+        reqs = [Req(rooms[j % len(rooms)], x[j % len(x)], payloads[j % len(x)].draft_probs) for j in range(max(batches))]
         # Every row is handed over as its strategy's law, never a fallback (which would
         # time the cheap one-hot path instead).
-        built = decode_batch(mw, layout, rows, rooms, x, len(payloads))
-        if mw.metrics.fallbacks:
-            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(mw.metrics.fallbacks)}")
-        assert built.shape == (len(payloads), v)
+        everyone = Batch(reqs[: len(payloads)])
+        built = decode_batch(proposer, layout, rows, everyone, torch.tensor([t[:1] for t in x]))
+        fallbacks = {k: c for k, c in proposer.counts.items() if k.startswith("fallback")}
+        if mw.metrics.fallbacks or fallbacks:
+            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(mw.metrics.fallbacks)} {fallbacks}")
+        assert built.shape == (len(payloads), 1, v)
         ratios[strategy], ours_ms[strategy], sglang_ms[strategy] = {}, {}, {}
         ratios_best[strategy] = {}
         for b in batches:
             topk = torch.tensor([x[j % len(x)][0] for j in range(b)], dtype=torch.int64).view(b, 1)
-            fns: dict[str, Callable[[], Any]] = {"ours": lambda b=b: decode_batch(mw, layout, rows, rooms, x, b)}
+            batch = Batch(reqs[:b])
+            fns: dict[str, Callable[[], Any]] = {"ours": lambda batch=batch, topk=topk: decode_batch(proposer, layout, rows, batch, topk)}
             if builder is not None:
                 fns["sglang"] = lambda topk=topk: builder(topk, v)
             inner = 1 if args.quick else max(1, 64 // b)
@@ -225,9 +253,9 @@ def main() -> None:
                 ratios_best[strategy][f"B{b}"] = round(fast["ours"] / fast["sglang"], 3)
 
         # Scheduler-thread cost of one row: read, validate, synthesize (no assembly).
-        def one_row(mw: DecodeMiddleware = mw, layout: RowLayout = layout, rows: np.ndarray = rows) -> None:
-            for i in range(rows.shape[0]):
-                mw.receive(read_row(rows[i], rooms[i], layout))  # type: ignore[arg-type]
+        def one_row(proposer: DecodeProposer = proposer, layout: RowLayout = layout, rows: np.ndarray = rows) -> None:
+            for i, req in enumerate(reqs[: rows.shape[0]]):
+                proposer.on_row(req, read_row(rows[i], req.bootstrap_room, layout, request_id=req.rid))
 
         row_inner = 1 if args.quick else 3
         fast = {}
@@ -238,7 +266,9 @@ def main() -> None:
         # wall clock (time slices lost to them) is left out.
         med = side_by_side({"row": one_row}, repeats, row_inner, clock=time.thread_time)
         per_request_cpu[strategy] = round(1e6 * med["row"] / rows.shape[0], 2)
-        mw.close()
+        if any(k.startswith("fallback") for k in proposer.counts):
+            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(proposer.counts)}")
+        proposer.close()
 
     head = "sparse_floor"
     result: dict[str, Any] = {
