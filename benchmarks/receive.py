@@ -8,9 +8,15 @@ the outcome queue, the scheduler's ``drain`` and per-batch acks. Each repeat run
 alternating; the headline is the median of the per-repeat ratios (robust to load drift
 on a shared machine), with the ratio of medians alongside.
 
-Usage: ``python benchmarks/receive.py [--n 20000] [--repeats 5] [--hidden 8192]``.
+Each payload has its own request id (the receiver refuses a request id its peer
+already has outstanding), pre-encoded before the clock starts, for both sides.
+
+``--curve`` runs our side with CURVE on (encryption and the ZAP allowlist; the raw
+baseline stays plain pyzmq): the target holds with authentication on.
+
+Usage: ``python benchmarks/receive.py [--n 20000] [--repeats 5] [--hidden 8192] [--curve]``.
 The last stdout line is one JSON object:
-``{"benchmark": "receive", "ratio_vs_raw_zmq": x, ...}`` (target x >= 0.5).
+``{"benchmark": "receive", "ratio_vs_raw_zmq": x, "curve": bool, ...}`` (target x >= 0.5).
 """
 
 from __future__ import annotations
@@ -33,20 +39,33 @@ from pd_middleware.contracts import NoOptions, PluginContext  # noqa: E402
 from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
 from pd_middleware.transport import DecodeReceiver, TransportConfig  # noqa: E402
 from pd_middleware.transport import wire  # noqa: E402
+from pd_middleware.transport.config import CurveConfig  # noqa: E402
 
 VOCAB = 152064
 
 
-def frames_for(hidden: int) -> list[bytes]:
-    payload = Payload("bench-0", (17,), (0.5,), VOCAB, hidden=bytes(range(256)) * (hidden // 256), hidden_dtype="bf16")
-    header, parts = wire.build_header(payload, 0)
-    return [wire.encode(header), *(bytes(b) for b, _ in parts)]
+def messages_for(n: int, hidden: int) -> list[list[bytes]]:
+    """``n`` payload messages, request ids ``bench-<i>``, sharing one hidden-state buffer."""
+    data = bytes(range(256)) * (hidden // 256)
+    out = []
+    for i in range(n):
+        payload = Payload(f"bench-{i}", (17,), (0.5,), VOCAB, hidden=data, hidden_dtype="bf16")
+        header, _ = wire.build_header(payload, i)
+        out.append([wire.encode(header), data])
+    return out
 
 
-def produce(kind: str, address: str, n: int, hidden: int) -> None:
-    """Producer process: send ``n`` copies of the same frames as fast as the socket takes them."""
+def _curve_keys() -> dict[str, str]:
+    """Fresh server and client key pairs (Z85), shared by the benchmark's two processes."""
+    spub, ssec = zmq.curve_keypair()
+    cpub, csec = zmq.curve_keypair()
+    return {"server_pub": spub.decode(), "server_sec": ssec.decode(), "client_pub": cpub.decode(), "client_sec": csec.decode()}
+
+
+def produce(kind: str, address: str, n: int, hidden: int, keys: dict[str, str] | None = None) -> None:
+    """Producer process: send ``n`` payload messages as fast as the socket takes them."""
     ctx = zmq.Context()
-    frames = frames_for(hidden)
+    messages = messages_for(n, hidden)
     if kind == "raw":
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -55,15 +74,21 @@ def produce(kind: str, address: str, n: int, hidden: int) -> None:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if keys is not None:
+            sock.curve_serverkey = keys["server_pub"].encode()
+            sock.curve_publickey = keys["client_pub"].encode()
+            sock.curve_secretkey = keys["client_sec"].encode()
         sock.connect(address)
-        sock.send_multipart([wire.encode(wire.Hello(name="bench", want_slots=0))])
+        sock.send_multipart([wire.encode(wire.Hello(name="bench", want_slots=0, ts=time.time()))])
         if not sock.poll(10_000):
             raise SystemExit("no grant from the receiver")
         sock.recv_multipart()
-    for _ in range(n):
+    for frames in messages:
         sock.send_multipart(frames, copy=True)
     time.sleep(1.0)  # let the queue drain before the context closes
-    sock.close(linger=5000)
+    # Every message must get out before the context closes: with CURVE the I/O thread still
+    # encrypts long after the last send() returned (a 5 s linger lost messages on 2 loaded cores).
+    sock.close(linger=120_000)
     ctx.term()
 
 
@@ -99,7 +124,7 @@ class CountHook:
         self.seen += 1
 
 
-def run_ours(n: int, hidden: int) -> float:
+def run_ours(n: int, hidden: int, curve: bool = False) -> float:
     try:
         from pd_middleware_plugins.one_hot import OneHotSynthesizer
 
@@ -107,10 +132,15 @@ def run_ours(n: int, hidden: int) -> float:
     except ImportError:  # pragma: no cover - plugins not on the path
         raise SystemExit("plugins/pd_middleware_plugins/one_hot.py is required")
     pipeline = ReceivePipeline([("count", CountHook())], {"default": ("one_hot", synth)})
+    keys = _curve_keys() if curve else None
     cfg = TransportConfig(hwm=10_000_000, peer_timeout_s=60.0)
+    if keys is not None:
+        os.environ["PDM_BENCH_CURVE_SECRET"] = keys["server_sec"]
+        curve_cfg = CurveConfig(enabled=True, secret_key_env="PDM_BENCH_CURVE_SECRET", clients={"bench": keys["client_pub"]})
+        cfg = TransportConfig(hwm=10_000_000, peer_timeout_s=60.0, curve=curve_cfg)
     ctx = zmq.Context()
     rx = DecodeReceiver(cfg, pipeline, context=ctx).start()
-    proc = mp.get_context("spawn").Process(target=produce, args=("ours", rx.address, n, hidden))
+    proc = mp.get_context("spawn").Process(target=produce, args=("ours", rx.address, n, hidden, keys))
     proc.start()
     try:
         first = rx.get(timeout=30)
@@ -128,7 +158,7 @@ def run_ours(n: int, hidden: int) -> float:
             got += len(items)
         dt = time.perf_counter() - t0
         if got < n:
-            raise SystemExit(f"received {got} of {n}")
+            raise SystemExit(f"received {got} of {n}: {pipeline.metrics.snapshot()}, queued {len(rx._queue.items)}, healthy {rx.healthy}, unsent {rx.unsent}")
         m = pipeline.metrics.snapshot()
         if m["delivered"] != n:
             raise SystemExit(f"delivered {m['delivered']} of {n}: {m}")
@@ -144,11 +174,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=8192, help="hidden-state bytes per payload")
+    ap.add_argument("--curve", action="store_true", help="CURVE on for our side (the raw baseline stays plain)")
     args = ap.parse_args()
     raw, ours, ratios = [], [], []
     for i in range(args.repeats):
         raw.append(run_raw(args.n, args.hidden))
-        ours.append(run_ours(args.n, args.hidden))
+        ours.append(run_ours(args.n, args.hidden, args.curve))
         ratios.append(ours[-1] / raw[-1])
         print(f"repeat {i}: raw {raw[-1]:,.0f}/s  ours {ours[-1]:,.0f}/s  ratio {ratios[-1]:.3f}", file=sys.stderr)
     r, o = statistics.median(raw), statistics.median(ours)
@@ -163,6 +194,7 @@ def main() -> None:
                 "n": args.n,
                 "repeats": args.repeats,
                 "hidden_bytes": args.hidden,
+                "curve": args.curve,
                 "cpus": os.cpu_count(),
             }
         )

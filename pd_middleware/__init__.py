@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._errors import (
     ConfigError,
+    ConfigIssue,
     ExactnessError,
     IntegrityError,
     NoSlotError,
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "ConfigIssue",
     "DenseEncoding",
     "DenseProposal",
     "EncodedBatch",

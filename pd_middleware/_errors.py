@@ -3,8 +3,9 @@
 Every error carries its context as attributes so that callers (and tests) can act on
 it without parsing messages:
 
-- :class:`ConfigError` ``.path`` is the full key path (``synthesizer.options.top_k``)
-  and ``.source`` the file it came from, if any.
+- :class:`ConfigError` ``.issues`` lists every problem found, each a
+  :class:`ConfigIssue` with the full key path (``synthesizer.options.top_k``);
+  ``.path`` is the first one's and ``.source`` the file it came from, if any.
 - :class:`PluginError` ``.plugin`` names the plugin and ``.key`` the config key that
   selected it.
 - :class:`ValidationError` (and its wire subclass) ``.field`` and ``.request_id``.
@@ -14,23 +15,54 @@ it without parsing messages:
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 
 class PDMiddlewareError(Exception):
     """Root of every error pd-middleware raises on purpose."""
 
 
-class ConfigError(PDMiddlewareError):
-    """A config file or mapping is malformed; ``.path`` names the offending key."""
+@dataclass(frozen=True, slots=True)
+class ConfigIssue:
+    """One problem in a config: the full key path (``model.vocab_sise``) and what is wrong."""
 
-    def __init__(self, message: str, *, path: str = "", source: str | None = None) -> None:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"at {self.path}: {self.message}" if self.path else self.message
+
+
+class ConfigError(PDMiddlewareError):
+    """A config file or mapping is malformed.
+
+    ``.issues`` lists every problem found (a loader reports them all at once), each with
+    its full key path; ``.path`` and ``.detail`` are the first one's, and ``.source`` is
+    the file (or ``<inline JSON>``) it came from, if any.
+    """
+
+    def __init__(
+        self, message: str, *, path: str = "", source: str | None = None, issues: Sequence[ConfigIssue] = ()
+    ) -> None:
+        self.issues: tuple[ConfigIssue, ...] = tuple(issues) or (ConfigIssue(path, message),)
         self.path = path
         self.source = source
-        where = f" at {path}" if path else ""
-        origin = f" ({source})" if source else ""
-        super().__init__(f"config error{where}{origin}: {message}")
         self.detail = message
+        origin = f" ({source})" if source else ""
+        if len(self.issues) == 1:
+            where = f" at {path}" if path else ""
+            text = f"config error{where}{origin}: {message}"
+        else:
+            lines = "".join(f"\n  {i}" for i in self.issues)
+            text = f"config error{origin}: {len(self.issues)} problems:{lines}"
+        super().__init__(text)
+
+    @classmethod
+    def from_issues(cls, issues: Sequence[ConfigIssue], source: str | None = None) -> ConfigError:
+        """One error carrying every issue; ``.path``/``.detail`` are the first issue's."""
+        first = issues[0]
+        return cls(first.message, path=first.path, source=source, issues=issues)
 
 
 class PluginError(PDMiddlewareError):
@@ -120,7 +152,7 @@ class ExactnessError(PDMiddlewareError):
         super().__init__(message)
 
 
-class OptionValueError(ValueError):
+class OptionValueError(ValueError, PDMiddlewareError):
     """Raised by a config struct's ``__post_init__`` to reject one field's value.
 
     The loader turns it into a :class:`ConfigError` whose path is the struct's own

@@ -1,54 +1,132 @@
 """The ``pd-middleware`` command line.
 
 Subcommands are thin: each parses its flags and calls the library. Errors from the
-project's hierarchy print one clear line (with the key path for config errors) and
-exit with status 2; anything else is a bug and keeps its traceback.
+project's hierarchy print without a traceback; anything else is a bug and keeps its
+traceback. Exit codes (also in ``pd-middleware --help``):
+
+===  ===========================================================================
+0    success
+1    the job ran and its checks failed: an arm failed the exactness test, a payload
+     was lost, or (with ``--fail-on-loss``) any payload failed
+2    usage, config, plugin or run error (nothing ran, or the run could not finish)
+130  interrupted (Ctrl-C); ``ab`` keeps the partial report
+===  ===========================================================================
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
-from typing import Callable, Sequence
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 from ._errors import ConfigError, PDMiddlewareError, PluginError
 
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
 EPILOG = """\
-Configs are TOML or YAML (by extension); see configs/ for commented examples.
+A CONFIG is a .toml, .yaml, .yml or .json file, inline JSON ('{"model": {...}}'), or
+the name of a shipped example (see `pd-middleware config list`).
 Plugins come from the entry-point group 'pd_middleware.plugins' or from a
-'package.module:ATTR' reference written in the config.
+'package.module:ATTR' reference written in the config; modules in the working
+directory are imported only with --plugin-path.
+
+exit codes:
+  0    success
+  1    the job ran and its checks failed (exactness, lost payloads, --fail-on-loss)
+  2    usage, config, plugin or run error
+  130  interrupted (Ctrl-C); `ab` keeps the partial report
 """
 
 
-def _cmd_plugins(args: argparse.Namespace) -> int:
+def _registry(args: argparse.Namespace) -> Any:
     from .registry import default_registry
 
-    reg = default_registry()
+    return default_registry(plugin_paths=args.plugin_path)
+
+
+def _load(ref: str) -> tuple[Any, str]:
+    from .config import load_config
+    from .config_loader import find_config, source_name
+
+    path = find_config(ref)
+    return load_config(path), source_name(path)
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    reg = _registry(args)
     rows = [(i.kind, i.name, i.origin, i.summary) for i in reg.plugins()]
     if args.kind:
         rows = [r for r in rows if r[0] == args.kind]
-    if not rows:
+    if rows:
+        w_kind = max(len(r[0]) for r in rows)
+        w_name = max(len(r[1]) for r in rows)
+        print(f"{'KIND':<{w_kind}}  {'NAME':<{w_name}}  ORIGIN / SUMMARY")
+        for kind, name, origin, summary in rows:
+            print(f"{kind:<{w_kind}}  {name:<{w_name}}  {origin}")
+            if summary and args.verbose:
+                print(f"{'':<{w_kind}}  {'':<{w_name}}    {summary}")
+    else:
         print("no plugins registered")
-        return 0
-    w_kind = max(len(r[0]) for r in rows)
-    w_name = max(len(r[1]) for r in rows)
-    print(f"{'KIND':<{w_kind}}  {'NAME':<{w_name}}  ORIGIN / SUMMARY")
-    for kind, name, origin, summary in rows:
-        print(f"{kind:<{w_kind}}  {name:<{w_name}}  {origin}")
-        if summary and args.verbose:
-            print(f"{'':<{w_kind}}  {'':<{w_name}}    {summary}")
-    return 0
+    broken = reg.broken()
+    if broken:
+        print(f"\nBROKEN ({len(broken)}): these entry points failed to load; configs that use them will fail")
+        for b in broken:
+            print(f"  {b.entry_point}\n    {b.error.detail}")
+    return EXIT_OK
+
+
+def _defaults_note(cfg: Any, data: Any) -> list[str]:
+    """Model facts the document left to defaults: say which values apply."""
+    import msgspec
+
+    given = data.get("model", {}) if isinstance(data, dict) else {}
+    out = []
+    for f in msgspec.structs.fields(type(cfg.model)):
+        if f.encode_name in given:
+            continue
+        value = getattr(cfg.model, f.name)
+        if value is None:  # left to the engine (SGLang); tools without one use a stand-in
+            shown = f"left out: the engine's value at start-up (tools without an engine use {getattr(cfg.model, f.encode_name, '?')!r})"
+        else:
+            shown = f"default {value!r}"
+        out.append(f"model.{f.encode_name}: {shown}")
+    return out
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    from .config import load_config, resolve_plugins
-    from .registry import default_registry
+    import msgspec
 
-    cfg = load_config(args.file)
-    resolved = resolve_plugins(cfg, default_registry(), source=args.file)
-    print(f"{args.file}: OK")
+    from .config import parse_config, resolve_plugins
+    from .config_loader import find_config, read_document
+    from .preflight import preflight
+
+    data, src = read_document(find_config(args.config))
+    cfg = parse_config(data, src)
+    reg = _registry(args)
+    resolved = resolve_plugins(cfg, reg, source=src)
+    findings = preflight(cfg, resolved, reg, probe=not args.no_probe)
+    errors = [f for f in findings if f.level == "error"]
+    if args.show:
+        print(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode())
+    if errors:
+        print(f"pd-middleware: {src}: would not start ({len(errors)} problem{'s' * (len(errors) > 1)}):", file=sys.stderr)
+        for f in errors:
+            print(f"  {f.path}: {f.message}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"{src}: OK")
+    if not data:
+        print("  note: the config is empty: every value below is a default")
+    for line in _defaults_note(cfg, data):
+        print(f"  note: {line}")
+    m = cfg.model
     print(
-        f"  model: vocab_size={cfg.model.declared_vocab_size or 'engine'} num_steps={cfg.model.declared_num_steps or 'engine'} "
+        f"  model: vocab_size={m.declared_vocab_size or 'engine'} num_steps={m.declared_num_steps or 'engine'} "
         f"rejection_sampling={cfg.decode.rejection_sampling} max_batch={cfg.decode.max_batch} "
         f"device={cfg.decode.device}"
     )
@@ -56,16 +134,100 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     for arm, r in resolved.synthesizers.items():
         enc = resolved.encoders[arm]
         print(f"  arm {arm}: encoder={enc.spec.name} synthesizer={r.spec.name}")
-    return 0
+    for f in findings:
+        print(f"  {f}")
+    return EXIT_OK
+
+
+def _cmd_config_list(args: argparse.Namespace) -> int:
+    from .config_loader import shipped_configs
+
+    files = shipped_configs()
+    if not files:
+        print("no shipped configs found (a broken install?)", file=sys.stderr)
+        return EXIT_ERROR
+    for p in files:
+        first = next((ln.lstrip("# ").strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.startswith("#")), "")
+        print(f"{p.name:<22} {first}")
+    print("\n`pd-middleware config show NAME > my.toml` copies one to start from.")
+    return EXIT_OK
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from .config_loader import shipped_configs
+
+    for p in shipped_configs():
+        if args.name in (p.name, p.stem):
+            sys.stdout.write(p.read_text(encoding="utf-8"))
+            return EXIT_OK
+    names = [p.stem for p in shipped_configs()]
+    from .config_loader import did_you_mean
+
+    raise ConfigError(f"no shipped config named {args.name!r}{did_you_mean(args.name, names)}; shipped: {', '.join(names)}")
+
+
+def check_out_dir(out: str) -> Path:
+    """Fail before the run if ``out`` cannot hold the report (a file, unwritable...)."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--out {out!r} exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / ".pd-middleware-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--out {out!r} is not a writable directory: {exc.strerror or exc}") from None
+    return p
+
+
+@contextmanager
+def interrupt_to_cancel(cancel: threading.Event, grace_s: float = 1.8) -> Iterator[None]:
+    """First Ctrl-C sets ``cancel`` (the job stops and keeps a partial report); a second
+    one, or the job not returning within ``grace_s``, raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+        print("\npd-middleware: interrupted; stopping and writing a partial report (Ctrl-C again to abort)", file=sys.stderr)
+        signal.signal(signal.SIGALRM, lambda *_: _raise_interrupt())
+        signal.setitimer(signal.ITIMER_REAL, grace_s)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    old_alarm = signal.getsignal(signal.SIGALRM)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGALRM, old_alarm)
+
+
+def _raise_interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 def _cmd_ab(args: argparse.Namespace) -> int:
     from .ab.job import run_ab_command
+    from .config_loader import find_config
 
-    return run_ab_command(args)
+    # Everything a user can get wrong is checked before the deployment starts.
+    args.config = find_config(args.config)
+    from .config import load_config
+
+    load_config(args.config)
+    check_out_dir(args.out)
+    cancel = threading.Event()
+    with interrupt_to_cancel(cancel):
+        return run_ab_command(args, cancel=cancel)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (``pd-middleware --help`` shows the exit codes)."""
     parser = argparse.ArgumentParser(
         prog="pd-middleware",
         description="Decode-side proposal middleware for PD-disaggregated speculative decoding.",
@@ -75,13 +237,27 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"pd-middleware {__version__}")
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="log level (default: warning); debug also shows the Mooncake engine's own start-up lines",
+    )
+    parser.add_argument(
+        "--plugin-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="allow 'module:ATTR' plugins from DIR (repeatable); the working directory is never used implicitly",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
         "plugins",
-        help="list registered plugins",
+        help="list registered plugins (and broken entry points)",
         description="List every registered plugin: its kind (hook, synthesizer, encoder), "
-        "its name (what a config writes) and where it came from (entry point and distribution).",
+        "its name (what a config writes) and where it came from (entry point and distribution). "
+        "Entry points that fail to load are listed with their error.",
     )
     p.add_argument("--kind", choices=["hook", "synthesizer", "encoder"], help="only this kind")
     p.add_argument("-v", "--verbose", action="store_true", help="also print each plugin's summary")
@@ -89,12 +265,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "check-config",
-        help="validate a config file",
-        description="Load a config, resolve every plugin it names and check every option. "
-        "Prints OK and a summary, or the offending key path and exits with status 2.",
+        help="validate a config: would it start?",
+        description="Load a config, resolve every plugin it names and check every option, then check "
+        "that it would start: environment variables it names are set, hosts parse, the slot pool fits "
+        "in memory; warn about an encoder/synthesizer pair whose proposal never reaches the verifier. "
+        "Prints OK and a summary, or every problem with its key path and exits with status 2.",
     )
-    p.add_argument("file", help="config file (.toml, .yaml or .yml)")
+    p.add_argument("config", metavar="CONFIG", help="config file, inline JSON or shipped name")
+    p.add_argument("--show", action="store_true", help="print the resolved config (defaults filled in) as JSON")
+    p.add_argument("--no-probe", action="store_true", help="skip running each encoder/synthesizer pair on random rows")
     p.set_defaults(func=_cmd_check_config)
+
+    p = sub.add_parser("config", help="the shipped example configs", description="List or print the shipped example configs.")
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    c = csub.add_parser("list", help="list the shipped configs")
+    c.set_defaults(func=_cmd_config_list)
+    c = csub.add_parser("show", help="print a shipped config (to copy and edit)")
+    c.add_argument("name", metavar="NAME", help="e.g. ab or sparse_topk.toml")
+    c.set_defaults(func=_cmd_config_show)
 
     p = sub.add_parser(
         "ab",
@@ -103,14 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
         "loopback deployment (a prefill process running each arm's encoder; this process is the decode, "
         "running receiver, hooks, synthesizer, assembler and a reference verifier, talking over "
         "real ZMQ and Mooncake on TCP). Prints a table, writes DIR/report.json and DIR/report.png. "
-        "Exits 1 when an arm fails the exactness check or a payload is unaccounted for, 2 on a "
-        "config, plugin or run error.",
+        "The summary lists each hook's and each arm's failed payloads with the first error. "
+        "Exit codes as below; Ctrl-C stops within 2 s, writes the partial report and exits 130.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", help="config with [[arms]] and an [ab] section, e.g. configs/ab.toml")
+    p.add_argument(
+        "config", nargs="?", default="ab", metavar="CONFIG",
+        help="config with [[arms]] and an [ab] section (default: the shipped 'ab' comparison)",
+    )
     p.add_argument("--requests", type=int, default=None, metavar="N", help="requests per arm (default: [ab].requests)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="workload and sampler seed (default: [ab].seed)")
-    p.add_argument("--out", default="out/ab", metavar="DIR", help="output directory (default: out/ab)")
+    p.add_argument("--out", default="out/ab", metavar="DIR", help="output directory, checked before the run (default: out/ab)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    p.add_argument(
+        "--format", choices=["table", "markdown", "json", "csv"], default="table",
+        help="what is printed on stdout (the report files are written in every case; default: table)",
+    )
+    p.add_argument("--fail-on-loss", action="store_true", help="exit 1 when any payload failed (not only when one was lost)")
     p.set_defaults(func=_cmd_ab)
     from .live_ab import add_parser as add_live_ab
 
@@ -118,22 +316,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    # The Mooncake engine reads its own level when it is imported (the prefill process
+    # inherits it): INFO shows its start-up lines; otherwise the config's
+    # transport.mooncake.log_level applies and they stay hidden.
+    if level == "debug":
+        os.environ["MC_LOG_LEVEL"] = "INFO"
+
+
+def _drop_implicit_cwd() -> None:
+    """Remove the working directory that ``python -m`` put first on ``sys.path`` (as ``-P``)."""
+    if sys.path and not sys.flags.safe_path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()
-        return 2
+        return EXIT_ERROR
+    _setup_logging(args.log_level)
+    for d in reversed(args.plugin_path):  # asked for explicitly: importable by every command
+        d = os.path.abspath(d)
+        if d not in sys.path:
+            sys.path.insert(0, d)
     try:
         return func(args)
+    except KeyboardInterrupt:
+        print("\npd-middleware: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ConfigError, PluginError) as exc:
         print(f"pd-middleware: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except PDMiddlewareError as exc:
         print(f"pd-middleware: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def console_main() -> None:
+    """Entry point of the ``pd-middleware`` script: :func:`main`, then exit.
+
+    After Ctrl-C the partial report is written and the prefill process reaped; tearing
+    down torch, ZMQ and the Mooncake engine at interpreter exit can then take longer than
+    the 2 s a user waits (measured 1-2 s on a loaded 2-core host), so that path exits at
+    once.
+    """
+    rc = main()
+    if rc == EXIT_INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m pd_middleware.cli`
+    _drop_implicit_cwd()
+    console_main()

@@ -1,7 +1,9 @@
-"""One typed, frozen, strict config schema, loaded from TOML or YAML by file extension.
+"""One typed, frozen, strict config schema, loaded from TOML, YAML, JSON or inline JSON.
 
 Unknown keys and bad values are :class:`~pd_middleware.ConfigError` with the full key
-path (``synthesizer.options.top_k``, ``hooks[1].name``). There are no environment
+path (``synthesizer.options.top_k``, ``hooks[1].name``), a "did you mean" for a misspelled
+key, and every problem of a document at once (``.issues``); reading and checking live in
+:mod:`pd_middleware.config_loader`. There are no environment
 overrides and no silent defaults for misspelled keys. Plugin options are typed by the
 plugin that owns them and checked when the config is resolved against a registry
 (:func:`resolve_plugins`), so ``pd-middleware check-config`` catches them too.
@@ -18,16 +20,15 @@ A minimal file (everything else has a default)::
 
 from __future__ import annotations
 
-import functools
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from ._errors import ConfigError, OptionValueError, PluginError
+from . import config_loader
+from ._errors import ConfigError, ConfigIssue, OptionValueError, PluginError
 from .ab.config import ABConfig, WorkloadRef, check_workload_options  # the [ab] table belongs to the job
 from .contracts import NoOptions, PluginContext, PluginSpec
 from .transport.config import TransportConfig
@@ -239,120 +240,40 @@ class Config(msgspec.Struct, **_STRUCT):
         )
 
 
-_AT_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-
-
-def _split_msgspec(exc: Exception) -> tuple[str, str]:
-    m = _AT_RE.match(str(exc))
-    assert m is not None
-    path = (m.group("path") or "").lstrip(".")
-    return m.group("msg"), path
-
-
-def _join(prefix: str, path: str) -> str:
-    if not prefix:
-        return path
-    if not path:
-        return prefix
-    return f"{prefix}{path}" if path.startswith("[") else f"{prefix}.{path}"
-
-
-_FIELD_RE = re.compile(r"field `([^`]+)`")
-
-
 def _convert(data: Any, typ: type, prefix: str, source: str | None) -> Any:
-    try:
-        return msgspec.convert(data, typ, strict=True)
-    except msgspec.ValidationError as exc:
-        msg, where = _split_msgspec(exc)
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, OptionValueError):
-            raise ConfigError(cause.message, path=_join(_join(prefix, where), cause.field), source=source) from None
-        path = _join(prefix, where)
-        if not path:  # an unknown/missing key of the root table: name the key, not ""
-            m = _FIELD_RE.search(msg)
-            path = m.group(1) if m else ""
-        raise ConfigError(msg, path=path, source=source) from None
-    except ConfigError as exc:
-        # Raised by a __post_init__ with a path relative to the converted root.
-        raise ConfigError(exc.detail, path=_join(prefix, exc.path), source=source) from None
+    return config_loader.convert(data, typ, prefix, source)
 
 
 def parse_config(data: Any, source: str | None = None) -> Config:
-    """Build a :class:`Config` from an already-parsed mapping."""
+    """Build a :class:`Config` from an already-parsed mapping.
+
+    Raises one ConfigError whose ``.issues`` lists every problem, each at its full key
+    path with a "did you mean" for a misspelled key.
+    """
     if not isinstance(data, dict):
         raise ConfigError(f"top level must be a table/mapping, got {type(data).__name__}", source=source)
     return _convert(data, Config, "", source)
 
 
 def load_config(path: str | Path) -> Config:
-    """Read a ``.toml``, ``.yaml`` or ``.yml`` file into a :class:`Config`."""
-    p = Path(path)
-    src = str(p)
-    suffix = p.suffix.lower()
-    if suffix not in (".toml", ".yaml", ".yml"):
-        raise ConfigError(f"unsupported extension {suffix!r}; use .toml, .yaml or .yml", source=src)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read file: {exc}", source=src) from None
-    if suffix == ".toml":
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"invalid TOML: {exc}", source=src) from None
-    else:
-        import yaml
+    """Read a config into a :class:`Config`.
 
-        try:
-            data = yaml.load(text, Loader=_strict_yaml_loader())  # noqa: S506 - a SafeLoader subclass
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"invalid YAML: {exc}", source=src) from None
-        if data is None:
-            data = {}
-    return parse_config(data, src)
-
-
-@functools.cache
-def _strict_yaml_loader() -> type:
-    """``yaml.SafeLoader`` that refuses a key written twice in one mapping.
-
-    Plain YAML keeps the last value silently (TOML refuses it); a config that says
-    ``vocab_size`` twice is a mistake either way. Merge keys (``<<``) may still be
-    overridden.
+    ``path`` is a ``.toml``, ``.yaml``, ``.yml`` or ``.json`` file, or an inline JSON
+    document (a string starting with ``{``), as vLLM's ``--kv-transfer-config '{...}'``.
+    The same holds wherever a config is named: the CLI and ``PD_MIDDLEWARE_CONFIG``.
     """
-    import yaml
-
-    class StrictLoader(yaml.SafeLoader):
-        pass
-
-    def mapping(loader: Any, node: Any, deep: bool = False) -> Any:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = loader.construct_object(key_node, deep=deep)
-            try:
-                dup = key in seen
-                seen.add(key)
-            except TypeError:  # unhashable key: construct_mapping reports it
-                continue
-            if dup:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
-                )
-        return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    return StrictLoader
+    data, src = config_loader.read_document(path)
+    return parse_config(data, src)
 
 
 def convert_options(spec: PluginSpec, raw: dict[str, Any], key: str, source: str | None = None) -> Any:
     """Typed options for ``spec`` from a raw table; errors carry ``key`` as path prefix."""
     if spec.options is NoOptions:
         if raw:
-            first = next(iter(raw))
-            raise ConfigError(f"plugin {spec.name!r} takes no options, got {first!r}", path=f"{key}.{first}", source=source)
+            issues = [
+                ConfigIssue(f"{key}.{k}", f"plugin {spec.name!r} takes no options, got {k!r}") for k in raw
+            ]
+            raise ConfigError.from_issues(issues, source=source)
         return NoOptions()
     return _convert(raw, spec.options, key, source)
 
@@ -399,25 +320,42 @@ def resolve_plugins(
     ConfigError (bad options, naming the full key path).
     """
     dec, pre = "decode" in sides, "prefill" in sides
+    plugin_errors: list[PluginError] = []
+    issues: list[config_loader.ConfigIssue] = []
+
+    def attempt(fn: Any, *args: Any) -> Any:
+        # Keep going after a bad plugin so that one run reports every problem.
+        try:
+            return fn(*args)
+        except PluginError as exc:
+            plugin_errors.append(exc)
+        except ConfigError as exc:
+            issues.extend(exc.issues)
+        return None
+
     hooks = tuple(
-        _resolve_ref(registry, "hook", ref, f"hooks[{i}]", source) for i, ref in enumerate(config.hooks) if dec
+        attempt(_resolve_ref, registry, "hook", ref, f"hooks[{i}]", source) for i, ref in enumerate(config.hooks) if dec
     )
     synths: dict[str, ResolvedPlugin] = {}
     encs: dict[str, ResolvedPlugin] = {}
-    base_enc = _resolve_ref(registry, "encoder", config.encoder, "encoder", source) if pre else None
+    base_enc = attempt(_resolve_ref, registry, "encoder", config.encoder, "encoder", source) if pre else None
     arms = config.arms or [ArmConfig(name="default", synthesizer=config.synthesizer)]
     for i, arm in enumerate(arms):
         key = f"arms[{i}]" if config.arms else ""
         if dec:
-            synths[arm.name] = _resolve_ref(
-                registry, "synthesizer", arm.synthesizer, f"{key}.synthesizer" if key else "synthesizer", source
+            synths[arm.name] = attempt(
+                _resolve_ref, registry, "synthesizer", arm.synthesizer, f"{key}.synthesizer" if key else "synthesizer", source
             )
-        if pre and base_enc is not None:
+        if pre:
             encs[arm.name] = (
-                _resolve_ref(registry, "encoder", arm.encoder, f"{key}.encoder", source)
+                attempt(_resolve_ref, registry, "encoder", arm.encoder, f"{key}.encoder", source)
                 if arm.encoder is not None
                 else base_enc
             )
     if pre:  # the prefill's A/B workload: its options are typed too, check them now
-        check_workload_options(config, source)
+        attempt(check_workload_options, config, source)
+    if plugin_errors:
+        raise plugin_errors[0]
+    if issues:
+        raise ConfigError.from_issues(issues, source=source)
     return ResolvedConfig(config, hooks, synths, encs)

@@ -112,6 +112,11 @@ class Metrics:
         self.first_verify: dict[str, list[int]] = {}
         # First verifies whose request carried no arm (or past MAX_ARMS arms).
         self.first_verify_unattributed = 0
+        # 1 while the transport's receive loop runs, 0 once it ended (set by the receiver).
+        self.receiver_alive = 0
+        # Times a receive loop ended on its own (never, by design): a counter, so it sums
+        # across processes where a 0/1 gauge would not (metrics_export's mirror).
+        self.receiver_deaths = 0
         self._lock = threading.Lock()
 
     @property
@@ -168,6 +173,8 @@ class Metrics:
                 "batch_assembly_seconds": self.batch_assembly.snapshot(),
                 "first_verify_accepted_by_arm": {a: list(c) for a, c in self.first_verify.items()},
                 "first_verify_unattributed": self.first_verify_unattributed,
+                "receiver_alive": self.receiver_alive,
+                "receiver_deaths": self.receiver_deaths,
             }
 
     def format(self) -> str:
@@ -281,4 +288,7 @@ def _families(s: dict[str, Any], prefix: str) -> Iterator[Any]:
         f"{prefix}_first_verify_unattributed", "First verifies of requests that carried no A/B arm"
     )
     c.add_metric([], s["first_verify_unattributed"])
+    yield c
+    c = CounterMetricFamily(f"{prefix}_receive_loop_deaths", "Decode receive loops that ended on their own (alert on any)")
+    c.add_metric([], s["receiver_deaths"])
     yield c

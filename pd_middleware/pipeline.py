@@ -35,6 +35,9 @@ class Delivery(NamedTuple):
     arm: str
     received_at: float
     releaser: Callable[[], None] | None = None
+    # Identity of the prefill that sent it: the authenticated CURVE key's allowlist name,
+    # else the hello name (unauthenticated); None outside the transport.
+    peer: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -152,7 +155,7 @@ class ReceivePipeline:
             per_arm[arm] += 1
         except KeyError:  # first delivery of this arm
             per_arm[arm] = 1
-        return _new_tuple(Delivery, (payload, proposal, arm, ctx.received_at, releaser))
+        return _new_tuple(Delivery, (payload, proposal, arm, ctx.received_at, releaser, ctx.peer))
 
     def close(self) -> None:
         """Close plugins that hold resources (e.g. a trace recorder's file)."""

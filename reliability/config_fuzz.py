@@ -16,13 +16,23 @@ exactly one way, writes it as TOML or YAML into a temporary directory and runs
   looks like a file path or shell/code string (these must never be imported);
 - ``bad_option``: a plugin option key that the plugin does not define, or a bad value;
 - ``duplicate_key``: a key written twice in the same table (YAML would keep the last);
-- ``syntax``: the file text cut short or garbled.
+- ``syntax``: the file text cut short or garbled;
+- ``hostile``: TOML, YAML or JSON nested thousands deep, a 5000-digit integer, a file
+  over the size limit: a ConfigError naming the file, never a RecursionError/ValueError;
+- ``inline_json``: one of the mutations above passed as an inline JSON document (as
+  ``pd-middleware check-config '{...}'`` or ``PD_MIDDLEWARE_CONFIG``) instead of a file;
+- ``startup``: a config that parses but would not start (an unset ``hmac_key_env``, a
+  garbage ``bind_host`` or ``mooncake.host``, a slot pool larger than the machine), which
+  :func:`~pd_middleware.preflight.preflight` must report as an error at that key.
+
+Separately, every encoder/synthesizer pair of the registry is probed once: a pair whose
+proposal never reaches the verifier must draw a preflight warning, an exact pair none.
 
 A case passes when the loader raises :class:`~pd_middleware.ConfigError` with a
 non-empty ``.path``, :class:`~pd_middleware.PluginError` with a non-empty ``.key``, or
 (syntax only) a ConfigError naming the file. ``accepted_silently`` and ``crashes`` (any
 other exception) must be 0. ``path_mismatch`` counts rejections whose path does not
-start with the mutated key (informational, listed with examples).
+name the mutated key itself (informational, listed with examples).
 """
 
 from __future__ import annotations
@@ -48,12 +58,40 @@ import yaml  # noqa: E402
 
 from pd_middleware import ConfigError, PluginError  # noqa: E402
 from pd_middleware.config import load_config, resolve_plugins  # noqa: E402
+from pd_middleware.preflight import preflight  # noqa: E402
 from pd_middleware.registry import default_registry  # noqa: E402
 
 FAMILIES = (
     "unknown_key", "wrong_type", "out_of_range", "bad_plugin_name", "bad_plugin_path",
-    "bad_option", "duplicate_key", "syntax",
+    "bad_option", "duplicate_key", "syntax", "hostile", "inline_json", "startup",
 )
+HOSTILE = [
+    ("toml", lambda: "a = " + "[" * 5000 + "]" * 5000 + "\n"),
+    ("toml", lambda: "a = " + "{b = " * 400 + "1" + "}" * 400 + "\n"),
+    ("yaml", lambda: "a: " + "[" * 5000 + "]" * 5000 + "\n"),
+    ("yaml", lambda: "".join(" " * i + f"k{i}:\n" for i in range(300)) + " " * 300 + "v: 1\n"),
+    ("yaml", lambda: "model:\n  vocab_size: " + "7" * 5000 + "\n"),
+    ("toml", lambda: "[model]\nvocab_size = " + "7" * 5000 + "\n"),
+    ("json", lambda: '{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
+    ("json", lambda: '{"model": {"vocab_size": ' + "7" * 5000 + "}}"),
+    ("toml", lambda: "# " + "x" * (2 << 20) + "\n"),
+]
+STARTUP = [
+    (("transport", "hmac_key_env"), "PDM_FUZZ_SURELY_UNSET_SECRET"),
+    (("transport", "bind_host"), "not a host!"),
+    (("transport", "bind_host"), "999.1.1.1"),
+    (("transport", "mooncake", "host"), "bad host name"),
+    (("transport", "mooncake", "host"), "-leading-dash"),
+    (("transport", "slots"), {"count": 2**20, "size_bytes": 2**32}),
+]
+# (encoder, synthesizer, warned): the guard makes the first group fall back on every payload.
+PAIRS = [
+    ("greedy", "full_distribution", True), ("softmax", "full_distribution", True), ("greedy", "sparse", True),
+    ("softmax", "sparse", True), ("full", "sparse", True), ("sparse", "full_distribution", True),
+    ("full", "one_hot", True), ("sparse", "one_hot", True),
+    ("softmax", "one_hot", False), ("greedy", "one_hot", False), ("full", "full_distribution", False),
+    ("sparse", "sparse", False),
+]
 
 # Known fields and values outside their documented ranges (config.py, transport/config.py).
 OUT_OF_RANGE: dict[tuple[str, ...], list[Any]] = {
@@ -264,6 +302,17 @@ def mutate(rng: random.Random, family: str, base: dict, text: str, fmt: str) -> 
                 or [("model", "vocab_size")]
             )
         path, what = dup, "written twice"
+    elif family == "inline_json":
+        sub = rng.choice(["unknown_key", "wrong_type", "out_of_range", "bad_option"])
+        raw, path_s, what = mutate(rng, sub, base, text, "toml")
+        return json.dumps(tomllib.loads(raw)), path_s, f"inline {sub}: {what}"
+    elif family == "hostile":
+        ext, make = rng.choice(HOSTILE)
+        return make(), "", f"hostile .{ext}"
+    elif family == "startup":
+        where, value = rng.choice(STARTUP)
+        ensure(data, where[:-1])[where[-1]] = value
+        return json.dumps(data), dotted(where), f"= {value!r}"
     else:  # syntax
         r = rng.random()
         raw = to_toml(data) if fmt == "toml" else to_yaml(data)
@@ -280,6 +329,7 @@ def mutate(rng: random.Random, family: str, base: dict, text: str, fmt: str) -> 
     return text, dotted(path), what
 
 
+
 def classify(exc: BaseException | None, family: str, path: str, src: str) -> tuple[str, str]:
     """(verdict, error path): verdict in rejected / accepted_silently / crash / no_path."""
     if exc is None:
@@ -289,10 +339,22 @@ def classify(exc: BaseException | None, family: str, path: str, src: str) -> tup
     if isinstance(exc, ConfigError):
         if exc.path:
             return "rejected", exc.path
-        if family in ("syntax", "duplicate_key") and exc.source == src:
+        if family in ("syntax", "duplicate_key", "hostile") and exc.source == src:
             return "rejected", "<file>"
         return "no_path", ""
     return "crash", ""
+
+
+def check_pairs(registry: Any) -> list[str]:
+    """Each PAIRS entry: a warning exactly when the pair can never hand over its proposal."""
+    wrong = []
+    for enc, syn, warned in PAIRS:
+        cfg = load_config(json.dumps({"model": {"vocab_size": 2048}, "encoder": {"name": enc}, "synthesizer": {"name": syn}}))
+        findings = preflight(cfg, resolve_plugins(cfg, registry), registry)
+        got = any(f.level == "warning" and f.path == "synthesizer" for f in findings)
+        if got != warned:
+            wrong.append(f"{enc} -> {syn}: warned={got}, expected {warned}")
+    return wrong
 
 
 def main() -> int:
@@ -329,12 +391,20 @@ def main() -> int:
             name, base = rng.choice(bases)
             fmt = rng.choice(["toml", "yaml"])
             text, path, what = mutate(rng, family, base, "", fmt)
+            if family == "hostile":
+                fmt = what.rsplit(".", 1)[1]
             src = os.path.join(tmp, f"case{tried}.{fmt}")
             with open(src, "w", encoding="utf-8") as fh:
                 fh.write(text)
             exc: BaseException | None = None
             try:
-                resolve_plugins(load_config(src), registry, source=src)
+                if family == "startup":
+                    cfg = load_config(text)
+                    findings = preflight(cfg, resolve_plugins(cfg, registry), registry, probe=False)
+                    hit = [f for f in findings if f.level == "error" and f.path == path]
+                    exc = ConfigError(hit[0].message, path=path) if hit else None
+                else:
+                    resolve_plugins(load_config(text if family == "inline_json" else src), registry, source=src)
             except Exception as e:  # noqa: BLE001 - classified below
                 exc = e
             verdict, got = classify(exc, family, path, src)
@@ -349,14 +419,15 @@ def main() -> int:
             elif path and got != "<file>":
                 norm = got.replace("[", ".[")
                 want = path.replace("[", ".[")
-                head = want.split(".")[0]
-                if not (norm.startswith(head)):
+                # Full key paths now: the error must name the mutated key itself (or below it).
+                if not (norm == want or norm.startswith(want + ".")):
                     mismatch += 1
                     examples.setdefault("path_mismatch", [])
                     if len(examples["path_mismatch"]) < 8:
                         examples["path_mismatch"].append(note + f" (path {got})")
             os.unlink(src)
     imported = sorted(m for m in set(sys.modules) - imported_before if "fuzz" in m or m.startswith(("x", "a")))
+    pair_errors = check_pairs(registry)
     result = {
         "script": "config_fuzz",
         "seed": args.seed,
@@ -368,6 +439,7 @@ def main() -> int:
         "path_mismatch": mismatch,
         "shipped_configs_broken": broken_bases,
         "suspicious_imports": imported,
+        "pair_warnings_wrong": pair_errors,
         "by_family": {f: dict(c) for f, c in by_family.items()},
         "examples": examples,
         "seconds": round(budget.elapsed(), 1),
@@ -375,7 +447,10 @@ def main() -> int:
         "must_be_zero": ["accepted_silently", "crashes", "rejected_without_path"],
     }
     C.emit(result)
-    bad = verdicts["accepted_silently"] + verdicts["crash"] + verdicts["no_path"] + len(broken_bases) + len(imported)
+    bad = (
+        verdicts["accepted_silently"] + verdicts["crash"] + verdicts["no_path"] + len(broken_bases) + len(imported)
+        + len(pair_errors)
+    )
     return 0 if bad == 0 and tried >= min(args.cases, 1000) else 1
 
 

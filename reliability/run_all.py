@@ -28,6 +28,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str], float]] = {
     "faults": ([], [], 300.0),
     "config_fuzz": ([], ["--cases", "1000"], 240.0),
     "attacks_bulk": ([], ["--rounds", "24", "--budget-s", "60"], 300.0),
+    "attacks": ([], ["--scale", "0.2"], 300.0),
 }
 
 # Figures shown in the table, per script.
@@ -37,6 +38,7 @@ SHOWN = {
     "faults": ["failed_scenarios"],
     "config_fuzz": ["tried", "rejected_with_path", "accepted_silently"],
     "attacks_bulk": ["attacks", "refused", "controls_delivered", "crashes", "hangs", "lost", "wrong_deliveries"],
+    "attacks": ["attacks", "crashes", "hangs", "lost", "wrong"],
 }
 
 
@@ -101,6 +103,12 @@ def main() -> int:
         for n, s in results["faults"]["scenarios"].items():
             una = s.get("unaffected_delivered", s.get("unaffected_delivered_during_freeze"))
             print(f"{n:<20} {str(s.get('ok')):<5} {str(s.get('affected_failed_with_reason')):>15} {str(una):>21} {str(s.get('lost')):>5} {str(s.get('recovery_s')):>11}")
+    if "attacks" in results and isinstance(results["attacks"].get("cases"), dict):
+        print()
+        print(f"{'attack':<16} {'attacks':>8} {'crashes':>8} {'hangs':>6} {'lost':>5} {'wrong':>6}  figures")
+        for n, c in results["attacks"]["cases"].items():
+            figs = ", ".join(f"{k}={c[k]}" for k in ("rss_growth_mb", "bound_mb", "handshakes_accepted") if k in c)
+            print(f"{n:<16} {c.get('attacks', '-'):>8} {c.get('crashes'):>8} {c.get('hangs'):>6} {c.get('lost'):>5} {c.get('wrong'):>6}  {figs}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -17,7 +17,7 @@ import zmq
 
 from pd_middleware import Payload
 from pd_middleware.transport import LimitsConfig, MooncakeEngine, integrity, wire
-from pd_middleware.transport.auth import Signer
+from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
 
 
 class RawPrefill:
@@ -33,6 +33,8 @@ class RawPrefill:
         self.name = name
         self.want = want
         self.signer = Signer(key) if key is not None else None
+        self.nonce = new_nonce()  # HMAC: this connection's nonce and next sequence (auth.py)
+        self.tx_seq = 0
         self.grant: wire.Grant | None = None
         self.gens: dict[int, int] = {}
         self.freed: list[int] = []
@@ -46,11 +48,12 @@ class RawPrefill:
 
     def _send(self, frames: list[Any]) -> None:
         if self.signer is not None:
-            frames = [*frames, self.signer.sign(frames)]
+            frames = [*frames, *self.signer.sign(frames, self.nonce, self.tx_seq, TO_DECODE)]
+            self.tx_seq += 1
         self.sock.send_multipart(frames)
 
     def hello(self, timeout: float = 5.0) -> wire.Grant:
-        self._send([wire.encode(wire.Hello(name=self.name, want_slots=self.want))])
+        self._send([wire.encode(wire.Hello(name=self.name, want_slots=self.want, ts=time.time()))])
         deadline = time.monotonic() + timeout
         while self.grant is None:
             left = deadline - time.monotonic()
@@ -70,7 +73,7 @@ class RawPrefill:
         while self.sock.poll(0):
             frames = self.sock.recv_multipart()
             if self.signer is not None:
-                frames = frames[:-1]
+                frames = frames[:-2]  # tail and signature
             msg = wire.decode_frame(frames[0], LimitsConfig(), wire.OUTBOUND_DECODER)
             if isinstance(msg, wire.Grant):
                 self.grant = msg

@@ -20,7 +20,7 @@ def test_defaults():
     "data, path, message",
     [
         ({"modle": {}}, "modle", "unknown field `modle`"),
-        ({"model": {"vocab_sise": 5}}, "model", "unknown field `vocab_sise`"),
+        ({"model": {"vocab_sise": 5}}, "model.vocab_sise", "unknown field `vocab_sise`; did you mean `vocab_size`?"),
         ({"model": {"vocab_size": 0}}, "model.vocab_size", r"must be in \[1, 16777216\]"),
         ({"model": {"vocab_size": "10"}}, "model.vocab_size", "Expected `int \\| null`, got `str`"),
         ({"model": {"num_steps": True}}, "model.num_steps", "Expected `int \\| null`, got `bool`"),
@@ -28,8 +28,13 @@ def test_defaults():
         ({"decode": {"rejection_sampling": "yes"}}, "decode.rejection_sampling", "Expected `bool`"),
         ({"decode": {"device": "tpu"}}, "decode.device", "must be 'cpu', 'cuda' or 'cuda:N'"),
         ({"decode": {"max_batch": 0}}, "decode.max_batch", r"must be in \[1, 65536\]"),
-        ({"hooks": [{"name": "a"}, {"nam": "b"}]}, "hooks[1]", "unknown field `nam`"),
-        ({"synthesizer": {"name": "x", "option": {}}}, "synthesizer", "unknown field `option`"),
+        ({"hooks": [{"name": "a"}, {"nam": "b"}]}, "hooks[1].nam", "unknown field `nam`; did you mean `name`"),
+        ({"synthesizer": {"name": "x", "option": {}}}, "synthesizer.option", "unknown field `option`; did you mean `options`"),
+        ({"transport": {"slots": {"cout": 3}}}, "transport.slots.cout", "did you mean `count`"),
+        ({"transport": {"slots": {"count": -1}}}, "transport.slots.count", r"must be in \[0, 2\*\*20\]"),
+        ({"synthesizer": {"options": {}}}, "synthesizer.name", "missing required field `name`"),
+        ({"model": 5}, "model", "Expected a table/mapping, got `int`"),
+        ({"hooks": {"name": "a"}}, "hooks", "Expected `array`, got `dict`"),
         ({"arms": [{"name": "a", "synthesizer": {"name": "one_hot"}, "weight": -2}]}, "arms[0].weight", "must be in"),
         (
             {"arms": [{"name": "a", "synthesizer": {"name": "x"}}, {"name": "a", "synthesizer": {"name": "y"}}]},
@@ -63,8 +68,8 @@ def test_toml_and_yaml_load_the_same(tmp_path):
 
 
 def test_file_errors(tmp_path):
-    with pytest.raises(ConfigError, match="unsupported extension '.json'"):
-        load_config(tmp_path / "x.json")
+    with pytest.raises(ConfigError, match="unsupported extension '.ini'"):
+        load_config(tmp_path / "x.ini")
     with pytest.raises(ConfigError, match="cannot read file"):
         load_config(tmp_path / "missing.toml")
     (tmp_path / "bad.toml").write_text("[model\n")
@@ -79,7 +84,7 @@ def test_file_errors(tmp_path):
     (tmp_path / "deep.yaml").write_text("model:\n  vocab_size: 10\n  extra: 1\n")
     with pytest.raises(ConfigError) as ei:
         load_config(tmp_path / "deep.yaml")
-    assert ei.value.path == "model" and "deep.yaml" in str(ei.value) and "`extra`" in str(ei.value)
+    assert ei.value.path == "model.extra" and "deep.yaml" in str(ei.value) and "`extra`" in str(ei.value)
 
 
 def test_config_is_frozen():
@@ -97,3 +102,105 @@ def test_shipped_configs_are_valid():
     assert files, "configs/ ships examples"
     for f in files:
         resolve_plugins(load_config(f), reg, source=str(f))
+
+
+def test_every_error_is_reported_at_once_with_suggestions():
+    data = {
+        "modle": {},
+        "model": {"vocab_sise": 5, "num_steps": "2"},
+        "decode": {"max_batch": 0},
+        "hooks": [{"name": "record", "optoins": {}}],
+    }
+    with pytest.raises(ConfigError) as ei:
+        parse_config(data)
+    got = {(i.path, i.message) for i in ei.value.issues}
+    assert got == {
+        ("modle", "unknown field `modle`; did you mean `model`?"),
+        ("model.vocab_sise", "unknown field `vocab_sise`; did you mean `vocab_size`?"),
+        ("model.num_steps", "Expected `int | null`, got `str`"),
+        ("decode.max_batch", "must be in [1, 65536], got 0"),
+        ("hooks[0].optoins", "unknown field `optoins`; did you mean `options`?"),
+    }
+    text = str(ei.value)
+    assert text.startswith("config error: 5 problems:")
+    assert "\n  at model.vocab_sise: unknown field `vocab_sise`; did you mean `vocab_size`?" in text
+    # The first issue stays reachable as .path/.detail for callers that want one.
+    first = ei.value.issues[0]
+    assert (ei.value.path, ei.value.detail) == (first.path, first.message) == ("modle", "unknown field `modle`; did you mean `model`?")
+
+
+def test_no_suggestion_when_nothing_is_close():
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"model": {"zzz": 1}})
+    assert ei.value.detail == "unknown field `zzz`"
+
+
+def test_plugin_option_errors_name_the_option_and_are_all_reported():
+    cfg = parse_config(
+        {
+            "encoder": {"name": "sparse", "options": {"k_mx": 3, "mode": "x"}},
+            "synthesizer": {"name": "one_hot", "options": {"a": 1}},
+        }
+    )
+    with pytest.raises(ConfigError) as ei:
+        resolve_plugins(cfg, default_registry())
+    paths = {i.path for i in ei.value.issues}
+    assert "encoder.options.k_mx" in paths and "encoder.options.mode" in paths and "synthesizer.options.a" in paths
+    msg = {i.path: i.message for i in ei.value.issues}
+    assert msg["encoder.options.k_mx"] == "unknown field `k_mx`; did you mean `k_max`?"
+
+
+def test_inline_json_is_a_config_everywhere_a_path_is(tmp_path):
+    doc = '{"model": {"vocab_size": 99, "num_steps": 3}, "synthesizer": {"name": "one_hot"}}'
+    (tmp_path / "a.toml").write_text('[model]\nvocab_size = 99\nnum_steps = 3\n[synthesizer]\nname = "one_hot"\n')
+    (tmp_path / "a.json").write_text(doc)
+    assert load_config(doc) == load_config(tmp_path / "a.toml") == load_config(tmp_path / "a.json")
+    with pytest.raises(ConfigError) as ei:
+        load_config('{"model": {"vocab_sise": 5}}')
+    assert ei.value.path == "model.vocab_sise" and ei.value.source == "<inline JSON>"
+    with pytest.raises(ConfigError, match=r"\(<inline JSON>\): invalid JSON: Expecting"):
+        load_config('{"model": ')
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("deep.toml", "a = " + "[" * 5000 + "]" * 5000, "nesting deeper than 32 levels"),
+        ("deep.yaml", "a: " + "[" * 5000 + "]" * 5000, "nesting deeper than 32 levels"),
+        ("deep.json", '{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nesting deeper than 32 levels"),
+        ("indent.yaml", "".join(" " * i + f"k{i}:\n" for i in range(60)), "nesting deeper than 32 levels"),
+        ("bigint.yaml", "model:\n  vocab_size: " + "1" * 5000 + "\n", "an integer has too many digits"),
+        ("bigint.toml", "[model]\nvocab_size = " + "1" * 5000 + "\n", "an integer has too many digits"),
+        ("huge.toml", "# " + "x" * (1 << 20) + "\n", "larger than 1048576 bytes"),
+    ],
+)
+def test_hostile_documents_are_clean_errors(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message) as ei:
+        load_config(tmp_path / name)
+    assert ei.value.source == str(tmp_path / name)
+    with pytest.raises(ConfigError, match="nesting deeper than 32 levels"):
+        deep: list = [1]
+        for _ in range(40):
+            deep = [deep]
+        parse_config({"ab": {"workload": {"options": {"x": deep}}}})
+
+
+def test_every_public_error_derives_from_the_root():
+    """One error root: every exception class the package defines is a PDMiddlewareError."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import pd_middleware
+    from pd_middleware import PDMiddlewareError
+
+    found = []
+    for mod in pkgutil.walk_packages(pd_middleware.__path__, "pd_middleware."):
+        module = importlib.import_module(mod.name)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == module.__name__:
+                found.append(obj)
+    assert len(found) >= 8, found
+    outside = [f"{c.__module__}.{c.__qualname__}" for c in found if not issubclass(c, PDMiddlewareError)]
+    assert outside == []

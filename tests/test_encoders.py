@@ -241,7 +241,7 @@ def test_input_validation(name):
         (SPARSE, {"mode": "top_k"}, "encoder.options.mode", "Invalid enum value 'top_k'"),
         (SPARSE, {"value_dtype": "bf16"}, "encoder.options.value_dtype", "Invalid enum value 'bf16'"),
         (SPARSE, {"index_format": "u8"}, "encoder.options.index_format", "Invalid enum value 'u8'"),
-        (SPARSE, {"kk": 3}, "encoder.options", "Object contains unknown field `kk`"),
+        (SPARSE, {"kk": 3}, "encoder.options.kk", "unknown field `kk`; did you mean `k`?"),
         (FULL, {"dtype": "int8"}, "encoder.options.dtype", "Invalid enum value 'int8'"),
     ],
 )

@@ -118,6 +118,7 @@ NAMES = {
     "pd_middleware_batch_assembly_seconds": "histogram",
     "pd_middleware_first_verify_accepted_tokens": "histogram",
     "pd_middleware_first_verify_unattributed_total": "counter",
+    "pd_middleware_receive_loop_deaths_total": "counter",
 }
 
 

@@ -198,3 +198,26 @@ def test_separate_distribution_plugin_is_found():
     if ("synthesizer", "full_distribution") not in infos:
         pytest.fail("pd-middleware-full is not installed: run `make setup`")
     assert "[pd-middleware-full " in infos[("synthesizer", "full_distribution")].origin
+
+
+def test_broken_entry_point_is_lazy_listed_and_only_breaks_its_users(tmp_path, monkeypatch):
+    """An unrelated broken entry point never breaks a lookup; the one that uses it names it."""
+    _install_fake_dist(tmp_path, "pdm-broken2", "pdm_broken2", "raise ImportError('boom2')\n", ["hook.broken = pdm_broken2:NOPE"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("pdm_broken2", None)
+    reg = default_registry()
+    assert reg.get("synthesizer", "one_hot").name == "one_hot"
+    assert "pdm_broken2" not in sys.modules, "looking up one_hot imported an unrelated plugin"
+    with pytest.raises(PluginError, match=r"cannot load entry point hook.broken = pdm_broken2:NOPE .*ImportError: boom2") as ei:
+        reg.get("hook", "broken", key="hooks[0].name")
+    assert ei.value.key == "hooks[0].name"
+    names = {(i.kind, i.name) for i in reg.plugins()}
+    assert ("synthesizer", "one_hot") in names and ("hook", "broken") not in names
+    (b,) = [b for b in reg.broken() if "pdm_broken2" in b.entry_point]
+    assert b.entry_point == "hook.broken = pdm_broken2:NOPE" and "boom2" in str(b.error)
+
+
+def test_unknown_plugin_name_suggests_the_closest():
+    with pytest.raises(PluginError, match=r"no synthesizer plugin named 'one_hto'; did you mean `one_hot`\?") as ei:
+        default_registry().get("synthesizer", "one_hto", key="synthesizer.name")
+    assert ei.value.key == "synthesizer.name"

@@ -133,7 +133,7 @@ def test_unknown_root_key_names_itself() -> None:
     assert info.value.path == "modle" and "at modle" in str(info.value) and "unknown field `modle`" in str(info.value)
     with pytest.raises(ConfigError) as info:
         parse_config({"model": {"vocab_sise": 1}})
-    assert info.value.path == "model"  # nested: the table, as before
+    assert info.value.path == "model.vocab_sise"  # nested too: the key itself, not its table
 
 
 def test_yaml_duplicate_keys_are_rejected(tmp_path) -> None:

@@ -28,13 +28,13 @@ import msgspec
 import pytest
 import zmq
 
-from pd_middleware import ConfigError, OneHotProposal, Payload, PluginError, WireError
+from pd_middleware import ConfigError, OneHotProposal, Payload, PluginError, TransferError, WireError
 from pd_middleware.config import load_config, resolve_plugins
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
 from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
-from pd_middleware.transport.auth import Signer
+from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -64,7 +64,7 @@ class OneHot:
 def zctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
 
 
 def cfg(**kw) -> TransportConfig:
@@ -89,12 +89,13 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
     rec = Recorder()
     rx = DecodeReceiver(cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
     good = Signer(KEY.encode())
+    nonce = new_nonce()
     try:
         attacker = dealer(zctx, rx.address)
         # A signed hello from the attacker socket would make it a peer; send one so that
         # payload rejections below are due to the signature, not to a missing hello.
-        hello = [wire.encode(wire.Hello(name="attacker", want_slots=0))]
-        attacker.send_multipart([*hello, good.sign(hello)])
+        hello = [wire.encode(wire.Hello(name="attacker", want_slots=0, ts=time.time()))]
+        attacker.send_multipart([*hello, *good.sign(hello, nonce, 0, TO_DECODE)])
         assert attacker.poll(5000)
         attacker.recv_multipart()
         n = 20
@@ -102,13 +103,14 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
             frames = tw.inline_frames(tw.make(rid=f"unsigned-{i}"))
             attacker.send_multipart(frames)
             frames = tw.inline_frames(tw.make(rid=f"forged-{i}"))
-            attacker.send_multipart([*frames, Signer(b"not-the-key-not-the-key").sign(frames)])
+            attacker.send_multipart([*frames, *Signer(b"not-the-key-not-the-key").sign(frames, nonce, 1 + i, TO_DECODE)])
             frames = tw.inline_frames(tw.make(rid=f"tampered-{i}"))
-            sig = good.sign(frames)
+            sig = good.sign(frames, nonce, 1 + i, TO_DECODE)
             frames[1] = bytes([frames[1][0] ^ 1]) + frames[1][1:]  # one bit of the tensor frame
-            attacker.send_multipart([*frames, sig])
+            attacker.send_multipart([*frames, *sig])
             frames = tw.inline_frames(tw.make(rid=f"truncsig-{i}"))
-            attacker.send_multipart([*frames, good.sign(frames)[:16]])
+            tail, mac = good.sign(frames, nonce, 1 + i, TO_DECODE)
+            attacker.send_multipart([*frames, tail, mac[:16]])
         bad = collect_outcomes(rx, 4 * n)
         for o in bad:
             assert isinstance(o, Failure) and o.key == "wire:hmac" and o.request_id is None, o
@@ -117,7 +119,7 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
         assert rx.metrics.snapshot()["failed_by_reason"] == {"wire:hmac": 4 * n}
         # Negative control: the same socket, correctly signed, is delivered (the test can fail).
         frames = tw.inline_frames(tw.make(rid="signed-ok"))
-        attacker.send_multipart([*frames, good.sign(frames)])
+        attacker.send_multipart([*frames, *good.sign(frames, nonce, 1, TO_DECODE)])
         (ok,) = collect_outcomes(rx, 1)
         assert isinstance(ok, Delivery) and ok.request_id == "signed-ok" and rec.seen == ["signed-ok"]
         assert rx.get(timeout=0.2) is None  # nothing else queued
@@ -327,7 +329,7 @@ def test_no_code_path_unpickles_or_evaluates() -> None:
                 assert "Loader=_strict_yaml_loader()" in line or "Loader=yaml.SafeLoader" in line, (p, line)
     import yaml
 
-    from pd_middleware.config import _strict_yaml_loader
+    from pd_middleware.config_loader import _strict_yaml_loader
 
     assert issubclass(_strict_yaml_loader(), yaml.SafeLoader)
 
@@ -346,19 +348,18 @@ def test_msgspec_decoders_have_no_ext_hook() -> None:
     from pd_middleware.workloads import trace
 
     decoders.update({f"trace.{n}": getattr(trace, n) for n in dir(trace) if isinstance(getattr(trace, n), msgspec.msgpack.Decoder)})
-    assert {"INBOUND_DECODER", "OUTBOUND_DECODER", "_RAW_DECODER"} <= set(decoders)
+    assert {"INBOUND_DECODER", "OUTBOUND_DECODER", "_SHALLOW_DECODER"} <= set(decoders)
     for name, dec in decoders.items():
         assert dec.ext_hook is None, name
-    # An ext value anywhere in a typed message is a WireError, and the untyped decoder
+    # An ext value anywhere in a typed message is a WireError, and the shallow decoder
     # (used to sniff request ids on the error path) yields inert bytes, not objects.
-    ext = b"\xd4\x01\x00"
     raw = msgspec.msgpack.decode(tw.inline_frames(tw.make())[0])
     frame = msgspec.msgpack.encode({**raw, "request_id": msgspec.msgpack.Ext(1, b"\x00")})
     with pytest.raises(WireError) as info:
         wire.decode_frame(frame, LimitsConfig())
     assert info.value.field == "request_id" and "Expected `str`, got `ext`" in str(info.value)
-    got = wire._RAW_DECODER.decode(ext)
-    assert type(got) is msgspec.msgpack.Ext and got.data == b"\x00"
+    got = wire._SHALLOW_DECODER.decode(msgspec.msgpack.encode({"request_id": msgspec.msgpack.Ext(1, b"\x00")}))
+    assert type(got["request_id"]) is msgspec.Raw and bytes(got["request_id"]) == b"\xd4\x01\x00"
 
 
 # ---- plugin references ------------------------------------------------------------------------
@@ -426,3 +427,189 @@ def test_plugin_reference_in_config_names_the_key(tmp_path, plugin_on_disk) -> N
     with pytest.raises(PluginError, match=r"\(config key synthesizer.name\): os:system is a builtin_function_or_method, not a PluginSpec|not a PluginSpec"):
         PluginRegistry().resolve("synthesizer", "os:system", key="synthesizer.name")
     assert not plugin_on_disk.exists()
+
+
+# ---- CURVE: authenticated identity, allowlist, memory against raw ZMTP -----------------
+
+import resource  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "reliability"))
+from _zmtp import RawZmtp  # noqa: E402
+
+from pd_middleware.transport.config import CurveConfig  # noqa: E402
+
+
+def _keys(monkeypatch, name: str) -> tuple[str, str]:
+    """A fresh keypair; the secret goes into the env var PDM_TEST_CURVE_<NAME>."""
+    pub, sec = zmq.curve_keypair()
+    monkeypatch.setenv(f"PDM_TEST_CURVE_{name.upper()}", sec.decode())
+    return pub.decode(), f"PDM_TEST_CURVE_{name.upper()}"
+
+
+@pytest.fixture
+def curve_setup(monkeypatch):
+    server_pub, server_env = _keys(monkeypatch, "server")
+    alice_pub, alice_env = _keys(monkeypatch, "alice")
+    bob_pub, bob_env = _keys(monkeypatch, "bob")
+    eve_pub, eve_env = _keys(monkeypatch, "eve")  # a valid key pair, not on the allowlist
+    server = cfg(curve=CurveConfig(enabled=True, secret_key_env=server_env, clients={"alice": alice_pub, "bob": bob_pub}))
+
+    def client(env: str, **kw) -> TransportConfig:
+        return cfg(curve=CurveConfig(enabled=True, secret_key_env=env, server_key=server_pub), **kw)
+
+    return server, {"alice": client(alice_env), "bob": client(bob_env), "eve": client(eve_env)}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_curve_identity_is_the_key_and_strangers_never_reach_python(zctx, curve_setup) -> None:
+    server, clients = curve_setup
+    rec = Recorder()
+    rx = DecodeReceiver(server, ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    try:
+        # The hello claims "bob", but the key is alice's: the identity is alice.
+        a = PrefillSender(clients["alice"], context=zctx, name="bob").connect(rx.address)
+        a.send(tw.make(rid="from-alice"))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.peer == "alice" and rx.peers == {"alice": 0}
+        # A valid key that is not allowed, and a plain (NULL) client: no grant, nothing received.
+        for c in (clients["eve"], cfg(connect_timeout_s=0.5)):
+            c = msgspec.structs.replace(c, connect_timeout_s=0.5)
+            with pytest.raises(TransferError, match="no slot grant"):
+                PrefillSender(c, context=zctx, name="alice").connect(rx.address)
+        # Spoofing alice's name from bob's (allowed) key neither drops alice nor takes her id.
+        b = PrefillSender(clients["bob"], context=zctx, name="alice").connect(rx.address)
+        assert rx.peers == {"alice": 0, "bob": 0}
+        a.send(tw.make(rid="alice-again"))
+        (d2,) = collect_outcomes(rx, 1)
+        assert d2.peer == "alice" and a.flush(5) and a.statuses()["delivered"] == 2
+        a.reconnect()  # the same key on a new connection replaces its old one, nobody else's
+        deadline = time.monotonic() + 5
+        while len(rx._peers) != 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.peers == {"alice": 0, "bob": 0} and len(rx._peers) == 2
+        assert rec.seen == ["from-alice", "alice-again"]
+        assert rx.metrics.snapshot()["failed"] == 0
+        a.close()
+        b.close()
+    finally:
+        rx.stop()
+
+
+def test_curve_raw_zmtp_stream_is_refused_at_the_handshake(zctx, curve_setup) -> None:
+    server, _ = curve_setup
+    rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    plain = DecodeReceiver(cfg(), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    try:
+        host, port = rx.address[len("tcp://"):].rsplit(":", 1)
+        # Negative control: the same raw client completes a NULL handshake with a plain receiver.
+        ctl = RawZmtp(host, int(plain.address.rsplit(":", 1)[1]))
+        assert ctl.handshake()
+        ctl.close()
+        before = _rss_mb()
+        raw = RawZmtp(host, int(port))
+        assert not raw.handshake()  # a CURVE server closes a NULL client
+        sent = raw.stream_more(64 << 20)  # a never-ending message: MORE on every empty frame
+        raw.close()
+        time.sleep(0.2)
+        assert sent < 64 << 20 or _rss_mb() - before < 32, (sent, _rss_mb() - before)
+        assert _rss_mb() - before < 32  # MB: nothing was buffered
+        assert rx.healthy and rx.metrics.snapshot()["received"] == 0
+    finally:
+        rx.stop()
+        plain.stop()
+
+
+# ---- HMAC: replay --------------------------------------------------------------------------
+
+
+def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
+    rec = Recorder()
+    rx = DecodeReceiver(cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    good = Signer(KEY.encode())
+    nonce = new_nonce()
+    try:
+        legit = dealer(zctx, rx.address)
+        hello = [wire.encode(wire.Hello(name="legit", want_slots=0, ts=time.time()))]
+        signed_hello = [*hello, *good.sign(hello, nonce, 0, TO_DECODE)]
+        legit.send_multipart(signed_hello)
+        assert legit.poll(5000)
+        legit.recv_multipart()
+        frames = tw.inline_frames(tw.make(rid="once"))
+        captured = [*frames, *good.sign(frames, nonce, 1, TO_DECODE)]
+        legit.send_multipart(captured)
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.release() is None
+        time.sleep(0.05)
+        legit.send_multipart(captured)  # replay on the same connection
+        (r1,) = collect_outcomes(rx, 1)
+        assert r1.key == "wire:replay"
+        # Replay the captured hello, then the payload, from another connection.
+        thief = dealer(zctx, rx.address)
+        thief.send_multipart(signed_hello)
+        thief.send_multipart(captured)
+        r2, r3 = collect_outcomes(rx, 2)
+        assert r2.key == "wire:replay" and r3.key == "wire:peer"  # refused hello, then "unknown peer"
+        assert rx.peers == {"legit": 0}  # the legit peer was not dropped
+        # A stale hello (outside the freshness window) is refused too.
+        old = [wire.encode(wire.Hello(name="late", want_slots=0, ts=time.time() - 3600))]
+        thief.send_multipart([*old, *good.sign(old, new_nonce(), 0, TO_DECODE)])
+        (r4,) = collect_outcomes(rx, 1)
+        assert r4.key == "wire:replay" and "off this clock" in r4.reason
+        # Negative control: the legit connection's next sequence is delivered.
+        frames = tw.inline_frames(tw.make(rid="twice"))
+        legit.send_multipart([*frames, *good.sign(frames, nonce, 2, TO_DECODE)])
+        (ok,) = collect_outcomes(rx, 1)
+        assert isinstance(ok, Delivery) and rec.seen == ["once", "twice"]
+        legit.close(0)
+        thief.close(0)
+    finally:
+        rx.stop()
+
+
+def test_curve_keys_from_files_and_config_checks(zctx, tmp_path) -> None:
+    from pd_middleware._errors import OptionValueError
+    from pd_middleware.transport.auth import write_keypair
+
+    allowed = tmp_path / "allowed"
+    _, decode_secret = write_keypair(tmp_path, "decode")
+    pub, sec = write_keypair(tmp_path / "prefill", "prefill-a")
+    allowed.mkdir()
+    (allowed / "prefill-a.key").write_text(pathlib.Path(pub).read_text())
+    server_pub = zmq.auth.load_certificate(str(tmp_path / "decode.key"))[0].decode()
+    server = cfg(curve=CurveConfig(enabled=True, secret_key_file=decode_secret, clients_dir=str(allowed)))
+    client = cfg(curve=CurveConfig(enabled=True, secret_key_file=sec, server_key=server_pub))
+    rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    try:
+        tx = PrefillSender(client, context=zctx, name="whatever").connect(rx.address)
+        tx.send(tw.make(rid="k"))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.peer == "prefill-a"  # the certificate's file name
+        tx.close()
+    finally:
+        rx.stop()
+    # Config checks: each names its field.
+    for kw, field in [
+        (dict(server_key="short"), "server_key"),
+        (dict(clients={"a": "not-a-key"}), "clients.a"),
+        (dict(enabled=True), "secret_key_env"),
+        (dict(secret_key_env="X", secret_key_file="y"), "secret_key_file"),
+    ]:
+        with pytest.raises(OptionValueError) as info:
+            CurveConfig(**kw)
+        assert info.value.field == field
+    with pytest.raises(OptionValueError, match="hmac_key"):
+        TransportConfig(hmac_key=KEY, curve=CurveConfig(enabled=True, secret_key_env="X"))
+    # A missing secret or an empty allowlist fails at start with the config path, never silently open.
+    with pytest.raises(ConfigError) as err:
+        DecodeReceiver(cfg(curve=CurveConfig(enabled=True, secret_key_env="PDM_UNSET_VAR_XYZ")), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    assert err.value.path == "transport.curve.secret_key_env"
+    with pytest.raises(ConfigError) as err:
+        DecodeReceiver(cfg(curve=CurveConfig(enabled=True, secret_key_file=decode_secret)), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    assert err.value.path == "transport.curve.clients"

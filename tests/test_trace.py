@@ -117,7 +117,7 @@ def test_record_hook_in_a_pipeline_closes_with_it(tmp_path: Path) -> None:
 def test_record_options_are_strict() -> None:
     from pd_middleware.config import convert_options
 
-    with pytest.raises(ConfigError, match=r"at hooks\[0\].options: Object contains unknown field `bogus`"):
+    with pytest.raises(ConfigError, match=r"at hooks\[0\].options.bogus: unknown field `bogus`"):
         convert_options(PLUGIN, {"path": "x", "bogus": 1}, "hooks[0].options")
     with pytest.raises(ConfigError, match=r"at hooks\[0\].options.max_records: must be >= 0, got -1"):
         convert_options(PLUGIN, {"path": "x", "max_records": -1}, "hooks[0].options")

@@ -267,11 +267,14 @@ def test_slot_checks() -> None:
 def test_hmac_signer() -> None:
     s = Signer(b"k" * 32)
     frames = [b"header", b"tensor"]
-    sig = s.sign(frames)
-    assert s.verify([*frames, sig])
-    assert not s.verify(frames)  # unsigned
-    assert not s.verify([b"headert", b"ensor", sig])  # bytes moved across a frame boundary
-    assert not Signer(b"x" * 32).verify([*frames, sig])  # wrong key
+    nonce = bytes(range(16))
+    tail, sig = s.sign(frames, nonce, 7, b"P")
+    assert s.open([*frames, tail, sig], b"P") == (nonce, 7)  # negative control: valid opens
+    assert s.open(frames, b"P") is None  # unsigned
+    assert s.open([b"headert", b"ensor", tail, sig], b"P") is None  # bytes moved across a frame boundary
+    assert s.open([*frames, tail, sig], b"D") is None  # reflected back in the other direction
+    assert s.open([*frames, nonce + (8).to_bytes(8, "big"), sig], b"P") is None  # sequence rewritten
+    assert Signer(b"x" * 32).open([*frames, tail, sig], b"P") is None  # wrong key
 
 
 def test_no_pickle_in_package() -> None:

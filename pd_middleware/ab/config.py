@@ -91,14 +91,7 @@ def check_workload_options(config: Any, source: str | None) -> None:
     Without this, a misspelled workload option passed ``check-config`` and failed only
     when the A/B job started. Paths match :func:`~pd_middleware.workloads.make_workload`.
     """
-    from ..config import _FIELD_RE, _convert  # the core's one conversion path (and its error paths)
+    from ..config_loader import convert  # the core's one conversion path: errors at the full key path
     from ..workloads import workload_options_type
 
-    prefix = "ab.workload.options"
-    try:
-        _convert(dict(config.ab.workload.options), workload_options_type(config.ab.workload.name), prefix, source)
-    except ConfigError as exc:
-        m = _FIELD_RE.search(exc.detail) if exc.path == prefix else None
-        if m is None:
-            raise
-        raise ConfigError(exc.detail, path=f"{prefix}.{m.group(1)}", source=source) from None
+    convert(dict(config.ab.workload.options), workload_options_type(config.ab.workload.name), "ab.workload.options", source)

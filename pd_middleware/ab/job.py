@@ -45,6 +45,10 @@ def run_ab_command(args: argparse.Namespace, cancel: threading.Event | None = No
     if report.partial:
         print("pd-middleware ab: cancelled; the report is partial", file=sys.stderr)
         return 130
+    failed = sum(a.payloads.failed for a in report.arms)
+    if report.passed and failed and getattr(args, "fail_on_loss", False):
+        print(f"pd-middleware ab: {failed} payload(s) failed (--fail-on-loss)", file=sys.stderr)
+        return 1
     if not report.passed:
         ok = all(a.exact.passed for a in report.arms)
         print(f"pd-middleware ab: exactness {'PASS' if ok else 'FAIL'}, lost payloads {report.lost}", file=sys.stderr)

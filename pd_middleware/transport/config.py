@@ -4,7 +4,8 @@ Typed, frozen and strict like the rest of the config: unknown keys are errors, a
 bad value raises :class:`~pd_middleware._errors.OptionValueError` from ``__post_init__``,
 which the config loader turns into a :class:`~pd_middleware.ConfigError` whose path is
 the full key (``transport.slots.count``). Secrets can stay out of files: set
-``hmac_key_env`` to the name of an environment variable instead of ``hmac_key``.
+``hmac_key_env`` to the name of an environment variable instead of ``hmac_key``, and
+``curve.secret_key_env`` (or ``curve.secret_key_file``) for CURVE.
 
 Defaults suit one machine (loopback, TCP); see ``docs/transport.md`` for RDMA across
 machines.
@@ -22,6 +23,8 @@ from .._errors import ConfigError, OptionValueError
 
 _STRUCT = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A Z85-encoded Curve25519 key: 40 characters of the Z85 alphabet.
+_Z85_RE = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 
 #: Inline/bulk crossover measured by ``benchmarks/bulk.py --crossover`` on 2-core
 #: loopback TCP (see docs/transport.md): below this many bulk bytes per payload, raw
@@ -49,6 +52,14 @@ class LimitsConfig(msgspec.Struct, **_STRUCT):
     max_vocab: int = 1 << 24
     # Longest request id, in characters.
     max_request_id: int = 256
+    # Most outcomes waiting for the scheduler; past it the receiver stops reading (backpressure).
+    max_queued_outcomes: int = 65536
+    # Most inline tensor bytes waiting for the scheduler; past it the receiver stops reading.
+    max_queued_inline_bytes: int = 256 * 1024 * 1024
+    # Hidden-state width H every payload must carry (elements); 0 = not checked.
+    hidden_size: int = 0
+    # Hidden-state dtype every payload must carry; None = not checked.
+    hidden_dtype: Literal["bf16", "fp16", "fp32"] | None = None
 
     def __post_init__(self) -> None:
         _check(1024 <= self.max_message_bytes <= 1 << 26, "max_message_bytes", "must be in [1024, 2**26]")
@@ -57,6 +68,9 @@ class LimitsConfig(msgspec.Struct, **_STRUCT):
         _check(1 <= self.max_steps <= 4096, "max_steps", "must be in [1, 4096]")
         _check(1 <= self.max_vocab <= 1 << 30, "max_vocab", "must be in [1, 2**30]")
         _check(1 <= self.max_request_id <= 65536, "max_request_id", "must be in [1, 65536]")
+        _check(1 <= self.max_queued_outcomes <= 1 << 24, "max_queued_outcomes", "must be in [1, 2**24]")
+        _check(1 << 16 <= self.max_queued_inline_bytes <= 1 << 40, "max_queued_inline_bytes", "must be in [2**16, 2**40]")
+        _check(0 <= self.hidden_size <= 1 << 20, "hidden_size", "must be in [0, 2**20]")
 
 
 class SlotsConfig(msgspec.Struct, **_STRUCT):
@@ -111,6 +125,49 @@ class MooncakeConfig(msgspec.Struct, **_STRUCT):
             _check(bool(self.device_names), "device_names", "must name the RDMA NICs when protocol is 'rdma'")
 
 
+class CurveConfig(msgspec.Struct, **_STRUCT):
+    """CURVE (libzmq's Curve25519 encryption and authentication) on the control socket.
+
+    The recommended mode: a ZAP allowlist keeps every unlisted key out at the handshake,
+    before libzmq buffers a single message, and the authenticated key, not the hello
+    name, is the peer's identity. See docs/transport.md for key generation.
+    """
+
+    # Turn CURVE on (both sides must agree).
+    enabled: bool = False
+    # Environment variable holding this node's Z85 secret key (40 characters).
+    secret_key_env: str | None = None
+    # File holding this node's secret key: a zmq.auth .key_secret certificate or one Z85 line.
+    secret_key_file: str | None = None
+    # Prefill side: the decode's Z85 public key.
+    server_key: str | None = None
+    # Decode side: allowed prefills as name -> Z85 public key; the name is the peer's identity.
+    clients: dict[str, str] = {}
+    # Decode side: a directory of zmq.auth public certificates (NAME.key); NAME is the identity.
+    clients_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.secret_key_env is None or bool(_ENV_RE.match(self.secret_key_env)),
+            "secret_key_env",
+            "must be an environment variable name",
+        )
+        _check(
+            self.secret_key_env is None or self.secret_key_file is None,
+            "secret_key_file",
+            "set secret_key_env or secret_key_file, not both",
+        )
+        _check(self.server_key is None or bool(_Z85_RE.match(self.server_key)), "server_key", "must be a 40-character Z85 key")
+        for name, key in self.clients.items():
+            _check(bool(name) and bool(_Z85_RE.match(key)), f"clients.{name}", "must map a name to a 40-character Z85 key")
+        if self.enabled:
+            _check(
+                self.secret_key_env is not None or self.secret_key_file is not None,
+                "secret_key_env",
+                "CURVE needs this node's secret key (secret_key_env or secret_key_file)",
+            )
+
+
 class TransportConfig(msgspec.Struct, **_STRUCT):
     """Control plane (ZMQ), data plane (Mooncake) and their safety limits."""
 
@@ -134,6 +191,10 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
     hwm: int = 100_000
     # Most inbound messages the receiver handles before flushing acks.
     recv_batch: int = 256
+    # What a "delivered" ack means: "queued" = on the scheduler's queue; "consumed" = the
+    # scheduler released the Delivery (it was used), so a decode crash before that loses nothing silently.
+    ack: Literal["queued", "consumed"] = "queued"
+    curve: CurveConfig = CurveConfig()
     slots: SlotsConfig = SlotsConfig()
     limits: LimitsConfig = LimitsConfig()
     mooncake: MooncakeConfig = MooncakeConfig()
@@ -162,6 +223,11 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
         )
         _check(1 <= self.hwm <= 10_000_000, "hwm", "must be in [1, 10000000]")
         _check(1 <= self.recv_batch <= 1 << 16, "recv_batch", "must be in [1, 65536]")
+        _check(
+            not (self.curve.enabled and (self.hmac_key is not None or self.hmac_key_env is not None)),
+            "hmac_key",
+            "CURVE already authenticates every message: set hmac_key or curve.enabled, not both",
+        )
 
     def secret(self) -> bytes | None:
         """The HMAC key as bytes, read from ``hmac_key`` or the ``hmac_key_env`` variable.

@@ -58,8 +58,8 @@ USE_BITS = 32
 
 
 def authenticated(config: "TransportConfig") -> bool:
-    """Whether the control plane carrying the headers is authenticated (HMAC configured)."""
-    return config.hmac_key is not None or config.hmac_key_env is not None
+    """Whether the control plane carrying the headers is authenticated (CURVE or HMAC configured)."""
+    return config.curve.enabled or config.hmac_key is not None or config.hmac_key_env is not None
 
 
 def algorithm_for(config: "TransportConfig") -> str:

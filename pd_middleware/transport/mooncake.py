@@ -21,19 +21,24 @@ already reaped (this adapter only ever calls the first). This adapter is the bou
 - ``send_probe`` runs before the first transfer to each peer, so a frozen peer fails
   in seconds rather than after the 60 s first-contact timeout.
 
-Logs are quiet by default: ``MC_LOG_LEVEL`` is set (if unset) before the first engine
-starts. ``GLOG_minloglevel`` was tried and does not silence the engine's own logger;
-one "Logging before InitGoogleLogging" line and a few ``E`` lines at startup remain.
+Logs are quiet by default: ``MC_LOG_LEVEL`` (the engine's own setting, read when
+``mooncake.engine`` is imported) is set if unset, and while an engine starts glog's
+``FLAGS_minloglevel`` in the engine library is raised to FATAL, which hides the start-up
+lines that are not problems (``E... Local segment descriptor not found``, "Logging before
+InitGoogleLogging"); errors after start-up still print. ``MC_LOG_LEVEL=INFO``
+(``pd-middleware --log-level debug``) shows everything. ``GLOG_minloglevel`` has no
+effect: the engine overrides it from ``MC_LOG_LEVEL``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .._errors import TransferAbandoned, TransferError
 from .config import MooncakeConfig
@@ -48,6 +53,38 @@ _POLL_FAST_S = 2e-3
 _POLL_MAX_S = 1e-3
 # Batch ids are addresses; a failed submit returns 0 or -1 seen as an unsigned 64-bit id.
 _ID_LIMIT = 1 << 63
+
+
+_STARTUP_LOCK = threading.Lock()
+_GLOG_FATAL = 3
+
+
+@contextlib.contextmanager
+def _quiet_startup(level: str) -> Iterator[None]:
+    """Raise glog's minimum level to FATAL while an engine starts, unless ``level`` is INFO.
+
+    The flag lives in ``mooncake/engine.so`` (glog linked in); if a build does not export
+    it the start-up lines simply stay. The lock keeps concurrent starts from restoring
+    each other's value.
+    """
+    flag = None
+    if level.upper() != "INFO":
+        try:
+            from mooncake import engine as engine_mod
+
+            flag = ctypes.c_int.in_dll(ctypes.CDLL(engine_mod.__file__), "_ZN3fLI17FLAGS_minloglevelE")
+        except (OSError, ValueError, AttributeError, TypeError):
+            flag = None
+    if flag is None:
+        yield
+        return
+    with _STARTUP_LOCK:
+        old = flag.value
+        flag.value = max(old, _GLOG_FATAL)
+        try:
+            yield
+        finally:
+            flag.value = old
 
 
 def buffer_address(buf: Any) -> int:
@@ -112,8 +149,9 @@ class MooncakeEngine:
             from mooncake.engine import TransferEngine  # lazy: optional dependency
         except ImportError as exc:
             raise TransferError(f"mooncake.engine is not importable: {exc}", op="import", peer=host) from None
-        engine = TransferEngine()
-        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_names)
+        with _quiet_startup(os.environ["MC_LOG_LEVEL"]):
+            engine = TransferEngine()
+            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_names)
         if rc != 0:
             raise TransferError(f"engine initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed", op="initialize", code=rc, peer=host)
         return cls(engine, f"{host}:{engine.get_rpc_port()}", write_timeout_s=write_timeout_s)

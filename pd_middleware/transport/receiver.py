@@ -1,22 +1,30 @@
 """Decode side of the transport: a ZMQ ROUTER loop feeding the receive pipeline.
 
 One thread (:meth:`DecodeReceiver.start`) owns the socket and the slot pool. Per
-inbound message it verifies the optional HMAC, decodes and validates the header
-(:mod:`.wire`), resolves inline frames or slot ranges as zero-copy views, runs
-``pipeline.process`` (hooks, then the arm's synthesizer) and puts the outcome
-(:class:`~pd_middleware.pipeline.Delivery` or :class:`~pd_middleware.pipeline.Failure`)
-on a queue the scheduler reads with :meth:`get`/:meth:`drain` (a waiting scheduler is
-woken once per receive batch). Per-request statuses go back to each prefill in acks
-coalesced over ``_ACK_INTERVAL_S``. Freed slots ride on those acks too, and go at once
-when a peer has an eighth of its grant freed but unacknowledged; likewise a release
-wakes the loop only every ``slots.per_peer // 8`` releases, and the loop looks for
-releases at least every ``_ACK_INTERVAL_S`` while any slot is held.
+inbound message it checks authentication (CURVE's key from ZAP, or the HMAC and its
+replay window: :mod:`.auth`), decodes and validates the header (:mod:`.wire`), resolves
+inline frames or slot ranges as zero-copy views, runs ``pipeline.process`` (hooks, then
+the arm's synthesizer) and puts the outcome (:class:`~pd_middleware.pipeline.Delivery`
+or :class:`~pd_middleware.pipeline.Failure`) on a queue the scheduler reads with
+:meth:`get`/:meth:`drain` (a waiting scheduler is woken once per receive batch). Acks go
+back coalesced (:mod:`.peers`); with ``ack = "consumed"`` a request is acked delivered
+only once its Delivery was released.
 
 Every inbound message ends as exactly one counted outcome: a delivery, a pipeline
-failure, or a wire failure (``wire:<field>``; ``wire:hmac`` for a bad signature,
-counted even when the message was not a payload, since it cannot be known). Requests
-announced with :meth:`expect` that never arrive fail with ``transfer:deadline`` or,
-when their peer goes silent for ``peer_timeout_s``, ``transfer:peer_lost``.
+failure, a wire failure (``wire:<field>``: ``wire:hmac``, ``wire:replay``,
+``wire:nesting``, ``wire:duplicate``, ``wire:peer``...), or ``receiver:internal`` for an
+exception no check foresaw; the loop goes on after each. If the loop ends anyway, the
+application learns it at once: :meth:`get`/:meth:`drain` raise
+:class:`~pd_middleware.TransferError`, :attr:`healthy` turns False and the metric
+``receiver_alive`` drops to 0. Requests announced with :meth:`expect` that never arrive
+fail with ``transfer:deadline`` or, when their peer goes silent for ``peer_timeout_s``,
+``transfer:peer_lost``.
+
+Memory is bounded: libzmq refuses frames over the size caps (``ZMQ_MAXMSGSIZE``), and
+the loop stops reading (backpressure, nothing dropped) while the scheduler has
+``limits.max_queued_outcomes`` outcomes or ``limits.max_queued_inline_bytes`` inline
+bytes waiting. What libzmq buffers of a multipart message before Python sees it is
+bounded only by authentication: see docs/transport.md.
 
 Bulk views stay valid until :meth:`Delivery.release` is called; after that the slot
 may be overwritten by the next payload. Hooks that keep payloads must copy them.
@@ -24,13 +32,11 @@ may be overwritten by the next payload. Hooks that keep payloads must copy them.
 
 from __future__ import annotations
 
-import heapq
 import os
 import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
@@ -39,30 +45,21 @@ from .._errors import IntegrityError, TransferError, WireError
 from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
 from . import integrity, wire
-from .auth import Signer
+from .auth import TO_DECODE, TO_PREFILL, CurveGate, HelloGuard, Signer
 from .config import TransportConfig
+from .expects import Expectations
 from .mooncake import MooncakeEngine
+from .outcomes import OutcomeQueue
+from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, Peer, PeerTable
 from .slots import SlotPool
+from .sockets import bind_router
 
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
-_ARRIVED_CAP = 1 << 16  # request ids remembered so a late expect() does not fail an arrived request
-# Ack coalescing: a prefill hears about outcomes within this long (freed slots at once).
-_ACK_INTERVAL_S = 0.002
-_ACK_BATCH = 256  # pending outcomes that trigger an ack before the interval is up
-
-
-@dataclass(eq=False)
-class _Peer:
-    ident: bytes
-    name: str
-    last_seen: float
-    last_sent: float
-    slots: tuple[int, ...] = ()
-    freed: list[int] = field(default_factory=list)
-    delivered: list[int] = field(default_factory=list)
-    failed: list[tuple[int, str, str]] = field(default_factory=list)
-    resolver: Callable[..., memoryview] | None = None
+_NO_NONCE = bytes(16)
+# [peer, request id, seq, slot, slot generation, delivered?] of a payload whose releaser was called
+# (by the scheduler, or by the pipeline at once when the payload failed).
+_Release = list[Any]
 
 
 class DecodeReceiver:
@@ -89,24 +86,21 @@ class DecodeReceiver:
         self._clock = clock
         key = config.secret()
         self._signer = Signer(key) if key is not None else None
+        self._curve = config.curve.enabled
+        self._gate: CurveGate | None = None
         self._limits = config.limits
+        self._consumed_acks = config.ack == "consumed"
         self.session = secrets.token_hex(8)
         self.address = ""
-        # Outcomes for the scheduler. A deque plus an event set once per receive batch,
-        # not a queue woken per item: waking the scheduler thread for every payload
-        # made the two threads trade the GIL on every message (benchmarks/receive.py).
-        self._out: deque[Delivery | Failure] = deque()
-        self._ready = threading.Event()
-        self._pending_wake = False
-        self._released: deque[tuple[int, int]] = deque()
-        # Releases that wake the loop at once; the rest are found within _ACK_INTERVAL_S.
+        self._queue = OutcomeQueue(self._wake)  # outcomes for the scheduler (outcomes.py)
+        self._released: deque[_Release] = deque()
+        # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
-        self._held_n = 0  # slots held by delivered payloads (receiver thread only)
-        self._expects: deque[tuple[str, str | None, float | None]] = deque()
-        self._expected: dict[str, tuple[str | None, float | None]] = {}
-        self._deadlines: list[tuple[float, str]] = []
-        self._arrived: dict[str, None] = {}
-        self._peers: dict[bytes, _Peer] = {}
+        self._held_n = 0  # releases the loop waits for: held slots, consumed acks (loop only)
+        self._expects = Expectations()
+        self._expected = self._expects.expected  # read on the hot path
+        self._peers = PeerTable()
+        self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
         self._wake_armed = False
         self._running = False
         self._thread: threading.Thread | None = None
@@ -123,30 +117,7 @@ class DecodeReceiver:
         """Bind, register the slots with the engine and start the receive thread."""
         cfg = self.config
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, cfg.hwm)
-        sock.setsockopt(zmq.SNDHWM, cfg.hwm)
-        # libzmq drops (and disconnects) any frame above this before Python sees it.
-        sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.limits.max_message_bytes, cfg.limits.max_tensor_bytes))
-        # A fixed port may still be held for a moment by a receiver stopping in this
-        # process (libzmq unbinds asynchronously): retry briefly, then fail clearly.
-        deadline = time.monotonic() + 2.0
-        while True:
-            try:
-                if cfg.port:
-                    sock.bind(f"tcp://{cfg.bind_host}:{cfg.port}")
-                    port = cfg.port
-                else:
-                    port = sock.bind_to_random_port(f"tcp://{cfg.bind_host}")
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EADDRINUSE and cfg.port and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                sock.close(0)
-                raise TransferError(str(exc), op="bind", peer=f"{cfg.bind_host}:{cfg.port}") from None
-        self.address = f"tcp://{cfg.bind_host}:{port}"
+        sock, self.address, self._gate = bind_router(ctx, cfg, self.session)
         digest = integrity.algorithm_for(cfg)
         self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes, digest) if self.engine is not None else None
         if self._pool is not None and self.engine is not None:
@@ -157,6 +128,9 @@ class DecodeReceiver:
         os.set_blocking(w, False)
         self._pipe = (r, w)
         self._running = True
+        self._queue.dead = None
+        self._queue.where = self.address
+        self.metrics.receiver_alive = 1
         self._thread = threading.Thread(target=self._run, name="pd-decode-receiver", daemon=True)
         self._thread.start()
         return self
@@ -179,6 +153,12 @@ class DecodeReceiver:
             os.close(self._pipe[0])
             os.close(self._pipe[1])
             self._pipe = None
+        self._close_gate()
+
+    def _close_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
 
     def __enter__(self) -> "DecodeReceiver":
         return self.start()
@@ -188,50 +168,39 @@ class DecodeReceiver:
 
     # -- scheduler-side API (any thread) ----------------------------------------
 
+    @property
+    def healthy(self) -> bool:
+        """False once the receive loop has ended on its own (never, by design; see :meth:`get`)."""
+        return self._queue.dead is None
+
     def get(self, timeout: float | None = None) -> Delivery | Failure | None:
-        """Next outcome, waiting up to ``timeout`` seconds; None if none arrived."""
-        out = self._out
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return out.popleft()
-            except IndexError:
-                pass
-            self._ready.clear()
-            try:  # re-check after clearing: an append before the clear is not lost
-                return out.popleft()
-            except IndexError:
-                pass
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            self._ready.wait(left)
+        """Next outcome, waiting up to ``timeout`` seconds; None if none arrived.
+
+        Raises :class:`TransferError` (op ``receive``) once the receive loop has died and
+        every outcome it queued was taken: nothing more will ever arrive.
+        """
+        return self._queue.get(timeout)
 
     def drain(self, max_items: int = 1 << 30) -> list[Delivery | Failure]:
-        """Every outcome ready now, at most ``max_items``."""
-        out: list[Delivery | Failure] = []
-        pop = self._out.popleft
-        try:
-            while len(out) < max_items:
-                out.append(pop())
-        except IndexError:
-            pass
-        return out
+        """Every outcome ready now, at most ``max_items``; raises like :meth:`get` once the loop died."""
+        return self._queue.drain(max_items)
 
     def expect(self, request_id: str, peer: str | None = None, deadline: float | None = None) -> None:
         """Announce a request the decode awaits (like SGLang's prealloc queue).
 
-        It fails with ``transfer:deadline`` if it has not arrived by ``deadline``
-        (this receiver's clock, ``time.monotonic`` by default), or with
-        ``transfer:peer_lost`` when ``peer`` (the prefill's hello name) goes silent.
+        With ``peer`` (the prefill's identity: its CURVE allowlist name, or its hello
+        name without CURVE) only that peer may deliver it: the same id from another peer
+        fails as ``wire:peer``. It fails with ``transfer:deadline`` if it has not arrived
+        by ``deadline`` (this receiver's clock, ``time.monotonic`` by default), or with
+        ``transfer:peer_lost`` when ``peer`` goes silent.
         """
-        self._expects.append((request_id, peer, deadline))
+        self._expects.announce(request_id, peer, deadline)
         self._wake()
 
     @property
     def peers(self) -> dict[str, int]:
-        """Connected prefill peers by name, with the number of slots each holds a grant for."""
-        return {p.name: len(p.slots) for p in list(self._peers.values())}
+        """Connected prefill peers by identity, with the number of slots each holds a grant for."""
+        return {p.name: len(p.slots) for p in self._peers}
 
     @property
     def free_slots(self) -> int:
@@ -248,22 +217,42 @@ class DecodeReceiver:
             except (BlockingIOError, OSError):
                 pass  # a full pipe already wakes the loop; a closed one means stopped
 
-    def _releaser(self, slot: int, gen: int) -> Callable[[], None]:
+    def _releaser(self, item: _Release) -> Callable[[], None]:
         done = False
         released = self._released
+        prompt = item[3] >= 0 or self._consumed_acks  # someone waits on this release
         batch = self._release_batch
 
         def release() -> None:
             nonlocal done
             if not done:  # idempotent: a second release must not free a reused slot
                 done = True
-                released.append((slot, gen))  # generation-checked when applied
-                if len(released) >= batch:
+                released.append(item)
+                if prompt and len(released) >= batch:
                     self._wake()
 
         return release
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the application must learn of it, below
+            self._queue.dead = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if self._running and self._queue.dead is None:
+                self._queue.dead = "the receive loop returned while running"
+            if self._queue.dead is not None:
+                self.metrics.receiver_alive = 0
+                self.metrics.receiver_deaths += 1
+            try:
+                self._shutdown()
+            finally:
+                self.metrics.receiver_alive = 0
+                self._queue.pending_wake = True
+                self._queue.notify()
+
+    def _loop(self) -> None:
         assert self._sock is not None and self._pipe is not None
         sock, rfd = self._sock, self._pipe[0]
         poller = zmq.Poller()
@@ -272,63 +261,94 @@ class DecodeReceiver:
         tick = min(0.05, self.config.heartbeat_s / 2)
         next_tick = self._clock()
         batch = self.config.recv_batch
+        queue = self._queue
+        max_out = self._limits.max_queued_outcomes
+        max_bytes = self._limits.max_queued_inline_bytes
+        # Frames kept per message: past this the rest are counted, not copied (the message
+        # fails as wire:frames; libzmq has buffered it already, Python need not double it).
+        keep = self._limits.max_frames + 3
         # Frame by frame with copy=False and Frame.more: pyzmq's recv_multipart asks the
         # socket for RCVMORE through an enum conversion per frame, ~2 us a message here.
         recv = sock.recv
         noblock = zmq.NOBLOCK
+        curve = self._curve
         last_flush = self._clock()
-        try:
-            while self._running:
-                now = self._clock()
-                wait = next_tick - now
-                if self._acks_pending():
-                    wait = min(wait, last_flush + _ACK_INTERVAL_S - now)
-                elif self._held_n:  # a release may come without a wake-up: look every interval
-                    wait = min(wait, _ACK_INTERVAL_S)
-                events = dict(poller.poll(max(0.0, wait) * 1000.0))
-                if rfd in events:
+        reading = True
+        while self._running:
+            now = self._clock()
+            wait = next_tick - now
+            if self._peers.pending():
+                wait = min(wait, last_flush + ACK_INTERVAL_S - now)
+            elif self._held_n:  # a release may come without a wake-up: look every interval
+                wait = min(wait, ACK_INTERVAL_S)
+            # Backpressure: with the scheduler this far behind, leave messages in libzmq
+            # (then TCP) until it catches up; get()/drain() wake the loop.
+            full = queue.full(max_out, max_bytes)
+            queue.backpressure = full
+            if full == reading:
+                reading = not full
+                poller.modify(sock, zmq.POLLIN if reading else 0)
+            events = dict(poller.poll(max(0.0, wait) * 1000.0))
+            if rfd in events:
+                try:
+                    os.read(rfd, 4096)
+                except BlockingIOError:
+                    pass
+            self._wake_armed = False
+            self._expects.apply()
+            if sock in events:
+                for _ in range(batch):
                     try:
-                        os.read(rfd, 4096)
-                    except BlockingIOError:
-                        pass
-                self._wake_armed = False
-                self._apply_expects()
-                if sock in events:
-                    for _ in range(batch):
-                        try:
-                            f = recv(noblock, copy=False)
-                        except zmq.Again:
-                            break
-                        frames = [f.bytes]
-                        while f.more:  # the rest of a multipart message has arrived with it
-                            f = recv(noblock, copy=False)
+                        f = recv(noblock, copy=False)
+                    except zmq.Again:
+                        break
+                    user = f.get("User-Id") if curve else None
+                    frames = [f.bytes]
+                    extra = 0
+                    while f.more:  # the rest of a multipart message has arrived with it
+                        f = recv(noblock, copy=False)
+                        if len(frames) < keep:
                             frames.append(f.bytes)
-                        self._handle(frames)
-                self._notify()
-                self._apply_releases()
-                now = self._clock()
-                if now >= next_tick:
-                    self._tick(now)
-                    next_tick = now + tick
-                # Outcome acks are coalesced: one per peer every _ACK_INTERVAL_S (or
-                # _ACK_BATCH outcomes), not one per poll wake-up. Freed slots go at once
-                # (a prefill may be waiting for one); pending outcomes ride along.
-                pending = self._acks_pending()
-                if pending and (
-                    pending >= _ACK_BATCH or now - last_flush >= _ACK_INTERVAL_S or self._slots_freed()
-                ):
-                    self._flush()
-                    last_flush = now
-                self._notify()  # outcomes of expiries found by _tick
-        finally:
-            self._shutdown()
-            self._notify()
+                        else:
+                            extra += 1
+                    try:
+                        if extra:
+                            self._reject(frames[0], WireError(f"{len(frames) - 1 + extra} frames is not in [1, {self._limits.max_frames}]", field="frames"), "wire", 0)
+                        else:
+                            self._handle(frames, user)
+                    except Exception as exc:  # noqa: BLE001 - one message fails, never the loop
+                        self._internal(frames, exc)
+                    if queue.full(max_out, max_bytes):
+                        break
+            queue.notify()
+            self._apply_releases()
+            now = self._clock()
+            if now >= next_tick:
+                self._tick(now)
+                next_tick = now + tick
+            # Outcome acks are coalesced: one per peer every ACK_INTERVAL_S (or
+            # ACK_BATCH outcomes), not one per poll wake-up. Freed slots go at once
+            # (a prefill may be waiting for one); pending outcomes ride along.
+            pending = self._peers.pending()
+            if pending and (pending >= ACK_BATCH or now - last_flush >= ACK_INTERVAL_S or self._peers.slots_freed()):
+                self._peers.flush(self._send)
+                last_flush = now
+            queue.notify()  # outcomes of expiries found by _tick
+
+    def _internal(self, frames: list[bytes], exc: Exception) -> None:
+        """A message raised something no check foresaw: fail it (counted), keep serving."""
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+        self._emit(self.pipeline.fail(Failure(request_id=None, stage="receiver", reason=reason, field="internal")))
+        try:
+            self._send_to(frames[0], wire.ErrorReply(code="internal", reason=reason))
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
     def _shutdown(self) -> None:
-        for peer in list(self._peers.values()):
+        for peer in self._peers:
             self._send(peer, wire.Bye(reason="decode receiver stopped"))
-        self._apply_expects()
-        for rid in list(self._expected):
+        self._expects.apply()
+        for rid in self._expects.take():
             self._fail_expected(rid, "stopped", "decode receiver stopped before the request arrived")
         if self._sock is not None:
             try:
@@ -338,60 +358,67 @@ class DecodeReceiver:
             self._sock.close(linger=100)  # let the byes out
             self._sock = None
 
-    def _send(self, peer: _Peer, msg: wire.Message) -> None:
-        body = [wire.encode(msg)]
-        if self._signer is not None:
-            body.append(self._signer.sign(body))
-        self._send_raw(peer.ident, body)
+    def _send(self, peer: Peer, msg: wire.Message) -> None:
+        self._send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
+        peer.tx_seq += 1
         peer.last_sent = self._clock()
 
-    def _send_raw(self, ident: bytes, body: list[bytes]) -> None:
+    def _send_to(self, ident: bytes, msg: wire.Message, nonce: bytes = _NO_NONCE, seq: int | None = None) -> None:
+        """The one (signed) send path. With HMAC, a connection with no peer is answered under
+        the nonce its verified message carried, and a clock-based sequence that grows
+        across decode restarts (a prefill refuses a sequence it has seen)."""
         assert self._sock is not None
+        body = [wire.encode(msg)]
+        if self._signer is not None:
+            body += self._signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
         try:
             self._sock.send_multipart([ident, *body], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             self.unsent += 1  # peer gone or its queue full: it will time out and resync
 
-    def _emit(self, outcome: Delivery | Failure) -> None:
-        self._out.append(outcome)
-        self._pending_wake = True
+    def _emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
+        self._queue.put(outcome, nbytes)
 
-    def _notify(self) -> None:
-        """Wake a waiting scheduler once for everything emitted since the last call."""
-        if self._pending_wake:
-            self._pending_wake = False
-            self._ready.set()
-
-    def _reject(self, ident: bytes, exc: WireError, code: str, nbytes: int) -> None:
+    def _reject(self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE) -> None:
         """Count and report a message that failed before its payload could be built."""
         self.metrics.bytes["control"] += nbytes
         f = self.pipeline.fail(Failure(request_id=exc.request_id, stage="wire", reason=str(exc), field=exc.field))
         self._emit(f)
-        reply: list[bytes] = [wire.encode(wire.ErrorReply(code=code, reason=str(exc), request_id=exc.request_id))]
-        if self._signer is not None:
-            reply.append(self._signer.sign(reply))
-        self._send_raw(ident, reply)
+        self._send_to(ident, wire.ErrorReply(code=code, reason=str(exc), request_id=exc.request_id), nonce)
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], user: str | None = None) -> None:
         ident = frames[0]
         body = frames[1:]
         limits = self._limits
-        if not body or len(body) > limits.max_frames:
+        signed = self._signer is not None
+        if not body or len(body) > limits.max_frames + 2 * signed:
             n = sum(map(len, body))
             self._reject(ident, WireError(f"{len(body)} frames is not in [1, {limits.max_frames}]", field="frames"), "wire", n)
             return
-        if self._signer is not None:
-            if not self._signer.verify(body):
-                n = sum(map(len, body))
-                self._reject(ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", n)
+        peer = self._peers.by_ident.get(ident)
+        nonce, seq = _NO_NONCE, 0
+        if signed:
+            opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]
+            if opened is None:
+                self._reject(ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", sum(map(len, body)))
                 return
-            body = body[:-1]
+            nonce, seq = opened
+            body = body[:-2]
+            if peer is not None and nonce == peer.nonce:
+                if seq <= peer.rx_seq:
+                    exc = WireError(f"sequence {seq} was already used on this connection", field="replay")
+                    self._reject(ident, exc, "replay", sum(map(len, body)), nonce)
+                    return
+                peer.rx_seq = seq
+            else:
+                peer = None  # only a fresh hello may open (or reopen) a connection
+        if user is not None and peer is not None and peer.key != user:
+            peer = None  # never expected (libzmq keeps one key per connection): a reused routing id
         try:
             msg = wire.decode_frame(body[0], limits)
         except WireError as exc:
-            self._reject(ident, exc, "wire", sum(map(len, body)))
+            self._reject(ident, exc, "wire", sum(map(len, body)), nonce)
             return
-        peer = self._peers.get(ident)
         now = self._clock()
         if peer is not None:
             peer.last_seen = now
@@ -399,29 +426,36 @@ class DecodeReceiver:
         if kind is _PayloadHeader:
             if peer is None:
                 exc = WireError("unknown peer: send hello first (decode restarted?)", field="peer", request_id=msg.request_id)  # type: ignore[attr-defined]
-                self._reject(ident, exc, "hello", sum(map(len, body)))
+                self._reject(ident, exc, "hello", sum(map(len, body)), nonce)
             else:
                 self._on_payload(peer, msg, body)  # type: ignore[arg-type]
             return
         self.metrics.bytes["control"] += len(body[0])
         if kind is wire.Hello:
-            self._on_hello(ident, msg, now)  # type: ignore[arg-type]
+            self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]
         elif kind is wire.Heartbeat:
             if peer is None:
-                reply = [wire.encode(wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"))]
-                if self._signer is not None:
-                    reply.append(self._signer.sign(reply))
-                self._send_raw(ident, reply)
+                self._send_to(ident, wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"), nonce)
         elif kind is wire.Bye:
             if peer is not None:
                 self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]
 
-    def _on_hello(self, ident: bytes, msg: wire.Hello, now: float) -> None:
-        for other in list(self._peers.values()):
-            if other.name == msg.name or other.ident == ident:
-                # The same prefill reconnected: it stays responsible for its expected requests.
-                self._drop(other, None, "")
-        peer = _Peer(ident=ident, name=msg.name, last_seen=now, last_sent=now)
+    def _on_hello(self, ident: bytes, msg: wire.Hello, now: float, user: str | None, nonce: bytes, seq: int) -> None:
+        name = msg.name
+        if self._curve:
+            if self._gate is None or user not in self._gate.allowed:
+                self._reject(ident, WireError("CURVE key not on the allowlist", field="peer"), "hello", 0)
+                return
+            name = self._gate.allowed[user]  # the authenticated identity, whatever the hello says
+        if self._signer is not None:
+            why = self._hellos.check(msg.ts, nonce, seq)
+            if why:
+                self._reject(ident, WireError(why, field="replay"), "replay", 0, nonce)
+                return
+        for other in self._peers.same_identity(ident, name, user):
+            # The same prefill reconnected: it stays responsible for its expected requests.
+            self._drop(other, None, "")
+        peer = Peer(ident=ident, name=name, last_seen=now, last_sent=now, key=user, nonce=nonce, rx_seq=seq, tx_seq=time.time_ns())
         slots: list[int] = []
         pool = self._pool
         if pool is not None:
@@ -432,7 +466,7 @@ class DecodeReceiver:
 
             peer.resolver = resolve
         peer.slots = tuple(slots)
-        self._peers[ident] = peer
+        self._peers.add(peer)
         size = self.config.slots.size_bytes
         self._send(
             peer,
@@ -447,14 +481,21 @@ class DecodeReceiver:
             ),
         )
 
-    def _on_payload(self, peer: _Peer, h: wire.PayloadHeader, body: list[bytes]) -> None:
+    def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[bytes]) -> None:
         m = self.metrics
+        rid = h.request_id
         try:
+            if rid in peer.outstanding:
+                raise WireError("this peer already has this request outstanding", field="duplicate", request_id=rid)
+            expected = self._expected.get(rid) if self._expected else None
+            if expected is not None and expected[0] is not None and expected[0] != peer.name:
+                raise WireError(f"expected from {expected[0]!r}, sent by {peer.name!r}", field="peer", request_id=rid)
             payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
+            gen = 0
             if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
                 gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]
         except (WireError, IntegrityError) as exc:
-            named = _named_slot(h)
+            named = wire.named_slot(h)
             if named >= 0 and self._pool is not None and named < self._pool.count:
                 pool = self._pool
                 if pool.owner[named] == peer.ident and not pool.held[named]:
@@ -467,118 +508,82 @@ class DecodeReceiver:
             return
         by_plane = m.bytes
         by_plane["control"] += len(body[0])
-        releaser = None
+        inline = 0
         if slot >= 0:
             self._pool.hold(slot)  # type: ignore[union-attr]
             self._held_n += 1
-            releaser = self._releaser(slot, gen)
             by_plane["bulk"] += wire.bulk_bytes(payload)
         elif len(body) == 2:
-            by_plane["inline"] += len(body[1])
+            inline = len(body[1])
         elif len(body) > 2:
-            by_plane["inline"] += sum(map(len, body[1:]))
-        rid = h.request_id
-        if self._expected and rid in self._expected:
-            del self._expected[rid]
-        arrived = self._arrived
-        arrived[rid] = None
-        if len(arrived) > _ARRIVED_CAP:
-            del arrived[next(iter(arrived))]
+            inline = sum(map(len, body[1:]))
+        by_plane["inline"] += inline
+        self._expects.arrived(rid)
+        consumed = self._consumed_acks
+        item: _Release = [peer, rid, h.seq, slot, gen, False]
+        releaser = self._releaser(item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
-        self._out.append(out)
-        self._pending_wake = True
+        self._queue.put(out, inline)
         if type(out) is Delivery:
-            peer.delivered.append(h.seq)
+            item[5] = True
+            held = peer.outstanding
+            held[rid] = None
+            if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
+                del held[next(iter(held))]
+            if consumed:
+                self._held_n += 1
+            else:
+                peer.delivered.append(h.seq)
         else:
             peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]
 
     def _apply_releases(self) -> None:
         pool = self._pool
         released = self._released
+        consumed = self._consumed_acks
+        peers = self._peers
         while released:
-            slot, gen = released.popleft()
-            done, owner = pool.release(slot, gen)  # type: ignore[union-attr]
-            if not done:  # stale: the slot was freed or reused since; never free a later use
-                continue
-            self._held_n -= 1
-            if owner is not None:
-                peer = self._peers.get(owner)  # type: ignore[arg-type]
-                if peer is not None:
-                    peer.freed.append(slot)
-
-    def _apply_expects(self) -> None:
-        while self._expects:
-            rid, peer, deadline = self._expects.popleft()
-            if rid in self._arrived:
-                continue
-            self._expected[rid] = (peer, deadline)
-            if deadline is not None:
-                heapq.heappush(self._deadlines, (deadline, rid))
+            peer, rid, seq, slot, gen, delivered = released.popleft()
+            if delivered:
+                peer.outstanding.pop(rid, None)
+            if slot >= 0:
+                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]
+                if done:  # else stale: the slot was freed or reused since; never free a later use
+                    self._held_n -= 1
+                if done and owner is not None:
+                    holder = peers.get(owner)  # type: ignore[arg-type]
+                    if holder is not None:
+                        holder.freed.append(slot)
+            if consumed and delivered:
+                self._held_n -= 1
+                if peers.get(peer.ident) is peer:  # still connected: ack it now it was used
+                    peer.delivered.append(seq)
 
     def _fail_expected(self, rid: str, why: str, reason: str) -> None:
-        del self._expected[rid]
         self._emit(self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field=why)))
 
     def _tick(self, now: float) -> None:
-        dl = self._deadlines
-        while dl and dl[0][0] <= now:
-            deadline, rid = heapq.heappop(dl)
-            entry = self._expected.get(rid)
-            if entry is not None and entry[1] == deadline:
-                self._fail_expected(rid, "deadline", f"request {rid!r} did not arrive by its deadline")
+        for rid in self._expects.overdue(now):
+            self._fail_expected(rid, "deadline", f"request {rid!r} did not arrive by its deadline")
         timeout = self.config.peer_timeout_s
         hb = self.config.heartbeat_s
-        for peer in list(self._peers.values()):
+        for peer in self._peers:
+            if self._queue.backpressure:
+                peer.last_seen = now  # not reading: their heartbeats wait in libzmq, unheard
             silent = now - peer.last_seen
             if silent > timeout:
                 self._drop(peer, "peer_lost", f"prefill {peer.name!r} lost: silent for {silent:.1f} s (peer_timeout_s={timeout:g})")
             elif now - peer.last_sent >= hb:
                 self._send(peer, wire.Heartbeat(session=self.session))
 
-    def _drop(self, peer: _Peer, why: str | None, reason: str) -> None:
+    def _drop(self, peer: Peer, why: str | None, reason: str) -> None:
         """Forget ``peer``, reclaim its slots and (if ``why``) fail the requests expected from it."""
-        self._peers.pop(peer.ident, None)
+        self._peers.remove(peer)
         if self._pool is not None:
             self._pool.reclaim(peer.ident)
         if why is not None:
-            for rid, (name, _) in list(self._expected.items()):
-                if name == peer.name:
-                    self._fail_expected(rid, why, reason)
-
-    def _slots_freed(self) -> bool:
-        """Whether enough freed slots await their ack that a prefill may be short of slots.
-
-        A prefill with no free slot waits for this ack, so freed slots are acked at once
-        once a peer has an eighth of its grant (at least one) freed but unacked; below
-        that they ride on the next coalesced ack, at most _ACK_INTERVAL_S later.
-        """
-        return any(p.freed and len(p.freed) >= len(p.slots) >> 3 for p in self._peers.values())
-
-    def _acks_pending(self) -> int:
-        """Outcomes and freed slots not yet acknowledged to their prefill."""
-        return sum(len(p.freed) + len(p.delivered) + len(p.failed) for p in self._peers.values())
-
-    def _flush(self) -> None:
-        for peer in self._peers.values():
-            if peer.freed or peer.delivered or peer.failed:
-                self._send(peer, wire.Ack(freed=tuple(peer.freed), delivered=tuple(peer.delivered), failed=tuple(peer.failed)))
-                peer.freed.clear()
-                peer.delivered.clear()
-                peer.failed.clear()
-
-
-def _named_slot(h: wire.PayloadHeader) -> int:
-    """The slot a (possibly invalid) header names, or -1."""
-    refs: list[Any] = [h.hidden]
-    p = h.proposal
-    if isinstance(p, wire.DenseMeta):
-        refs.append(p.data)
-    elif isinstance(p, wire.SparseMeta):
-        refs += [p.indices, p.values]
-    for r in refs:
-        if r is not None and r.frame == 0 and r.slot >= 0:
-            return r.slot
-    return -1
+            for rid in self._expects.take(peer.name):
+                self._fail_expected(rid, why, reason)
 
 
 def open_receiver(

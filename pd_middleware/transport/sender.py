@@ -42,10 +42,12 @@ import zmq
 from .._errors import NoSlotError, TransferAbandoned, TransferError, WireError
 from ..payload import Payload
 from . import integrity, wire
-from .auth import Signer
-from .bulk import POLL_FAST_S, POLL_MAX_S, POLL_MIN_S, BulkWriter, InFlight
+from .auth import TO_DECODE, TO_PREFILL, Signer, new_nonce
+from .backoff import POLL_MAX_S, Backoff
+from .bulk import BulkWriter, InFlight
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
+from .sockets import connect_dealer
 
 _FAILURE_LOG = 1024  # most recent failures kept for failures()
 
@@ -73,6 +75,11 @@ class PrefillSender:
         self._clock = clock
         key = config.secret()
         self._signer = Signer(key) if key is not None else None
+        # HMAC mode: this connection's nonce, the next sequence to send, the last received.
+        self._nonce = new_nonce()
+        self._tx_seq = 0
+        self._rx_seq = -1
+        self._thread_error: str | None = None  # why the background thread died, if it did
         self._lock = threading.RLock()
         self._sock: zmq.Socket | None = None
         self._address = ""
@@ -112,7 +119,8 @@ class PrefillSender:
         with self._lock:
             self._open_socket(address)
             self._hello(timeout if timeout is not None else self.config.connect_timeout_s)
-        if self._hb_thread is None:
+        if self._hb_thread is None or not self._hb_thread.is_alive():
+            self._thread_error = None
             self._hb_stop.clear()
             self._hb_thread = threading.Thread(target=self._background, name=f"{self.name}-background", daemon=True)
             self._hb_thread.start()
@@ -145,13 +153,11 @@ class PrefillSender:
 
     def _open_socket(self, address: str) -> None:
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
-        sock.connect(address)
-        self._sock = sock
+        # A fresh connection: a fresh nonce, so nothing signed on an earlier one replays here.
+        self._nonce = new_nonce()
+        self._tx_seq = 0
+        self._rx_seq = -1
+        self._sock = connect_dealer(ctx, self.config, address)
         self._address = address
 
     def _reset(self, key: str, why: str, linger: int = 0) -> None:
@@ -173,7 +179,7 @@ class PrefillSender:
         assert sock is not None
         want = self.config.slots.per_peer if self.engine is not None else 0
         mc = self.engine.peer_name if self.engine is not None else None
-        self._send_msg(wire.Hello(name=self.name, want_slots=want, mooncake=mc))
+        self._send_msg(wire.Hello(name=self.name, want_slots=want, mooncake=mc, ts=time.time()))
         deadline = self._clock() + timeout
         while True:
             left = deadline - self._clock()
@@ -202,14 +208,22 @@ class PrefillSender:
         assert self._sock is not None
         frames = self._sock.recv_multipart()
         if self._signer is not None:
-            if not self._signer.verify(frames):
+            opened = self._signer.open(frames, TO_PREFILL)
+            if opened is None:
                 self.rejected["hmac"] += 1
                 return None
-            frames = frames[:-1]
+            if opened[0] != self._nonce or opened[1] <= self._rx_seq:
+                self.rejected["replay"] += 1  # another connection's message, or one seen already
+                return None
+            self._rx_seq = opened[1]
+            frames = frames[:-2]
         try:
             msg = wire.decode_frame(frames[0], self.config.limits, wire.OUTBOUND_DECODER)
         except WireError as exc:
             self.rejected[f"wire:{exc.field}"] += 1
+            return None
+        except Exception as exc:  # noqa: BLE001 - one bad message from the decode, never the sender
+            self.rejected[f"internal:{type(exc).__name__}"] += 1
             return None
         self._last_heard = self._clock()
         kind = type(msg)
@@ -268,7 +282,8 @@ class PrefillSender:
         if extra:
             frames += extra
         if self._signer is not None:
-            frames.append(self._signer.sign(frames))
+            frames += self._signer.sign(frames, self._nonce, self._tx_seq, TO_DECODE)
+            self._tx_seq += 1
         assert self._sock is not None
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
@@ -389,15 +404,12 @@ class PrefillSender:
 
     def _settle(self, limit: int) -> None:
         """Poll writes in flight until at most ``limit`` remain (each one is bounded by write_timeout_s)."""
-        delay = POLL_MIN_S
-        start = self._clock()
+        backoff = Backoff(self._clock)
         while len(self._inflight) > limit:
             self._poll_inflight()
             if len(self._inflight) <= limit:
                 return
-            time.sleep(delay)
-            if self._clock() - start > POLL_FAST_S:
-                delay = min(delay * 2, POLL_MAX_S)
+            backoff.sleep()
 
     def _drop_inflight(self) -> None:
         """On reset: wait for running writes to end (bulk.py), no header goes out."""
@@ -456,7 +468,7 @@ class PrefillSender:
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every sent request has a status; False on timeout (or if the decode is gone)."""
         deadline = self._clock() + timeout
-        delay = POLL_MIN_S
+        backoff = Backoff(self._clock)
         while True:
             with self._lock:
                 self._drain()
@@ -473,8 +485,7 @@ class PrefillSender:
                 if not self._inflight:
                     sock.poll(min(left, 0.05) * 1000.0)
                     continue
-            time.sleep(delay)  # writes still landing: poll them again shortly
-            delay = min(delay * 2, POLL_MAX_S)
+            backoff.sleep()  # writes still landing: poll them again shortly
 
     # -- accounting -------------------------------------------------------------
 
@@ -492,7 +503,8 @@ class PrefillSender:
                 "bytes_by_plane": dict(self.bytes),
                 "free_slots": len(self._free),
                 "writes_in_flight": len(self._inflight),
-                "connected": self._lost is None,
+                "connected": self.connected,
+                "background_error": self._thread_error,
             }
 
     def failures(self) -> list[tuple[str, str, str]]:
@@ -502,16 +514,26 @@ class PrefillSender:
 
     @property
     def connected(self) -> bool:
-        return self._lost is None
+        """True while the decode is reachable and the background thread runs."""
+        return self._lost is None and self._thread_error is None
 
     # -- background thread ------------------------------------------------------
 
     def _background(self) -> None:
+        """Run :meth:`_background_loop`; if it ever ends on an exception, the decode is lost
+        (``connected`` reads False and the next send raises) instead of a silent stall."""
+        try:
+            self._background_loop()
+        except BaseException as exc:  # noqa: BLE001 - reported through connected/send
+            self._thread_error = f"{type(exc).__name__}: {exc}"
+            self._lost = f"the sender's background thread died ({self._thread_error})"
+            raise
+
+    def _background_loop(self) -> None:
         """Complete writes in flight promptly; heartbeat and watch the decode when idle."""
         hb = self.config.heartbeat_s
         next_hb = self._clock() + hb / 2
-        delay = POLL_MIN_S
-        busy_since: float | None = None
+        backoff = Backoff(self._clock)
         seen_seq = -1
         while not self._hb_stop.is_set():
             with self._lock:
@@ -520,18 +542,15 @@ class PrefillSender:
                 busy = bool(self._inflight) and self._lost is None
                 now = self._clock()
                 if self._seq != seen_seq:  # new writes since the last pass: poll fast again
-                    seen_seq, busy_since, delay = self._seq, None, POLL_MIN_S
+                    seen_seq = self._seq
+                    backoff.reset()
                 if now >= next_hb:
                     next_hb = now + hb / 2
                     self._heartbeat_duties(now)
             if busy:
-                if busy_since is None:
-                    busy_since = now
-                elif now - busy_since > POLL_FAST_S:
-                    delay = min(delay * 2, POLL_MAX_S)
-                time.sleep(delay)
+                backoff.sleep()
             else:
-                busy_since, delay = None, POLL_MIN_S
+                backoff.reset()
                 self._work.wait(max(0.0, next_hb - self._clock()))
                 self._work.clear()
 

@@ -15,7 +15,8 @@ Messages, by direction:
   :class:`ErrorReply`, :class:`Heartbeat`, :class:`Bye`.
 
 Decoding (:func:`decode_frame`, then :func:`payload_from_header`) checks the frame size
-against :class:`~pd_middleware.transport.config.LimitsConfig` *before* parsing, then
+against :class:`~pd_middleware.transport.config.LimitsConfig` *before* parsing (and,
+before any untyped decoding on the error path, the nesting depth: field ``nesting``), then
 types (msgspec), version, declared sizes against the limits and against the frames or
 slot that hold them, dtypes, shapes and ranges, and finally builds a
 :class:`~pd_middleware.payload.Payload`, whose constructor validates values. Any
@@ -39,6 +40,7 @@ import msgspec
 from .._errors import ValidationError, WireError
 from ..payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding, u16_buckets
 from .config import LimitsConfig
+from .nesting import MAX_DEPTH, nesting_depth
 
 #: Schema version; a message with another ``v`` is rejected (field ``v``).
 WIRE_VERSION = 1
@@ -145,6 +147,9 @@ class Hello(Message, tag="hello"):
     want_slots: NonNeg
     # The prefill's Mooncake peer name (informational), None without an engine.
     mooncake: str | None = None
+    # Sender's wall clock (time.time()) when it said hello: with HMAC, a hello older or
+    # newer than auth.HELLO_FRESH_S is refused (with its nonce, this stops hello replay).
+    ts: float = 0.0
 
 
 class Grant(Message, tag="grant"):
@@ -197,7 +202,10 @@ OUTBOUND = Union[Grant, Ack, ErrorReply, Heartbeat, Bye]
 ENCODER = msgspec.msgpack.Encoder()
 INBOUND_DECODER = msgspec.msgpack.Decoder(INBOUND)
 OUTBOUND_DECODER = msgspec.msgpack.Decoder(OUTBOUND)
-_RAW_DECODER = msgspec.msgpack.Decoder()
+# The error path reads a rejected frame's top level only: values stay undecoded Raw.
+_SHALLOW_DECODER = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_RID_DECODER = msgspec.msgpack.Decoder(str)
+_V_DECODER = msgspec.msgpack.Decoder(int)
 
 _PATH_RE = re.compile(r"`\$([^`]*)`\s*$")
 _NAME_RE = re.compile(r"field `([^`]+)`")
@@ -220,17 +228,33 @@ def _field_of(message: str) -> str:
 
 
 def _sniff(frame: bytes | memoryview, limits: LimitsConfig) -> tuple[str | None, object]:
-    """Best-effort (request_id, v) from a frame that failed typed decoding (error path only)."""
+    """Best-effort (request_id, v) from a frame that failed typed decoding (error path only).
+
+    Never raises: the caller has already refused frames nested past MAX_DEPTH, and only
+    the top-level map is decoded (its values stay Raw until one is read as str or int).
+    """
     try:
-        raw = _RAW_DECODER.decode(frame)
-    except msgspec.DecodeError:
+        raw = _SHALLOW_DECODER.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None, None
-    if not isinstance(raw, dict):
-        return None, None
-    rid = raw.get("request_id")
-    if not isinstance(rid, str) or not 0 < len(rid) <= limits.max_request_id:
+    rid: str | None = None
+    v: object = None
+    try:
+        if "request_id" in raw:
+            rid = _RID_DECODER.decode(raw["request_id"])
+        if "v" in raw:
+            v = _V_DECODER.decode(raw["v"])
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        pass
+    if rid is not None and not 0 < len(rid) <= limits.max_request_id:
         rid = None
-    return rid, raw.get("v")
+    return rid, v
+
+
+def _check_nesting(frame: bytes | memoryview) -> None:
+    depth = nesting_depth(frame)
+    if depth > MAX_DEPTH:
+        raise WireError(f"containers nest deeper than {MAX_DEPTH} levels", field="nesting")
 
 
 def decode_frame(frame: bytes | memoryview, limits: LimitsConfig, decoder: msgspec.msgpack.Decoder = INBOUND_DECODER) -> Message:
@@ -247,11 +271,13 @@ def decode_frame(frame: bytes | memoryview, limits: LimitsConfig, decoder: msgsp
     try:
         msg = decoder.decode(frame)
     except msgspec.ValidationError as exc:
+        _check_nesting(frame)
         rid, v = _sniff(frame, limits)
         if v is not None and v != WIRE_VERSION:
             raise WireError(f"wire version {v!r} is not supported (expected {WIRE_VERSION})", field="v", request_id=rid) from None
         raise WireError(str(exc), field=_field_of(str(exc)), request_id=rid) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
+        _check_nesting(frame)
         raise WireError(f"malformed msgpack: {exc}", field="message") from None
     if msg.v != WIRE_VERSION:
         raise WireError(
@@ -322,6 +348,12 @@ def payload_from_header(
     vocab = h.vocab_size
     if not 0 < vocab <= limits.max_vocab:
         raise WireError(f"{vocab} is not in [1, {limits.max_vocab}]", field="vocab_size", request_id=rid)
+    if limits.hidden_dtype is not None and h.hidden_dtype != limits.hidden_dtype:
+        raise WireError(f"{h.hidden_dtype} does not match the configured {limits.hidden_dtype}", field="hidden_dtype", request_id=rid)
+    if limits.hidden_size:
+        width = h.hidden.shape[0] if h.hidden is not None and len(h.hidden.shape) == 1 else 0
+        if width != limits.hidden_size:
+            raise WireError(f"{width} elements, the configured hidden_size is {limits.hidden_size}", field="hidden.shape", request_id=rid)
     slot = -1
     hidden: Buffer = b""
     if h.hidden is not None:
@@ -441,6 +473,14 @@ def slot_refs(h: PayloadHeader) -> list[tuple[str, TensorRef]]:
     elif p is not None:
         refs += [("proposal.indices", p.indices), ("proposal.values", p.values)]
     return [(f, r) for f, r in refs if r is not None and r.frame == 0]
+
+
+def named_slot(h: PayloadHeader) -> int:
+    """The first slot a (possibly invalid) header names, or -1 (the one slot-naming rule)."""
+    for _, r in slot_refs(h):
+        if r.slot >= 0:
+            return r.slot
+    return -1
 
 
 def _same_slot(a: int, b: int, field: str, rid: str) -> int:

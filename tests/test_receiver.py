@@ -1,0 +1,259 @@
+"""The decode receiver against hostile and unusual input, over real sockets on loopback.
+
+- No message stops the loop: a 1 KB frame nested 1000 deep is ``wire:nesting``, an
+  exception no check foresaw is ``receiver:internal``, and the next payload is delivered.
+- If the loop dies anyway, ``get``/``drain`` raise, ``healthy`` and the metric say so.
+- Identity: ``expect(rid, peer)`` is enforced (``wire:peer``), a request id the same peer
+  has outstanding is ``wire:duplicate``, ``Delivery.peer`` names the sender.
+- Memory: the outcome queue and queued inline bytes are bounded by backpressure, with
+  nothing dropped; the hidden state's width and dtype are checked against the config.
+- Acks: ``ack = "consumed"`` acks a delivery only once it was released.
+Every test has a negative control showing it can fail.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from pd_middleware import OneHotProposal, Payload, Provenance, TransferError
+from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
+from pd_middleware.transport.nesting import MAX_DEPTH, nesting_depth
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
+
+NESTED = b"\x91" * 1000 + b"\x01"  # [[[...1...]]], 1001 bytes
+
+
+class OneHot:
+    def synthesize(self, payload: Payload) -> OneHotProposal:
+        return OneHotProposal(payload.draft_tokens)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
+
+
+def cfg(**kw) -> TransportConfig:
+    base: dict = dict(heartbeat_s=0.05, peer_timeout_s=5.0)
+    base.update(kw)
+    return TransportConfig(**base)
+
+
+def receiver(zctx, **kw) -> DecodeReceiver:
+    return DecodeReceiver(cfg(**kw), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+
+
+def make(rid: str, hidden: int = 128) -> Payload:
+    return Payload(rid, (3,), (0.5,), 100, hidden=bytes(hidden), hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None))
+
+
+def raw_peer(ctx: zmq.Context, address: str, name: str = "raw") -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    s.send_multipart([wire.encode(wire.Hello(name=name, want_slots=0))])
+    assert s.poll(5000), "no grant"
+    s.recv_multipart()
+    return s
+
+
+def frames_of(p: Payload, seq: int = 0) -> list[bytes]:
+    header, parts = wire.build_header(p, seq)
+    return [wire.encode(header), *(bytes(b) for b, _ in parts)]
+
+
+# ---- the loop survives any message ----------------------------------------------------
+
+
+def test_nested_frame_is_a_counted_wire_nesting_failure(zctx) -> None:
+    # Negative control: this frame is the one that raised RecursionError from an untyped decode.
+    with pytest.raises(RecursionError):
+        msgspec.msgpack.decode(NESTED)
+    assert nesting_depth(NESTED) == MAX_DEPTH + 1 and nesting_depth(frames_of(make("x"))[0]) <= 4
+    rx = receiver(zctx)
+    try:
+        s = raw_peer(zctx, rx.address)
+        for _ in range(3):
+            s.send_multipart([NESTED])
+            s.send_multipart([b"\x81\xa4kind" + b"\x81\xa1a" * 2000 + b"\x01"])  # nested maps under a key
+        s.send_multipart(frames_of(make("after")))
+        outs = collect_outcomes(rx, 7)
+        assert [o.key for o in outs[:6]] == ["wire:nesting"] * 6
+        assert isinstance(outs[6], Delivery) and outs[6].request_id == "after"
+        assert rx.healthy and rx.metrics.snapshot()["receiver_alive"] == 1
+    finally:
+        rx.stop()
+
+
+def test_unforeseen_exception_fails_one_message_not_the_loop(zctx, monkeypatch) -> None:
+    rx = receiver(zctx)
+    real = wire.payload_from_header
+    calls = {"n": 0}
+
+    def flaky(h, *a, **kw):
+        calls["n"] += 1
+        if h.request_id == "boom":
+            raise RuntimeError("a bug no check foresaw")
+        return real(h, *a, **kw)
+
+    monkeypatch.setattr(wire, "payload_from_header", flaky)
+    try:
+        s = raw_peer(zctx, rx.address)
+        s.send_multipart(frames_of(make("boom")))
+        s.send_multipart(frames_of(make("fine"), seq=1))
+        a, b = collect_outcomes(rx, 2)
+        assert isinstance(a, Failure) and a.key == "receiver:internal" and "RuntimeError" in a.reason
+        assert isinstance(b, Delivery) and b.request_id == "fine"  # negative control: the loop went on
+        assert calls["n"] == 2 and rx.metrics.snapshot()["failed_by_reason"] == {"receiver:internal": 1}
+    finally:
+        rx.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop re-raises, by design
+def test_a_dead_loop_is_reported_at_once(zctx, monkeypatch) -> None:
+    rx = receiver(zctx)
+    try:
+        assert rx.healthy and rx.metrics.receiver_alive == 1 and rx.get(timeout=0.05) is None  # control
+        tx = PrefillSender(cfg(), context=zctx, name="p").connect(rx.address)
+        tx.send(make("queued"))
+        (first,) = collect_outcomes(rx, 1)
+        assert first.request_id == "queued"
+
+        def broken(now: float) -> None:
+            raise MemoryError("simulated: outside any one message")
+
+        monkeypatch.setattr(rx, "_tick", broken)
+        deadline = time.monotonic() + 5
+        while rx.healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not rx.healthy and rx.metrics.snapshot()["receiver_alive"] == 0 and rx.metrics.receiver_deaths == 1
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="receive loop stopped: MemoryError"):
+            rx.get(timeout=5.0)
+        assert time.monotonic() - t0 < 1.0  # at once, not after the timeout
+        with pytest.raises(TransferError):
+            rx.drain()
+        tx.close()
+    finally:
+        rx._thread = None  # already ended; nothing left to join
+        rx.stop()
+
+
+# ---- identity ---------------------------------------------------------------------------
+
+
+def test_expect_with_peer_is_enforced_and_delivery_names_the_peer(zctx) -> None:
+    rx = receiver(zctx)
+    a = PrefillSender(cfg(), context=zctx, name="alice").connect(rx.address)
+    b = PrefillSender(cfg(), context=zctx, name="bob").connect(rx.address)
+    try:
+        rx.expect("r1", peer="alice")
+        time.sleep(0.05)
+        b.send(make("r1"))  # the wrong peer
+        (bad,) = collect_outcomes(rx, 1)
+        assert isinstance(bad, Failure) and bad.key == "wire:peer" and "'alice'" in bad.reason
+        a.send(make("r1"))  # still expected: the right peer delivers it
+        b.send(make("r2"))  # negative control: not expected from anyone, so bob may deliver it
+        got = {o.request_id: o for o in collect_outcomes(rx, 2)}
+        assert isinstance(got["r1"], Delivery) and got["r1"].peer == "alice"
+        assert isinstance(got["r2"], Delivery) and got["r2"].peer == "bob"
+        assert a.flush(5) and b.flush(5)
+        assert b.statuses()["failed_by_reason"] == {"wire:peer": 1}
+    finally:
+        a.close()
+        b.close()
+        rx.stop()
+
+
+def test_outstanding_request_id_from_the_same_peer_is_a_duplicate(zctx) -> None:
+    rx = receiver(zctx)
+    s = raw_peer(zctx, rx.address, "p")
+    t = raw_peer(zctx, rx.address, "q")
+    try:
+        s.send_multipart(frames_of(make("r"), 0))
+        s.send_multipart(frames_of(make("r"), 1))  # again while the first is outstanding
+        first, dup = collect_outcomes(rx, 2)
+        t.send_multipart(frames_of(make("r"), 0))  # another peer: not this peer's duplicate
+        (other,) = collect_outcomes(rx, 1)
+        assert isinstance(first, Delivery) and dup.key == "wire:duplicate" and isinstance(other, Delivery)
+        first.release()
+        other.release()
+        time.sleep(0.1)  # the loop applies the release
+        s.send_multipart(frames_of(make("r"), 2))  # negative control: released, so it may come again
+        (again,) = collect_outcomes(rx, 1)
+        assert isinstance(again, Delivery)
+    finally:
+        rx.stop()
+
+
+# ---- memory -----------------------------------------------------------------------------
+
+
+def test_hidden_size_and_dtype_checked_against_config(zctx) -> None:
+    rx = receiver(zctx, limits=LimitsConfig(hidden_size=64, hidden_dtype="bf16"))
+    try:
+        s = raw_peer(zctx, rx.address)
+        s.send_multipart(frames_of(make("wide", hidden=16 * 1024 * 1024 // 64)))  # 128K elements
+        fp32 = Payload("fp32", (3,), (0.5,), 100, hidden=bytes(256), hidden_dtype="fp32", provenance=Provenance("sampled", 1.0, None))
+        s.send_multipart(frames_of(fp32, 1))
+        s.send_multipart(frames_of(make("ok", hidden=128), 2))  # 64 bf16 elements: the control
+        wide, dt, ok = collect_outcomes(rx, 3)
+        assert wide.key == "wire:hidden.shape" and dt.key == "wire:hidden_dtype" and isinstance(ok, Delivery)
+    finally:
+        rx.stop()
+
+
+@pytest.mark.parametrize("limit", ["outcomes", "bytes"])
+def test_backpressure_bounds_the_queue_and_drops_nothing(zctx, limit: str) -> None:
+    n, size = 60, 16 * 1024
+    lim = LimitsConfig(max_queued_outcomes=8) if limit == "outcomes" else LimitsConfig(max_queued_inline_bytes=1 << 16)
+    rx = receiver(zctx, limits=lim, peer_timeout_s=0.5, heartbeat_s=0.1)
+    tx = PrefillSender(cfg(peer_timeout_s=0.5, heartbeat_s=0.1), context=zctx, name="p").connect(rx.address)
+    try:
+        for i in range(n):
+            tx.send(make(f"r{i}", hidden=size))
+        time.sleep(1.0)  # the scheduler is stalled past peer_timeout_s
+        queued = len(rx._queue.items)
+        held = rx._queue.bytes_in - rx._queue.bytes_out
+        if limit == "outcomes":
+            assert queued <= 8
+        else:
+            assert held <= (1 << 16) + size
+        assert queued < n  # negative control: without backpressure all n would be queued
+        got = collect_outcomes(rx, n, timeout=20)
+        assert [o.request_id for o in got] == [f"r{i}" for i in range(n)]
+        assert all(isinstance(o, Delivery) for o in got) and rx.peers == {"p": 0}  # not dropped as silent
+        assert tx.flush(5) and tx.statuses()["delivered"] == n
+    finally:
+        tx.close()
+        rx.stop()
+
+
+# ---- acks -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["queued", "consumed"])
+def test_consumed_acks_wait_for_release(zctx, mode: str) -> None:
+    rx = receiver(zctx, ack=mode)
+    tx = PrefillSender(cfg(), context=zctx, name="p").connect(rx.address)
+    try:
+        tx.send(make("r"))
+        (d,) = collect_outcomes(rx, 1)
+        flushed = tx.flush(0.3)
+        if mode == "queued":
+            assert flushed and tx.statuses()["delivered"] == 1  # the control: acked once queued
+        else:
+            assert not flushed and tx.statuses()["outstanding"] == 1  # used by nobody yet
+            d.release()
+            assert tx.flush(5) and tx.statuses()["delivered"] == 1
+    finally:
+        tx.close()
+        rx.stop()
