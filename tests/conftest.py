@@ -7,8 +7,18 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import zmq
 
 # ---- transport fixtures ----
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A fresh ZMQ context per test; destroyed with linger 0, which closes whatever a failed
+    test left open, so a failure never hangs in ``term()``."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="session")

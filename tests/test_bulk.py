@@ -15,20 +15,15 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-import zmq
 from _bulk_peer import RawPrefill  # tests/ is on sys.path (no __init__.py)
+from _helpers import OneHot  # tests/ is on sys.path (no __init__.py)
 from _transport_peer import collect_outcomes, make_payload
 
-from pd_middleware import DenseEncoding, OneHotProposal, Payload
+from pd_middleware import DenseEncoding, Payload
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
 
 KEY = b"k" * 32
-
-
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
 
 
 def cfg(per_peer: int = 4, digest: str = "auto", hmac: bool = False) -> TransportConfig:
@@ -47,13 +42,6 @@ def dense(rid: str, seed: int, vocab: int = 256) -> Payload:
     return Payload(
         rid, (seed % vocab,), (0.5,), vocab, hidden=bytes([seed % 256]) * 256, proposal=DenseEncoding("fp32", data)
     )
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: a failure must not hang term()
 
 
 @pytest.fixture

@@ -6,20 +6,14 @@ engines on loopback; every wait is bounded.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
-import zmq
+from _helpers import OneHot  # tests/ is on sys.path (no __init__.py)
 from _transport_peer import collect_outcomes, make_payload  # tests/ is on sys.path (no __init__.py)
 
-from pd_middleware import OneHotProposal, Payload, TransferAbandoned, TransferError
+from pd_middleware import Payload, TransferAbandoned, TransferError
 from pd_middleware.pipeline import Delivery, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
-
-
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
 
 
 def cfg(inflight: int, per_peer: int = 32) -> TransportConfig:
@@ -30,13 +24,6 @@ def cfg(inflight: int, per_peer: int = 32) -> TransportConfig:
         slots=SlotsConfig(count=64, size_bytes=64 * 1024, per_peer=per_peer, wait_s=2.0),
         mooncake=MooncakeConfig(max_inflight_writes=inflight),
     )
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: a failure must not hang term()
 
 
 def _pair(inflight: int, zctx, mooncake_pair) -> tuple[DecodeReceiver, PrefillSender]:

@@ -14,31 +14,19 @@ Every test has a negative control showing it can fail.
 from __future__ import annotations
 
 import time
-from typing import Iterator
 
 import msgspec
 import pytest
 import zmq
+from _helpers import OneHot  # tests/ is on sys.path (no __init__.py)
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
-from pd_middleware import OneHotProposal, Payload, Provenance, TransferError
+from pd_middleware import Payload, Provenance, TransferError
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
 from pd_middleware.transport.nesting import MAX_DEPTH, nesting_depth
-from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
 NESTED = b"\x91" * 1000 + b"\x01"  # [[[...1...]]], 1001 bytes
-
-
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
 
 
 def cfg(**kw) -> TransportConfig:
@@ -52,7 +40,9 @@ def receiver(zctx, **kw) -> DecodeReceiver:
 
 
 def make(rid: str, hidden: int = 128) -> Payload:
-    return Payload(rid, (3,), (0.5,), 100, hidden=bytes(hidden), hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None))
+    return Payload(
+        rid, (3,), (0.5,), 100, hidden=bytes(hidden), hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None)
+    )
 
 
 def raw_peer(ctx: zmq.Context, address: str, name: str = "raw") -> zmq.Socket:
@@ -202,7 +192,15 @@ def test_hidden_size_and_dtype_checked_against_config(zctx) -> None:
     try:
         s = raw_peer(zctx, rx.address)
         s.send_multipart(frames_of(make("wide", hidden=16 * 1024 * 1024 // 64)))  # 128K elements
-        fp32 = Payload("fp32", (3,), (0.5,), 100, hidden=bytes(256), hidden_dtype="fp32", provenance=Provenance("sampled", 1.0, None))
+        fp32 = Payload(
+            "fp32",
+            (3,),
+            (0.5,),
+            100,
+            hidden=bytes(256),
+            hidden_dtype="fp32",
+            provenance=Provenance("sampled", 1.0, None),
+        )
         s.send_multipart(frames_of(fp32, 1))
         s.send_multipart(frames_of(make("ok", hidden=128), 2))  # 64 bf16 elements: the control
         wide, dt, ok = collect_outcomes(rx, 3)
