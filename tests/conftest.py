@@ -53,3 +53,12 @@ def sglang_importable() -> bool:
     ):
         import_sglang(name)
     return True
+
+
+@pytest.fixture
+def sglang_uninstall() -> Iterator[None]:
+    """Undo whatever SGLang installation a test made (tests of the drop-in use it for every test)."""
+    yield
+    from pd_middleware.integrations import sglang
+
+    sglang.uninstall()

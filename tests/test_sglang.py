@@ -73,10 +73,7 @@ def install(cfg, *, decode_module=None, prefill_module=None, version=None, chann
     return S.install(cfg, S.InstallOptions(channel=channel, modules=mods, version=version, **kw))
 
 
-@pytest.fixture(autouse=True)
-def _clean_install():
-    yield
-    S.uninstall()
+pytestmark = pytest.mark.usefixtures("sglang_uninstall")  # conftest: no installation outlives a test
 
 
 # ----------------------------------------------------------------- stand-in SGLang modules

@@ -30,16 +30,10 @@ from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang_metadata import FRAME_MARK, _wrap_init, _wrap_registration
 from pd_middleware.integrations.sglang_prefill import room_seed, wrap_process_batch_result
 
-pytestmark = [pytest.mark.sglang]
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
 
 V = 64
 SEED = 77
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    yield
-    S.uninstall()
 
 
 @pytest.fixture
