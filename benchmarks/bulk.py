@@ -39,9 +39,9 @@ from collections import deque
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
-from pd_middleware import DenseEncoding, OneHotProposal, Payload  # noqa: E402
-from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
-from pd_middleware.transport import (  # noqa: E402
+from pd_middleware import DenseEncoding, OneHotProposal, Payload
+from pd_middleware.pipeline import ReceivePipeline
+from pd_middleware.transport import (
     DecodeReceiver,
     MooncakeConfig,
     MooncakeEngine,

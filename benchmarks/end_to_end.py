@@ -52,7 +52,7 @@ sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "plugins")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
-from _common import emit  # noqa: E402
+from _common import emit
 
 VOCAB = 152064
 HIDDEN_BYTES = 8192

@@ -38,8 +38,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "plugins")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
-from _common import emit  # noqa: E402
-from end_to_end import finish_producer, make_decode, start_producer, transport_config  # noqa: E402
+from _common import emit
+from end_to_end import finish_producer, make_decode, start_producer, transport_config
 
 BATCH = 64
 WINDOW = 256

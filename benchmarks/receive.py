@@ -34,15 +34,15 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
-from pd_middleware import Payload  # noqa: E402
-from pd_middleware.contracts import NoOptions, PluginContext  # noqa: E402
-from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
-from pd_middleware.transport import (  # noqa: E402
+from pd_middleware import Payload
+from pd_middleware.contracts import NoOptions, PluginContext
+from pd_middleware.pipeline import ReceivePipeline
+from pd_middleware.transport import (
     DecodeReceiver,
     TransportConfig,
     wire,
 )
-from pd_middleware.transport.config import CurveConfig  # noqa: E402
+from pd_middleware.transport.config import CurveConfig
 
 VOCAB = 152064
 

@@ -252,8 +252,44 @@ def parse_config(data: Any, source: str | None = None) -> Config:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"top level must be a table/mapping, got {type(data).__name__}", source=source)
-    config: Config = _convert(data, Config, "", source)
-    return config
+    return _hidden_limits_from_model(data, _convert(data, Config, "", source), source)
+
+
+def _table(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    """``parent[key]`` when it is a table, else an empty one (the schema reports bad types)."""
+    value = parent.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _hidden_limits_from_model(data: dict[str, Any], cfg: Config, source: str | None) -> Config:
+    """The receiver checks the hidden state the config's ``[model]`` declares.
+
+    A ``model.hidden_size`` / ``model.hidden_dtype`` written in the config becomes the
+    receiver's ``transport.limits`` check unless the limits set their own, in which case
+    the two must agree. Defaults are not promoted: an unwritten ``hidden_size`` checks
+    nothing, as before.
+    """
+    model = _table(data, "model")
+    transport = _table(data, "transport")
+    limits_raw = _table(transport, "limits")
+    limits = cfg.transport.limits
+    changes: dict[str, Any] = {}
+    for key in ("hidden_size", "hidden_dtype"):
+        if key not in model:
+            continue
+        declared = getattr(cfg.model, key)
+        if key in limits_raw and getattr(limits, key) not in (declared, 0, None):
+            raise ConfigError(
+                f"model.{key} = {declared!r} but transport.limits.{key} = {getattr(limits, key)!r}",
+                path=f"transport.limits.{key}",
+                source=source,
+            )
+        if key not in limits_raw:
+            changes[key] = declared
+    if not changes:
+        return cfg
+    new_limits = msgspec.structs.replace(limits, **changes)
+    return msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport, limits=new_limits))
 
 
 def load_config(path: str | Path) -> Config:

@@ -15,6 +15,17 @@ Fallback reasons, checked in this order:
 - ``not_sampled_from_sent``: X was drawn from another law than the one sent (the
   draft softmax, an fp32 row when bf16 was sent, an untruncated row when top-k was sent).
 
+After the law is decoded, two checks on the fp32 numbers the assembler will write at
+each X_s (:meth:`~pd_middleware.proposal.SparseProposal.values_at`), not on a float64
+stand-in (a floor of 1e-46 is 0.0 in fp32):
+
+- ``token_outside_proposal``: q'(X_s) is not > 0, so X was not drawn from q' (and the
+  verifier, which accepts X outright when q'(X) = 0, would be biased);
+- ``declared_q_mismatch``: the payload's declared ``draft_probs[s]`` differs from
+  q'(X_s) by more than the encoding's precision (:data:`DECLARED_RTOL` plus the
+  renormalisation the decode applied), so X and the proposal did not come from one
+  draw.
+
 Every fallback is counted per reason (``.counts``, and ``Metrics.fallbacks`` once
 :meth:`ProvenanceGuard.attach_metrics` was called) and logged once per reason.
 """
@@ -23,10 +34,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from .metrics import Metrics
-from .payload import Payload
+from .payload import DenseEncoding, Payload
 from .proposal import DenseProposal, OneHotProposal, SparseProposal
 
 if TYPE_CHECKING:
@@ -40,7 +52,17 @@ _WHY: dict[str, str] = {
     "encoding_mismatch": "this synthesizer cannot hand over the attached encoding",
     "not_sampled_from_sent": "X was not sampled from the distribution that was sent",
     "token_outside_proposal": "the sent distribution gives X zero probability, so X was not drawn from it",
+    "declared_q_mismatch": "the declared q(X) does not match the sent distribution at X, so they come from different draws",
 }
+
+#: Relative precision of a declared q(X) against the decoded row, by wire dtype: two
+#: units in the last place of the dtype the row travelled in (the prefill may declare
+#: its fp32 value before rounding it to the wire). The guard adds each step's
+#: |1 - scale|, the renormalisation the decode applied to the received values.
+DECLARED_RTOL: dict[str, float] = {"fp32": 2.0**-22, "bf16": 2.0**-7, "fp16": 2.0**-10}
+
+# Absolute slack for values below fp32's normal range, where relative precision ends.
+_DECLARED_ATOL = 2.0**-126
 
 
 class ProvenanceGuard:
@@ -116,31 +138,38 @@ class ProvenanceGuard:
             )
         return OneHotProposal(payload.draft_tokens)
 
-    def check_support(self, payload: Payload, law: "DenseProposal | SparseProposal") -> str | None:
-        """``token_outside_proposal`` if the decoded law gives some X_s probability 0.
+    def check_law(self, payload: Payload, law: DenseProposal | SparseProposal) -> str | None:
+        """The fallback reason the decoded ``law`` calls for at X, or ``None``.
 
-        X drawn from the law cannot have probability 0 under it, so such a payload
-        contradicts its own provenance (a prefill bug, or a mismatched proposal) and
-        only one-hot is exact for it. Cost: one gather per step for a dense law, one
-        comparison over the listed entries for a sparse one.
+        ``token_outside_proposal`` if some q'(X_s) is not > 0 in fp32 (X drawn from
+        the law cannot have probability 0 under it); ``declared_q_mismatch`` if some
+        declared q(X_s) misses q'(X_s) by more than the encoding's precision. Both read
+        the fp32 numbers the assembler writes (``law.values_at``): one gather per step
+        for a dense law, one vectorised comparison over the listed entries for a sparse
+        one. Skipped entirely under ``unsafe_disable_guard``.
         """
-        import torch
-
         if self.unsafe_disable_guard:  # negative-control tests must be able to see the bias
             return None
         toks = payload.draft_tokens
+        q = law.values_at(toks)
+        for v in q:
+            if not v > 0.0:  # also true for NaN
+                return "token_outside_proposal"
+        enc = payload.proposal
+        scale: Sequence[float]
         if isinstance(law, DenseProposal):
-            rows = torch.arange(len(toks))
-            ok = bool((law.probs[rows, torch.tensor(toks)].float() > 0).all())
-            return None if ok else "token_outside_proposal"
-        start = 0
-        for s, (n, x) in enumerate(zip(law.lengths, toks)):
-            if law.floor[s] <= 0.0:
-                idx = law.indices[start : start + n]
-                val = law.values[start : start + n]
-                if not bool(((idx == x) & (val > 0)).any()):
-                    return "token_outside_proposal"
-            start += n
+            rtol = (
+                DECLARED_RTOL.get(enc.dtype, DECLARED_RTOL["fp32"])
+                if type(enc) is DenseEncoding
+                else DECLARED_RTOL["fp32"]
+            )
+            scale = law.scale.tolist()
+        else:
+            rtol = DECLARED_RTOL.get(getattr(enc, "value_dtype", "fp32"), DECLARED_RTOL["fp32"])
+            scale = law.scale or (1.0,) * len(toks)
+        for declared, v, sc in zip(payload.draft_probs, q, scale):
+            if not abs(declared - v) <= (rtol + abs(1.0 - sc)) * v + _DECLARED_ATOL:
+                return "declared_q_mismatch"
         return None
 
     def screen(self, payload: Payload) -> OneHotProposal | None:
@@ -158,7 +187,8 @@ class GuardedSynthesizer:
     and ``decode_law(encoding, num_steps, vocab_size, request_id=...)`` (validating, e.g.
     :func:`~pd_middleware.encodings.dense_law`). ``synthesize`` then does, per payload:
     deployment fit (vocab, steps), ``None`` with rejection sampling off, the provenance
-    guard, the law, and the support check; every fallback is one-hot and counted.
+    guard, the law, and the checks at X (:meth:`ProvenanceGuard.check_law`); every
+    fallback is one-hot and counted.
 
     ``unsafe_disable_guard`` (keyword, not a config option) is for negative-control
     tests only; see :class:`ProvenanceGuard`.
@@ -166,16 +196,20 @@ class GuardedSynthesizer:
 
     name: str = "guarded"
     accepts: tuple[str, ...] = ()
+    # Set by each subclass (``staticmethod(sparse_law)``...); checked in __init__.
+    decode_law: Callable[..., DenseProposal | SparseProposal]
 
-    def __init__(self, options: object, context: "PluginContext", *, unsafe_disable_guard: bool = False) -> None:
+    def __init__(self, options: object, context: PluginContext, *, unsafe_disable_guard: bool = False) -> None:
         self.vocab_size = context.vocab_size
         self.num_steps = context.num_steps
         self.enabled = context.rejection_sampling
         self.guard = ProvenanceGuard(self.name, self.accepts, unsafe_disable_guard=unsafe_disable_guard)
         if not callable(getattr(self, "decode_law", None)):
-            raise TypeError(f"{type(self).__name__} must define decode_law(encoding, num_steps, vocab_size, *, request_id)")
+            raise TypeError(
+                f"{type(self).__name__} must define decode_law(encoding, num_steps, vocab_size, *, request_id)"
+            )
 
-    def synthesize(self, payload: Payload) -> "DenseProposal | SparseProposal | OneHotProposal | None":
+    def synthesize(self, payload: Payload) -> DenseProposal | SparseProposal | OneHotProposal | None:
         """The payload's validated law, a one-hot fallback, or ``None`` with rejection
         sampling off. Raises ValidationError naming the bad field."""
         payload.check_fits(self.vocab_size, self.num_steps)
@@ -185,6 +219,7 @@ class GuardedSynthesizer:
         if fallback is not None:
             return fallback
         law = self.decode_law(payload.proposal, self.num_steps, self.vocab_size, request_id=payload.request_id)
-        # X drawn from the law has positive probability under it; if not, only one-hot is exact.
-        reason = self.guard.check_support(payload, law)
+        # X drawn from the law has positive probability under it, and the prefill
+        # declared that probability; if either fails, only one-hot is exact.
+        reason = self.guard.check_law(payload, law)
         return law if reason is None else self.guard.fallback(payload, reason)

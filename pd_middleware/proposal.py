@@ -6,14 +6,19 @@ turns descriptors into the V-wide FP32 tensor the verifier reads, by scatter int
 persistent buffer. ``to_dense`` exists for tests and reference code, never for the hot
 path.
 
+Each descriptor also answers :meth:`values_at`: the fp32 number the assembler will
+write at each draft token, which is what the verifier reads as q'(X). The guard's
+support and declared-q(X) checks run on those numbers, not on a float64 stand-in.
+
 S below is the number of draft steps of the request (1 for single-layer EAGLE).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +36,12 @@ class OneHotProposal(msgspec.Struct, frozen=True):
     def num_steps(self) -> int:
         return len(self.tokens)
 
-    def to_dense(self, vocab_size: int) -> "torch.Tensor":
+    def values_at(self, tokens: tuple[int, ...]) -> list[float]:
+        """q'(tokens[s]) per step as the assembler writes it: 1.0 at the proposal's own
+        token, 0.0 elsewhere."""
+        return [1.0 if t == x else 0.0 for t, x in zip(self.tokens, tokens, strict=True)]
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
         """(S, V) float32 one-hot rows (reference use only)."""
         import torch
 
@@ -46,19 +56,39 @@ class SparseProposal(msgspec.Struct, frozen=True, eq=False):
     ``lengths``: S entry counts; ``indices``: int64 (sum(lengths),) token ids;
     ``values``: float32 (sum(lengths),) probabilities, already normalised;
     ``floor``: S values, the probability of each *unlisted* token of that step
-    (0.0 for plain top-k/top-p).
+    (0.0 for plain top-k/top-p), each exactly representable in fp32 (the number the
+    assembler writes); ``scale``: S factors the decode applied to the received values
+    to normalise them (empty when unknown), for consistency checks.
     """
 
     lengths: tuple[int, ...]
-    indices: "torch.Tensor"
-    values: "torch.Tensor"
+    indices: torch.Tensor
+    values: torch.Tensor
     floor: tuple[float, ...]
+    scale: tuple[float, ...] = ()
 
     @property
     def num_steps(self) -> int:
         return len(self.lengths)
 
-    def to_dense(self, vocab_size: int) -> "torch.Tensor":
+    def values_at(self, tokens: tuple[int, ...]) -> list[float]:
+        """q'(tokens[s]) per step as the assembler writes it: the listed fp32 value when
+        step s lists the token (a listed value overrides the floor), else the floor.
+
+        One vectorised comparison per step over its entries; no V-wide row.
+        """
+        idx = self.indices.numpy()
+        vals = self.values.numpy()
+        out: list[float] = []
+        start = 0
+        for n, x, f in zip(self.lengths, tokens, self.floor, strict=True):
+            hit = idx[start : start + n] == x
+            j = int(hit.argmax())
+            out.append(float(np.float32(vals[start + j])) if hit[j] else float(np.float32(f)))
+            start += n
+        return out
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
         """(S, V) float32 rows (reference use only)."""
         import torch
 
@@ -76,17 +106,26 @@ class DenseProposal(msgspec.Struct, frozen=True, eq=False):
     receive slot; ``scale``: float32 (S,) renormalisation factors.
     """
 
-    probs: "torch.Tensor"
-    scale: "torch.Tensor"
+    probs: torch.Tensor
+    scale: torch.Tensor
 
     @property
     def num_steps(self) -> int:
         return int(self.probs.shape[0])
 
-    def to_dense(self, vocab_size: int) -> "torch.Tensor":
+    def values_at(self, tokens: tuple[int, ...]) -> list[float]:
+        """q'(tokens[s]) per step as the assembler writes it: the received value widened
+        to fp32, times the fp32 scale (one rounding, as in the assembler's ``mul_``)."""
+        import torch
+
+        rows = torch.arange(len(tokens))
+        picked = self.probs[rows, torch.tensor(tokens, dtype=torch.int64)].float()
+        return (picked * self.scale.float()).tolist()
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
         """(S, V) float32 rows (reference use only)."""
         assert self.probs.shape[1] == vocab_size
         return self.probs.float() * self.scale.view(-1, 1)
 
 
-Proposal = Union[OneHotProposal, SparseProposal, DenseProposal]
+Proposal = OneHotProposal | SparseProposal | DenseProposal

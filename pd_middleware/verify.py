@@ -1,31 +1,44 @@
-"""The reference chain verifier, with SGLang chain-kernel semantics, and its exact mode.
+"""The reference chain verifier, with the chain kernels' literal semantics, and its exact mode.
 
 Rule (``docs/strategies.md``, design notes section 2), per request and per draft step
-s = 0..S-1 while every earlier step was accepted:
+s = 0..S-1 while every earlier step was accepted, q' being the vector handed to the
+verifier. ``kernel`` picks whose reading of q' is reproduced, value for value
+(the table in ``docs/strategies.md`` lists every case):
 
-- q' is the vector handed to the verifier; an entry that is NaN, inf, negative or above
-  1 counts as 0 (:func:`sanitize_q`), in the acceptance test and in the residual alike;
-- accept X_s iff ``u * q'(X_s) < p(X_s)``, with u ~ U[0, 1) in float64;
-- on rejection commit a draw from ``max(p - q', 0)`` normalised over the whole row and
-  stop (a residual with no mass, which needs ``p == q'`` on the row, falls back to p);
-- after all S steps are accepted commit a bonus draw from p at position S.
+- ``"flashinfer"`` (default): FlashInfer's ``ChainSpeculativeSampling``
+  (``include/flashinfer/sampling.cuh``). Accept X_s iff ``u * q'(X_s) < p(X_s)``,
+  literally: q'(X) <= 0 is accepted whenever p(X) > 0 (a negative or -inf q'(X) even
+  when p(X) = 0), q'(X) > 1 with probability p/q', NaN and +inf never. On rejection,
+  draw from ``relu(p - q')`` over the whole row with ``fmaxf`` semantics: an entry
+  whose difference is NaN counts 0, an entry with q' = -inf is +inf, and then (the
+  sum being inf) the kernel's search never succeeds and it emits the last token with a
+  positive residual.
+- ``"sglang"``: SGLang 0.5.23's Triton ``speculative_sampling_classic_kernel``
+  (``sglang/kernels/ops/speculative/reject_sampling.py``, what ``eagle_sample`` runs
+  under rejection sampling). Accept X_s iff ``0 < q'(X_s) <= 1`` and ``u * q'(X_s) <
+  p(X_s)``; the residual reads every q' entry outside [0, 1] (NaN included) as 0.
 
-Uniforms are drawn up front, independently per request and per step, in float64;
+Both then stop; after all S steps are accepted, commit a bonus draw from p at
+position S. A residual with no mass (p <= q' on the whole row, e.g. p == q') is where
+the kernels disagree and neither is meaningful (FlashInfer reads an uninitialised
+index, SGLang emits V - 1): here it falls back to p, and the table says so.
+
+Uniforms are drawn up front, independently per request and per step, in float64 on
+[0, 1) (FlashInfer's ``curand_uniform`` is on (0, 1]: the two differ on a null set);
 categorical draws use an inverse CDF over a float64 cumulative sum with
 ``searchsorted(..., right=True)``, so a zero-mass token can never be drawn, not even at
 u = 0.
 
-The exact mode (:func:`exact_verify_law`, :func:`exact_chain_law`) applies the same
-rule with :class:`fractions.Fraction` and returns laws, for enumeration tests.
+The exact mode (:func:`exact_verify_law`, :func:`exact_chain_law`, in
+:mod:`pd_middleware.verify_exact`, re-exported here) applies the same rule with
+:class:`fractions.Fraction` and returns laws, for enumeration tests.
 Statistics helpers live in :mod:`pd_middleware.stats` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from fractions import Fraction
-from typing import TYPE_CHECKING, Callable, Sequence, Union
+from typing import TYPE_CHECKING
 
 from ._errors import ValidationError
 from .stats import (
@@ -38,11 +51,24 @@ from .stats import (
     tv_distance,
     wilson_interval,
 )
+from .verify_exact import (
+    KERNELS,
+    ChainLaw,
+    Kernel,
+    _check_kernel,
+    complete_law,
+    exact_accept_probability,
+    exact_chain_law,
+    exact_residual,
+    exact_verify_law,
+    target_sequence_law,
+)
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "KERNELS",
     "ChainLaw",
     "ExactnessAccumulator",
     "ExactnessCheck",
@@ -58,6 +84,7 @@ __all__ = [
     "exact_residual",
     "exact_verify_law",
     "expected_accepted_length",
+    "residual_weights",
     "sample_categorical",
     "sanitize_q",
     "sum_min",
@@ -81,21 +108,21 @@ class VerifyResult:
     tokens were accepted (0..S).
     """
 
-    committed: "torch.Tensor"
-    accepted_lengths: "torch.Tensor"
+    committed: torch.Tensor
+    accepted_lengths: torch.Tensor
 
     @property
-    def num_committed(self) -> "torch.Tensor":
+    def num_committed(self) -> torch.Tensor:
         """int64 (B,): committed tokens per request, ``accepted_lengths + 1``."""
         return self.accepted_lengths + 1
 
     @property
-    def first_accepted(self) -> "torch.Tensor":
+    def first_accepted(self) -> torch.Tensor:
         """bool (B,): whether the first draft token was accepted."""
         return self.accepted_lengths >= 1
 
 
-def sanitize_q(q: "torch.Tensor") -> "torch.Tensor":
+def sanitize_q(q: torch.Tensor) -> torch.Tensor:
     """q with every NaN, inf, negative or >1 entry replaced by 0 (a new tensor, same dtype)."""
     import torch
 
@@ -103,7 +130,54 @@ def sanitize_q(q: "torch.Tensor") -> "torch.Tensor":
     return torch.where(valid, q, torch.zeros((), dtype=q.dtype, device=q.device))
 
 
-def sample_categorical(weights: "torch.Tensor", u: "torch.Tensor") -> "torch.Tensor":
+def _accepts(u: torch.Tensor, qx: torch.Tensor, px: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+    """bool: the kernel's acceptance test, literally (float64 operands)."""
+    ok = u * qx < px  # NaN anywhere makes this False, as in the kernels
+    if kernel == "sglang":
+        ok &= (qx > 0) & (qx <= 1)
+    return ok
+
+
+def residual_weights(p: torch.Tensor, q: torch.Tensor, kernel: Kernel = "flashinfer") -> torch.Tensor:
+    """float64 (n, V): the kernel's unnormalised residual relu(p - q') per entry.
+
+    ``"flashinfer"``: ``fmaxf(p - q', 0)``, so a NaN difference is 0 and q' = -inf gives
+    +inf; ``"sglang"``: q' outside [0, 1] (NaN included) read as 0 first.
+    """
+    import torch
+
+    _check_kernel(kernel)
+    p, q = p.double(), q.double()
+    if kernel == "sglang":
+        q = torch.where((q >= 0) & (q <= 1), q, torch.zeros((), dtype=q.dtype, device=q.device))
+    diff = p - q
+    return torch.where(diff > 0, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+
+
+def _draw_residual(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+    """int64 (n,): one residual draw per row, with the kernels' corner cases (module docstring)."""
+    import torch
+
+    r = residual_weights(p, q, kernel)
+    total = r.sum(dim=1)
+    out = torch.empty(r.shape[0], dtype=torch.int64, device=r.device)
+    inf = ~torch.isfinite(total)
+    if bool(inf.any()):
+        # FlashInfer with q' = -inf somewhere: u * sum is inf, no prefix exceeds it, and
+        # the kernel falls back to its last valid index: the last entry with r > 0.
+        positive = (r[inf] > 0).flip(1).to(torch.int8)
+        out[inf] = r.shape[1] - 1 - positive.argmax(dim=1)
+    fin = ~inf
+    if bool(fin.any()):
+        rf = r[fin]
+        empty = rf.sum(dim=1) <= 0
+        if bool(empty.any()):  # p <= q' on the whole row: the kernels are undefined here; draw from p
+            rf[empty] = p[fin][empty].double()
+        out[fin] = sample_categorical(rf, u[fin])
+    return out
+
+
+def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: row i picks token j with probability ``weights[i, j] / sum``.
 
     ``weights``: float64 (n, V), non-negative, every row with positive mass; ``u``:
@@ -124,7 +198,7 @@ def sample_categorical(weights: "torch.Tensor", u: "torch.Tensor") -> "torch.Ten
     return idx
 
 
-def _check_shapes(target: "torch.Tensor", draft: "torch.Tensor", tokens: "torch.Tensor") -> None:
+def _check_shapes(target: torch.Tensor, draft: torch.Tensor, tokens: torch.Tensor) -> None:
     if target.dim() != 3:
         raise ValidationError(f"expected (B, S+1, V), got shape {tuple(target.shape)}", field="target_probs")
     b, s1, v = target.shape
@@ -144,8 +218,8 @@ def _check_shapes(target: "torch.Tensor", draft: "torch.Tensor", tokens: "torch.
 
 
 def draw_uniforms(
-    batch: int, num_steps: int, generator: "torch.Generator | None", device: "torch.device | str"
-) -> tuple["torch.Tensor", "torch.Tensor"]:
+    batch: int, num_steps: int, generator: torch.Generator | None, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 uniforms for one verify: (B, S) acceptance coins and (B, S+1) draw coins.
 
     Drawn on the generator's device (or ``device`` without one), then moved to ``device``.
@@ -158,12 +232,13 @@ def draw_uniforms(
 
 
 def verify_chain(
-    target_probs: "torch.Tensor",
-    draft_probs: "torch.Tensor",
-    draft_tokens: "torch.Tensor",
-    generator: "torch.Generator | None" = None,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
     *,
-    uniforms: tuple["torch.Tensor", "torch.Tensor"] | None = None,
+    uniforms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernel: Kernel = "flashinfer",
 ) -> VerifyResult:
     """Verify a batch of draft chains; see the module docstring for the rule.
 
@@ -172,10 +247,14 @@ def verify_chain(
     (B, S, V), the q' handed to the verifier (the assembler's buffer); (B, V) is
     accepted when S = 1. ``draft_tokens``: int64 (B, S) ((B,) when S = 1).
     ``generator`` seeds the uniforms (:func:`draw_uniforms`); ``uniforms`` overrides
-    them with explicit float64 ((B, S), (B, S+1)) tensors. Rows are independent: the
-    loop runs over steps only, every step is a tensor operation over the batch.
+    them with explicit float64 ((B, S), (B, S+1)) tensors. ``kernel``: whose reading
+    of invalid q' values to reproduce (``"flashinfer"`` or ``"sglang"``). Rows are
+    independent: the loop runs over steps only, every step is a tensor operation over
+    the batch.
     """
     import torch
+
+    _check_kernel(kernel)
 
     if draft_probs.dim() == 2 and target_probs.dim() == 3 and target_probs.shape[1] == 2:
         draft_probs = draft_probs.unsqueeze(1)
@@ -195,19 +274,14 @@ def verify_chain(
     for s in range(steps):
         x = draft_tokens[:, s]
         px = target_probs[rows, s, x].double()
-        qx = sanitize_q(draft_probs[rows, s, x]).double()
-        ok = active & (u_acc[:, s] * qx < px)
+        qx = draft_probs[rows, s, x].double()
+        ok = active & _accepts(u_acc[:, s], qx, px, kernel)
         rejected = active & ~ok
         committed[:, s] = torch.where(ok, x, committed[:, s])
         accepted += ok.to(torch.int64)
         if bool(rejected.any()):
             idx = rejected.nonzero().squeeze(1)
-            p = target_probs[idx, s].double()
-            residual = (p - sanitize_q(draft_probs[idx, s]).double()).clamp_min_(0.0)
-            empty = residual.sum(dim=1) <= 0
-            if bool(empty.any()):  # p == q' on the whole row: nothing to correct, draw from p
-                residual[empty] = p[empty]
-            committed[idx, s] = sample_categorical(residual, u_draw[idx, s])
+            committed[idx, s] = _draw_residual(target_probs[idx, s], draft_probs[idx, s], u_draw[idx, s], kernel)
         active = ok
     if bool(active.any()):
         idx = active.nonzero().squeeze(1)
@@ -216,14 +290,21 @@ def verify_chain(
 
 
 def acceptance_probability(
-    target_probs: "torch.Tensor", draft_probs: "torch.Tensor", draft_tokens: "torch.Tensor"
-) -> "torch.Tensor":
-    """float64 (B, S): P(accept X_s | steps before s accepted) = min(1, p(X_s) / q'(X_s)).
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    kernel: Kernel = "flashinfer",
+) -> torch.Tensor:
+    """float64 (B, S): P(accept X_s | steps before s accepted) = P(u * q'(X_s) < p(X_s)).
 
-    Shapes as :func:`verify_chain`. A sanitised q'(X) of 0 accepts whenever p(X) > 0.
-    Averaging this instead of the 0/1 outcome gives a lower-variance acceptance estimate.
+    Shapes as :func:`verify_chain`. min(1, p/q') for q' in (0, inf); under
+    ``"flashinfer"`` q' = 0 accepts iff p > 0, q' < 0 (-inf included) always, NaN and
+    +inf never; under ``"sglang"`` q' outside (0, 1] never. Averaging this instead of
+    the 0/1 outcome gives a lower-variance acceptance estimate.
     """
     import torch
+
+    _check_kernel(kernel)
 
     if draft_tokens.dim() == 1:
         draft_tokens = draft_tokens.unsqueeze(1)
@@ -232,17 +313,23 @@ def acceptance_probability(
     idx = draft_tokens.to(device=target_probs.device, dtype=torch.int64).unsqueeze(2)
     steps = idx.shape[1]
     px = target_probs[:, :steps].gather(2, idx).squeeze(2).double()
-    qx = sanitize_q(draft_probs.gather(2, idx.to(draft_probs.device)).squeeze(2)).double().to(px.device)
-    ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, 1.0), (px > 0).double())
-    return ratio.clamp_max(1.0)
+    qx = draft_probs.gather(2, idx.to(draft_probs.device)).squeeze(2).double().to(px.device)
+    pos = (qx > 0) & torch.isfinite(qx)
+    ratio = (px / torch.where(pos, qx, 1.0)).clamp_max(1.0)
+    zero = (px > 0).double()
+    one, none = torch.ones_like(px), torch.zeros_like(px)
+    if kernel == "sglang":
+        return torch.where(pos & (qx <= 1), ratio, none)
+    # NaN and +inf fall through every branch to 0.
+    return torch.where(pos, ratio, torch.where(qx == 0, zero, torch.where(qx < 0, one, none)))
 
 
-def expected_accepted_length(acceptance: "torch.Tensor") -> "torch.Tensor":
+def expected_accepted_length(acceptance: torch.Tensor) -> torch.Tensor:
     """float64 (B,): E[accepted drafts] = sum_k prod_{j<=k} a_j, from (B, S) step acceptances."""
     return acceptance.double().cumprod(dim=1).sum(dim=1)
 
 
-def sum_min(p: "torch.Tensor", q: "torch.Tensor") -> "torch.Tensor":
+def sum_min(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """float64 (...,): sum over the last dim of min(p, q'), q' sanitised.
 
     The acceptance of X ~ q' verified against q' (the full-distribution bound).
@@ -250,157 +337,3 @@ def sum_min(p: "torch.Tensor", q: "torch.Tensor") -> "torch.Tensor":
     import torch
 
     return torch.minimum(p.double(), sanitize_q(q).double()).sum(dim=-1)
-
-
-# --------------------------------------------------------------------------- exact
-
-Number = Union[Fraction, int, float]
-LawFn = Callable[[tuple[int, ...]], Sequence[Number]]
-SentFn = Callable[[tuple[int, ...], int], Sequence[Number]]
-
-
-def _frac(v: Number) -> Fraction:
-    return v if isinstance(v, Fraction) else Fraction(v)
-
-
-def _sanitize_fraction(v: Number) -> Fraction:
-    """The exact twin of :func:`sanitize_q`: NaN, inf, < 0 or > 1 counts as 0."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return Fraction(0)
-    f = _frac(v)
-    return f if 0 <= f <= 1 else Fraction(0)
-
-
-def _law(values: Sequence[Number], name: str) -> list[Fraction]:
-    out = [_frac(v) for v in values]
-    if any(v < 0 for v in out) or sum(out) != 1:
-        raise ValidationError(f"must be non-negative and sum to exactly 1, got sum {sum(out)}", field=name)
-    return out
-
-
-def exact_accept_probability(p_x: Number, q_x: Number) -> Fraction:
-    """P(u * q'(x) < p(x)) for u ~ U[0, 1): min(1, p/q'); 1 if q' is 0 and p > 0."""
-    p, q = _frac(p_x), _sanitize_fraction(q_x)
-    if q == 0:
-        return Fraction(1) if p > 0 else Fraction(0)
-    return min(Fraction(1), p / q)
-
-
-def exact_residual(p: Sequence[Number], q: Sequence[Number]) -> list[Fraction]:
-    """max(p - q', 0) normalised; p itself when the residual has no mass."""
-    pf = [_frac(v) for v in p]
-    r = [max(a - _sanitize_fraction(b), Fraction(0)) for a, b in zip(pf, q, strict=True)]
-    total = sum(r)
-    return [v / total for v in r] if total > 0 else pf
-
-
-def exact_verify_law(
-    p: Sequence[Number], q: Sequence[Number] | Callable[[int], Sequence[Number]], s: Sequence[Number]
-) -> list[Fraction]:
-    """Law of the committed token at one position.
-
-    ``p``: target law; ``s``: the law X was really drawn from; ``q``: the vector handed
-    to the verifier (any numbers; invalid entries count as 0), or a function of the
-    drawn token x returning it (``lambda x: one_hot(x)``). All length V. The strategy is
-    exact iff the result equals ``p``.
-    """
-    pf, sf = _law(p, "p"), _law(s, "s")
-    q_of = q if callable(q) else (lambda _x: q)
-    out = [Fraction(0)] * len(pf)
-    for x, sx in enumerate(sf):  # enumeration over a tiny vocab: this is the exact mode
-        if sx == 0:
-            continue
-        qx = q_of(x)
-        if not len(pf) == len(qx) == len(sf):
-            raise ValidationError(f"lengths differ: p {len(pf)}, q {len(qx)}, s {len(sf)}", field="q")
-        a = exact_accept_probability(pf[x], qx[x])
-        out[x] += sx * a
-        if a < 1:
-            for y, ry in enumerate(exact_residual(pf, qx)):
-                out[y] += sx * (1 - a) * ry
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class ChainLaw:
-    """Exact outcome of verifying a chain of S draft steps.
-
-    ``law``: committed sequence (1..S+1 tokens) -> probability; ``accepted``: accepted
-    length (0..S) -> probability; ``expected_accepted``: its mean.
-    """
-
-    law: dict[tuple[int, ...], Fraction]
-    accepted: dict[int, Fraction]
-    expected_accepted: Fraction
-
-
-def exact_chain_law(p_fn: LawFn, q_fn: SentFn, s_fn: LawFn, num_steps: int) -> ChainLaw:
-    """Enumerate every draft chain and coin outcome of one verify.
-
-    ``p_fn(prefix)``: target law of the next token given the committed prefix;
-    ``s_fn(prefix)``: law the drafter draws the next draft token from, given the drafted
-    prefix; ``q_fn(prefix, x)``: the vector handed to the verifier for that step when
-    the step drafted x (ignore x for a shipped distribution; one-hot uses it). Prefixes
-    are tuples of token ids (``()`` for the first position). Cost is V^S leaves.
-    """
-    law: dict[tuple[int, ...], Fraction] = {}
-    accepted: dict[int, Fraction] = {}
-
-    def add(seq: tuple[int, ...], w: Fraction) -> None:
-        if w:
-            law[seq] = law.get(seq, Fraction(0)) + w
-            accepted[len(seq) - 1] = accepted.get(len(seq) - 1, Fraction(0)) + w
-
-    def walk(prefix: tuple[int, ...], weight: Fraction) -> None:
-        p = _law(p_fn(prefix), f"p{prefix}")
-        if len(prefix) == num_steps:
-            for y, py in enumerate(p):
-                add(prefix + (y,), weight * py)
-            return
-        s = _law(s_fn(prefix), f"s{prefix}")
-        for x, sx in enumerate(s):
-            if sx == 0:
-                continue
-            q = q_fn(prefix, x)
-            if not len(p) == len(q) == len(s):
-                raise ValidationError(
-                    f"lengths differ at prefix {prefix}: p {len(p)}, q {len(q)}, s {len(s)}", field="q"
-                )
-            a = exact_accept_probability(p[x], q[x])
-            if a > 0:
-                walk(prefix + (x,), weight * sx * a)
-            if a < 1:
-                for y, ry in enumerate(exact_residual(p, q)):
-                    add(prefix + (y,), weight * sx * (1 - a) * ry)
-
-    walk((), Fraction(1))
-    mean = sum((k * w for k, w in accepted.items()), Fraction(0))
-    return ChainLaw(law=law, accepted=dict(sorted(accepted.items())), expected_accepted=mean)
-
-
-def complete_law(
-    law: dict[tuple[int, ...], Fraction], p_fn: LawFn, length: int
-) -> dict[tuple[int, ...], Fraction]:
-    """Extend every committed sequence to ``length`` tokens by sampling the target.
-
-    A verifier is exact iff the completed law equals :func:`target_sequence_law`: each
-    committed token has law p given what came before it, whenever the chain got there.
-    """
-    out: dict[tuple[int, ...], Fraction] = {}
-    for seq, w in law.items():
-        frontier = {seq: w}
-        for _ in range(length - len(seq)):
-            nxt: dict[tuple[int, ...], Fraction] = {}
-            for prefix, pw in frontier.items():
-                for y, py in enumerate(_law(p_fn(prefix), f"p{prefix}")):
-                    if py:
-                        nxt[prefix + (y,)] = nxt.get(prefix + (y,), Fraction(0)) + pw * py
-            frontier = nxt
-        for s, v in frontier.items():
-            out[s] = out.get(s, Fraction(0)) + v
-    return out
-
-
-def target_sequence_law(p_fn: LawFn, length: int) -> dict[tuple[int, ...], Fraction]:
-    """Joint law of ``length`` tokens sampled autoregressively from ``p_fn``."""
-    return complete_law({(): Fraction(1)}, p_fn, length)

@@ -34,15 +34,15 @@ from _common import emit, machine, setup_env
 
 setup_env()
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-from _zmtp import RawZmtp  # noqa: E402
+import msgspec
+import zmq
+from _zmtp import RawZmtp
 
-from pd_middleware import OneHotProposal, Payload, Provenance  # noqa: E402
-from pd_middleware.pipeline import Delivery, ReceivePipeline  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire  # noqa: E402
-from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce  # noqa: E402
-from pd_middleware.transport.config import CurveConfig  # noqa: E402
+from pd_middleware import OneHotProposal, Payload, Provenance
+from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
+from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
+from pd_middleware.transport.config import CurveConfig
 
 KEY = "attack-campaign-hmac-key-0123"
 

@@ -44,13 +44,13 @@ import _common as C
 C.setup_env()
 sys.path.insert(0, str(C.ROOT / "tests"))
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-from _bulk_peer import RawPrefill  # noqa: E402  (tests/_bulk_peer.py: shared with tests/test_bulk.py)
+import msgspec
+import zmq
+from _bulk_peer import RawPrefill
 
-from pd_middleware import DenseEncoding, OneHotProposal, Payload  # noqa: E402
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, MooncakeConfig, MooncakeEngine, SlotsConfig, TransportConfig  # noqa: E402
+from pd_middleware import DenseEncoding, OneHotProposal, Payload
+from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, MooncakeConfig, MooncakeEngine, SlotsConfig, TransportConfig
 
 KEY = "bulk-attack-key-0123456789abcdef"
 VOCAB = 512

@@ -54,12 +54,12 @@ import _common as C
 
 C.setup_env()
 
-import yaml  # noqa: E402
+import yaml
 
-from pd_middleware import ConfigError, PluginError  # noqa: E402
-from pd_middleware.config import load_config, resolve_plugins  # noqa: E402
-from pd_middleware.preflight import preflight  # noqa: E402
-from pd_middleware.registry import default_registry  # noqa: E402
+from pd_middleware import ConfigError, PluginError
+from pd_middleware.config import load_config, resolve_plugins
+from pd_middleware.preflight import preflight
+from pd_middleware.registry import default_registry
 
 FAMILIES = (
     "unknown_key",

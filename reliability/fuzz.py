@@ -50,12 +50,12 @@ import _common as C
 
 C.setup_env()
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
+import msgspec
+import zmq
 
-from pd_middleware import WireError  # noqa: E402
-from pd_middleware.pipeline import Delivery, Failure  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, SlotsConfig, TransportConfig, integrity, wire  # noqa: E402
+from pd_middleware import WireError
+from pd_middleware.pipeline import Delivery, Failure
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, SlotsConfig, TransportConfig, integrity, wire
 
 FAMILIES = (
     "field",

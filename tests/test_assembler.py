@@ -144,3 +144,32 @@ def test_dense_rows_are_scaled_copies():
     raw = torch.tensor([[1.0, 1.0, 2.0, 0.0, 0.0]], dtype=torch.bfloat16)
     out = asm.build([DenseProposal(raw, torch.tensor([0.25]))])
     assert out[0].tolist() == [0.25, 0.25, 0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_build_fresh_equals_the_reference_and_leaves_the_buffers_alone(num_steps):
+    """build_fresh: a new tensor per call, equal to a freshly zeroed reference for every
+    kind of proposal, any batch size (past max_batch too); the persistent buffer is not
+    written. The tensor starts as torch.empty (whatever memory held), so a row that
+    build_fresh forgot to write would show."""
+    rng = random.Random(SEED + 7 * num_steps)
+    v, max_b = 37, 4
+    asm = ProposalAssembler(v, num_steps, max_b)
+    before = asm.graph_buffer().clone()
+    for step in range(30):
+        b = rng.randint(1, 2 * max_b)
+        kinds = rng.choice(["all_one_hot", "mixed"])
+        props = [
+            OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps)))
+            if kinds == "all_one_hot"
+            else _random_proposal(rng, num_steps, v)
+            for _ in range(b)
+        ]
+        out = asm.build_fresh(props)
+        got = out if num_steps > 1 else out.unsqueeze(1)
+        assert torch.equal(got, _reference(props, b, num_steps, v)), f"seed={SEED} step={step} kinds={kinds}"
+        assert out.dtype == torch.float32 and tuple(out.shape) == ((b, v) if num_steps == 1 else (b, num_steps, v))
+    assert torch.equal(asm.graph_buffer(), before)
+    assert asm.build_fresh([None, None]) is None
+    with pytest.raises(ValueError, match="1 of 2 requests have no proposal"):
+        asm.build_fresh([None, OneHotProposal((0,) * num_steps)])

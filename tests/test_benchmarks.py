@@ -6,6 +6,7 @@ The heavy benchmarks themselves never run here: performance claims live in
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -64,3 +65,26 @@ def test_run_all_reports_a_skip_without_failing():
     proc = _run(str(BENCH / "run_all.py"), "--only", "gpu_check")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "SKIP" in proc.stdout and "0 error" in proc.stdout
+
+
+def test_sglang_inband_quick_mode_prints_its_figures():
+    """The in-band benchmark runs end to end in quick mode and reports every figure it
+    promises (values are not asserted: timings on a shared machine are not facts)."""
+    pytest.importorskip("torch")
+    proc = _run(str(BENCH / "sglang_inband.py"), "--quick", timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "sglang_inband" and result["quick"] is True
+    assert set(result["aux_bytes_per_request"]) == {"one_hot", "sparse_floor"}
+    # One-hot rows carry X and q(X) only; sparse_floor rows carry thousands of entries.
+    assert result["aux_bytes_per_request"]["one_hot"] < 128 < result["aux_bytes_per_request"]["sparse_floor"]
+    assert result["entries_per_request"]["sparse_floor"] > 100
+    assert (
+        result["per_request_us"] > 0
+        and result["per_request_us_by_strategy"]["sparse_floor"] == result["per_request_us"]
+    )
+    ratios = result["ratio_vs_sglang_builder"]
+    if importlib.util.find_spec("sglang") is None:
+        assert ratios == {"skipped": "SGLang is not installed"}
+    else:
+        assert set(ratios["sparse_floor"]) == {"B1", "B16"} and result["ratio_vs_sglang_builder_B16"] > 0

@@ -212,3 +212,19 @@ def test_every_public_error_derives_from_the_root():
     assert len(found) >= 8, found
     outside = [f"{c.__module__}.{c.__qualname__}" for c in found if not issubclass(c, PDMiddlewareError)]
     assert outside == []
+
+
+def test_model_hidden_state_becomes_the_receivers_limit() -> None:
+    """A hidden state written in [model] is what the receiver checks (issue 13, finding 6)."""
+    cfg = parse_config({"model": {"hidden_size": 32, "hidden_dtype": "fp16"}})
+    assert cfg.transport.limits.hidden_size == 32
+    assert cfg.transport.limits.hidden_dtype == "fp16"
+    # Negative control: an unwritten hidden_size is a default, not a check.
+    assert parse_config({}).transport.limits.hidden_size == 0
+    assert parse_config({}).transport.limits.hidden_dtype is None
+    # The limits may restate it, never contradict it.
+    same = parse_config({"model": {"hidden_size": 32}, "transport": {"limits": {"hidden_size": 32}}})
+    assert same.transport.limits.hidden_size == 32
+    with pytest.raises(ConfigError, match=r"model.hidden_size = 32 but transport.limits.hidden_size = 64") as ei:
+        parse_config({"model": {"hidden_size": 32}, "transport": {"limits": {"hidden_size": 64}}})
+    assert ei.value.path == "transport.limits.hidden_size"

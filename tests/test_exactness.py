@@ -75,7 +75,9 @@ def fr(t: torch.Tensor) -> list[Fraction]:
 
 
 def encode(name: str, q: torch.Tensor):
-    out = ENCODERS[name](ctx(side="prefill")).encode(q.view(1, 1, -1).float(), generator=torch.Generator().manual_seed(SEED))
+    out = ENCODERS[name](ctx(side="prefill")).encode(
+        q.view(1, 1, -1).float(), generator=torch.Generator().manual_seed(SEED)
+    )
     return out.proposals[0], out.provenance
 
 
@@ -92,7 +94,9 @@ def committed_law(p, s_vec, synth, enc, prov):
     """Law of the committed token: sum over x of s(x) * law given X = x.
 
     For each x a payload with draft token x goes through the synthesizer and the
-    assembler; the assembled fp32 row is q' for that x. Returns (law, |sum q' - 1| max).
+    assembler; the assembled fp32 row is q' for that x. The payload declares q(x) as the
+    encoder does: the fp32 value of the law X was drawn from, at x. Returns (law,
+    |sum q' - 1| max).
     """
     s = fr(s_vec)
     total = sum(s)
@@ -102,8 +106,9 @@ def committed_law(p, s_vec, synth, enc, prov):
     for x in range(V):
         if s[x] == 0:
             continue
+        declared = min(1.0, float(s_vec[x].float()))
         payload = Payload(
-            request_id=f"x{x}", draft_tokens=(x,), draft_probs=(0.5,), vocab_size=V, provenance=prov, proposal=enc
+            request_id=f"x{x}", draft_tokens=(x,), draft_probs=(declared,), vocab_size=V, provenance=prov, proposal=enc
         )
         q_row = fr(asm.build([synth.synthesize(payload)])[0])
         drift = max(drift, abs(sum(q_row) - 1))
@@ -116,6 +121,13 @@ def l1(a, b):
     return sum(abs(x - y) for x, y in zip(a, b))
 
 
+def hands_over(enc_name: str, synth_name: str) -> bool:
+    """Whether the pair ships its law to the verifier (no fallback may happen then)."""
+    return (enc_name.startswith("full") and synth_name == "full_distribution") or (
+        enc_name.startswith("sparse") and synth_name == "sparse"
+    )
+
+
 # ----------------------------------------------------------------------------- exact enumeration
 
 
@@ -125,9 +137,12 @@ def test_every_pair_is_exact_on_dyadic_inputs(enc_name, synth_name):
     """q with dyadic values: every encoding's law sums to exactly 1, so law == p exactly."""
     q = torch.tensor([float(v) for v in Q_DYADIC])
     enc, prov = encode(enc_name, q)
-    law, drift = committed_law(P, drawn_from(enc_name, q, enc), SYNTHS[synth_name](ctx(), False), enc, prov)
+    synth = SYNTHS[synth_name](ctx(), False)
+    law, drift = committed_law(P, drawn_from(enc_name, q, enc), synth, enc, prov)
     assert drift == 0
     assert law == P, f"{enc_name} -> {synth_name} is biased: {[str(v) for v in law]}"
+    if hands_over(enc_name, synth_name):  # exact because the law itself was verified, not a fallback
+        assert not synth.guard.counts, dict(synth.guard.counts)
 
 
 @pytest.mark.parametrize("synth_name", sorted(SYNTHS))
@@ -143,14 +158,24 @@ def test_every_pair_is_exact_up_to_fp32_normalisation(enc_name, synth_name):
     synth = SYNTHS[synth_name](ctx(), False)
     s_vec = drawn_from(enc_name, q, enc)
     law, drift = committed_law(P, s_vec, synth, enc, prov)
+    if hands_over(enc_name, synth_name):
+        assert not synth.guard.counts, dict(synth.guard.counts)
     assert drift < Fraction(1, 10**6)
     c_low = 1 - drift
     assert l1(law, P) <= 2 * (1 / c_low - 1) + Fraction(1, 10**12)
     # The same enumeration with q' normalised exactly.
     payloads = {}
     for x in range(V):
+        declared = min(1.0, float(s_vec[x].float()))
         payloads[x] = synth.synthesize(
-            Payload(request_id=f"x{x}", draft_tokens=(x,), draft_probs=(0.5,), vocab_size=V, provenance=prov, proposal=enc)
+            Payload(
+                request_id=f"x{x}",
+                draft_tokens=(x,),
+                draft_probs=(declared,),
+                vocab_size=V,
+                provenance=prov,
+                proposal=enc,
+            )
         )
     s = fr(s_vec)
     s = [v / sum(s) for v in s]
@@ -255,7 +280,9 @@ def test_monte_carlo_through_the_real_transport(mooncake_pair):
     try:
         for arm, (enc_name, synth_name, unsafe, expect_pass) in MC_ARMS.items():
             synth = SYNTHS[synth_name](ctx(MC_V), unsafe)
-            rx = DecodeReceiver(cfg, ReceivePipeline([], {"default": (synth_name, synth)}), engine=decode_engine, context=zctx).start()
+            rx = DecodeReceiver(
+                cfg, ReceivePipeline([], {"default": (synth_name, synth)}), engine=decode_engine, context=zctx
+            ).start()
             tx = PrefillSender(cfg, engine=prefill_engine, context=zctx, name=f"mc-{arm}").connect(rx.address)
             asm = ProposalAssembler(MC_V, 1, max_batch=MC_BATCH)
             gen_pre = torch.Generator().manual_seed(SEED)
@@ -344,15 +371,24 @@ def test_u16_sparse_round_trips_bit_exact_through_the_real_transport(path, moonc
         ctx(U16_V, U16_STEPS, side="prefill"),
     ).encode(q, generator=torch.Generator().manual_seed(SEED))
     sent = [
-        Payload(request_id=f"u16-{i}", draft_tokens=enc.tokens[i], draft_probs=enc.token_probs[i], vocab_size=U16_V,
-                hidden=bytes(64), provenance=enc.provenance, proposal=p)
+        Payload(
+            request_id=f"u16-{i}",
+            draft_tokens=enc.tokens[i],
+            draft_probs=enc.token_probs[i],
+            vocab_size=U16_V,
+            hidden=bytes(64),
+            provenance=enc.provenance,
+            proposal=p,
+        )
         for i, p in enumerate(enc.proposals)
     ]
     # Every bucket is used and more than one step is sent: the multi-bucket, multi-step case.
     assert all(sum(1 for c in p.proposal.bucket_counts if c) == 3 * U16_STEPS for p in sent), f"seed {SEED}"
     synth = sparse.SparseSynthesizer(None, ctx(U16_V, U16_STEPS))
     zctx = zmq.Context()
-    rx = DecodeReceiver(cfg, ReceivePipeline([], {"default": ("sparse", synth)}), engine=decode_engine, context=zctx).start()
+    rx = DecodeReceiver(
+        cfg, ReceivePipeline([], {"default": ("sparse", synth)}), engine=decode_engine, context=zctx
+    ).start()
     tx = PrefillSender(cfg, engine=prefill_engine, context=zctx, name=f"u16-{path}").connect(rx.address)
     try:
         for p in sent:
@@ -362,7 +398,10 @@ def test_u16_sparse_round_trips_bit_exact_through_the_real_transport(path, moonc
             got = out.payload.proposal
             want = p.proposal
             assert (got.index_format, got.bucket_counts, got.lengths, got.tail_mass) == (
-                "u16", want.bucket_counts, want.lengths, want.tail_mass
+                "u16",
+                want.bucket_counts,
+                want.lengths,
+                want.tail_mass,
             )
             assert bytes(got.indices) == bytes(want.indices) and bytes(got.values) == bytes(want.values)
             law = sparse_law_tensor(want, U16_STEPS, U16_V)
@@ -378,3 +417,81 @@ def test_u16_sparse_round_trips_bit_exact_through_the_real_transport(path, moonc
         tx.close()
         rx.stop()
         zctx.term()
+
+
+# ----------------------------------------------------------------------------- hand-made payloads
+
+
+def test_fp32_underflowing_floor_never_reaches_the_verifier():
+    """Regression (issue 13, finding 9): a tail mass of 1e-46 passes the sum check, but its
+    floor is 0.0 in fp32, so an unlisted X would reach the verifier with q'(X) = 0.
+
+    Given that hand-made X = 5, the committed law is p exactly with the guard (one-hot
+    fallback, counted) and biased without it, under both kernels' semantics.
+    """
+    import numpy as np
+
+    from pd_middleware import SparseEncoding
+
+    enc = SparseEncoding(
+        lengths=(5,),
+        indices=np.arange(5, dtype=np.int32).tobytes(),
+        values=np.array([0.25, 0.25, 0.25, 0.125, 0.125], dtype=np.float32).tobytes(),
+        value_dtype="fp32",
+        tail_mass=(1e-46,),
+    )
+    from pd_middleware import Provenance
+
+    prov = Provenance(rule="sampled", sampled_from="sparse-fp32")
+    payload = Payload(
+        request_id="x5", draft_tokens=(5,), draft_probs=(1e-46,), vocab_size=V, provenance=prov, proposal=enc
+    )
+    delta5 = [Fraction(int(y == 5)) for y in range(V)]
+    asm = ProposalAssembler(V, 1, max_batch=1)
+    guarded = SYNTHS["sparse"](ctx(), False)
+    row = fr(asm.build([guarded.synthesize(payload)])[0])
+    assert row == delta5 and dict(guarded.guard.counts) == {"token_outside_proposal": 1}
+    for kernel in ("flashinfer", "sglang"):
+        assert exact_verify_law(P, row, delta5, kernel) == P
+    # Negative control: without the guard the law reaches the assembler, which writes 0.0 at X.
+    bypassed = SYNTHS["sparse"](ctx(), True)
+    row = fr(asm.build([bypassed.synthesize(payload)])[0])
+    assert row[5] == 0 and row[:5] == [Fraction(1, 4)] * 3 + [Fraction(1, 8)] * 2
+    for kernel in ("flashinfer", "sglang"):
+        assert exact_verify_law(P, row, delta5, kernel) != P, kernel
+    # Positive control: a floor that survives fp32 (1e-30 / 1) is a real probability.
+    enc_ok = SparseEncoding(
+        lengths=enc.lengths, indices=enc.indices, values=enc.values, value_dtype="fp32", tail_mass=(1e-30,)
+    )
+    q5 = float(np.float32(1e-30))
+    ok = SYNTHS["sparse"](ctx(), False).synthesize(
+        Payload(request_id="x5", draft_tokens=(5,), draft_probs=(q5,), vocab_size=V, provenance=prov, proposal=enc_ok)
+    )
+    assert type(ok).__name__ == "SparseProposal" and fr(asm.build([ok])[0])[5] == Fraction(q5)
+
+
+def test_listed_zero_under_a_floor_is_outside_the_proposal():
+    """A listed value of 0 overrides the floor in the assembled row: X there has q'(X) = 0."""
+    import numpy as np
+
+    from pd_middleware import Provenance, SparseEncoding
+
+    enc = SparseEncoding(
+        lengths=(3,),
+        indices=np.array([0, 1, 2], dtype=np.int32).tobytes(),
+        values=np.array([0.5, 0.25, 0.0], dtype=np.float32).tobytes(),
+        value_dtype="fp32",
+        tail_mass=(0.25,),
+    )
+    prov = Provenance(rule="sampled", sampled_from="sparse-fp32")
+    synth = SYNTHS["sparse"](ctx(), False)
+    out = synth.synthesize(
+        Payload(request_id="x2", draft_tokens=(2,), draft_probs=(0.0,), vocab_size=V, provenance=prov, proposal=enc)
+    )
+    assert out == OneHotProposal((2,)) and dict(synth.guard.counts) == {"token_outside_proposal": 1}
+    # Negative control: an unlisted X gets the floor (0.25 / 3) and is handed over.
+    f = float(np.float32(0.25 / 3))
+    out = synth.synthesize(
+        Payload(request_id="x4", draft_tokens=(4,), draft_probs=(f,), vocab_size=V, provenance=prov, proposal=enc)
+    )
+    assert type(out).__name__ == "SparseProposal" and out.values_at((4,)) == [f]

@@ -198,8 +198,12 @@ def test_hidden_size_and_dtype_checked_against_config(zctx) -> None:
         )
         s.send_multipart(inline_frames(fp32, 1))
         s.send_multipart(inline_frames(make("ok", hidden=128), 2))  # 64 bf16 elements: the control
-        wide, dt, ok = collect_outcomes(rx, 3)
+        # No hidden state at all (SGLang's side channel: the engine carries it) is not a wrong one.
+        bare = Payload("bare", (3,), (0.5,), 100, hidden_dtype="fp32", provenance=Provenance("sampled", 1.0, None))
+        s.send_multipart(inline_frames(bare, 3))
+        wide, dt, ok, none = collect_outcomes(rx, 4)
         assert wide.key == "wire:hidden.shape" and dt.key == "wire:hidden_dtype" and isinstance(ok, Delivery)
+        assert isinstance(none, Delivery) and none.payload.hidden == b""
     finally:
         rx.stop()
 

@@ -442,12 +442,12 @@ def test_plugin_reference_in_config_names_the_key(tmp_path, plugin_on_disk) -> N
 
 # ---- CURVE: authenticated identity, allowlist, memory against raw ZMTP -----------------
 
-import resource  # noqa: E402
+import resource  # noqa: E402  # the CURVE section keeps its own imports
 
 sys.path.insert(0, str(ROOT / "reliability"))
-from _zmtp import RawZmtp  # noqa: E402
+from _zmtp import RawZmtp  # noqa: E402  # after the sys.path line above
 
-from pd_middleware.transport.config import CurveConfig  # noqa: E402
+from pd_middleware.transport.config import CurveConfig  # noqa: E402  # with the section
 
 
 def _keys(monkeypatch, name: str) -> tuple[str, str]:

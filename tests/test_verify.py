@@ -115,19 +115,104 @@ def test_acceptance_matches_the_formulas() -> None:
     assert onehot.expected_accepted == sum(a * b for a, b in zip(p, q))
 
 
-def test_invalid_q_counts_as_zero_in_exact_mode() -> None:
+# The kernels' reading of q'(X), one row per case of the table in docs/strategies.md:
+# (q'(X), p(X), P(accept) under FlashInfer's chain kernel, under SGLang's Triton kernel).
+NAN, INF = math.nan, math.inf
+ACCEPT_TABLE = [
+    (0.25, Fraction(1, 8), Fraction(1, 2), Fraction(1, 2)),  # valid: min(1, p/q')
+    (1.0, Fraction(1, 8), Fraction(1, 8), Fraction(1, 8)),  # one-hot: p(X)
+    (0.0, Fraction(1, 8), Fraction(1), Fraction(0)),  # q' = 0: u*0 < p always / not a probability
+    (0.0, Fraction(0), Fraction(0), Fraction(0)),  # 0 < 0 is false
+    (-0.5, Fraction(1, 8), Fraction(1), Fraction(0)),  # u*q' < 0 <= p
+    (-0.5, Fraction(0), Fraction(1), Fraction(0)),  # ... even where p(X) = 0
+    (1.5, Fraction(1, 8), Fraction(1, 12), Fraction(0)),  # q' > 1: p/q'
+    (1.5, Fraction(1), Fraction(2, 3), Fraction(0)),
+    (NAN, Fraction(1, 8), Fraction(0), Fraction(0)),  # NaN comparison is false
+    (INF, Fraction(1, 8), Fraction(0), Fraction(0)),  # inf < p is false
+    (-INF, Fraction(1, 8), Fraction(1), Fraction(0)),  # -inf < p is true
+]
+
+
+@pytest.mark.parametrize("q, p, fi, sg", ACCEPT_TABLE)
+def test_accept_table_exact_and_analytic(q, p, fi, sg) -> None:
+    assert exact_accept_probability(p, q, "flashinfer") == fi
+    assert exact_accept_probability(p, q, "sglang") == sg
+    target = torch.tensor([[[float(p), 1.0 - float(p)], [0.5, 0.5]]], dtype=torch.float64)
+    draft = torch.tensor([[[q, 0.0]]], dtype=torch.float64)
+    x = torch.tensor([[0]])
+    for kernel, want in (("flashinfer", fi), ("sglang", sg)):
+        got = float(acceptance_probability(target, draft, x, kernel)[0, 0])
+        assert got == pytest.approx(float(want), abs=1e-15), (kernel, q, p)
+
+
+@pytest.mark.parametrize("q, p, fi, sg", ACCEPT_TABLE)
+def test_accept_table_torch_on_a_uniform_grid(q, p, fi, sg) -> None:
+    """verify_chain's literal comparison on 1000 evenly spaced coins: the accepted share is
+    the exact probability within 1/1000 (no randomness)."""
+    n = 1000
+    u_acc = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).view(n, 1)
+    u_draw = torch.full((n, 2), 0.5, dtype=torch.float64)
+    target = torch.tensor([[float(p), 1.0 - float(p)], [0.5, 0.5]], dtype=torch.float64).expand(n, 2, 2)
+    draft = torch.tensor([[q, 0.0]], dtype=torch.float64).expand(n, 1, 2)
+    x = torch.zeros(n, 1, dtype=torch.int64)
+    for kernel, want in (("flashinfer", fi), ("sglang", sg)):
+        res = verify_chain(target, draft, x, uniforms=(u_acc, u_draw), kernel=kernel)
+        share = float(res.accepted_lengths.double().mean())
+        assert abs(share - float(want)) <= 1 / n, (kernel, q, p, share)
+
+
+RESIDUAL_ROW = [NAN, INF, -0.5, 1.5, 0.25, 0.25, 0.25, 0.25]
+
+
+def test_residual_table_exact() -> None:
+    p = [Fraction(1, 8)] * 8
+    # FlashInfer: fmaxf(p - q', 0): NaN -> 0, +inf -> 0, negative q' raises the entry.
+    assert exact_residual(p, RESIDUAL_ROW, "flashinfer") == [0, 0, 1, 0, 0, 0, 0, 0]
+    # SGLang: q' outside [0, 1] read as 0, so those tokens keep their p.
+    assert exact_residual(p, RESIDUAL_ROW, "sglang") == [Fraction(1, 4)] * 4 + [0] * 4
+    # q' = -inf: the sum is inf and FlashInfer emits the last token with positive residual.
+    assert exact_residual(p, [0.0, -INF, 0.0, 0.5, 0.5, 0, 0, 0], "flashinfer") == [0, 0, 0, 0, 0, 0, 0, 1]
+    # No residual mass (p == q'): both kernels are undefined there; the reference draws from p.
+    assert exact_residual(p, [0.125] * 8, "flashinfer") == p and exact_residual(p, [0.125] * 8, "sglang") == p
+    with pytest.raises(ValidationError, match="must be one of flashinfer, sglang, got 'vllm'"):
+        exact_residual(p, [0.125] * 8, "vllm")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kernel", ["flashinfer", "sglang"])
+@pytest.mark.parametrize(
+    "row", [RESIDUAL_ROW, [0.0, -INF, 0.0, 0.5, 0.5, 0, 0, 0], [0.125] * 8, [0.5, 0.5, 0, 0, 0, 0, 0, 0]]
+)
+def test_residual_torch_matches_exact_on_a_grid(kernel, row) -> None:
+    """A rejected X (p(X) = 0, so every kernel rejects it at u = 1), then the residual drawn
+    on 800 evenly spaced coins: each token's share is the exact residual within 1/800."""
+    n, v = 800, 8
+    target = torch.full((n, 2, v), 1 / 8, dtype=torch.float64)
+    draft = torch.tensor(row, dtype=torch.float64).expand(n, 1, v)
+    u_draw = torch.stack([(torch.arange(n, dtype=torch.float64) + 0.5) / n, torch.zeros(n, dtype=torch.float64)], 1)
+    target = target.clone()
+    target[:, 0, 7] = 0.0
+    target[:, 0, :7] = 1 / 7
+    p7 = [Fraction(1, 7)] * 7 + [Fraction(0)]
+    exact = exact_residual(p7, row, kernel)
+    x = torch.full((n, 1), 7, dtype=torch.int64)
+    res = verify_chain(target, draft, x, uniforms=(torch.ones(n, 1, dtype=torch.float64), u_draw), kernel=kernel)
+    assert bool((res.accepted_lengths == 0).all())
+    counts = torch.bincount(res.committed[:, 0], minlength=v).double() / n
+    for y in range(v):
+        assert abs(float(counts[y]) - float(exact[y])) <= 1 / n + 1e-12, (kernel, row, y, counts.tolist(), exact)
+
+
+def test_invalid_q_makes_one_hot_style_pairs_biased_under_both_kernels() -> None:
+    """Why the guard keeps q'(X) > 0: X drawn where q' says 0 is accepted outright by
+    FlashInfer and always rejected by SGLang; both commit a law other than p."""
     p = [Fraction(1, 8)] * 8
     s = [Fraction(1, 4)] * 4 + [Fraction(0)] * 4
-    invalid = [math.nan, math.inf, -0.5, 1.5, 0.25, 0.25, 0.25, 0.25]
     zeroed = [0, 0, 0, 0, 0.25, 0.25, 0.25, 0.25]
-    assert exact_verify_law(p, invalid, s) == exact_verify_law(p, zeroed, s)
-    for bad in (math.nan, math.inf, -math.inf, -0.5, 1.5):
-        assert exact_accept_probability(Fraction(1, 8), bad) == 1, bad
-    assert exact_accept_probability(0, math.nan) == 0
-    assert exact_residual(p, invalid) == exact_residual(p, zeroed)
-    # X drawn on the invalid entries is always accepted (q' = 0, p > 0): the law is s there.
-    law = exact_verify_law(p, invalid, s)
-    assert law[:4] == s[:4] and law[4:] == [0, 0, 0, 0]
+    fi = exact_verify_law(p, zeroed, s, "flashinfer")
+    assert fi[:4] == s[:4] and fi[4:] == [0, 0, 0, 0]  # accepted outright: the law is s
+    assert exact_verify_law(p, zeroed, s, "sglang") != p
+    # Negative control: q' = s (X drawn from what was sent) is exact under both kernels.
+    assert exact_verify_law(p, s, s, "flashinfer") == p and exact_verify_law(p, s, s, "sglang") == p
 
 
 def test_exact_mode_rejects_bad_laws() -> None:
@@ -148,7 +233,7 @@ def chain_tables(seed: int, v: int, steps: int) -> tuple[dict, dict]:
     def prefixes(n: int) -> list[tuple[int, ...]]:
         out: list[tuple[int, ...]] = [()]
         for _ in range(n):
-            out = [pre + (x,) for pre in out for x in range(v)]
+            out = [(*pre, x) for pre in out for x in range(v)]
         return out
 
     for n in range(steps + 1):
@@ -165,7 +250,7 @@ def test_chain_is_exact_for_full_and_one_hot_proposals(steps: int, v: int) -> No
     full = exact_chain_law(p_tab.__getitem__, lambda pre, x: q_tab[pre], q_tab.__getitem__, steps)
     assert sum(full.law.values()) == 1
     assert complete_law(full.law, p_tab.__getitem__, steps + 1) == target
-    greedy = lambda pre: one_hot(v, argmax(q_tab[pre]))  # noqa: E731
+    greedy = lambda pre: one_hot(v, argmax(q_tab[pre]))  # noqa: E731  # a one-line law
     hot = exact_chain_law(p_tab.__getitem__, lambda pre, x: one_hot(v, x), greedy, steps)
     assert complete_law(hot.law, p_tab.__getitem__, steps + 1) == target
     biased = exact_chain_law(p_tab.__getitem__, lambda pre, x: q_tab[pre], greedy, steps)
@@ -253,26 +338,32 @@ def test_torch_chain_matches_exact_law() -> None:
     assert abs(float(analytic) - float(exact.expected_accepted)) < 3 * steps / math.sqrt(n), f"seed={seed}"
 
 
-def test_invalid_q_counts_as_zero_in_torch() -> None:
-    """Seed-for-seed identical to zeros, and the law matches exact mode (30k draws, 8+64 categories, alpha 1e-6)."""
+def test_invalid_q_torch_matches_exact_law_for_both_kernels() -> None:
+    """Monte Carlo of a whole verify on the residual table's row (30k draws, 8+64
+    categories, alpha 1e-6): the committed law matches exact mode under each kernel."""
     seed, v, n = 5, 8, 30_000
     p = [Fraction(1, 8)] * 8
-    bonus = [Fraction(1, 8)] * 8
     s = [Fraction(1, 4)] * 4 + [Fraction(0)] * 4
-    invalid = torch.tensor([math.nan, math.inf, -0.5, 1.5, 0.25, 0.25, 0.25, 0.25])
+    invalid = torch.tensor(RESIDUAL_ROW)
     assert sanitize_q(invalid).tolist() == [0, 0, 0, 0, 0.25, 0.25, 0.25, 0.25]
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 4, (n,), generator=g)
     target = torch.full((n, 2, v), 1 / 8)
-    a = verify_chain(target, invalid.expand(n, v), x, torch.Generator().manual_seed(seed))
-    b = verify_chain(target, sanitize_q(invalid).expand(n, v), x, torch.Generator().manual_seed(seed))
-    assert torch.equal(a.committed, b.committed) and torch.equal(a.accepted_lengths, b.accepted_lengths)
-    assert bool(a.first_accepted.all()), "q'(X) = 0 with p(X) > 0 always accepts"
-    exact = exact_chain_law(lambda pre: p if not pre else bonus, lambda pre, x: [float(t) for t in invalid], lambda pre: s, 1)
-    counts: dict[tuple[int, ...], int] = {}
-    for row in a.committed.tolist():
-        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-    assert tv_distance(counts, exact.law) < tv_bound(v + v * v, n, ALPHA), f"seed={seed}"
+    for kernel in ("flashinfer", "sglang"):
+        a = verify_chain(target, invalid.expand(n, v), x, torch.Generator().manual_seed(seed), kernel=kernel)
+        exact = exact_chain_law(lambda pre: p, lambda pre, x: RESIDUAL_ROW, lambda pre: s, 1, kernel)
+        counts: dict[tuple[int, ...], int] = {}
+        for row in a.committed.tolist():
+            key = tuple(t for t in row if t >= 0)  # drop the -1 padding after a rejection
+            counts[key] = counts.get(key, 0) + 1
+        assert tv_distance(counts, exact.law) < tv_bound(v + v * v, n, ALPHA), f"seed={seed} kernel={kernel}"
+    # FlashInfer accepts X on NaN/+inf? No: NaN and +inf reject, -0.5 accepts, 1.5 accepts w.p. 1/12.
+    fi = verify_chain(target, invalid.expand(n, v), x, torch.Generator().manual_seed(seed))
+    first = fi.first_accepted
+    assert not bool(first[x == 0].any()) and not bool(first[x == 1].any()) and bool(first[x == 2].all())
+    assert abs(float(first[x == 3].double().mean()) - 1 / 12) < 0.02
+    with pytest.raises(ValidationError, match="kernel"):
+        verify_chain(target[:2], invalid.expand(2, v), x[:2], kernel="vllm")  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------- edge cases

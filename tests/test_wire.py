@@ -183,7 +183,7 @@ def test_slot_checks() -> None:
     pool = SlotPool(2, 256)
     (mine,) = pool.grant("me", 1)
     pool.grant("other", 1)
-    res = lambda *a: pool.view_of("me", *a)  # noqa: E731
+    res = lambda *a: pool.view_of("me", *a)  # noqa: E731  # a one-line resolver
     p = make(1)
     header, _ = wire.build_header(p, 0, 1 - mine)
     e = reject([wire.encode(header)], "hidden.slot", res)
@@ -229,7 +229,7 @@ def test_fuzz_every_message_is_rejected_with_a_field_or_valid() -> None:
     rng = random.Random(FUZZ_SEED)
     pool = SlotPool(4, 4096)
     pool.grant("peer", 4)
-    resolver = lambda *a: pool.view_of("peer", *a)  # noqa: E731
+    resolver = lambda *a: pool.view_of("peer", *a)  # noqa: E731  # a one-line resolver
     corpus = []
     for steps in (1, 3):
         for hd in ("bf16", "fp32"):

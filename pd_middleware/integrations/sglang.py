@@ -66,7 +66,6 @@ from .sglang_patch import (
     UTILS_MODULE,
     SGLangModules,
     _check_signature,
-    _import,  # noqa: F401 - re-exported: sglang_ab imports the patch helpers from here
     _mark,
     _module,
     _wrap_build,

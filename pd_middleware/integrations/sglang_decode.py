@@ -361,16 +361,12 @@ class DecodeProposer:
     def _assemble(self, mw: Any, proposals: Sequence[Any], n: int, vocab: int, device: torch.device) -> torch.Tensor:
         # A fresh tensor, like SGLang's own function: SGLang keeps draft_probs past the
         # next prebuilt batch (merge_batch, the overlap relay), so a view of the
-        # assembler's rotating buffer could be overwritten under it. Chunks of
-        # max_batch let any batch size through.
-        asm = mw.assembler
-        out = torch.empty((len(proposals), n, vocab), dtype=torch.float32, device=device)
-        step = asm.max_batch
-        for start in range(0, len(proposals), step):
-            view = asm.build(proposals[start : start + step])
-            assert view is not None  # every entry is a proposal (rejection sampling is on)
-            out[start : start + view.shape[0]].copy_(view.view(view.shape[0], n, vocab))
-        return out
+        # assembler's rotating buffer could be overwritten under it. build_fresh writes
+        # each row once into a new tensor (any batch size), with no copy out of the
+        # persistent buffer (benchmarks/sglang_inband.py).
+        out: torch.Tensor | None = mw.assembler.build_fresh(proposals)
+        assert out is not None  # every entry is a proposal (rejection sampling is on)
+        return out.view(len(proposals), n, vocab).to(device)
 
 
 def _tokens(req: Any, n: int) -> tuple[int, ...]:

@@ -410,7 +410,7 @@ class DecodeReceiver:
         peer = self._peers.by_ident.get(ident)
         nonce, seq = _NO_NONCE, 0
         if signed:
-            opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]
+            opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]  # set whenever `signed`
             if opened is None:
                 self._reject(
                     ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", sum(map(len, body))
@@ -446,16 +446,16 @@ class DecodeReceiver:
                 )
                 self._reject(ident, err, "hello", sum(map(len, body)), nonce)
             else:
-                self._on_payload(peer, msg, body)  # type: ignore[arg-type]
+                self._on_payload(peer, msg, body)  # type: ignore[arg-type]  # `kind is` dispatch: a PayloadHeader
             return
         self.metrics.bytes["control"] += len(body[0])
         if kind is wire.Hello:
-            self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]
+            self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]  # `kind is` dispatch: a Hello
         elif kind is wire.Heartbeat:
             if peer is None:
                 self._send_to(ident, wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"), nonce)
         elif kind is wire.Bye and peer is not None:
-            self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]
+            self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]  # `kind is` dispatch: a Bye
 
     def _on_hello(self, ident: bytes, msg: wire.Hello, now: float, user: str | None, nonce: bytes, seq: int) -> None:
         name = msg.name
@@ -519,7 +519,7 @@ class DecodeReceiver:
             payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
             gen = 0
             if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
-                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]
+                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]  # slot >= 0 only with a pool
         except (WireError, IntegrityError) as exc:
             named = wire.named_slot(h)
             if named >= 0 and self._pool is not None and named < self._pool.count:
@@ -536,7 +536,7 @@ class DecodeReceiver:
         by_plane["control"] += len(body[0])
         inline = 0
         if slot >= 0:
-            self._pool.hold(slot)  # type: ignore[union-attr]
+            self._pool.hold(slot)  # type: ignore[union-attr]  # slot >= 0 only with a pool
             self._held_n += 1
             by_plane["bulk"] += wire.bulk_bytes(payload)
         elif len(body) == 2:
@@ -561,7 +561,7 @@ class DecodeReceiver:
             else:
                 peer.delivered.append(h.seq)
         else:
-            peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]
+            peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]  # a Failure here
 
     def _apply_releases(self) -> None:
         pool = self._pool
@@ -573,11 +573,11 @@ class DecodeReceiver:
             if delivered:
                 peer.outstanding.pop(rid, None)
             if slot >= 0:
-                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]
+                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]  # slot >= 0 only with a pool
                 if done:  # else stale: the slot was freed or reused since; never free a later use
                     self._held_n -= 1
                 if done and owner is not None:
-                    holder = peers.get(owner)  # type: ignore[arg-type]
+                    holder = peers.get(owner)  # type: ignore[arg-type]  # slot owners are peer idents
                     if holder is not None:
                         holder.freed.append(slot)
             if consumed and delivered:

@@ -231,16 +231,16 @@ class PrefillSender:
         self._last_heard = self._clock()
         kind = type(msg)
         if kind is wire.Ack:
-            self._on_ack(msg)  # type: ignore[arg-type]
+            self._on_ack(msg)  # type: ignore[arg-type]  # `kind is` dispatch: an Ack
         elif kind is wire.ErrorReply:
-            self.rejected[msg.code] += 1  # type: ignore[attr-defined]
-            if msg.code == "hello":  # type: ignore[attr-defined]
-                self._lost = f"the decode does not know this prefill (restarted?): {msg.reason}"  # type: ignore[attr-defined]
+            self.rejected[msg.code] += 1  # type: ignore[attr-defined]  # `kind is` dispatch: an ErrorReply
+            if msg.code == "hello":  # type: ignore[attr-defined]  # an ErrorReply
+                self._lost = f"the decode does not know this prefill (restarted?): {msg.reason}"  # type: ignore[attr-defined]  # an ErrorReply
         elif kind is wire.Heartbeat:
-            if self._session and msg.session != self._session:  # type: ignore[attr-defined]
+            if self._session and msg.session != self._session:  # type: ignore[attr-defined]  # a Heartbeat
                 self._lost = "the decode restarted (new session)"
         elif kind is wire.Bye:
-            self._lost = f"the decode closed the connection: {msg.reason}"  # type: ignore[attr-defined]
+            self._lost = f"the decode closed the connection: {msg.reason}"  # type: ignore[attr-defined]  # a Bye
         return msg
 
     def _on_ack(self, ack: wire.Ack) -> None:

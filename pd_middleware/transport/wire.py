@@ -373,14 +373,16 @@ def payload_from_header(
     vocab = h.vocab_size
     if not 0 < vocab <= limits.max_vocab:
         raise WireError(f"{vocab} is not in [1, {limits.max_vocab}]", field="vocab_size", request_id=rid)
-    if limits.hidden_dtype is not None and h.hidden_dtype != limits.hidden_dtype:
+    # A payload without a hidden state (SGLang's side channel: the engine carries it)
+    # passes; one that carries a hidden state carries exactly the configured one.
+    if h.hidden is not None and limits.hidden_dtype is not None and h.hidden_dtype != limits.hidden_dtype:
         raise WireError(
             f"{h.hidden_dtype} does not match the configured {limits.hidden_dtype}",
             field="hidden_dtype",
             request_id=rid,
         )
-    if limits.hidden_size:
-        width = h.hidden.shape[0] if h.hidden is not None and len(h.hidden.shape) == 1 else 0
+    if limits.hidden_size and h.hidden is not None:
+        width = h.hidden.shape[0] if len(h.hidden.shape) == 1 else 0
         if width != limits.hidden_size:
             raise WireError(
                 f"{width} elements, the configured hidden_size is {limits.hidden_size}",
@@ -579,12 +581,12 @@ def build_header(
         n = _nbytes(buf)
         if slot < 0:
             parts.append((buf, -1))
-            return TensorRef(dtype=dtype, shape=shape, nbytes=n, frame=len(parts))  # type: ignore[arg-type]
+            return TensorRef(dtype=dtype, shape=shape, nbytes=n, frame=len(parts))  # type: ignore[arg-type]  # dtype: a wire dtype name, checked on decode
         off = cursor
         cursor += _aligned(n)
         parts.append((buf, off))
         d = digest(buf) if digest is not None else b""
-        return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off, gen=gen, digest=d)  # type: ignore[arg-type]
+        return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off, gen=gen, digest=d)  # type: ignore[arg-type]  # dtype: a wire dtype name, checked on decode
 
     steps = len(payload.draft_tokens)
     hidden = None

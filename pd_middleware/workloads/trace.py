@@ -174,7 +174,7 @@ class TraceWriter:
         if mode == "append" and os.path.exists(self.path):
             _check_tail(self.path)
         try:
-            self._fh: BinaryIO | None = open(self.path, "ab" if mode == "append" else "xb")  # noqa: SIM115 - owned
+            self._fh: BinaryIO | None = open(self.path, "ab" if mode == "append" else "xb")  # noqa: SIM115  # owned by the writer; close() closes it
         except FileExistsError:
             raise TraceError("already exists and mode is 'create'", path=self.path) from None
         except OSError as exc:
