@@ -180,7 +180,7 @@ def write_row(row: np.ndarray, room: int, payload: Payload, layout: RowLayout) -
     (its hidden state is not carried: the engine ships that itself). Returns the bytes
     written. Raises :class:`RowOverflowError` (leaving ``row`` untouched) when it does not
     fit, and ValueError when the payload's shape is not the layout's; bytes past the
-    written length are left as they were (the digest covers only the written ones).
+    written length are zeroed (the digest covers only the written ones).
     """
     if row.dtype != np.uint8 or row.ndim != 1 or row.size != layout.capacity_bytes:
         raise ValueError(f"row must be uint8 ({layout.capacity_bytes},), got {row.dtype} {row.shape}")
@@ -214,6 +214,9 @@ def write_row(row: np.ndarray, room: int, payload: Payload, layout: RowLayout) -
         row[off : off + pad] = 0
         off = _put(row, off + pad, p.indices)
         off = _put(row, off, p.values)
+    # The engine transfers the whole row: zero what this request did not write, so no byte
+    # of an earlier request's proposal travels with it (a memset of at most capacity bytes).
+    row[off:] = 0
     flags = (FLAG_PROPOSAL if kind else 0) | (FLAG_GREEDY if payload.provenance.rule == "greedy" else 0)
     _finish(row, off, flags, room, layout, kind, dtype, fmt, payload.provenance.temperature)
     return off

@@ -105,6 +105,9 @@ def test_identical_bytes_for_identical_input() -> None:
     n = write_row(a, 5, p, layout)
     assert write_row(b, 5, p, layout) == n
     assert a[:n].tobytes() == b[:n].tobytes()
+    # The whole row travels: nothing of the slot's earlier contents (b was 0xAB) goes with it.
+    assert a.tobytes() == b.tobytes()
+    assert not b[n:].any()
 
 
 def _written(layout: RowLayout | None = None, room: int = 11) -> tuple[np.ndarray, RowLayout, Payload]:
