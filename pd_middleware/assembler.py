@@ -22,9 +22,10 @@ N in flight while building batch N+1 use ``num_buffers=2`` (see docs/assembler.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
 from operator import attrgetter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -95,7 +96,7 @@ class ProposalAssembler:
         buf = self._states[index].buf
         return buf.view(self.max_batch, self.vocab_size) if self.num_steps == 1 else buf
 
-    def build(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+    def build(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """Write one batch and return its view, or ``None`` if no proposal is attached.
 
         ``proposals``: one descriptor per request, in batch order (all ``None`` when
@@ -108,7 +109,7 @@ class ProposalAssembler:
             return None
         return self._write(*flat, len(proposals))
 
-    def build_fresh(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+    def build_fresh(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """Like :meth:`build`, but into a new (B, V) / (B, S, V) float32 tensor.
 
         For callers that keep the result past the next build (SGLang holds
@@ -151,8 +152,10 @@ class ProposalAssembler:
         return out.view(b, v) if s_steps == 1 else out
 
     def _flatten(
-        self, proposals: Sequence["Proposal | None"], *, limit: bool = True
-    ) -> "tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, DenseProposal]], list[int], list[float]] | None":
+        self, proposals: Sequence[Proposal | None], *, limit: bool = True
+    ) -> (
+        tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, DenseProposal]], list[int], list[float]] | None
+    ):
         """Validate every descriptor and flatten them: (flat indices, values or None for
         all-ones, dense rows, floor rows, floor values), in a contiguous (B, S, V)
         layout; ``None`` when no proposal is attached. Raises ValueError (see build)."""
@@ -238,7 +241,7 @@ class ProposalAssembler:
             idx = torch.from_numpy(np.array(oh_idx, dtype=np.int64))
         return idx, val, dense, floor_rows, floor_vals
 
-    def _one_hot_indices(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+    def _one_hot_indices(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """Flat buffer indices of an all-one-hot batch, or ``None`` for the general path.
 
         The common batch (every request one-hot) is converted with C-level maps and one

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from .metrics import Metrics
 from .payload import DenseEncoding, Payload
@@ -137,7 +138,7 @@ class ProvenanceGuard:
             )
         return OneHotProposal(payload.draft_tokens)
 
-    def check_law(self, payload: Payload, law: "DenseProposal | SparseProposal") -> str | None:
+    def check_law(self, payload: Payload, law: DenseProposal | SparseProposal) -> str | None:
         """The fallback reason the decoded ``law`` calls for at X, or ``None``.
 
         ``token_outside_proposal`` if some q'(X_s) is not > 0 in fp32 (X drawn from
@@ -157,7 +158,11 @@ class ProvenanceGuard:
         enc = payload.proposal
         scale: Sequence[float]
         if isinstance(law, DenseProposal):
-            rtol = DECLARED_RTOL.get(enc.dtype, DECLARED_RTOL["fp32"]) if type(enc) is DenseEncoding else DECLARED_RTOL["fp32"]
+            rtol = (
+                DECLARED_RTOL.get(enc.dtype, DECLARED_RTOL["fp32"])
+                if type(enc) is DenseEncoding
+                else DECLARED_RTOL["fp32"]
+            )
             scale = law.scale.tolist()
         else:
             rtol = DECLARED_RTOL.get(getattr(enc, "value_dtype", "fp32"), DECLARED_RTOL["fp32"])
@@ -192,17 +197,19 @@ class GuardedSynthesizer:
     name: str = "guarded"
     accepts: tuple[str, ...] = ()
     # Set by each subclass (``staticmethod(sparse_law)``...); checked in __init__.
-    decode_law: "Callable[..., DenseProposal | SparseProposal]"
+    decode_law: Callable[..., DenseProposal | SparseProposal]
 
-    def __init__(self, options: object, context: "PluginContext", *, unsafe_disable_guard: bool = False) -> None:
+    def __init__(self, options: object, context: PluginContext, *, unsafe_disable_guard: bool = False) -> None:
         self.vocab_size = context.vocab_size
         self.num_steps = context.num_steps
         self.enabled = context.rejection_sampling
         self.guard = ProvenanceGuard(self.name, self.accepts, unsafe_disable_guard=unsafe_disable_guard)
         if not callable(getattr(self, "decode_law", None)):
-            raise TypeError(f"{type(self).__name__} must define decode_law(encoding, num_steps, vocab_size, *, request_id)")
+            raise TypeError(
+                f"{type(self).__name__} must define decode_law(encoding, num_steps, vocab_size, *, request_id)"
+            )
 
-    def synthesize(self, payload: Payload) -> "DenseProposal | SparseProposal | OneHotProposal | None":
+    def synthesize(self, payload: Payload) -> DenseProposal | SparseProposal | OneHotProposal | None:
         """The payload's validated law, a one-hot fallback, or ``None`` with rejection
         sampling off. Raises ValidationError naming the bad field."""
         payload.check_fits(self.vocab_size, self.num_steps)

@@ -160,7 +160,8 @@ def test_build_fresh_equals_the_reference_and_leaves_the_buffers_alone(num_steps
         b = rng.randint(1, 2 * max_b)
         kinds = rng.choice(["all_one_hot", "mixed"])
         props = [
-            OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps))) if kinds == "all_one_hot"
+            OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps)))
+            if kinds == "all_one_hot"
             else _random_proposal(rng, num_steps, v)
             for _ in range(b)
         ]

@@ -53,7 +53,7 @@ class InstallOptions:
     registry: Any = None
     metrics: Any = None
     allow_unsupported: bool = False
-    modules: SGLangModules = SGLangModules()
+    modules: SGLangModules = field(default_factory=SGLangModules)
     version: str | None = None
     hook_scheduler: bool = True
 
@@ -152,7 +152,11 @@ class Installation:
         if facts.role == "prefill" and facts.num_steps > 1:
             self._patch_chain()
         logger.info(
-            "pd-middleware active: %s node, channel %s, V=%d, S=%d", facts.role, self.channel_name, facts.vocab_size, facts.num_steps
+            "pd-middleware active: %s node, channel %s, V=%d, S=%d",
+            facts.role,
+            self.channel_name,
+            facts.vocab_size,
+            facts.num_steps,
         )
 
     def _patch_chain(self) -> None:
@@ -179,20 +183,26 @@ class Installation:
         """The prefill's encoder, fed to the metadata channel or the side channel."""
         if self.channel is not None:
             self.publisher = ProposalPublisher.from_config(
-                self.config, stage=self.channel.stage, vocab_size=facts.vocab_size, num_steps=facts.num_steps,
+                self.config,
+                stage=self.channel.stage,
+                vocab_size=facts.vocab_size,
+                num_steps=facts.num_steps,
                 registry=self.options.registry,
             )
         else:
             addr = os.environ.get(ENV_DECODE_ADDRESS)
             if not addr:
                 raise ConfigError(
-                    f"[sglang].channel = \"sidechannel\" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port",
+                    f'[sglang].channel = "sidechannel" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port',
                     path="sglang.channel",
                 )
             from ..transport import open_sender
 
             cfg = self.config
             self.publisher = ProposalPublisher.from_config(
-                cfg, lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
-                vocab_size=facts.vocab_size, num_steps=facts.num_steps, registry=self.options.registry,
+                cfg,
+                lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
+                vocab_size=facts.vocab_size,
+                num_steps=facts.num_steps,
+                registry=self.options.registry,
             )

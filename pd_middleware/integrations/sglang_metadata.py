@@ -34,12 +34,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..inband import RowFault, RowLayout, RowOverflowError, clear_row, mark_overflow, read_row, write_row
 from ..payload import Payload
+from .sglang_patch import _mark
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -67,7 +69,7 @@ class MetadataChannel:
     ``counts``: ``inband:<event>`` counters.
     """
 
-    def __init__(self, capacity_bytes: int, on_row: Callable[[Any, "Payload | RowFault"], None] | None = None) -> None:
+    def __init__(self, capacity_bytes: int, on_row: Callable[[Any, Payload | RowFault], None] | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.on_row = on_row
         self.layout: RowLayout | None = None
@@ -83,7 +85,9 @@ class MetadataChannel:
 
     def describe(self) -> str:
         """This node's layout for error messages (or its capacity while unbound)."""
-        return self.layout.describe() if self.layout is not None else f"capacity={self.capacity_bytes} (shapes not bound)"
+        return (
+            self.layout.describe() if self.layout is not None else f"capacity={self.capacity_bytes} (shapes not bound)"
+        )
 
     def _count(self, event: str, detail: str = "") -> None:
         key = f"inband:{event}"
@@ -98,7 +102,7 @@ class MetadataChannel:
     def rows(self, buffers: Any) -> np.ndarray | None:
         """The (rows, capacity) uint8 numpy view of ``buffers``' proposal buffer
         (None for buffers made before the drop-in was installed: SGLang's alone)."""
-        arr = buffers.__dict__.get("_pd_proposal_np")
+        arr: np.ndarray | None = buffers.__dict__.get("_pd_proposal_np")
         if arr is None:
             buf = buffers.__dict__.get(BUFFER_ATTR)
             if buf is None:
@@ -128,11 +132,11 @@ class MetadataChannel:
         except RowOverflowError as exc:
             mark_overflow(row, int(room), payload, self.layout)
             self._count("overflow", f"{exc.needed} bytes > capacity {exc.capacity}; raise [sglang].capacity_bytes")
-        except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler: no row, exact one-hot
+        except Exception as exc:
             clear_row(row)
             self._count(f"write_failed:{type(exc).__name__}", str(exc))
 
-    def read(self, buffers: Any, idx: int, req: Any) -> "Payload | RowFault":
+    def read(self, buffers: Any, idx: int, req: Any) -> Payload | RowFault:
         """Decode: the row of metadata slot ``idx`` for ``req`` (a Payload or a RowFault)."""
         room = getattr(req, "bootstrap_room", None)
         if self.layout is None:
@@ -148,7 +152,7 @@ class MetadataChannel:
             if got.reason == "not_sent":
                 detail = (
                     f"{detail}; this decode is {self.describe()}: the prefill runs without the drop-in, "
-                    "or with [sglang].channel = \"sidechannel\""
+                    'or with [sglang].channel = "sidechannel"'
                 )
             self._count(got.reason, detail)
         else:
@@ -174,7 +178,12 @@ class MetadataChannel:
             q = decode.DecodeTransferQueue
             fake = getattr(utils, "_is_fake_transfer", None)
             out.append(
-                (q, "_commit_transfer_to_req", q._commit_transfer_to_req, _wrap_commit(q._commit_transfer_to_req, self, fake))
+                (
+                    q,
+                    "_commit_transfer_to_req",
+                    q._commit_transfer_to_req,
+                    _wrap_commit(q._commit_transfer_to_req, self, fake),
+                )
             )
         if mooncake is not None:
             mgr, info = mooncake.MooncakeKVManager, mooncake.KVArgsRegisterInfo
@@ -205,7 +214,7 @@ class MetadataChannel:
             return (
                 f"pd-middleware proposal rows differ: this prefill appends one ({mine}), the decode registered "
                 f"none ({remote_aux} metadata buffers vs {local_aux} here); run both nodes with the drop-in "
-                "and [sglang].channel = \"metadata\", or neither"
+                'and [sglang].channel = "metadata", or neither'
             )
         if remote_layout != mine:
             return f"pd-middleware proposal rows differ: prefill {mine}, decode {remote_layout}; use one config on both nodes"
@@ -215,12 +224,6 @@ class MetadataChannel:
                 "SGLang metadata buffer is enabled on one node only, so the proposal row would land in the wrong buffer"
             )
         return None
-
-
-def _mark(fn: Callable[..., Any], original: Any) -> Callable[..., Any]:
-    fn.__wrapped__ = original  # type: ignore[attr-defined]  # functools.wraps' attribute, set by hand
-    fn.__pd_middleware__ = True  # type: ignore[attr-defined]  # our marker: "already patched"
-    return fn
 
 
 def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
@@ -236,7 +239,7 @@ def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., A
 
             raise ConfigError(
                 f"SGLang keeps its PD metadata on {where}; the metadata channel needs CPU metadata "
-                "buffers: use [sglang].channel = \"sidechannel\" on this deployment",
+                'buffers: use [sglang].channel = "sidechannel" on this deployment',
                 path="sglang.channel",
             )
         setattr(self, BUFFER_ATTR, torch.zeros((self.output_ids.shape[0], ch.capacity_bytes), dtype=torch.uint8))
@@ -276,7 +279,9 @@ def _wrap_clear(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., 
     return _mark(clear_slot, orig)
 
 
-def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None) -> Callable[..., Any]:
+def _wrap_commit(
+    orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None
+) -> Callable[..., Any]:
     def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
         out = orig(self, decode_req)
         req = decode_req.req
@@ -286,7 +291,7 @@ def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callabl
             return out  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
         try:
             ch.on_row(req, ch.read(self.metadata_buffers, decode_req.metadata_buffer_index, req))
-        except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler; the builder falls back to one-hot
+        except Exception as exc:
             ch._count(f"attach_failed:{type(exc).__name__}", str(exc))
         return out
 
@@ -308,7 +313,9 @@ def _wrap_from_zmq(raw: Any) -> Any:
     def from_zmq(cls: Any, msg: Any) -> Any:
         info = func(cls, msg)
         last = msg[-1] if len(msg) else b""
-        layout = bytes(last)[len(FRAME_MARK) :].decode("ascii", "replace") if bytes(last).startswith(FRAME_MARK) else None
+        layout = (
+            bytes(last)[len(FRAME_MARK) :].decode("ascii", "replace") if bytes(last).startswith(FRAME_MARK) else None
+        )
         info.pd_middleware_layout = layout
         return info
 
@@ -326,7 +333,9 @@ def _wrap_validate(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..
             )
             if mismatch is not None:
                 ch._count("peer_rejected", mismatch)
-                logger.error("pd-middleware: rejecting decode session %s: %s", registration_info.mooncake_session_id, mismatch)
+                logger.error(
+                    "pd-middleware: rejecting decode session %s: %s", registration_info.mooncake_session_id, mismatch
+                )
         return fully_checked, mismatch
 
     return _mark(_validate_peer_state_layout, orig)

@@ -40,7 +40,8 @@ import hashlib
 import logging
 import threading
 from collections import Counter
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ from .._errors import ConfigError, PDMiddlewareError
 from ..contracts import EncodedBatch
 from ..payload import Payload
 from .sglang_decode import room_key
+from .sglang_patch import _mark
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -76,7 +78,7 @@ class ProposalPublisher:
         *,
         vocab_size: int,
         seed: int = 0,
-        stage: Callable[[Any, Payload], None] | None = None,
+        stage: Callable[[Any, Payload | None], None] | None = None,
     ) -> None:
         if (sender is None) == (stage is None):
             raise ValueError("give exactly one of sender (side channel) and stage (metadata channel)")
@@ -98,10 +100,10 @@ class ProposalPublisher:
         arm: str | None = None,
         registry: Any = None,
         seed: int | None = None,
-        stage: Callable[[Any, Payload], None] | None = None,
+        stage: Callable[[Any, Payload | None], None] | None = None,
         vocab_size: int | None = None,
         num_steps: int | None = None,
-    ) -> "ProposalPublisher":
+    ) -> ProposalPublisher:
         """A publisher with the config's top-level ``[encoder]``, or arm ``arm``'s encoder.
 
         In a live A/B (``ab_split``) leave ``arm`` unset: the prefill sends one encoding
@@ -160,7 +162,9 @@ class ProposalPublisher:
         temps = _temperatures(temperature, b)
         encs = [
             self.encoder.encode(
-                probs[i : i + 1], temperature=temps[i], generator=torch.Generator().manual_seed(room_seed(self.seed, rooms[i]))
+                probs[i : i + 1],
+                temperature=temps[i],
+                generator=torch.Generator().manual_seed(room_seed(self.seed, rooms[i])),
             )
             for i in range(b)
         ]
@@ -199,7 +203,9 @@ class ProposalPublisher:
                     self.counts[key] += 1
                     if key not in self._logged:
                         self._logged.add(key)
-                        logger.warning("publishing request %s failed (%s); the decode will use one-hot", payload.request_id, exc)
+                        logger.warning(
+                            "publishing request %s failed (%s); the decode will use one-hot", payload.request_id, exc
+                        )
 
     def publish(
         self,
@@ -274,7 +280,7 @@ def wrap_process_batch_result(original: Callable[..., Any], get_publisher: Calla
         if publisher is not None and q is not None:
             try:
                 _publish_batch(publisher, batch, draft_input, q)
-            except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler: SGLang's own draw stands
+            except Exception as exc:
                 _unstage(publisher, batch)
                 key = f"publish_failed:{type(exc).__name__}"
                 publisher.counts[key] += 1
@@ -283,9 +289,7 @@ def wrap_process_batch_result(original: Callable[..., Any], get_publisher: Calla
                     logger.error("pd-middleware could not encode a batch (%s); those requests get one-hot", exc)
         return original(self, batch, result)
 
-    process_batch_result_disagg_prefill.__wrapped__ = original  # type: ignore[attr-defined]
-    process_batch_result_disagg_prefill.__pd_middleware__ = True  # type: ignore[attr-defined]
-    return process_batch_result_disagg_prefill
+    return _mark(process_batch_result_disagg_prefill, original)
 
 
 def _unstage(publisher: ProposalPublisher, batch: Any) -> None:
@@ -315,7 +319,9 @@ def _publish_batch(publisher: ProposalPublisher, batch: Any, draft_input: Any, q
         if publisher.stage is not None:
             _stage_bare(publisher, batch, draft_input)
         return
-    rows = [i for i, req in enumerate(batch.reqs) if _finishing(req) and getattr(req, "bootstrap_room", None) is not None]
+    rows = [
+        i for i, req in enumerate(batch.reqs) if _finishing(req) and getattr(req, "bootstrap_room", None) is not None
+    ]
     if not rows:
         return
     q2 = q.reshape(q.shape[0], -1)[rows]
