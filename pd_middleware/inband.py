@@ -259,6 +259,11 @@ def _seal(row: np.ndarray, end: int) -> None:
     row[_DIGEST_AT : _DIGEST_AT + 4] = np.frombuffer(struct.pack("<I", crc), np.uint8)
 
 
+def row_digest(row: np.ndarray) -> int:
+    """The digest field of ``row``'s header (a cleared row reads 0)."""
+    return int.from_bytes(row[28:32].tobytes(), "little")
+
+
 def clear_row(row: np.ndarray) -> None:
     """Mark ``row`` as never written (zero magic); the rest is left for the next writer."""
     row[:HEADER_BYTES] = 0

@@ -27,8 +27,10 @@ from pd_middleware import ConfigError
 from pd_middleware.config import parse_config
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations import sglang_metadata
 from pd_middleware.integrations.sglang_metadata import FRAME_MARK, _wrap_init, _wrap_registration
 from pd_middleware.integrations.sglang_prefill import room_seed, wrap_process_batch_result
+from pd_middleware.payload import Payload, Provenance
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
 
@@ -251,6 +253,83 @@ def test_rank_divergence_falls_back_to_one_hot(sg) -> None:
     got = build(sg, [dreq])
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor((x + 1) % V), V).float())
     assert inst.proposer.counts["fallback:token_mismatch"] == 1
+
+
+def test_x_and_row_from_different_prefill_writes_fall_back_to_one_hot(sg) -> None:
+    """TP 2 -> 1 MHA: each aux buffer's last writer wins, buffer by buffer (docs/sglang_transfer.md).
+
+    Rank B wrote its row and X'; rank A's publish failed, so it kept SGLang's own draw
+    (X ~ q, here the same token as X') and no row. If A's ``output_topk_index`` lands last
+    and B's row stays, X and q' come from different draws: a biased pair even though the
+    tokens agree. The tag beside X binds X to its row, so this falls back to one-hot.
+    """
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    p_b, p_a, dbuf = buffers(sg), buffers(sg), buffers(sg)
+    (req_b,) = [prefill_req(31, 0)]
+    prefill(inst, [req_b], draft(1), p_b)
+    x = int(req_b.output_topk_index[0])
+    req_a = prefill_req(31, 0)
+    req_a.output_topk_index = torch.tensor([x])  # SGLang's own draw, the same token
+    req_a.output_topk_p = torch.tensor([0.27])
+    inst.channel.stage(req_a, None)  # nothing staged on rank A
+    p_a.set_buf(req_a)
+    assert int(p_a.output_topk_index[0, 15]) == 0 and int(p_b.output_topk_index[0, 15]) != 0
+    # Control: everything from rank B is B's exact pair.
+    send_aux(p_b, 0, dbuf, 0)
+    assert commit(sg, dbuf, 0, 31).pd_middleware.reason == "prefill"
+    # A's X and q(X) buffers land after B's (interleaved writers), B's row stays.
+    dbuf.output_topk_index[0] = p_a.output_topk_index[0]
+    dbuf.output_topk_p[0] = p_a.output_topk_p[0]
+    dreq = commit(sg, dbuf, 0, 31)
+    assert dreq.pd_middleware.reason == "binding"
+    assert torch.equal(build(sg, [dreq])[0], torch.nn.functional.one_hot(torch.tensor(x), V).float())
+    assert inst.channel.counts["inband:binding"] == 1
+
+
+def test_late_write_after_the_digest_check_is_not_read(sg) -> None:
+    """The row is copied once before its digest is checked: a write landing afterwards (SGLang's
+    TCP aux path writes from another thread) cannot reach the decoded payload unverified."""
+    from pd_middleware.inband import read_row
+
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    reqs = [prefill_req(41, 0)]
+    prefill(inst, reqs, draft(1), pbuf)
+    send_aux(pbuf, 0, dbuf, 0)
+    live = inst.channel.rows(dbuf)[0]
+    shared: list[bool] = []
+
+    def read_watching(row, room, layout, request_id=None):
+        # read_row checks the digest, then decodes: both must see one snapshot, not the live row.
+        shared.append(bool(np.shares_memory(row, live)))
+        return read_row(row, room, layout, request_id)
+
+    with patch.object(sglang_metadata, "read_row", read_watching):
+        dreq = commit(sg, dbuf, 0, 41)
+    assert dreq.pd_middleware.reason == "prefill"
+    assert shared == [False]
+
+
+def test_overflow_that_cannot_fit_even_x_never_raises_into_set_buf(sg) -> None:
+    """A row so small that the X-only overflow row does not fit either: cleared, counted, no raise."""
+    inst = activate(config(capacity=256), num_steps=15)
+    long_name = Payload(
+        request_id="51",
+        draft_tokens=(1,) * 15,
+        draft_probs=(0.5,) * 15,
+        vocab_size=V,
+        provenance=Provenance("sampled", 1.0, "x" * 40),
+        proposal=None,
+    )
+    pbuf = buffers(sg)
+    req = prefill_req(51, 0)
+    req.output_topk_index, req.output_topk_p = torch.ones(15, dtype=torch.int64), torch.full((15,), 0.5)
+    inst.channel.stage(req, long_name)
+    pbuf.set_buf(req)  # must not raise
+    assert not pbuf.pd_proposal[0, :48].any() and int(pbuf.output_topk_index[0, 15]) == 0
+    assert inst.channel.counts["inband:write_failed:RowOverflowError"] == 1
 
 
 @pytest.mark.parametrize("where", [60, 200, 3000])
@@ -478,7 +557,8 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
     for k in range(STEPS):
         q = torch.softmax(mod.step_logits(prev, 2), -1)
         for i in range(2):
-            g = torch.Generator().manual_seed(room_seed(SEED, f"{rooms[i]}:{k}"))
+            salt = f"{getattr(reqs[i], 'rid', '')}:{k}"
+            g = torch.Generator().manual_seed(room_seed(SEED, rooms[i], salt))
             e = inst.publisher.encoder.encode(q[i : i + 1], temperature=1.0, generator=g)
             assert payloads[i].draft_tokens[k] == int(e.tokens[0, 0]) == int(di.topk_index[i, k]), (i, k)
             assert torch.equal(

@@ -52,6 +52,8 @@ class ChainDraw:
     publisher: Any
     rooms: list[Any]
     temperatures: list[float]
+    # Per-row SGLang request ids, mixed into each draw's seed (see room_seed).
+    salts: list[str] = field(default_factory=list)
     steps: list[list[tuple[int, float, Any, Any]]] = field(default_factory=list)
 
     def draw(self, step: int, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -65,7 +67,8 @@ class ChainDraw:
         rows = probs.detach().to("cpu", torch.float32)
         got: list[tuple[int, float, Any, Any]] = []
         for i, room in enumerate(self.rooms):
-            g = torch.Generator().manual_seed(room_seed(self.publisher.seed, f"{room}:{step}"))
+            salt = f"{self.salts[i] if i < len(self.salts) else ''}:{step}"
+            g = torch.Generator().manual_seed(room_seed(self.publisher.seed, room, salt))
             e = self.publisher.encoder.encode(rows[i : i + 1], temperature=self.temperatures[i], generator=g)
             got.append(
                 (int(e.tokens[0, 0]), min(1.0, max(0.0, float(e.token_probs[0, 0]))), e.proposals[0], e.provenance)
@@ -133,7 +136,10 @@ def chain_patches(module: Any, get_publisher: Callable[[], Any]) -> list[tuple[A
             else [1.0] * n
         )
         chain = ChainDraw(
-            publisher, [getattr(r, "bootstrap_room", None) for r in batch.reqs], (tl * n)[:n] if len(tl) == 1 else tl
+            publisher,
+            [getattr(r, "bootstrap_room", None) for r in batch.reqs],
+            (tl * n)[:n] if len(tl) == 1 else tl,
+            [str(getattr(r, "rid", "")) for r in batch.reqs],
         )
         token = _chain.set(chain)
         try:

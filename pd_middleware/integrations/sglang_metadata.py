@@ -39,7 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from ..inband import RowFault, RowLayout, RowOverflowError, clear_row, mark_overflow, read_row, write_row
+from ..inband import (
+    RowFault,
+    RowLayout,
+    RowOverflowError,
+    clear_row,
+    mark_overflow,
+    read_row,
+    row_digest,
+    write_row,
+)
 from ..payload import Payload
 from .sglang_patch import _mark
 
@@ -51,6 +60,17 @@ ROW_ATTR = "pd_middleware_row"
 BUFFER_ATTR = "pd_proposal"
 #: Marker of the layout frame appended to the decode's Mooncake registration.
 FRAME_MARK = b"pd-middleware-row "
+#: Column of SGLang's 16-wide ``output_topk_index`` row that carries the proposal row's
+#: binding tag. SGLang writes only the first ``topk * num_steps`` (<= 15) columns.
+TAG_COLUMN = 15
+#: A written row's tag is this bit plus its CRC-32; an unwritten row's tag is 0.
+_TAG_WRITTEN = 1 << 32
+
+
+def row_tag(row: np.ndarray) -> int:
+    """The binding tag of a written row: it goes into the same SGLang buffer as X."""
+    return _TAG_WRITTEN | row_digest(row)
+
 
 UTILS_MODULE = "sglang.srt.disaggregation.utils"
 DECODE_MODULE = "sglang.srt.disaggregation.decode"
@@ -79,7 +99,19 @@ class MetadataChannel:
 
     # -- shapes ---------------------------------------------------------------------
     def bind(self, vocab_size: int, num_steps: int) -> RowLayout:
-        """Fix V and S (both nodes must bind the same); returns the layout."""
+        """Fix V and S (both nodes must bind the same); returns the layout.
+
+        Raises ConfigError when S leaves no spare ``output_topk_index`` column for the
+        binding tag (S > 15).
+        """
+        if num_steps > TAG_COLUMN:
+            from .._errors import ConfigError
+
+            raise ConfigError(
+                f"the metadata channel carries at most {TAG_COLUMN} draft steps (SGLang's output_topk_index row "
+                f"has 16 columns and one binds the proposal row), got {num_steps}",
+                path="model.num_steps",
+            )
         self.layout = RowLayout(self.capacity_bytes, vocab_size, num_steps)
         return self.layout
 
@@ -116,25 +148,40 @@ class MetadataChannel:
         setattr(req, ROW_ATTR, payload)
 
     def write(self, buffers: Any, req: Any) -> None:
-        """Prefill ``set_buf`` tail: write the staged row of ``req`` (or clear the row)."""
+        """Prefill ``set_buf`` tail: write the staged row of ``req`` (or clear the row).
+
+        Also writes the row's binding tag into the spare ``output_topk_index`` column of
+        the same slot, next to X (0 when no row is written). Under TP, SGLang's transfer
+        lets each aux buffer's last writer win buffer by buffer; the decode accepts a row
+        only when the tag beside the X it verifies names that row, so X and q' always
+        come from one prefill rank's one write. Never raises into SGLang.
+        """
         rows = self.rows(buffers)
         if rows is None:
             return
-        row = rows[req.metadata_buffer_index]
+        idx = req.metadata_buffer_index
+        row = rows[idx]
         payload = getattr(req, ROW_ATTR, None)
         room = getattr(req, "bootstrap_room", None)
-        if payload is None or room is None or self.layout is None:
-            clear_row(row)
-            return
+        tag = 0
         try:
-            write_row(row, int(room), payload, self.layout)
-            self._count("written")
-        except RowOverflowError as exc:
-            mark_overflow(row, int(room), payload, self.layout)
-            self._count("overflow", f"{exc.needed} bytes > capacity {exc.capacity}; raise [sglang].capacity_bytes")
+            if payload is None or room is None or self.layout is None:
+                clear_row(row)
+            else:
+                try:
+                    write_row(row, int(room), payload, self.layout)
+                    self._count("written")
+                except RowOverflowError as exc:
+                    mark_overflow(row, int(room), payload, self.layout)
+                    self._count(
+                        "overflow", f"{exc.needed} bytes > capacity {exc.capacity}; raise [sglang].capacity_bytes"
+                    )
+                tag = row_tag(row)
         except Exception as exc:
             clear_row(row)
+            tag = 0
             self._count(f"write_failed:{type(exc).__name__}", str(exc))
+        _set_tag(buffers, idx, tag)
 
     def read(self, buffers: Any, idx: int, req: Any) -> Payload | RowFault:
         """Decode: the row of metadata slot ``idx`` for ``req`` (a Payload or a RowFault)."""
@@ -146,7 +193,18 @@ class MetadataChannel:
         rows = self.rows(buffers)
         if rows is None:
             return RowFault("not_sent", "these metadata buffers were made before the drop-in was installed")
-        got = read_row(rows[idx], int(room), self.layout, request_id=str(int(room)))
+        # One copy: the digest check and the decode read the same bytes even if a late
+        # write lands in the buffer meanwhile (SGLang's TCP aux path writes from its own thread).
+        row = rows[idx].copy()
+        got = read_row(row, int(room), self.layout, request_id=str(int(room)))
+        if not isinstance(got, RowFault):
+            want, have = _committed_tag(req, buffers, idx), row_tag(row)
+            if want != have:
+                got = RowFault(
+                    "binding",
+                    f"the row's tag {have:#x} is not the one beside SGLang's X ({want:#x}): X and the row "
+                    "come from different prefill writes",
+                )
         if isinstance(got, RowFault):
             detail = got.detail
             if got.reason == "not_sent":
@@ -224,6 +282,23 @@ class MetadataChannel:
                 "SGLang metadata buffer is enabled on one node only, so the proposal row would land in the wrong buffer"
             )
         return None
+
+
+def _set_tag(buffers: Any, idx: int, tag: int) -> None:
+    topk = getattr(buffers, "output_topk_index", None)
+    if topk is not None and topk.shape[-1] > TAG_COLUMN:
+        topk[idx, TAG_COLUMN] = tag
+
+
+def _committed_tag(req: Any, buffers: Any, idx: int) -> int:
+    """The tag beside the X SGLang committed to ``req`` (its cloned 16-wide row), else the slot's."""
+    got = getattr(req, "output_topk_index", None)
+    if got is None or getattr(got, "shape", (0,))[-1] <= TAG_COLUMN:
+        got = getattr(buffers, "output_topk_index", None)
+        if got is None or got.shape[-1] <= TAG_COLUMN:
+            return -1
+        got = got[idx]
+    return int(got[TAG_COLUMN])
 
 
 def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:

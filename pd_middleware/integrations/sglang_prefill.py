@@ -54,9 +54,13 @@ from .sglang_patch import _mark
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
 
-def room_seed(seed: int, room: Any) -> int:
-    """The generator seed of one request: a 63-bit digest of (``seed``, room), equal on every rank."""
-    raw = f"{int(seed)}:{room}".encode()
+def room_seed(seed: int, room: Any, salt: str = "") -> int:
+    """The generator seed of one request: a 63-bit digest of (``seed``, room, ``salt``), equal on every rank.
+
+    ``salt``: SGLang's request id (``req.rid``, the same on every TP rank and new for every
+    request), so a client that reuses a ``bootstrap_room`` does not get the same draw twice.
+    """
+    raw = f"{int(seed)}:{room}:{salt}".encode()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"pd-mw-draw").digest(), "little") >> 1
 
 
@@ -147,13 +151,14 @@ class ProposalPublisher:
         rooms: Sequence[Any],
         draft_probs: torch.Tensor,
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
+        salts: Sequence[str] | None = None,
     ) -> tuple[EncodedBatch, list[Payload]]:
         """Encode one batch, each request from its own (seed, room) generator.
 
         ``rooms``: B bootstrap rooms (ints) or request ids; ``draft_probs``: float
         (B, V) or (B, S, V) draft probabilities after temperature, any device;
-        ``temperature``: one value or B values (recorded in each provenance).
-        Returns the batch (X is ``tokens``) and one payload per request. Encoder errors raise.
+        ``temperature``: one value or B values (recorded in each provenance);
+        ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``). Returns the batch (X is ``tokens``) and one payload per request. Encoder errors raise.
         """
         probs = draft_probs.detach().to("cpu", torch.float32)
         b = probs.shape[0]
@@ -164,7 +169,9 @@ class ProposalPublisher:
             self.encoder.encode(
                 probs[i : i + 1],
                 temperature=temps[i],
-                generator=torch.Generator().manual_seed(room_seed(self.seed, rooms[i])),
+                generator=torch.Generator().manual_seed(
+                    room_seed(self.seed, rooms[i], salts[i] if salts is not None else "")
+                ),
             )
             for i in range(b)
         ]
@@ -220,7 +227,8 @@ class ProposalPublisher:
         rooms). A request whose send fails is counted (``send_failed:<error>``) and
         logged once per error; the decode then falls back to one-hot for it.
         """
-        enc, payloads = self.encode(rooms, draft_probs, temperature)
+        salts = [str(getattr(t, "rid", "")) for t in targets] if targets is not None else None
+        enc, payloads = self.encode(rooms, draft_probs, temperature, salts)
         self.deliver(targets if targets is not None else rooms, payloads)
         return enc
 
@@ -277,6 +285,10 @@ def wrap_process_batch_result(original: Callable[..., Any], get_publisher: Calla
         publisher = get_publisher()
         draft_input = getattr(result, "next_draft_input", None)
         q = getattr(draft_input, "draft_probs", None)
+        if publisher is not None:
+            # Nothing staged by an earlier batch (a request requeued without a q) may be
+            # written next to this batch's X.
+            _unstage(publisher, batch)
         if publisher is not None and q is not None:
             try:
                 _publish_batch(publisher, batch, draft_input, q)
