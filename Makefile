@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench reliability reliability-quick setup-sglang test-sglang clean
+.PHONY: setup lint demo test bench reliability reliability-quick setup-sglang test-sglang clean
 
 # Create or update .venv: system library check, torch (CPU) if absent, the Mooncake
 # wheel that fits this machine, the project with its test extras and the plugin
@@ -18,8 +18,15 @@ setup:
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "setup: installing $(TORCH) (CPU)"; $(PIP) install -q $(TORCH); }
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then mc=mooncake; else mc=mooncake-cpu; fi; \
-	  $(PIP) install -q -e ".[test,$$mc]" -e plugins/pd-middleware-full -e examples/pd-middleware-example-plugin
+	  $(PIP) install -q -e ".[test,lint,$$mc]" -e plugins/pd-middleware-full -e examples/pd-middleware-example-plugin
 	@echo "setup: $(VENV) ready"
+
+# Lint and types (pyproject.toml: [tool.ruff], [tool.mypy]): ruff's rules, ruff's format
+# (checked, never rewritten here) and mypy strict on pd_middleware/ and plugins/.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 demo: setup
 	$(VENV)/bin/pd-middleware ab configs/ab.toml

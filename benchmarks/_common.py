@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def median_time(fn: Callable[[], Any], *, repeats: int = 7, inner: int = 20, warmup: int = 3) -> float:

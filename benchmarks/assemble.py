@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, median_time  # noqa: E402
+from _common import emit, median_time
 
-from pd_middleware.assembler import ProposalAssembler  # noqa: E402
-from pd_middleware.proposal import OneHotProposal  # noqa: E402
+from pd_middleware.assembler import ProposalAssembler
+from pd_middleware.proposal import OneHotProposal
 
 
 def main() -> None:

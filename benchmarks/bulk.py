@@ -39,9 +39,9 @@ from collections import deque
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
-from pd_middleware import DenseEncoding, OneHotProposal, Payload  # noqa: E402
-from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
-from pd_middleware.transport import (  # noqa: E402
+from pd_middleware import DenseEncoding, OneHotProposal, Payload
+from pd_middleware.pipeline import ReceivePipeline
+from pd_middleware.transport import (
     DecodeReceiver,
     MooncakeConfig,
     MooncakeEngine,
@@ -68,7 +68,7 @@ def _config(threshold: int, inflight: int = 8, digest: str = "auto") -> Transpor
     )
 
 
-def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection", digest: str = "auto") -> None:
+def decode_process(mode: str, threshold: int, conn: mp.connection.Connection, digest: str = "auto") -> None:
     """Remote side: a registered buffer (raw) or a decode receiver (ours), until told to stop."""
     engine = MooncakeEngine.open()
     if mode == "raw":
@@ -77,7 +77,9 @@ def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection", 
         conn.send((engine.peer_name, addr))
         conn.recv()
         return
-    rx = DecodeReceiver(_config(threshold, digest=digest), ReceivePipeline([], {"default": ("one_hot", _OneHot())}), engine=engine).start()
+    rx = DecodeReceiver(
+        _config(threshold, digest=digest), ReceivePipeline([], {"default": ("one_hot", _OneHot())}), engine=engine
+    ).start()
     conn.send((rx.address, 0))
     while not conn.poll(0):
         item = rx.get(timeout=0.05)  # the scheduler blocks for work rather than spinning
@@ -88,7 +90,9 @@ def decode_process(mode: str, threshold: int, conn: "mp.connection.Connection", 
     rx.stop()
 
 
-def _spawn(mode: str, threshold: int = 0, digest: str = "auto") -> tuple[mp.Process, "mp.connection.Connection", str, int]:
+def _spawn(
+    mode: str, threshold: int = 0, digest: str = "auto"
+) -> tuple[mp.Process, mp.connection.Connection, str, int]:
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=decode_process, args=(mode, threshold, child, digest), daemon=True)
     proc.start()
@@ -98,7 +102,7 @@ def _spawn(mode: str, threshold: int = 0, digest: str = "auto") -> tuple[mp.Proc
     return proc, parent, name, addr
 
 
-def _stop(proc: mp.Process, conn: "mp.connection.Connection") -> None:
+def _stop(proc: mp.Process, conn: mp.connection.Connection) -> None:
     conn.send("stop")
     proc.join(30)
     if proc.is_alive():
@@ -157,7 +161,11 @@ def _payloads(nbytes: int, source: mmap.mmap | None, count: int = 8) -> list[Pay
         if source is not None:
             source[i * nbytes : (i + 1) * nbytes] = row
             data = memoryview(source)[i * nbytes : (i + 1) * nbytes]
-        out.append(Payload(f"bulk-{i}", (i % values,), (1.0 / values,), values, hidden=b"", proposal=DenseEncoding("fp32", data)))
+        out.append(
+            Payload(
+                f"bulk-{i}", (i % values,), (1.0 / values,), values, hidden=b"", proposal=DenseEncoding("fp32", data)
+            )
+        )
     return out
 
 
@@ -229,7 +237,9 @@ def main() -> None:
             print(json.dumps(crossover(engine, args.n)))
             return
         depth = args.inflight
-        runs: dict[str, list[float]] = {k: [] for k in ("raw", "raw_pipelined", "ours", "blake3", "staged", "ours_sync")}
+        runs: dict[str, list[float]] = {
+            k: [] for k in ("raw", "raw_pipelined", "ours", "blake3", "staged", "ours_sync")
+        }
         ratio: dict[str, list[float]] = {k: [] for k in ("ours", "blake3", "staged", "ours_sync", "ours_vs_pipelined")}
         for i in range(args.repeats):
             runs["raw"].append(run_raw(engine, args.n, NBYTES))

@@ -52,7 +52,7 @@ sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "plugins")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
-from _common import emit  # noqa: E402
+from _common import emit
 
 VOCAB = 152064
 HIDDEN_BYTES = 8192
@@ -220,7 +220,14 @@ def run_one(encoding: str, batch: int, n: int, window: int, engine: Any, seed: i
     pipe, asm = make_decode(encoding, max(batch, 1))
     zctx = zmq.Context()
     rx = DecodeReceiver(transport_config(window), pipe, engine=engine, context=zctx).start()
-    spec = {"address": rx.address, "n": n, "encoding": encoding, "window": window, "seed": seed, "tag": f"{encoding}-b{batch}"}
+    spec = {
+        "address": rx.address,
+        "n": n,
+        "encoding": encoding,
+        "window": window,
+        "seed": seed,
+        "tag": f"{encoding}-b{batch}",
+    }
     proc = start_producer(spec)
     lat: list[float] = []
     failures: list[Any] = []
@@ -260,7 +267,9 @@ def run_one(encoding: str, batch: int, n: int, window: int, engine: Any, seed: i
         rx.stop()
         zctx.term()
     if got < n or failures:
-        raise SystemExit(f"{encoding} B={batch}: got {got} of {n}, failures {[(f.key, f.reason) for f in failures[:3]]}")
+        raise SystemExit(
+            f"{encoding} B={batch}: got {got} of {n}, failures {[(f.key, f.reason) for f in failures[:3]]}"
+        )
     lat.sort()
     return {
         "payloads_per_s": round(len(lat) / (t_last - t_first)),

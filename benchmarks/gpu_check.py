@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from _common import emit  # noqa: E402
+from _common import emit
 
 VOCAB = 152064
 GRAPH_BATCH = 64

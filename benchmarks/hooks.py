@@ -40,10 +40,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit
 
-from pd_middleware import OneHotProposal, Payload, ReceiveContext  # noqa: E402
-from pd_middleware.pipeline import Delivery, ReceivePipeline  # noqa: E402
+from pd_middleware import OneHotProposal, Payload, ReceiveContext
+from pd_middleware.pipeline import Delivery, ReceivePipeline
 
 
 class NoOpHook:
@@ -95,8 +95,7 @@ def main() -> None:
     n = args.payloads
 
     payloads = [
-        Payload(request_id=f"r{i}", draft_tokens=(i % 1000,), draft_probs=(0.5,), vocab_size=152064)
-        for i in range(n)
+        Payload(request_id=f"r{i}", draft_tokens=(i % 1000,), draft_probs=(0.5,), vocab_size=152064) for i in range(n)
     ]
     ctx = ReceiveContext(received_at=0.0)
     hooks = [NoOpHook() for _ in range(3)]

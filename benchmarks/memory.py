@@ -38,8 +38,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "plugins")]
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
-from _common import emit  # noqa: E402
-from end_to_end import finish_producer, make_decode, start_producer, transport_config  # noqa: E402
+from _common import emit
+from end_to_end import finish_producer, make_decode, start_producer, transport_config
 
 BATCH = 64
 WINDOW = 256
@@ -75,7 +75,15 @@ def main() -> None:
     pipe, asm = make_decode("one_hot", BATCH)
     zctx = zmq.Context()
     rx = DecodeReceiver(transport_config(WINDOW, args.bulk), pipe, engine=engine, context=zctx).start()
-    spec = {"address": rx.address, "n": total, "encoding": "one_hot", "window": WINDOW, "seed": 0, "tag": "mem", "bulk": args.bulk}
+    spec = {
+        "address": rx.address,
+        "n": total,
+        "encoding": "one_hot",
+        "window": WINDOW,
+        "seed": 0,
+        "tag": "mem",
+        "bulk": args.bulk,
+    }
     proc = start_producer(spec)
     got = 0
     pending: list[Delivery] = []
@@ -84,7 +92,6 @@ def main() -> None:
     samples: list[tuple[int, float]] = []
     step = max(args.n // 10, 1)
     max_backlog = 0  # delivered by the receiver thread but not yet taken by the scheduler
-    t0 = time.perf_counter()
     deadline = time.monotonic() + 900.0
     try:
         while got < total and time.monotonic() < deadline:
@@ -132,7 +139,9 @@ def main() -> None:
     mid = samples[len(samples) // 2][1]
     second_half = rss1 - mid
     print(f"second half: {second_half:+.1f} MiB; largest scheduler backlog: {max_backlog} payloads")
-    print(f"RSS growth over {args.n} payloads after warm-up: {growth:.1f} MiB (target <= 50); {args.n / dt:,.0f} payloads/s")
+    print(
+        f"RSS growth over {args.n} payloads after warm-up: {growth:.1f} MiB (target <= 50); {args.n / dt:,.0f} payloads/s"
+    )
     emit(
         {
             "benchmark": "memory",

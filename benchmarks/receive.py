@@ -34,12 +34,15 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
-from pd_middleware import Payload  # noqa: E402
-from pd_middleware.contracts import NoOptions, PluginContext  # noqa: E402
-from pd_middleware.pipeline import ReceivePipeline  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, TransportConfig  # noqa: E402
-from pd_middleware.transport import wire  # noqa: E402
-from pd_middleware.transport.config import CurveConfig  # noqa: E402
+from pd_middleware import Payload
+from pd_middleware.contracts import NoOptions, PluginContext
+from pd_middleware.pipeline import ReceivePipeline
+from pd_middleware.transport import (
+    DecodeReceiver,
+    TransportConfig,
+    wire,
+)
+from pd_middleware.transport.config import CurveConfig
 
 VOCAB = 152064
 
@@ -59,7 +62,12 @@ def _curve_keys() -> dict[str, str]:
     """Fresh server and client key pairs (Z85), shared by the benchmark's two processes."""
     spub, ssec = zmq.curve_keypair()
     cpub, csec = zmq.curve_keypair()
-    return {"server_pub": spub.decode(), "server_sec": ssec.decode(), "client_pub": cpub.decode(), "client_sec": csec.decode()}
+    return {
+        "server_pub": spub.decode(),
+        "server_sec": ssec.decode(),
+        "client_pub": cpub.decode(),
+        "client_sec": csec.decode(),
+    }
 
 
 def produce(kind: str, address: str, n: int, hidden: int, keys: dict[str, str] | None = None) -> None:
@@ -130,13 +138,15 @@ def run_ours(n: int, hidden: int, curve: bool = False) -> float:
 
         synth = OneHotSynthesizer(NoOptions(), PluginContext(vocab_size=VOCAB, num_steps=1, rejection_sampling=True))
     except ImportError:  # pragma: no cover - plugins not on the path
-        raise SystemExit("plugins/pd_middleware_plugins/one_hot.py is required")
+        raise SystemExit("plugins/pd_middleware_plugins/one_hot.py is required") from None
     pipeline = ReceivePipeline([("count", CountHook())], {"default": ("one_hot", synth)})
     keys = _curve_keys() if curve else None
     cfg = TransportConfig(hwm=10_000_000, peer_timeout_s=60.0)
     if keys is not None:
         os.environ["PDM_BENCH_CURVE_SECRET"] = keys["server_sec"]
-        curve_cfg = CurveConfig(enabled=True, secret_key_env="PDM_BENCH_CURVE_SECRET", clients={"bench": keys["client_pub"]})
+        curve_cfg = CurveConfig(
+            enabled=True, secret_key_env="PDM_BENCH_CURVE_SECRET", clients={"bench": keys["client_pub"]}
+        )
         cfg = TransportConfig(hwm=10_000_000, peer_timeout_s=60.0, curve=curve_cfg)
     ctx = zmq.Context()
     rx = DecodeReceiver(cfg, pipeline, context=ctx).start()
@@ -158,7 +168,9 @@ def run_ours(n: int, hidden: int, curve: bool = False) -> float:
             got += len(items)
         dt = time.perf_counter() - t0
         if got < n:
-            raise SystemExit(f"received {got} of {n}: {pipeline.metrics.snapshot()}, queued {len(rx._queue.items)}, healthy {rx.healthy}, unsent {rx.unsent}")
+            raise SystemExit(
+                f"received {got} of {n}: {pipeline.metrics.snapshot()}, queued {len(rx._queue.items)}, healthy {rx.healthy}, unsent {rx.unsent}"
+            )
         m = pipeline.metrics.snapshot()
         if m["delivered"] != n:
             raise SystemExit(f"delivered {m['delivered']} of {n}: {m}")

@@ -17,9 +17,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -40,20 +41,37 @@ class Figure:
 # are listed for information (target "-").
 FIGURES: dict[str, list[Figure]] = {
     "assemble": [
-        Figure("vocab_scaling", "<= 2.0", "one-hot build, t(V=152064) / t(V=1024): a scatter of B entries", lambda x: x <= 2.0),
+        Figure(
+            "vocab_scaling",
+            "<= 2.0",
+            "one-hot build, t(V=152064) / t(V=1024): a scatter of B entries",
+            lambda x: x <= 2.0,
+        ),
         Figure("speedup_vs_naive", ">= 100", "zeros (B, V) + scatter at V=152064", lambda x: x >= 100),
     ],
     "sparse": [
-        Figure("vocab_scaling", "<= 2.0", "sparse build (B=64, 1024/row), t(V=152064) / t(V=16384)", lambda x: x <= 2.0),
+        Figure(
+            "vocab_scaling", "<= 2.0", "sparse build (B=64, 1024/row), t(V=152064) / t(V=16384)", lambda x: x <= 2.0
+        ),
         Figure("speedup_vs_naive", "-", "zeros (B, V) + scatter at V=152064"),
     ],
     "hooks": [
-        Figure("ratio_vs_plain_loop", "<= 3", "3 no-op hooks in the pipeline vs the same 3 calls in a for-loop", lambda x: x <= 3),
+        Figure(
+            "ratio_vs_plain_loop",
+            "<= 3",
+            "3 no-op hooks in the pipeline vs the same 3 calls in a for-loop",
+            lambda x: x <= 3,
+        ),
         Figure("overhead_us_per_hook", "-", "marginal cost of one hook per payload"),
         Figure("process_ratio_vs_plain_loop", "-", "whole process() vs plain loop of the same hooks + synthesizer"),
     ],
     "memory": [
-        Figure("rss_growth_mb", "<= 50", "RSS after 100k payloads - after warm-up (one vocab row is 0.6 MB)", lambda x: x <= 50),
+        Figure(
+            "rss_growth_mb",
+            "<= 50",
+            "RSS after 100k payloads - after warm-up (one vocab row is 0.6 MB)",
+            lambda x: x <= 50,
+        ),
         Figure("rss_growth_second_half_mb", "-", "growth over the last 50k alone (a leak keeps climbing)"),
         Figure("payloads_per_s", "-", "receive + assemble rate during the run"),
     ],
@@ -62,12 +80,26 @@ FIGURES: dict[str, list[Figure]] = {
         Figure("ours_payloads_per_s", "-", "decode receive path, payloads/s"),
     ],
     "bulk": [
-        Figure("ratio_vs_raw_mooncake", ">= 0.8", "raw Mooncake transfer_sync_write of the same bytes", lambda x: x >= 0.8),
-        Figure("blake3_ratio_vs_raw_mooncake", "-", "the same with the cryptographic digest (BLAKE3, authenticated mode)"),
+        Figure(
+            "ratio_vs_raw_mooncake", ">= 0.8", "raw Mooncake transfer_sync_write of the same bytes", lambda x: x >= 0.8
+        ),
+        Figure(
+            "blake3_ratio_vs_raw_mooncake", "-", "the same with the cryptographic digest (BLAKE3, authenticated mode)"
+        ),
     ],
     "sglang_inband": [
-        Figure("per_request_us", "<= 50", "one in-band row -> proposal (read, validate, synthesize) at sparse_floor, ~2,700 entries", lambda x: x <= 50),
-        Figure("ratio_vs_sglang_builder_B1", "<= 1.5", "SGLang's pd_first_draft_proposal alone, B=1 (sparse_floor rows: read, decode, synthesize, assemble)", lambda x: x <= 1.5),
+        Figure(
+            "per_request_us",
+            "<= 50",
+            "one in-band row -> proposal (read, validate, synthesize) at sparse_floor, ~2,700 entries",
+            lambda x: x <= 50,
+        ),
+        Figure(
+            "ratio_vs_sglang_builder_B1",
+            "<= 1.5",
+            "SGLang's pd_first_draft_proposal alone, B=1 (sparse_floor rows: read, decode, synthesize, assemble)",
+            lambda x: x <= 1.5,
+        ),
         Figure("ratio_vs_sglang_builder_B16", "<= 1.5", "the same at B=16", lambda x: x <= 1.5),
         Figure("ratio_vs_sglang_builder_B256", "<= 1.5", "the same at B=256", lambda x: x <= 1.5),
     ],
@@ -82,7 +114,9 @@ def scripts(only: list[str] | None) -> list[Path]:
         names = {n.removesuffix(".py") for n in only}
         unknown = names - {p.stem for p in found}
         if unknown:
-            raise SystemExit(f"unknown benchmark(s): {', '.join(sorted(unknown))}; have {', '.join(p.stem for p in found)}")
+            raise SystemExit(
+                f"unknown benchmark(s): {', '.join(sorted(unknown))}; have {', '.join(p.stem for p in found)}"
+            )
         found = [p for p in found if p.stem in names]
     return found
 
@@ -167,7 +201,11 @@ def _rows(name: str, res: dict[str, Any]) -> list[tuple[str, str, str, str, str]
 
 def _generic(res: dict[str, Any]) -> list[Figure]:
     # A benchmark this table does not know yet: list its scalar figures, no targets.
-    return [Figure(k, "-", "-") for k, v in res.items() if k != "benchmark" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return [
+        Figure(k, "-", "-")
+        for k, v in res.items()
+        if k != "benchmark" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
 
 
 def _end_to_end_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
@@ -188,9 +226,21 @@ def _end_to_end_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]
 def _gpu_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     fresh = res.get("graph_fresh")
     return [
-        ("gpu_check.graph_fresh", _fmt(fresh), "true", "every replay sees the fresh batch, rows past B read 0", "pass" if fresh else "MISS"),
+        (
+            "gpu_check.graph_fresh",
+            _fmt(fresh),
+            "true",
+            "every replay sees the fresh batch, rows past B read 0",
+            "pass" if fresh else "MISS",
+        ),
         ("gpu_check.assemble_us_ours", _fmt(res.get("assemble_us_ours")), "-", "B=256 V=152064 one-hot build", "-"),
-        ("gpu_check.assemble_us_zeros_scatter", _fmt(res.get("assemble_us_zeros_scatter")), "-", "zeros + scatter", "-"),
+        (
+            "gpu_check.assemble_us_zeros_scatter",
+            _fmt(res.get("assemble_us_zeros_scatter")),
+            "-",
+            "zeros + scatter",
+            "-",
+        ),
         ("gpu_check.assemble_us_memset", _fmt(res.get("assemble_us_memset")), "-", "fill_(0) of the same bytes", "-"),
     ]
 

@@ -47,21 +47,22 @@ import importlib.util
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit
 
-from pd_middleware import Payload  # noqa: E402
-from pd_middleware.inband import RowLayout, read_row, row_bytes, write_row  # noqa: E402
-from pd_middleware.config import load_config  # noqa: E402
-from pd_middleware.integrations.sglang_decode import DecodeProposer  # noqa: E402
-from pd_middleware.middleware import build_encoders  # noqa: E402
-from pd_middleware.workloads import make_workload  # noqa: E402
+from pd_middleware import Payload
+from pd_middleware.config import load_config
+from pd_middleware.inband import RowLayout, read_row, row_bytes, write_row
+from pd_middleware.integrations.sglang_decode import DecodeProposer
+from pd_middleware.middleware import build_encoders
+from pd_middleware.workloads import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = ("one_hot", "sparse_topk", "sparse_topp", "sparse_floor", "full_bf16", "full_fp32")
@@ -85,7 +86,7 @@ def sglang_builder() -> tuple[Callable[[torch.Tensor, int], torch.Tensor] | None
             from sglang.srt.speculative.eagle_disaggregation import pd_first_draft_proposal
 
             return pd_first_draft_proposal, "imported"
-        except Exception as exc:  # noqa: BLE001 - any import failure: fall back to the source below
+        except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
     path = Path(spec.submodule_search_locations[0]) / "srt" / "speculative" / "eagle_disaggregation.py"
     if not path.is_file():
@@ -95,7 +96,7 @@ def sglang_builder() -> tuple[Callable[[torch.Tensor, int], torch.Tensor] | None
     if fn is None:
         return None, f"this SGLang has no pd_first_draft_proposal ({why})"
     ns: dict[str, Any] = {"torch": torch}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), ns)  # noqa: S102 - the installed upstream source
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), ns)
     return ns["pd_first_draft_proposal"], f"compiled from the installed source ({why})"
 
 
@@ -150,7 +151,9 @@ class Batch:
         self.reqs = reqs
 
 
-def decode_batch(proposer: DecodeProposer, layout: RowLayout, rows: np.ndarray, batch: Batch, topk: torch.Tensor) -> torch.Tensor:
+def decode_batch(
+    proposer: DecodeProposer, layout: RowLayout, rows: np.ndarray, batch: Batch, topk: torch.Tensor
+) -> torch.Tensor:
     """What the decode does for a batch of requests: each row at its transfer commit, then the draft input."""
     n = rows.shape[0]
     for j, req in enumerate(batch.reqs):
@@ -190,7 +193,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two strategies, B = 1 and 16, few repeats (a smoke run)")
     ap.add_argument("--requests", type=int, default=32, help="distinct workload rows per strategy (batches reuse them)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--strategies", nargs="+", choices=STRATEGIES, help="a subset (sparse_floor is always run: the headline)")
+    ap.add_argument(
+        "--strategies", nargs="+", choices=STRATEGIES, help="a subset (sparse_floor is always run: the headline)"
+    )
     ap.add_argument("--repeats", type=int, default=9, help="timed repeats per figure (medians)")
     args = ap.parse_args()
     strategies = QUICK_STRATEGIES if args.quick else STRATEGIES
@@ -220,13 +225,20 @@ def main() -> None:
         aux_bytes[strategy] = round(statistics.fmean(row_bytes(p) for p in payloads), 1)
         aux_capacity[strategy] = layout.capacity_bytes
         props = [p.proposal for p in payloads]
-        entries[strategy] = round(statistics.fmean(sum(p.lengths) if p is not None and p.kind == "sparse" else (v if p is not None else 0) for p in props), 1)
+        entries[strategy] = round(
+            statistics.fmean(
+                sum(p.lengths) if p is not None and p.kind == "sparse" else (v if p is not None else 0) for p in props
+            ),
+            1,
+        )
         proposer = DecodeProposer(load_config(ROOT / "configs" / f"{strategy}.toml"))
         proposer.bind(v, 1)
         mw = proposer.middleware
         x = [p.draft_tokens for p in payloads]
         # Request j of a batch carries row j mod N (its room and X).
-        reqs = [Req(rooms[j % len(rooms)], x[j % len(x)], payloads[j % len(x)].draft_probs) for j in range(max(batches))]
+        reqs = [
+            Req(rooms[j % len(rooms)], x[j % len(x)], payloads[j % len(x)].draft_probs) for j in range(max(batches))
+        ]
         # Every row is handed over as its strategy's law, never a fallback (which would
         # time the cheap one-hot path instead).
         everyone = Batch(reqs[: len(payloads)])
@@ -240,7 +252,11 @@ def main() -> None:
         for b in batches:
             topk = torch.tensor([x[j % len(x)][0] for j in range(b)], dtype=torch.int64).view(b, 1)
             batch = Batch(reqs[:b])
-            fns: dict[str, Callable[[], Any]] = {"ours": lambda batch=batch, topk=topk: decode_batch(proposer, layout, rows, batch, topk)}
+            fns: dict[str, Callable[[], Any]] = {
+                "ours": lambda batch=batch, topk=topk, dp=proposer, lay=layout, rw=rows: decode_batch(
+                    dp, lay, rw, batch, topk
+                )
+            }
             if builder is not None:
                 fns["sglang"] = lambda topk=topk: builder(topk, v)
             inner = 1 if args.quick else max(1, 64 // b)
@@ -253,7 +269,12 @@ def main() -> None:
                 ratios_best[strategy][f"B{b}"] = round(fast["ours"] / fast["sglang"], 3)
 
         # Scheduler-thread cost of one row: read, validate, synthesize (no assembly).
-        def one_row(proposer: DecodeProposer = proposer, layout: RowLayout = layout, rows: np.ndarray = rows) -> None:
+        def one_row(
+            proposer: DecodeProposer = proposer,
+            layout: RowLayout = layout,
+            rows: np.ndarray = rows,
+            reqs: list[Req] = reqs,
+        ) -> None:
             for i, req in enumerate(reqs[: rows.shape[0]]):
                 proposer.on_row(req, read_row(rows[i], req.bootstrap_room, layout, request_id=req.rid))
 
@@ -296,14 +317,22 @@ def main() -> None:
         result["sglang_builder_ms"] = sglang_ms
         for b in batches:  # the headline figures: the sparse_floor operating point
             result[f"ratio_vs_sglang_builder_B{b}"] = ratios[head][f"B{b}"]
-    print(f"in-band decode, V={v}, {n_req} distinct rows, medians of {repeats} repeats (SGLang builder: {builder_source})")
-    print(f"{'strategy':14s} {'aux B':>9s} {'entries':>8s} {'us/row':>8s} {'cpu us':>8s} {'best us':>8s} "
-          + " ".join(f"{'ratio B' + str(b):>10s}" for b in batches) + " " + " ".join(f"{'best B' + str(b):>10s}" for b in batches))
+    print(
+        f"in-band decode, V={v}, {n_req} distinct rows, medians of {repeats} repeats (SGLang builder: {builder_source})"
+    )
+    print(
+        f"{'strategy':14s} {'aux B':>9s} {'entries':>8s} {'us/row':>8s} {'cpu us':>8s} {'best us':>8s} "
+        + " ".join(f"{'ratio B' + str(b):>10s}" for b in batches)
+        + " "
+        + " ".join(f"{'best B' + str(b):>10s}" for b in batches)
+    )
     for s in strategies:
         rs = " ".join(f"{ratios.get(s, {}).get(f'B{b}', float('nan')):10.3f}" for b in batches)
         ts = " ".join(f"{ratios_best.get(s, {}).get(f'B{b}', float('nan')):10.3f}" for b in batches)
-        print(f"{s:14s} {aux_bytes[s]:9.0f} {entries[s]:8.0f} {per_request[s]:8.1f} {per_request_cpu[s]:8.1f} "
-              f"{per_request_best[s]:8.1f} {rs} {ts}")
+        print(
+            f"{s:14s} {aux_bytes[s]:9.0f} {entries[s]:8.0f} {per_request[s]:8.1f} {per_request_cpu[s]:8.1f} "
+            f"{per_request_best[s]:8.1f} {rs} {ts}"
+        )
     emit(result)
 
 

@@ -27,21 +27,22 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit
 
-from pd_middleware import Payload, PluginContext  # noqa: E402
-from pd_middleware.encodings import dense_law_tensor, sparse_law, sparse_law_tensor  # noqa: E402
-from pd_middleware.transport import wire  # noqa: E402
-from pd_middleware.workloads import make_workload  # noqa: E402
-from pd_middleware_full.full import FullEncoder, FullEncoderOptions  # noqa: E402
-from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder  # noqa: E402
-from pd_middleware_plugins.sparse import SparseEncoder, SparseEncoderOptions  # noqa: E402
+from pd_middleware import Payload, PluginContext
+from pd_middleware.encodings import dense_law_tensor, sparse_law, sparse_law_tensor
+from pd_middleware.transport import wire
+from pd_middleware.workloads import make_workload
+from pd_middleware_full.full import FullEncoder, FullEncoderOptions
+from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
+from pd_middleware_plugins.sparse import SparseEncoder, SparseEncoderOptions
 
 BYTES_BUDGET = 0.02  # the goal: >= 0.98x full acceptance at <= 2% of its bytes
 
@@ -65,18 +66,30 @@ def arms() -> list[tuple[str, str, Callable[[PluginContext], Any]]]:
     for eps in (0.05, 0.02, 0.01):
         out.append((f"top-p eps={eps} k_max=2000", "topp", sp(mode="topp", epsilon=eps, k_max=2000)))
     for eps, kmax in ((0.02, 2000), (0.01, 2000), (0.01, 3000), (0.005, 3000)):
-        out.append((f"top-p eps={eps} k_max={kmax} +floor", "topp+floor", sp(mode="topp", epsilon=eps, k_max=kmax, floor=True)))
+        out.append(
+            (f"top-p eps={eps} k_max={kmax} +floor", "topp+floor", sp(mode="topp", epsilon=eps, k_max=kmax, floor=True))
+        )
     for eps, kmax in ((0.02, 2000), (0.01, 2000), (0.01, 3000), (0.01, 4000), (0.005, 4000)):
-        out.append((f"tv eps={eps} k_max={kmax} +floor", "tv+floor", sp(mode="tv", epsilon=eps, k_max=kmax, floor=True)))
+        out.append(
+            (f"tv eps={eps} k_max={kmax} +floor", "tv+floor", sp(mode="tv", epsilon=eps, k_max=kmax, floor=True))
+        )
     # u16 indices (2 B instead of 4): the best int32 settings, then larger k_max that the
     # smaller entries afford within the same byte budget.
     u16 = {"floor": True, "index_format": "u16"}
     for k in (2048, 3072):
         out.append((f"top-k k={k} +floor u16", "topk+floor u16", sp(mode="topk", k=k, **u16)))
     for eps, kmax in ((0.01, 3000), (0.005, 3000), (0.005, 4000), (0.002, 4000)):
-        out.append((f"top-p eps={eps} k_max={kmax} +floor u16", "topp+floor u16", sp(mode="topp", epsilon=eps, k_max=kmax, **u16)))
+        out.append(
+            (
+                f"top-p eps={eps} k_max={kmax} +floor u16",
+                "topp+floor u16",
+                sp(mode="topp", epsilon=eps, k_max=kmax, **u16),
+            )
+        )
     for eps, kmax in ((0.01, 3000), (0.01, 4000), (0.005, 4000), (0.005, 5000), (0.003, 5000), (0.003, 6000)):
-        out.append((f"tv eps={eps} k_max={kmax} +floor u16", "tv+floor u16", sp(mode="tv", epsilon=eps, k_max=kmax, **u16)))
+        out.append(
+            (f"tv eps={eps} k_max={kmax} +floor u16", "tv+floor u16", sp(mode="tv", epsilon=eps, k_max=kmax, **u16))
+        )
     return out
 
 
@@ -183,31 +196,44 @@ def main() -> None:
     # Within budget on both measures: bulk tensor bytes and everything the proposal adds
     # on the wire (padded slot range + control header).
     compressed = [
-        r for r in rows
+        r
+        for r in rows
         if r["family"] not in ("one_hot", "full") and max(r["bytes_ratio"], r["wire_bytes_ratio"]) <= BYTES_BUDGET
     ]
     best = max(compressed, key=lambda r: r["acceptance_ratio"]) if compressed else None
 
-    print(f"synthetic workload, V={v}, {args.requests} requests, seed {args.seed}; ratios vs full fp32 "
-          f"(acceptance {full_acc:.4f}, {full_bytes:.0f} B bulk)")
-    print(f"{'arm':40s} {'accept':>8s} {'ratio':>7s} {'bulk B':>10s} {'ctrl B':>7s} {'bytes %':>8s} "
-          f"{'wire B':>10s} {'wire %':>8s} {'entries':>8s} {'enc ms':>7s} {'law ms':>7s}")
+    print(
+        f"synthetic workload, V={v}, {args.requests} requests, seed {args.seed}; ratios vs full fp32 "
+        f"(acceptance {full_acc:.4f}, {full_bytes:.0f} B bulk)"
+    )
+    print(
+        f"{'arm':40s} {'accept':>8s} {'ratio':>7s} {'bulk B':>10s} {'ctrl B':>7s} {'bytes %':>8s} "
+        f"{'wire B':>10s} {'wire %':>8s} {'entries':>8s} {'enc ms':>7s} {'law ms':>7s}"
+    )
     for r in rows:
-        print(f"{r['arm']:40s} {r['acceptance']:8.4f} {r['acceptance_ratio']:7.4f} {r['bulk_bytes']:10.0f} "
-              f"{r['control_bytes']:7.0f} {100 * r['bytes_ratio']:7.3f}% {r['wire_bytes']:10.0f} "
-              f"{100 * r['wire_bytes_ratio']:7.3f}% {r['entries']:8.0f} {r['encode_ms_per_request']:7.2f} "
-              f"{r['decode_law_ms_per_request']:7.3f}")
+        print(
+            f"{r['arm']:40s} {r['acceptance']:8.4f} {r['acceptance_ratio']:7.4f} {r['bulk_bytes']:10.0f} "
+            f"{r['control_bytes']:7.0f} {100 * r['bytes_ratio']:7.3f}% {r['wire_bytes']:10.0f} "
+            f"{100 * r['wire_bytes_ratio']:7.3f}% {r['entries']:8.0f} {r['encode_ms_per_request']:7.2f} "
+            f"{r['decode_law_ms_per_request']:7.3f}"
+        )
     if best is not None:
-        print(f"best compressed arm within {100 * BYTES_BUDGET:.0f}% of full bytes: {best['arm']} "
-              f"({best['acceptance_ratio']:.4f}x acceptance at {100 * best['bytes_ratio']:.2f}% bulk bytes, "
-              f"{100 * best['wire_bytes_ratio']:.2f}% wire bytes)")
+        print(
+            f"best compressed arm within {100 * BYTES_BUDGET:.0f}% of full bytes: {best['arm']} "
+            f"({best['acceptance_ratio']:.4f}x acceptance at {100 * best['bytes_ratio']:.2f}% bulk bytes, "
+            f"{100 * best['wire_bytes_ratio']:.2f}% wire bytes)"
+        )
     emit(
         {
             "benchmark": "strategies",
             "workload": wl.describe(),
             "requests": args.requests,
             "seed": args.seed,
-            "full_fp32": {"acceptance": round(full_acc, 5), "bulk_bytes": full_bytes, "wire_bytes": round(full_wire, 1)},
+            "full_fp32": {
+                "acceptance": round(full_acc, 5),
+                "bulk_bytes": full_bytes,
+                "wire_bytes": round(full_wire, 1),
+            },
             "arms": rows,
             "best_within_budget": best,
             "budget_bytes_ratio": BYTES_BUDGET,

@@ -68,8 +68,10 @@ def main() -> None:
         rows = draft_probs.view(len(deliveries), -1, v)
         for d, row in zip(deliveries[:3], rows):
             x = d.payload.draft_tokens
-            print(f"  {d.request_id}: X={x} q'(X)={[round(float(row[k, t]), 6) for k, t in enumerate(x)]} "
-                  f"row sums={[round(float(r.sum()), 6) for r in row]}")
+            print(
+                f"  {d.request_id}: X={x} q'(X)={[round(float(row[k, t]), 6) for k, t in enumerate(x)]} "
+                f"row sums={[round(float(r.sum()), 6) for r in row]}"
+            )
         for d in deliveries:
             d.release()
         print(mw.metrics.format())

@@ -13,10 +13,10 @@ if TYPE_CHECKING:
     import torch
 
 
-_TORCH_DTYPES: dict[str, "torch.dtype"] = {}
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
 
 
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     """Map a wire dtype name (``fp32``, ``bf16``, ``fp16``, ``int32``, ``int64``, ``uint16``) to torch."""
     if not _TORCH_DTYPES:  # built once, on first use: importing this module needs no torch
         import torch
@@ -32,7 +32,7 @@ def torch_dtype(name: str) -> "torch.dtype":
     return _TORCH_DTYPES[name]
 
 
-def tensor_from_buffer(buf: bytes | memoryview, dtype: str, *, copy: bool = True) -> "torch.Tensor":
+def tensor_from_buffer(buf: bytes | memoryview, dtype: str, *, copy: bool = True) -> torch.Tensor:
     """A 1-D tensor over ``buf`` of wire dtype ``dtype``.
 
     With ``copy=False`` and a writable buffer the tensor shares its memory (a view of a

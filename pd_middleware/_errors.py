@@ -15,8 +15,9 @@ it without parsing messages:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 class PDMiddlewareError(Exception):
@@ -106,9 +107,7 @@ class TransferError(PDMiddlewareError):
     endpoint.
     """
 
-    def __init__(
-        self, message: str, *, op: str, code: int | None = None, peer: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, op: str, code: int | None = None, peer: str | None = None) -> None:
         self.op = op
         self.code = code
         self.peer = peer

@@ -22,9 +22,10 @@ N in flight while building batch N+1 use ``num_buffers=2`` (see docs/assembler.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
 from operator import attrgetter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -99,7 +100,7 @@ class ProposalAssembler:
         buf = self._states[index].buf
         return buf.view(self.max_batch, self.vocab_size) if self.num_steps == 1 else buf
 
-    def build(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+    def build(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """Write one batch and return its view, or ``None`` if no proposal is attached.
 
         ``proposals``: one descriptor per request, in batch order (all ``None`` when
@@ -112,7 +113,7 @@ class ProposalAssembler:
             return None
         return self._write(*flat, len(proposals))
 
-    def build_fresh(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+    def build_fresh(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """Like :meth:`build`, but into a new (B, V) / (B, S, V) float32 tensor.
 
         For callers that keep the result past the next build (SGLang holds
@@ -157,7 +158,7 @@ class ProposalAssembler:
                 flat_out.index_copy_(0, idx, self._host_to_device(val))
         return out.view(b, v) if s_steps == 1 else out
 
-    def _fresh_cpu(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+    def _fresh_cpu(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """:meth:`build_fresh` on CPU: the same checks and the same bytes, with the
         entries written through the tensor's numpy view.
 
@@ -245,8 +246,10 @@ class ProposalAssembler:
         return out.view(b, v) if s_steps == 1 else out
 
     def _flatten(
-        self, proposals: Sequence["Proposal | None"], *, limit: bool = True
-    ) -> "tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, DenseProposal]], list[int], list[float]] | None":
+        self, proposals: Sequence[Proposal | None], *, limit: bool = True
+    ) -> (
+        tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, DenseProposal]], list[int], list[float]] | None
+    ):
         """Validate every descriptor and flatten them: (flat indices, values or None for
         all-ones, dense rows, floor rows, floor values), in a contiguous (B, S, V)
         layout; ``None`` when no proposal is attached. Raises ValueError (see build)."""
@@ -332,13 +335,13 @@ class ProposalAssembler:
             idx = torch.from_numpy(np.array(oh_idx, dtype=np.int64))
         return idx, val, dense, floor_rows, floor_vals
 
-    def _one_hot_indices(self, proposals: Sequence["Proposal | None"]) -> torch.Tensor | None:
+    def _one_hot_indices(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """Flat buffer indices of an all-one-hot batch (int64 tensor), or ``None`` for
         the general path; see :meth:`_one_hot_flat`."""
         flat = self._one_hot_flat(proposals)
         return None if flat is None else torch.from_numpy(np.asarray(flat, dtype=np.int64))
 
-    def _one_hot_flat(self, proposals: Sequence["Proposal | None"]) -> "np.ndarray | list[int] | None":
+    def _one_hot_flat(self, proposals: Sequence[Proposal | None]) -> np.ndarray | list[int] | None:
         """Flat indices, in a contiguous (B, S, V) layout, of an all-one-hot batch, or
         ``None`` for the general path.
 
@@ -444,7 +447,7 @@ def _fill_rows(rows2d: torch.Tensor, rows: list[int], values: list[float]) -> No
     rows2d.index_copy_(0, torch.tensor(rows, device=rows2d.device), fv)
 
 
-def _put_ones(out: torch.Tensor, flat: "np.ndarray | list[int]") -> None:
+def _put_ones(out: torch.Tensor, flat: np.ndarray | list[int]) -> None:
     """Write 1.0 at the flat positions ``flat`` of the contiguous CPU tensor ``out``."""
     arr = out.numpy().reshape(-1)
     if type(flat) is list:
@@ -467,8 +470,7 @@ def _sparse_arrays(i: int, p: SparseProposal, v: int) -> tuple[np.ndarray, np.nd
     vals = vals_t.numpy()
     if ix.ndim != 1 or vals.shape != ix.shape or ix.size != sum(p.lengths):
         raise ValueError(
-            f"request {i}: sparse proposal has {ix.size} indices and {vals.size} values for "
-            f"{sum(p.lengths)} entries"
+            f"request {i}: sparse proposal has {ix.size} indices and {vals.size} values for {sum(p.lengths)} entries"
         )
     # As unsigned, a negative id is >= 2^63: one reduction checks both bounds.
     if ix.size and int(ix.view(np.uint64).max()) >= v:

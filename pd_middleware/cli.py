@@ -21,9 +21,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from ._errors import ConfigError, PDMiddlewareError, PluginError
 
@@ -115,7 +116,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     if args.show:
         print(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode())
     if errors:
-        print(f"pd-middleware: {src}: would not start ({len(errors)} problem{'s' * (len(errors) > 1)}):", file=sys.stderr)
+        print(
+            f"pd-middleware: {src}: would not start ({len(errors)} problem{'s' * (len(errors) > 1)}):", file=sys.stderr
+        )
         for f in errors:
             print(f"  {f.path}: {f.message}", file=sys.stderr)
         return EXIT_ERROR
@@ -147,7 +150,9 @@ def _cmd_config_list(args: argparse.Namespace) -> int:
         print("no shipped configs found (a broken install?)", file=sys.stderr)
         return EXIT_ERROR
     for p in files:
-        first = next((ln.lstrip("# ").strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.startswith("#")), "")
+        first = next(
+            (ln.lstrip("# ").strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.startswith("#")), ""
+        )
         print(f"{p.name:<22} {first}")
     print("\n`pd-middleware config show NAME > my.toml` copies one to start from.")
     return EXIT_OK
@@ -163,7 +168,9 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     names = [p.stem for p in shipped_configs()]
     from .config_loader import did_you_mean
 
-    raise ConfigError(f"no shipped config named {args.name!r}{did_you_mean(args.name, names)}; shipped: {', '.join(names)}")
+    raise ConfigError(
+        f"no shipped config named {args.name!r}{did_you_mean(args.name, names)}; shipped: {', '.join(names)}"
+    )
 
 
 def check_out_dir(out: str) -> Path:
@@ -193,7 +200,10 @@ def interrupt_to_cancel(cancel: threading.Event, grace_s: float = 1.8) -> Iterat
         if cancel.is_set():
             raise KeyboardInterrupt
         cancel.set()
-        print("\npd-middleware: interrupted; stopping and writing a partial report (Ctrl-C again to abort)", file=sys.stderr)
+        print(
+            "\npd-middleware: interrupted; stopping and writing a partial report (Ctrl-C again to abort)",
+            file=sys.stderr,
+        )
         signal.signal(signal.SIGALRM, lambda *_: _raise_interrupt())
         signal.setitimer(signal.ITIMER_REAL, grace_s)
 
@@ -276,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-probe", action="store_true", help="skip running each encoder/synthesizer pair on random rows")
     p.set_defaults(func=_cmd_check_config)
 
-    p = sub.add_parser("config", help="the shipped example configs", description="List or print the shipped example configs.")
+    p = sub.add_parser(
+        "config", help="the shipped example configs", description="List or print the shipped example configs."
+    )
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     c = csub.add_parser("list", help="list the shipped configs")
     c.set_defaults(func=_cmd_config_list)
@@ -297,18 +309,27 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "config", nargs="?", default="ab", metavar="CONFIG",
+        "config",
+        nargs="?",
+        default="ab",
+        metavar="CONFIG",
         help="config with [[arms]] and an [ab] section (default: the shipped 'ab' comparison)",
     )
     p.add_argument("--requests", type=int, default=None, metavar="N", help="requests per arm (default: [ab].requests)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="workload and sampler seed (default: [ab].seed)")
-    p.add_argument("--out", default="out/ab", metavar="DIR", help="output directory, checked before the run (default: out/ab)")
+    p.add_argument(
+        "--out", default="out/ab", metavar="DIR", help="output directory, checked before the run (default: out/ab)"
+    )
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     p.add_argument(
-        "--format", choices=["table", "markdown", "json", "csv"], default="table",
+        "--format",
+        choices=["table", "markdown", "json", "csv"],
+        default="table",
         help="what is printed on stdout (the report files are written in every case; default: table)",
     )
-    p.add_argument("--fail-on-loss", action="store_true", help="exit 1 when any payload failed (not only when one was lost)")
+    p.add_argument(
+        "--fail-on-loss", action="store_true", help="exit 1 when any payload failed (not only when one was lost)"
+    )
     p.set_defaults(func=_cmd_ab)
     from .live_ab import add_parser as add_live_ab
 

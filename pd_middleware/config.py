@@ -29,7 +29,7 @@ import msgspec
 
 from . import config_loader
 from ._errors import ConfigError, ConfigIssue, OptionValueError, PluginError
-from .ab.config import ABConfig, WorkloadRef, check_workload_options  # the [ab] table belongs to the job
+from .ab.config import ABConfig, check_workload_options  # the [ab] table belongs to the job
 from .contracts import NoOptions, PluginContext, PluginSpec
 from .transport.config import TransportConfig
 
@@ -87,7 +87,7 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
         s = self.declared_num_steps
         return DEFAULT_NUM_STEPS if s is None else s
 
-    def with_shapes(self, vocab_size: int, num_steps: int, *, engine: str = "the engine") -> "ModelConfig":
+    def with_shapes(self, vocab_size: int, num_steps: int, *, engine: str = "the engine") -> ModelConfig:
         """This model section with V and S taken from ``engine``.
 
         Raises :class:`ConfigError` naming both values when the file declared a
@@ -255,6 +255,12 @@ def parse_config(data: Any, source: str | None = None) -> Config:
     return _hidden_limits_from_model(data, _convert(data, Config, "", source), source)
 
 
+def _table(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    """``parent[key]`` when it is a table, else an empty one (the schema reports bad types)."""
+    value = parent.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _hidden_limits_from_model(data: dict[str, Any], cfg: Config, source: str | None) -> Config:
     """The receiver checks the hidden state the config's ``[model]`` declares.
 
@@ -263,9 +269,9 @@ def _hidden_limits_from_model(data: dict[str, Any], cfg: Config, source: str | N
     the two must agree. Defaults are not promoted: an unwritten ``hidden_size`` checks
     nothing, as before.
     """
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    transport = data.get("transport") if isinstance(data.get("transport"), dict) else {}
-    limits_raw = transport.get("limits") if isinstance(transport.get("limits"), dict) else {}
+    model = _table(data, "model")
+    transport = _table(data, "transport")
+    limits_raw = _table(transport, "limits")
     limits = cfg.transport.limits
     changes: dict[str, Any] = {}
     for key in ("hidden_size", "hidden_dtype"):
@@ -301,9 +307,7 @@ def convert_options(spec: PluginSpec, raw: dict[str, Any], key: str, source: str
     """Typed options for ``spec`` from a raw table; errors carry ``key`` as path prefix."""
     if spec.options is NoOptions:
         if raw:
-            issues = [
-                ConfigIssue(f"{key}.{k}", f"plugin {spec.name!r} takes no options, got {k!r}") for k in raw
-            ]
+            issues = [ConfigIssue(f"{key}.{k}", f"plugin {spec.name!r} takes no options, got {k!r}") for k in raw]
             raise ConfigError.from_issues(issues, source=source)
         return NoOptions()
     return _convert(raw, spec.options, key, source)
@@ -352,7 +356,7 @@ def resolve_plugins(
     """
     dec, pre = "decode" in sides, "prefill" in sides
     plugin_errors: list[PluginError] = []
-    issues: list[config_loader.ConfigIssue] = []
+    issues: list[ConfigIssue] = []
 
     def attempt(fn: Any, *args: Any) -> Any:
         # Keep going after a bad plugin so that one run reports every problem.
@@ -369,13 +373,19 @@ def resolve_plugins(
     )
     synths: dict[str, ResolvedPlugin] = {}
     encs: dict[str, ResolvedPlugin] = {}
-    base_enc = attempt(_resolve_ref, registry, "encoder", config.encoder, "encoder", source) if pre else None
+    # None without a prefill side, or when its plugin error was collected (raised below).
+    base_enc: Any = attempt(_resolve_ref, registry, "encoder", config.encoder, "encoder", source) if pre else None
     arms = config.arms or [ArmConfig(name="default", synthesizer=config.synthesizer)]
     for i, arm in enumerate(arms):
         key = f"arms[{i}]" if config.arms else ""
         if dec:
             synths[arm.name] = attempt(
-                _resolve_ref, registry, "synthesizer", arm.synthesizer, f"{key}.synthesizer" if key else "synthesizer", source
+                _resolve_ref,
+                registry,
+                "synthesizer",
+                arm.synthesizer,
+                f"{key}.synthesizer" if key else "synthesizer",
+                source,
             )
         if pre:
             encs[arm.name] = (

@@ -84,7 +84,7 @@ def read_document(ref: str | Path) -> tuple[Any, str]:
         else:
             import yaml
 
-            data = yaml.load(text, Loader=_strict_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+            data = yaml.load(text, Loader=_strict_yaml_loader())
             if data is None:
                 data = {}
     except RecursionError:
@@ -94,7 +94,7 @@ def read_document(ref: str | Path) -> tuple[Any, str]:
         if "integer string conversion" in msg:
             msg = "an integer has too many digits (at most 4300)"
         raise ConfigError(f"invalid {lang}: {msg}", source=src) from None
-    except Exception as exc:  # noqa: BLE001 - yaml.YAMLError and its kin; the text names line and column
+    except Exception as exc:
         raise ConfigError(f"invalid {lang}: {exc}", source=src) from None
     depth = data_depth(data)
     if depth > MAX_DEPTH:
@@ -224,7 +224,9 @@ def _walk_struct(data: Any, struct: type, path: str, issues: list[ConfigIssue]) 
     fields = {f.encode_name: f for f in msgspec.structs.fields(struct)}
     for key in data:
         if key not in fields:
-            issues.append(ConfigIssue(join_path(path, str(key)), f"unknown field `{key}`{did_you_mean(str(key), fields)}"))
+            issues.append(
+                ConfigIssue(join_path(path, str(key)), f"unknown field `{key}`{did_you_mean(str(key), fields)}")
+            )
     before = len(issues)
     for name, f in fields.items():
         if name in data:

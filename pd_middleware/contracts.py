@@ -29,8 +29,9 @@ its methods are then called on the hot path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -87,14 +88,14 @@ class ReceiveContext(msgspec.Struct):
 class ReceiveHook(Protocol):
     """Decode side, per payload, before synthesis. See the module docstring."""
 
-    def on_receive(self, payload: "Payload", context: ReceiveContext) -> "Payload | None": ...
+    def on_receive(self, payload: Payload, context: ReceiveContext) -> Payload | None: ...
 
 
 @runtime_checkable
 class Synthesizer(Protocol):
     """Decode side, per payload, after the hooks. See the module docstring."""
 
-    def synthesize(self, payload: "Payload") -> "Proposal | None": ...
+    def synthesize(self, payload: Payload) -> Proposal | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +107,10 @@ class EncodedBatch:
     when the encoder ships no distribution); ``provenance``: shared by the batch.
     """
 
-    tokens: "torch.Tensor"
-    token_probs: "torch.Tensor"
-    proposals: "list[EncodedProposal | None]"
-    provenance: "Provenance"
+    tokens: torch.Tensor
+    token_probs: torch.Tensor
+    proposals: list[EncodedProposal | None]
+    provenance: Provenance
 
 
 @runtime_checkable
@@ -121,7 +122,7 @@ class ProposalEncoder(Protocol):
     """
 
     def encode(
-        self, probs: "torch.Tensor", *, temperature: float = 1.0, generator: "torch.Generator | None" = None
+        self, probs: torch.Tensor, *, temperature: float = 1.0, generator: torch.Generator | None = None
     ) -> EncodedBatch: ...
 
 

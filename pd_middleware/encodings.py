@@ -45,6 +45,7 @@ __all__ = [
 if TYPE_CHECKING:
     import torch
 
+
 def dense_law(
     enc: DenseEncoding, num_steps: int, vocab_size: int, *, request_id: str | None = None, copy: bool = False
 ) -> DenseProposal:
@@ -87,13 +88,13 @@ def dense_law(
     return DenseProposal(probs=probs, scale=1.0 / sums)
 
 
-def dense_law_tensor(enc: DenseEncoding, num_steps: int, vocab_size: int) -> "torch.Tensor":
+def dense_law_tensor(enc: DenseEncoding, num_steps: int, vocab_size: int) -> torch.Tensor:
     """(S, V) float32: the exact vector a prefill samples X from for ``enc``."""
     d = dense_law(enc, num_steps, vocab_size, copy=True)
     return d.probs.float() * d.scale.view(-1, 1)
 
 
-def sample_law(law: "torch.Tensor", generator: "torch.Generator | None" = None) -> "torch.Tensor":
+def sample_law(law: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row of ``law`` (float (N, V), non-negative, rows with mass).
 
     Row i yields token j with probability ``law[i, j] / law[i].sum()``, computed in
@@ -111,7 +112,7 @@ def sample_law(law: "torch.Tensor", generator: "torch.Generator | None" = None) 
     return sample_categorical(law.double(), u)
 
 
-def encoder_input(probs: "torch.Tensor", *, tolerance: float = 1e-3) -> "torch.Tensor":
+def encoder_input(probs: torch.Tensor, *, tolerance: float = 1e-3) -> torch.Tensor:
     """Check an encoder's input and return it as float (B, S, V) (a view when possible).
 
     ``probs``: (B, V) or (B, S, V) floating draft probabilities after temperature:
@@ -140,8 +141,8 @@ def encoder_input(probs: "torch.Tensor", *, tolerance: float = 1e-3) -> "torch.T
 
 
 def sample_sparse_law(
-    laws: "list[SparseProposal]", vocab_size: int, generator: "torch.Generator | None" = None
-) -> tuple["torch.Tensor", "torch.Tensor"]:
+    laws: list[SparseProposal], vocab_size: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per step of each sparse law, without building V-wide rows.
 
     The row a step stands for is what the assembler writes: ``values`` at ``indices``
@@ -173,7 +174,9 @@ def sample_sparse_law(
     x = torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).cpu() * total
     pick_listed = (x < listed_mass) | (floor <= 0)
     # Listed: first entry whose cumulative mass exceeds x (clamped for x == total).
-    j = torch.searchsorted(cum, x.clamp_max(torch.nextafter(listed_mass, torch.zeros_like(listed_mass))).unsqueeze(1), right=True)
+    j = torch.searchsorted(
+        cum, x.clamp_max(torch.nextafter(listed_mass, torch.zeros_like(listed_mass))).unsqueeze(1), right=True
+    )
     j = j.squeeze(1).clamp_max(lengths - 1)
     idx2 = torch.zeros(n, kmax, dtype=torch.int64)
     idx2[rows, cols] = idx

@@ -21,6 +21,8 @@ stand-in (a floor of 1e-46 is 0.0 in fp32):
 
 - ``token_outside_proposal``: q'(X_s) is not > 0, so X was not drawn from q' (and the
   verifier, which accepts X outright when q'(X) = 0, would be biased);
+- ``q_above_one``: q'(X_s) > 1 (possible only by rounding a renormalised single-entry
+  law); SGLang's kernel rejects X unless 0 < q'(X) <= 1, so that pair would be biased;
 - ``declared_q_mismatch``: the payload's declared ``draft_probs[s]`` differs from
   q'(X_s) by more than the encoding's precision (:data:`DECLARED_RTOL` plus the
   renormalisation the decode applied), so X and the proposal did not come from one
@@ -34,7 +36,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from .metrics import Metrics
 from .payload import DenseEncoding, Payload
@@ -51,6 +54,7 @@ _WHY: dict[str, str] = {
     "encoding_mismatch": "this synthesizer cannot hand over the attached encoding",
     "not_sampled_from_sent": "X was not sampled from the distribution that was sent",
     "token_outside_proposal": "the sent distribution gives X zero probability, so X was not drawn from it",
+    "q_above_one": "the sent distribution gives X a probability above 1, which SGLang's kernel rejects outright",
     "declared_q_mismatch": "the declared q(X) does not match the sent distribution at X, so they come from different draws",
 }
 
@@ -137,11 +141,12 @@ class ProvenanceGuard:
             )
         return OneHotProposal(payload.draft_tokens)
 
-    def check_law(self, payload: Payload, law: "DenseProposal | SparseProposal") -> str | None:
+    def check_law(self, payload: Payload, law: DenseProposal | SparseProposal) -> str | None:
         """The fallback reason the decoded ``law`` calls for at X, or ``None``.
 
         ``token_outside_proposal`` if some q'(X_s) is not > 0 in fp32 (X drawn from
-        the law cannot have probability 0 under it); ``declared_q_mismatch`` if some
+        the law cannot have probability 0 under it); ``q_above_one`` if some q'(X_s) > 1
+        (SGLang's kernel would reject X outright); ``declared_q_mismatch`` if some
         declared q(X_s) misses q'(X_s) by more than the encoding's precision. Both read
         the fp32 numbers the assembler writes (``law.values_at``): one gather per step
         for a dense law, one vectorised comparison over the listed entries for a sparse
@@ -154,10 +159,18 @@ class ProvenanceGuard:
         for v in q:
             if not v > 0.0:  # also true for NaN
                 return "token_outside_proposal"
+            if v > 1.0:
+                # SGLang's rejection kernel rejects X unless 0 < q'(X) <= 1 (rounding can put
+                # a renormalised single-entry law one ulp above 1): one-hot is exact instead.
+                return "q_above_one"
         enc = payload.proposal
         scale: Sequence[float]
         if isinstance(law, DenseProposal):
-            rtol = DECLARED_RTOL.get(enc.dtype, DECLARED_RTOL["fp32"]) if type(enc) is DenseEncoding else DECLARED_RTOL["fp32"]
+            rtol = (
+                DECLARED_RTOL.get(enc.dtype, DECLARED_RTOL["fp32"])
+                if type(enc) is DenseEncoding
+                else DECLARED_RTOL["fp32"]
+            )
             scale = law.scale.tolist()
         else:
             rtol = DECLARED_RTOL.get(getattr(enc, "value_dtype", "fp32"), DECLARED_RTOL["fp32"])
@@ -192,17 +205,19 @@ class GuardedSynthesizer:
     name: str = "guarded"
     accepts: tuple[str, ...] = ()
     # Set by each subclass (``staticmethod(sparse_law)``...); checked in __init__.
-    decode_law: "Callable[..., DenseProposal | SparseProposal]"
+    decode_law: Callable[..., DenseProposal | SparseProposal]
 
-    def __init__(self, options: object, context: "PluginContext", *, unsafe_disable_guard: bool = False) -> None:
+    def __init__(self, options: object, context: PluginContext, *, unsafe_disable_guard: bool = False) -> None:
         self.vocab_size = context.vocab_size
         self.num_steps = context.num_steps
         self.enabled = context.rejection_sampling
         self.guard = ProvenanceGuard(self.name, self.accepts, unsafe_disable_guard=unsafe_disable_guard)
         if not callable(getattr(self, "decode_law", None)):
-            raise TypeError(f"{type(self).__name__} must define decode_law(encoding, num_steps, vocab_size, *, request_id)")
+            raise TypeError(
+                f"{type(self).__name__} must define decode_law(encoding, num_steps, vocab_size, *, request_id)"
+            )
 
-    def synthesize(self, payload: Payload) -> "DenseProposal | SparseProposal | OneHotProposal | None":
+    def synthesize(self, payload: Payload) -> DenseProposal | SparseProposal | OneHotProposal | None:
         """The payload's validated law, a one-hot fallback, or ``None`` with rejection
         sampling off. Raises ValidationError naming the bad field."""
         payload.check_fits(self.vocab_size, self.num_steps)

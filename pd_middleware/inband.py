@@ -49,7 +49,7 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -85,7 +85,7 @@ _HEAD = struct.Struct("<IHHQQII")  # magic, version, flags, signature, room, len
 _SHAPE = struct.Struct("<IBBBBd")  # vocab, steps, kind, dtype, index format, temperature
 _DIGEST_AT = 28
 _KIND_NONE, _KIND_DENSE, _KIND_SPARSE = 0, 1, 2
-_DTYPES = ("fp32", "bf16", "fp16")
+_DTYPES: tuple[Literal["fp32", "bf16", "fp16"], ...] = ("fp32", "bf16", "fp16")
 _INDEX_FORMATS = ("int32", "u16")
 _U64 = (1 << 64) - 1
 
@@ -254,9 +254,14 @@ def _finish(
 
 
 def _seal(row: np.ndarray, end: int) -> None:
-    view = memoryview(row)
+    view = memoryview(row)  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy's stubs omit __buffer__
     crc = zlib.crc32(view[_DIGEST_AT + 4 : end], zlib.crc32(view[:_DIGEST_AT]))
     row[_DIGEST_AT : _DIGEST_AT + 4] = np.frombuffer(struct.pack("<I", crc), np.uint8)
+
+
+def row_digest(row: np.ndarray) -> int:
+    """The digest field of ``row``'s header (a cleared row reads 0)."""
+    return int.from_bytes(row[28:32].tobytes(), "little")
 
 
 def clear_row(row: np.ndarray) -> None:
@@ -264,7 +269,7 @@ def clear_row(row: np.ndarray) -> None:
     row[:HEADER_BYTES] = 0
 
 
-def read_row(row: np.ndarray, room: int, layout: RowLayout, request_id: str | None = None) -> "Payload | RowFault":
+def read_row(row: np.ndarray, room: int, layout: RowLayout, request_id: str | None = None) -> Payload | RowFault:
     """Turn ``row`` back into a :class:`Payload` for ``room``, or say why not.
 
     Checks, in order: magic and room (``not_sent``), ``version``, ``layout`` signature,
@@ -274,7 +279,7 @@ def read_row(row: np.ndarray, room: int, layout: RowLayout, request_id: str | No
     Never raises for a bad row. ``request_id``: the payload's id (default: the room).
     """
     rid = request_id if request_id is not None else str(room)
-    view = memoryview(row)
+    view = memoryview(row)  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy's stubs omit __buffer__
     if row.size < HEADER_BYTES:
         return RowFault("length", f"row of {row.size} bytes is shorter than the header")
     magic, version, flags, sig, wrote_room, length, digest = _HEAD.unpack_from(view, 0)
@@ -296,7 +301,9 @@ def read_row(row: np.ndarray, room: int, layout: RowLayout, request_id: str | No
         return RowFault("digest", f"CRC-32 {crc:#010x} != {digest:#010x}")
     vocab, steps, kind, dtype, fmt, temp = _SHAPE.unpack_from(view, _HEAD.size)
     if vocab != layout.vocab_size or steps != layout.num_steps:
-        return RowFault("vocab", f"row says V={vocab}, S={steps}; the decode is V={layout.vocab_size}, S={layout.num_steps}")
+        return RowFault(
+            "vocab", f"row says V={vocab}, S={steps}; the decode is V={layout.vocab_size}, S={layout.num_steps}"
+        )
     if flags & FLAG_OVERFLOW:
         return RowFault("overflow", "the proposal did not fit the row; the prefill sent X only")
     try:
@@ -315,7 +322,11 @@ def _body(
 ) -> Payload:
     def take(off: int, n: int, field: str) -> int:
         if off + n > end:
-            raise ValidationError(f"needs {off + n - HEADER_BYTES} body bytes, the row has {end - HEADER_BYTES}", field=field, request_id=rid)
+            raise ValidationError(
+                f"needs {off + n - HEADER_BYTES} body bytes, the row has {end - HEADER_BYTES}",
+                field=field,
+                request_id=rid,
+            )
         return off + n
 
     off = HEADER_BYTES
@@ -354,7 +365,9 @@ def _body(
         off = take(off, -off % 8, "proposal.indices")
         total = sum(lengths)
         if total > s * vocab:
-            raise ValidationError(f"{total} entries for {s} steps of V={vocab}", field="proposal.lengths", request_id=rid)
+            raise ValidationError(
+                f"{total} entries for {s} steps of V={vocab}", field="proposal.lengths", request_id=rid
+            )
         start, off = off, take(off, total * (2 if iname == "u16" else 4), "proposal.indices")
         indices = bytes(view[start:off])
         start, off = off, take(off, total * ITEMSIZE[vname], "proposal.values")

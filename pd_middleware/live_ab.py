@@ -26,9 +26,10 @@ import json
 import math
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ._errors import ConfigError
 from .metrics import MAX_ACCEPTED, PREFIX
@@ -125,7 +126,7 @@ def parse_prometheus(text: str, prefix: str = PREFIX) -> dict[str, ArmAcceptance
         prev = 0.0
         for le in sorted(per):
             k = MAX_ACCEPTED if math.isinf(le) else int(le)
-            counts[min(k, MAX_ACCEPTED)] += int(round(per[le] - prev))
+            counts[min(k, MAX_ACCEPTED)] += round(per[le] - prev)
             prev = per[le]
         by_arm[arm] = counts
     return _arms(by_arm)
@@ -240,7 +241,9 @@ def format_table(report: Mapping[str, Any]) -> str:
     )
     few = [r["arm"] for r in report["arms"] if r["first_verifies"] < SMALL_N]
     if few:
-        lines.append(f"note: fewer than {SMALL_N} first verifies in {', '.join(few)}: the normal intervals are rough there.")
+        lines.append(
+            f"note: fewer than {SMALL_N} first verifies in {', '.join(few)}: the normal intervals are rough there."
+        )
     return "\n".join(lines)
 
 
@@ -257,7 +260,7 @@ def _no_nan(x: Any) -> Any:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``live-ab`` on the CLI's subparsers."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "live-ab",
         help="per-arm first-verify acceptance of a live A/B, from a decode's metrics",
         description="Print each arm's first-verify acceptance (mean accepted draft tokens and the "
@@ -268,9 +271,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src.add_argument("--url", help="a decode's metrics URL, e.g. http://127.0.0.1:9400/metrics")
     src.add_argument("--from", dest="source", metavar="FILE", help="saved scrape, snapshot JSON or first-verify log")
     p.add_argument(
-        "--since", metavar="FILE", default=None, help="an earlier saved scrape or snapshot: report only what came after it"
+        "--since",
+        metavar="FILE",
+        default=None,
+        help="an earlier saved scrape or snapshot: report only what came after it",
     )
-    p.add_argument("--baseline", default=None, metavar="ARM", help="arm to compare against (default: one_hot, else the first)")
+    p.add_argument(
+        "--baseline", default=None, metavar="ARM", help="arm to compare against (default: one_hot, else the first)"
+    )
     p.add_argument("--confidence", type=float, default=0.95, help="CI level (default 0.95)")
     p.add_argument("--prefix", default=PREFIX, help=f"metric name prefix (default {PREFIX})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -33,7 +33,8 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections import Counter
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 PLANES: tuple[str, ...] = ("control", "inline", "bulk")
 
@@ -51,11 +52,37 @@ PREFIX = "pd_middleware"
 #: Receive-to-delivery buckets, in seconds: the pipeline's work is microseconds per
 #: payload, a payload that waited behind a slow hook is milliseconds.
 RECEIVE_BUCKETS: tuple[float, ...] = (
-    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    0.1,
+    1.0,
 )
 #: Batch assembly buckets, in seconds: a sparse scatter is ~10 µs, a dense (B, V) copy ~ms.
 ASSEMBLY_BUCKETS: tuple[float, ...] = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 1.0,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    1.0,
 )
 
 
@@ -101,7 +128,7 @@ class Metrics:
         self.fallbacks: Counter[str] = Counter()
         # Plain dicts, bumped for every payload: Counter's item assignment is ~2x slower
         # (it defines __delitem__ in Python, which slows every store; benchmarks/hooks.py).
-        self.bytes: dict[str, int] = {p: 0 for p in PLANES}
+        self.bytes: dict[str, int] = dict.fromkeys(PLANES, 0)
         self.arm_delivered: dict[str, int] = {}
         self.arm_failed: Counter[str] = Counter()
         # From ReceiveContext.received_at (stamped by the receiver) to the Delivery.
@@ -214,7 +241,7 @@ class Metrics:
         metrics = self
 
         class _Collector:
-            def collect(self):
+            def collect(self) -> Iterator[Any]:
                 return metrics.families(prefix)
 
         collector = _Collector()
@@ -235,7 +262,8 @@ def _le(bound: float) -> str:
     # Prometheus's own rendering of a bound: integers as "1.0", others as repr.
     from prometheus_client.utils import floatToGoString
 
-    return floatToGoString(bound)
+    text: str = floatToGoString(bound)  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
+    return text
 
 
 def _families(s: dict[str, Any], prefix: str) -> Iterator[Any]:
@@ -284,11 +312,11 @@ def _families(s: dict[str, Any], prefix: str) -> Iterator[Any]:
         total = sum(k * n for k, n in enumerate(counts))
         fam.add_metric([arm], _cumulative(counts, bounds), float(total))
     yield fam
-    c = CounterMetricFamily(
-        f"{prefix}_first_verify_unattributed", "First verifies of requests that carried no A/B arm"
-    )
+    c = CounterMetricFamily(f"{prefix}_first_verify_unattributed", "First verifies of requests that carried no A/B arm")
     c.add_metric([], s["first_verify_unattributed"])
     yield c
-    c = CounterMetricFamily(f"{prefix}_receive_loop_deaths", "Decode receive loops that ended on their own (alert on any)")
+    c = CounterMetricFamily(
+        f"{prefix}_receive_loop_deaths", "Decode receive loops that ended on their own (alert on any)"
+    )
     c.add_metric([], s["receiver_deaths"])
     yield c

@@ -62,7 +62,7 @@ class MetricsServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}/metrics"
 
-    def start(self) -> "MetricsServer":
+    def start(self) -> MetricsServer:
         pc = _prometheus()
         registry = pc.CollectorRegistry(auto_describe=False)
         self.metrics.register_prometheus(registry, self.prefix)
@@ -168,7 +168,7 @@ class MultiprocessMirror:
             self.syncs += 1
         return changed
 
-    def start(self) -> "MultiprocessMirror":
+    def start(self) -> MultiprocessMirror:
         self.sync()
         self._thread = threading.Thread(target=self._run, name="pd-middleware-metrics-mirror", daemon=True)
         self._thread.start()

@@ -9,12 +9,13 @@ counters. Engines call :meth:`DecodeMiddleware.receive` for every incoming paylo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from .assembler import ProposalAssembler
 from ._errors import ConfigError
+from .assembler import ProposalAssembler
 from .config import Config, ResolvedConfig, load_config, resolve_plugins
 from .contracts import ReceiveContext
 from .metrics import Metrics
@@ -56,7 +57,7 @@ class DecodeMiddleware:
         serve_metrics: bool = True,
         router: Any | None = None,
         assembler_factory: Callable[[Config], ProposalAssembler] | None = None,
-    ) -> "DecodeMiddleware":
+    ) -> DecodeMiddleware:
         """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError.
 
         With ``[metrics] port`` set and ``serve_metrics``, also starts the metrics
@@ -85,7 +86,9 @@ class DecodeMiddleware:
                 path="hooks",
                 source=None if isinstance(config, Config) else str(config),
             )
-        synths = {arm: (r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for arm, r in resolved.synthesizers.items()}
+        synths = {
+            arm: (r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for arm, r in resolved.synthesizers.items()
+        }
         m = metrics if metrics is not None else Metrics()
         for _, s in synths.values():
             guard = getattr(s, "guard", None)

@@ -18,7 +18,7 @@ Shapes and dtypes, with S = number of draft steps (1 for single-layer EAGLE,
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -44,10 +44,11 @@ def u16_buckets(vocab_size: int) -> int:
     """Buckets per step of the ``u16`` index format: ceil(V / 65536)."""
     return -(-vocab_size // U16_BUCKET)
 
+
 _MAX_TOKEN = 2**63
 
 
-def _as_tuple(value: Any, kind: type, field_name: str, request_id: str | None) -> tuple:
+def _as_tuple(value: Any, kind: type, field_name: str, request_id: str | None) -> tuple[Any, ...]:
     """Normalise a tensor, ndarray or sequence into a tuple of Python scalars."""
     if isinstance(value, tuple):
         return value
@@ -62,19 +63,13 @@ def _as_tuple(value: Any, kind: type, field_name: str, request_id: str | None) -
             )
         dtype = str(getattr(value, "dtype", ""))
         if kind is int and "int" not in dtype:
-            raise ValidationError(
-                f"expected an integer dtype, got {dtype}", field=field_name, request_id=request_id
-            )
+            raise ValidationError(f"expected an integer dtype, got {dtype}", field=field_name, request_id=request_id)
         if kind is float and "float" not in dtype and "bfloat" not in dtype:
-            raise ValidationError(
-                f"expected a floating dtype, got {dtype}", field=field_name, request_id=request_id
-            )
+            raise ValidationError(f"expected a floating dtype, got {dtype}", field=field_name, request_id=request_id)
         return tuple(tolist())
     if isinstance(value, list):
         return tuple(value)
-    raise ValidationError(
-        f"expected a sequence, got {type(value).__name__}", field=field_name, request_id=request_id
-    )
+    raise ValidationError(f"expected a sequence, got {type(value).__name__}", field=field_name, request_id=request_id)
 
 
 class Provenance(msgspec.Struct, frozen=True):
@@ -94,14 +89,10 @@ class Provenance(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.rule not in ("greedy", "sampled"):
-            raise ValidationError(
-                f"must be 'greedy' or 'sampled', got {self.rule!r}", field="provenance.rule"
-            )
+            raise ValidationError(f"must be 'greedy' or 'sampled', got {self.rule!r}", field="provenance.rule")
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise ValidationError(
-                f"must be a finite number >= 0, got {t!r}", field="provenance.temperature"
-            )
+            raise ValidationError(f"must be a finite number >= 0, got {t!r}", field="provenance.temperature")
         if self.rule == "greedy" and self.sampled_from is not None:
             raise ValidationError(
                 "a greedy draft was not sampled from any encoding",
@@ -191,7 +182,7 @@ def _nbytes(buf: bytes | memoryview) -> int:
     return len(buf) if isinstance(buf, bytes) else buf.nbytes
 
 
-EncodedProposal = Union[DenseEncoding, SparseEncoding]
+EncodedProposal = DenseEncoding | SparseEncoding
 
 
 class Payload(msgspec.Struct, frozen=True):
@@ -217,9 +208,7 @@ class Payload(msgspec.Struct, frozen=True):
         # exact type checks, no helper calls for the common already-a-tuple case.
         rid = self.request_id
         if type(rid) is not str or not rid:
-            raise ValidationError(
-                f"must be a non-empty str, got {rid!r}", field="request_id", request_id=None
-            )
+            raise ValidationError(f"must be a non-empty str, got {rid!r}", field="request_id", request_id=None)
         v = self.vocab_size
         if type(v) is not int or v <= 0:
             raise ValidationError(f"must be a positive int, got {v!r}", field="vocab_size", request_id=rid)
@@ -241,9 +230,7 @@ class Payload(msgspec.Struct, frozen=True):
             )
         for t in toks:
             if type(t) is not int or not 0 <= t < v:
-                raise ValidationError(
-                    f"token id {t!r} is not an int in [0, {v})", field="draft_tokens", request_id=rid
-                )
+                raise ValidationError(f"token id {t!r} is not an int in [0, {v})", field="draft_tokens", request_id=rid)
         for q in probs:
             tq = type(q)
             if tq is not float and tq is not int:

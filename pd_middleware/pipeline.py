@@ -8,8 +8,9 @@ or :class:`Failure`; a hook or synthesizer that raises fails only that payload.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from ._errors import ValidationError
 from .contracts import ReceiveContext
@@ -112,7 +113,7 @@ class ReceivePipeline:
         payload: Payload,
         context: ReceiveContext | None = None,
         releaser: Callable[[], None] | None = None,
-    ) -> "Delivery | Failure":
+    ) -> Delivery | Failure:
         """Run one payload through hooks and synthesis; never raises for bad payloads.
 
         On failure ``releaser`` is called at once (the slot is free again).
@@ -122,7 +123,7 @@ class ReceivePipeline:
         ctx = context if context is not None else ReceiveContext(received_at=self._clock())
         stage = "hook"
         try:
-            for stage, hook in self._hooks:
+            for stage, hook in self._hooks:  # noqa: B007  # `stage` names the failing hook in the except below
                 replaced = hook(payload, ctx)
                 if replaced is not None:
                     payload = replaced
@@ -131,11 +132,9 @@ class ReceivePipeline:
                 stage, synth = self._synth[arm]
             except KeyError:  # a subscript is cheaper than .get() on the hot path
                 stage = "route"
-                raise ValidationError(
-                    f"unknown A/B arm {arm!r}", field="arm", request_id=payload.request_id
-                ) from None
+                raise ValidationError(f"unknown A/B arm {arm!r}", field="arm", request_id=payload.request_id) from None
             proposal = synth(payload)
-        except Exception as exc:  # noqa: BLE001 - a plugin fault fails one payload, by design
+        except Exception as exc:
             if releaser is not None:
                 releaser()
             f = Failure(

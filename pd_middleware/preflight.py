@@ -19,14 +19,17 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import msgspec
 
 from .config import Config, ResolvedConfig, ResolvedPlugin
 
-_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
 # V used for the pair probe when the config leaves the vocabulary to the engine.
 _PROBE_VOCAB = 4096
 _PROBE_ROWS = 8
@@ -83,7 +86,9 @@ def check_hosts(config: Config) -> list[Finding]:
         interfaces = set()
     if not (bind == "*" or _is_ip(bind) or bind == "localhost" or bind in interfaces):
         out.append(
-            Finding("error", "transport.bind_host", f"{bind!r} is not an IP address, '*', 'localhost' or a local interface")
+            Finding(
+                "error", "transport.bind_host", f"{bind!r} is not an IP address, '*', 'localhost' or a local interface"
+            )
         )
     mc = getattr(t, "mooncake", None)
     host = getattr(mc, "host", None)
@@ -91,9 +96,14 @@ def check_hosts(config: Config) -> list[Finding]:
         out.append(Finding("error", "transport.mooncake.host", f"{host!r} is not an IP address or a host name"))
     metrics = getattr(config, "metrics", None)
     mhost = getattr(metrics, "host", None)
-    if getattr(metrics, "port", None) is not None and isinstance(mhost, str):
-        if not (mhost == "localhost" or _is_ip(mhost) or mhost in interfaces):
-            out.append(Finding("error", "metrics.host", f"{mhost!r} is not an IP address, 'localhost' or a local interface"))
+    if (
+        getattr(metrics, "port", None) is not None
+        and isinstance(mhost, str)
+        and not (mhost == "localhost" or _is_ip(mhost) or mhost in interfaces)
+    ):
+        out.append(
+            Finding("error", "metrics.host", f"{mhost!r} is not an IP address, 'localhost' or a local interface")
+        )
     return out
 
 
@@ -127,10 +137,14 @@ def check_memory(config: Config, physical: int | None = None, available: int | N
     if config.decode.device == "cpu" and vocab and steps:
         buf = config.decode.max_batch * steps * vocab * 4 * config.decode.num_buffers
         need += buf
-        parts.append(f"proposal buffers {config.decode.num_buffers} x {config.decode.max_batch} x {steps} x {vocab} x 4 B")
+        parts.append(
+            f"proposal buffers {config.decode.num_buffers} x {config.decode.max_batch} x {steps} x {vocab} x 4 B"
+        )
     what = f"{_human(need)} ({' + '.join(parts)})"
     if physical is not None and need > physical:
-        return [Finding("error", "transport.slots", f"needs {what}, more than this machine's {_human(physical)} of memory")]
+        return [
+            Finding("error", "transport.slots", f"needs {what}, more than this machine's {_human(physical)} of memory")
+        ]
     if available is not None and need > available:
         return [Finding("warning", "transport.slots", f"needs {what}, more than the {_human(available)} available now")]
     return []
@@ -223,8 +237,10 @@ def check_pairs(config: Config, resolved: ResolvedConfig, registry: Any) -> list
         was, guard_log.disabled = guard_log.disabled, True  # the probe's fallbacks are expected
         try:
             why = probe_pair(config, registry, enc, syn)
-        except Exception as exc:  # noqa: BLE001 - a plugin's own failure; reported, never hidden
-            out.append(Finding("warning", path, f"could not probe the encoder/synthesizer pair: {type(exc).__name__}: {exc}"))
+        except Exception as exc:
+            out.append(
+                Finding("warning", path, f"could not probe the encoder/synthesizer pair: {type(exc).__name__}: {exc}")
+            )
             continue
         finally:
             guard_log.disabled = was

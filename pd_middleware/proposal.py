@@ -15,7 +15,7 @@ S below is the number of draft steps of the request (1 for single-layer EAGLE).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -41,7 +41,7 @@ class OneHotProposal(msgspec.Struct, frozen=True):
         token, 0.0 elsewhere."""
         return [1.0 if t == x else 0.0 for t, x in zip(self.tokens, tokens, strict=True)]
 
-    def to_dense(self, vocab_size: int) -> "torch.Tensor":
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
         """(S, V) float32 one-hot rows (reference use only)."""
         import torch
 
@@ -62,8 +62,8 @@ class SparseProposal(msgspec.Struct, frozen=True, eq=False):
     """
 
     lengths: tuple[int, ...]
-    indices: "torch.Tensor"
-    values: "torch.Tensor"
+    indices: torch.Tensor
+    values: torch.Tensor
     floor: tuple[float, ...]
     scale: tuple[float, ...] = ()
 
@@ -88,7 +88,7 @@ class SparseProposal(msgspec.Struct, frozen=True, eq=False):
             start += n
         return out
 
-    def to_dense(self, vocab_size: int) -> "torch.Tensor":
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
         """(S, V) float32 rows (reference use only)."""
         import torch
 
@@ -106,8 +106,8 @@ class DenseProposal(msgspec.Struct, frozen=True, eq=False):
     receive slot; ``scale``: float32 (S,) renormalisation factors.
     """
 
-    probs: "torch.Tensor"
-    scale: "torch.Tensor"
+    probs: torch.Tensor
+    scale: torch.Tensor
 
     @property
     def num_steps(self) -> int:
@@ -122,10 +122,10 @@ class DenseProposal(msgspec.Struct, frozen=True, eq=False):
         picked = self.probs[rows, torch.tensor(tokens, dtype=torch.int64)].float()
         return (picked * self.scale.float()).tolist()
 
-    def to_dense(self, vocab_size: int) -> "torch.Tensor":
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
         """(S, V) float32 rows (reference use only)."""
         assert self.probs.shape[1] == vocab_size
         return self.probs.float() * self.scale.view(-1, 1)
 
 
-Proposal = Union[OneHotProposal, SparseProposal, DenseProposal]
+Proposal = OneHotProposal | SparseProposal | DenseProposal

@@ -25,9 +25,10 @@ import inspect
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any
 
 from ._errors import ConfigError, PluginError
 from .config_loader import did_you_mean
@@ -86,17 +87,13 @@ def validate_spec(spec: Any, origin: str = "<api>") -> PluginSpec:
     if spec.kind not in PLUGIN_KINDS:
         raise PluginError(f"unknown kind {spec.kind!r}; expected one of {PLUGIN_KINDS}", plugin=spec.name)
     if not isinstance(spec.name, str) or not _NAME_RE.match(spec.name):
-        raise PluginError(
-            f"name {spec.name!r} must be lowercase letters, digits and underscores", plugin=spec.name
-        )
+        raise PluginError(f"name {spec.name!r} must be lowercase letters, digits and underscores", plugin=spec.name)
     if not callable(spec.factory):
         raise PluginError("factory is not callable", plugin=spec.name)
     try:
         inspect.signature(spec.factory).bind(None, None)
     except TypeError as exc:
-        raise PluginError(
-            f"factory must accept (options, context): {exc}", plugin=spec.name
-        ) from None
+        raise PluginError(f"factory must accept (options, context): {exc}", plugin=spec.name) from None
     except ValueError:
         pass
     if spec.options is not NoOptions:
@@ -198,7 +195,7 @@ class PluginRegistry:
         try:
             try:
                 obj = ep.load()
-            except Exception as exc:  # noqa: BLE001 - re-raised (or listed) with the entry point named
+            except Exception as exc:
                 raise PluginError(f"cannot load {origin}: {type(exc).__name__}: {exc}", plugin=ep.value) from exc
             specs = obj if isinstance(obj, (list, tuple)) else [obj]
             for spec in specs:
@@ -219,9 +216,7 @@ class PluginRegistry:
     def load_path(self, path: str, key: str | None = None) -> PluginSpec:
         """Import ``module:attr`` and register the PluginSpec it names."""
         if not isinstance(path, str) or not _PATH_RE.match(path):
-            raise PluginError(
-                f"{path!r} is not a 'package.module:attribute' reference", plugin=path, key=key
-            )
+            raise PluginError(f"{path!r} is not a 'package.module:attribute' reference", plugin=path, key=key)
         mod_name, attr = path.split(":")
         if mod_name == "py" or mod_name.endswith(".py"):
             # "plugin.py:SPEC" matches the pattern but means a file; importing it would run
@@ -234,11 +229,13 @@ class PluginRegistry:
         self._check_origin(mod_name, path, key)
         try:
             module = importlib.import_module(mod_name)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the config key named
+        except Exception as exc:
             hint = ""
             top = mod_name.split(".")[0]
-            if self._plugin_paths is not None and isinstance(exc, ModuleNotFoundError) and (
-                os.path.exists(f"{top}.py") or os.path.isdir(top)
+            if (
+                self._plugin_paths is not None
+                and isinstance(exc, ModuleNotFoundError)
+                and (os.path.exists(f"{top}.py") or os.path.isdir(top))
             ):
                 hint = f" ('{top}' in the working directory is not used: pass --plugin-path DIR to allow it)"
             raise PluginError(
@@ -273,7 +270,11 @@ class PluginRegistry:
             return  # the import below reports it
         if spec is None:
             return
-        where = spec.origin if spec.submodule_search_locations is None else next(iter(spec.submodule_search_locations), None)
+        where = (
+            spec.origin
+            if spec.submodule_search_locations is None
+            else next(iter(spec.submodule_search_locations), None)
+        )
         if not where or where in ("built-in", "frozen"):
             return
         parent = os.path.dirname(os.path.realpath(where))
@@ -333,7 +334,7 @@ class PluginRegistry:
             obj = spec.factory(options, context)
         except (PluginError, ConfigError):
             raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with the config key named
+        except Exception as exc:
             raise PluginError(
                 f"factory of {spec.kind} {spec.name!r} raised {type(exc).__name__}: {exc}", plugin=spec.name, key=key
             ) from exc

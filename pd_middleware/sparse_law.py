@@ -89,7 +89,9 @@ def sparse_law(
     total = sum(lengths)
     n_idx = len(enc.indices) if isinstance(enc.indices, bytes) else enc.indices.nbytes
     if n_idx != total * (2 if u16 else 4):
-        raise _err(f"holds {n_idx} bytes, expected {total} {'u16' if u16 else 'int32'} indices", "proposal.indices", rid)
+        raise _err(
+            f"holds {n_idx} bytes, expected {total} {'u16' if u16 else 'int32'} indices", "proposal.indices", rid
+        )
     n_val = len(enc.values) if isinstance(enc.values, bytes) else enc.values.nbytes
     if n_val != total * ITEMSIZE[vdt]:
         raise _err(f"holds {n_val} bytes, expected {total} {vdt} values", "proposal.values", rid)
@@ -112,7 +114,7 @@ def sparse_law(
     if num_steps == 1:
         sums = [float(vals.sum(dtype=np.float64))]
     else:
-        starts = np.cumsum((0,) + lengths[:-1])
+        starts = np.cumsum((0, *lengths[:-1]))
         sums = np.add.reduceat(vals, starts, dtype=np.float64).tolist()
     # A NaN or inf anywhere makes its step's float64 sum non-finite (fp32/fp16 values
     # cannot overflow a float64 sum), so one pass over the sums finds them all.
@@ -192,7 +194,7 @@ def _u16_ids(enc: SparseEncoding, lengths: tuple[int, ...], vocab_size: int, rid
             raise _err(f"step {s}: counts sum to {got}, but the step lists {n} entries", "proposal.bucket_counts", rid)
     low = np.frombuffer(enc.indices, dtype="<u2")
     # key = 65536 * flat bucket + low, built as int64 (the ids' final dtype).
-    key = np.repeat(_bucket_bases(steps_n * nb), counts) | low
+    key: np.ndarray = np.repeat(_bucket_bases(steps_n * nb), counts) | low
     if key.size > 1:
         # At a step boundary the flat bucket jumps into the next step's range, so the
         # key still rises there: a drop can only occur inside one step.
@@ -217,7 +219,7 @@ def _u16_ids(enc: SparseEncoding, lengths: tuple[int, ...], vocab_size: int, rid
     return idx
 
 
-def sparse_law_tensor(enc: SparseEncoding, num_steps: int, vocab_size: int) -> "torch.Tensor":
+def sparse_law_tensor(enc: SparseEncoding, num_steps: int, vocab_size: int) -> torch.Tensor:
     """(S, V) float32: the exact vector a prefill samples X from for ``enc``.
 
     Bit for bit what the assembler writes for :func:`sparse_law`'s proposal: every

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +89,9 @@ def chi_square_sf(x: float, df: int) -> float:
     # the series/continued-fraction evaluation this replaced to 1.2e-9 relative over
     # df in [1, 1e5] (measured); a call costs ~8 us against ~3 us, which no caller
     # notices (chi_square_critical's 200-step bisection: ~2 ms).
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64))
+    )
 
 
 def chi_square_critical(df: int, alpha: float = 1e-6) -> float:
@@ -161,14 +164,14 @@ class ExactnessAccumulator:
         self.expected = torch.zeros(num_bins + 1, dtype=torch.float64)
         self.n = 0
 
-    def _bins(self, probs: "torch.Tensor") -> "torch.Tensor":
+    def _bins(self, probs: torch.Tensor) -> torch.Tensor:
         import torch
 
         # p = m * 2^e with m in [0.5, 1): -e is the bin; frexp is cheaper than log2.
         level = torch.frexp(probs).exponent.neg_().clamp_(0, self.num_bins - 1).to(torch.int64)
         return torch.where(probs > 0, level, torch.full_like(level, self.num_bins))
 
-    def bin_law(self, target_probs: "torch.Tensor") -> "torch.Tensor":
+    def bin_law(self, target_probs: torch.Tensor) -> torch.Tensor:
         """float64 (n, K+1): each row's law of the bin of a token drawn from it.
 
         The only V-wide pass; arms verifying the same rows can share it (``update(...,
@@ -183,9 +186,7 @@ class ExactnessAccumulator:
         law = law.double()
         return law / law.sum(dim=1, keepdim=True)
 
-    def update(
-        self, target_probs: "torch.Tensor", tokens: "torch.Tensor", bin_law: "torch.Tensor | None" = None
-    ) -> None:
+    def update(self, target_probs: torch.Tensor, tokens: torch.Tensor, bin_law: torch.Tensor | None = None) -> None:
         """Add committed ``tokens`` (int64 (n,)) with their target rows (float (n, V))."""
         import torch
 
@@ -204,7 +205,10 @@ class ExactnessAccumulator:
             raise ValueError("no tokens recorded")
         tv = 0.5 * float((self.counts / self.n - self.expected / self.n).abs().sum())
         return ExactnessCheck(
-            tv=tv, bound=tv_bound(self.num_bins + 1, self.n, self.alpha), alpha=self.alpha, n=self.n,
+            tv=tv,
+            bound=tv_bound(self.num_bins + 1, self.n, self.alpha),
+            alpha=self.alpha,
+            n=self.n,
             num_bins=self.num_bins + 1,
         )
 

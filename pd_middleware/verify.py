@@ -51,7 +51,6 @@ from .stats import (
     tv_distance,
     wilson_interval,
 )
-
 from .verify_exact import (
     KERNELS,
     ChainLaw,
@@ -109,21 +108,21 @@ class VerifyResult:
     tokens were accepted (0..S).
     """
 
-    committed: "torch.Tensor"
-    accepted_lengths: "torch.Tensor"
+    committed: torch.Tensor
+    accepted_lengths: torch.Tensor
 
     @property
-    def num_committed(self) -> "torch.Tensor":
+    def num_committed(self) -> torch.Tensor:
         """int64 (B,): committed tokens per request, ``accepted_lengths + 1``."""
         return self.accepted_lengths + 1
 
     @property
-    def first_accepted(self) -> "torch.Tensor":
+    def first_accepted(self) -> torch.Tensor:
         """bool (B,): whether the first draft token was accepted."""
         return self.accepted_lengths >= 1
 
 
-def sanitize_q(q: "torch.Tensor") -> "torch.Tensor":
+def sanitize_q(q: torch.Tensor) -> torch.Tensor:
     """q with every NaN, inf, negative or >1 entry replaced by 0 (a new tensor, same dtype)."""
     import torch
 
@@ -131,7 +130,7 @@ def sanitize_q(q: "torch.Tensor") -> "torch.Tensor":
     return torch.where(valid, q, torch.zeros((), dtype=q.dtype, device=q.device))
 
 
-def _accepts(u: "torch.Tensor", qx: "torch.Tensor", px: "torch.Tensor", kernel: Kernel) -> "torch.Tensor":
+def _accepts(u: torch.Tensor, qx: torch.Tensor, px: torch.Tensor, kernel: Kernel) -> torch.Tensor:
     """bool: the kernel's acceptance test, literally (float64 operands)."""
     ok = u * qx < px  # NaN anywhere makes this False, as in the kernels
     if kernel == "sglang":
@@ -139,7 +138,7 @@ def _accepts(u: "torch.Tensor", qx: "torch.Tensor", px: "torch.Tensor", kernel: 
     return ok
 
 
-def residual_weights(p: "torch.Tensor", q: "torch.Tensor", kernel: Kernel = "flashinfer") -> "torch.Tensor":
+def residual_weights(p: torch.Tensor, q: torch.Tensor, kernel: Kernel = "flashinfer") -> torch.Tensor:
     """float64 (n, V): the kernel's unnormalised residual relu(p - q') per entry.
 
     ``"flashinfer"``: ``fmaxf(p - q', 0)``, so a NaN difference is 0 and q' = -inf gives
@@ -155,7 +154,7 @@ def residual_weights(p: "torch.Tensor", q: "torch.Tensor", kernel: Kernel = "fla
     return torch.where(diff > 0, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
 
 
-def _draw_residual(p: "torch.Tensor", q: "torch.Tensor", u: "torch.Tensor", kernel: Kernel) -> "torch.Tensor":
+def _draw_residual(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, kernel: Kernel) -> torch.Tensor:
     """int64 (n,): one residual draw per row, with the kernels' corner cases (module docstring)."""
     import torch
 
@@ -178,7 +177,7 @@ def _draw_residual(p: "torch.Tensor", q: "torch.Tensor", u: "torch.Tensor", kern
     return out
 
 
-def sample_categorical(weights: "torch.Tensor", u: "torch.Tensor") -> "torch.Tensor":
+def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: row i picks token j with probability ``weights[i, j] / sum``.
 
     ``weights``: float64 (n, V), non-negative, every row with positive mass; ``u``:
@@ -199,7 +198,7 @@ def sample_categorical(weights: "torch.Tensor", u: "torch.Tensor") -> "torch.Ten
     return idx
 
 
-def _check_shapes(target: "torch.Tensor", draft: "torch.Tensor", tokens: "torch.Tensor") -> None:
+def _check_shapes(target: torch.Tensor, draft: torch.Tensor, tokens: torch.Tensor) -> None:
     if target.dim() != 3:
         raise ValidationError(f"expected (B, S+1, V), got shape {tuple(target.shape)}", field="target_probs")
     b, s1, v = target.shape
@@ -219,8 +218,8 @@ def _check_shapes(target: "torch.Tensor", draft: "torch.Tensor", tokens: "torch.
 
 
 def draw_uniforms(
-    batch: int, num_steps: int, generator: "torch.Generator | None", device: "torch.device | str"
-) -> tuple["torch.Tensor", "torch.Tensor"]:
+    batch: int, num_steps: int, generator: torch.Generator | None, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 uniforms for one verify: (B, S) acceptance coins and (B, S+1) draw coins.
 
     Drawn on the generator's device (or ``device`` without one), then moved to ``device``.
@@ -233,12 +232,12 @@ def draw_uniforms(
 
 
 def verify_chain(
-    target_probs: "torch.Tensor",
-    draft_probs: "torch.Tensor",
-    draft_tokens: "torch.Tensor",
-    generator: "torch.Generator | None" = None,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
     *,
-    uniforms: tuple["torch.Tensor", "torch.Tensor"] | None = None,
+    uniforms: tuple[torch.Tensor, torch.Tensor] | None = None,
     kernel: Kernel = "flashinfer",
 ) -> VerifyResult:
     """Verify a batch of draft chains; see the module docstring for the rule.
@@ -291,11 +290,11 @@ def verify_chain(
 
 
 def acceptance_probability(
-    target_probs: "torch.Tensor",
-    draft_probs: "torch.Tensor",
-    draft_tokens: "torch.Tensor",
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
     kernel: Kernel = "flashinfer",
-) -> "torch.Tensor":
+) -> torch.Tensor:
     """float64 (B, S): P(accept X_s | steps before s accepted) = P(u * q'(X_s) < p(X_s)).
 
     Shapes as :func:`verify_chain`. min(1, p/q') for q' in (0, inf); under
@@ -325,12 +324,12 @@ def acceptance_probability(
     return torch.where(pos, ratio, torch.where(qx == 0, zero, torch.where(qx < 0, one, none)))
 
 
-def expected_accepted_length(acceptance: "torch.Tensor") -> "torch.Tensor":
+def expected_accepted_length(acceptance: torch.Tensor) -> torch.Tensor:
     """float64 (B,): E[accepted drafts] = sum_k prod_{j<=k} a_j, from (B, S) step acceptances."""
     return acceptance.double().cumprod(dim=1).sum(dim=1)
 
 
-def sum_min(p: "torch.Tensor", q: "torch.Tensor") -> "torch.Tensor":
+def sum_min(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """float64 (...,): sum over the last dim of min(p, q'), q' sanitised.
 
     The acceptance of X ~ q' verified against q' (the full-distribution bound).

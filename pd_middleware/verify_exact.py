@@ -9,9 +9,10 @@ docstring and ``docs/strategies.md`` give the table. Pure Python: no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Literal, Sequence, Union
+from typing import Literal
 
 from ._errors import ValidationError
 
@@ -25,7 +26,7 @@ def _check_kernel(kernel: str) -> None:
         raise ValidationError(f"must be one of {', '.join(KERNELS)}, got {kernel!r}", field="kernel")
 
 
-Number = Union[Fraction, int, float]
+Number = Fraction | int | float
 LawFn = Callable[[tuple[int, ...]], Sequence[Number]]
 SentFn = Callable[[tuple[int, ...], int], Sequence[Number]]
 
@@ -142,9 +143,7 @@ class ChainLaw:
     expected_accepted: Fraction
 
 
-def exact_chain_law(
-    p_fn: LawFn, q_fn: SentFn, s_fn: LawFn, num_steps: int, kernel: Kernel = "flashinfer"
-) -> ChainLaw:
+def exact_chain_law(p_fn: LawFn, q_fn: SentFn, s_fn: LawFn, num_steps: int, kernel: Kernel = "flashinfer") -> ChainLaw:
     """Enumerate every draft chain and coin outcome of one verify.
 
     ``p_fn(prefix)``: target law of the next token given the committed prefix;
@@ -165,7 +164,7 @@ def exact_chain_law(
         p = _law(p_fn(prefix), f"p{prefix}")
         if len(prefix) == num_steps:
             for y, py in enumerate(p):
-                add(prefix + (y,), weight * py)
+                add((*prefix, y), weight * py)
             return
         s = _law(s_fn(prefix), f"s{prefix}")
         for x, sx in enumerate(s):
@@ -178,19 +177,17 @@ def exact_chain_law(
                 )
             a = exact_accept_probability(p[x], q[x], kernel)
             if a > 0:
-                walk(prefix + (x,), weight * sx * a)
+                walk((*prefix, x), weight * sx * a)
             if a < 1:
                 for y, ry in enumerate(exact_residual(p, q, kernel)):
-                    add(prefix + (y,), weight * sx * (1 - a) * ry)
+                    add((*prefix, y), weight * sx * (1 - a) * ry)
 
     walk((), Fraction(1))
     mean = sum((k * w for k, w in accepted.items()), Fraction(0))
     return ChainLaw(law=law, accepted=dict(sorted(accepted.items())), expected_accepted=mean)
 
 
-def complete_law(
-    law: dict[tuple[int, ...], Fraction], p_fn: LawFn, length: int
-) -> dict[tuple[int, ...], Fraction]:
+def complete_law(law: dict[tuple[int, ...], Fraction], p_fn: LawFn, length: int) -> dict[tuple[int, ...], Fraction]:
     """Extend every committed sequence to ``length`` tokens by sampling the target.
 
     A verifier is exact iff the completed law equals :func:`target_sequence_law`: each
@@ -204,7 +201,7 @@ def complete_law(
             for prefix, pw in frontier.items():
                 for y, py in enumerate(_law(p_fn(prefix), f"p{prefix}")):
                     if py:
-                        nxt[prefix + (y,)] = nxt.get(prefix + (y,), Fraction(0)) + pw * py
+                        nxt[(*prefix, y)] = nxt.get((*prefix, y), Fraction(0)) + pw * py
             frontier = nxt
         for s, v in frontier.items():
             out[s] = out.get(s, Fraction(0)) + v

@@ -27,21 +27,22 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from _common import emit, machine, setup_env
 
 setup_env()
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
+import msgspec
+import zmq
+from _zmtp import RawZmtp
 
-from _zmtp import RawZmtp  # noqa: E402
-from pd_middleware import OneHotProposal, Payload, Provenance  # noqa: E402
-from pd_middleware.pipeline import Delivery, ReceivePipeline  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire  # noqa: E402
-from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce  # noqa: E402
-from pd_middleware.transport.config import CurveConfig  # noqa: E402
+from pd_middleware import OneHotProposal, Payload, Provenance
+from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
+from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
+from pd_middleware.transport.config import CurveConfig
 
 KEY = "attack-campaign-hmac-key-0123"
 
@@ -63,7 +64,9 @@ def receiver(ctx: zmq.Context, **kw: Any) -> DecodeReceiver:
 
 def make(rid: str, hidden: int = 64) -> Payload:
     data = (rid.encode() * (hidden // max(1, len(rid)) + 1))[:hidden]
-    return Payload(rid, (5,), (0.5,), 100, hidden=data, hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None))
+    return Payload(
+        rid, (5,), (0.5,), 100, hidden=data, hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None)
+    )
 
 
 def frames_of(p: Payload, seq: int = 0) -> list[bytes]:
@@ -95,7 +98,16 @@ class Tally:
 
     def __init__(self, rx: DecodeReceiver) -> None:
         self.rx = rx
-        self.r = {"crashes": 0, "hangs": 0, "lost": 0, "wrong": 0, "attacks": 0, "rejected": 0, "valid": 0, "delivered": 0}
+        self.r = {
+            "crashes": 0,
+            "hangs": 0,
+            "lost": 0,
+            "wrong": 0,
+            "attacks": 0,
+            "rejected": 0,
+            "valid": 0,
+            "delivered": 0,
+        }
         self.reasons: dict[str, int] = {}
 
     def collect(self, n: int, valid: dict[str, Payload], identity: str | None = None, timeout: float = 20.0) -> None:
@@ -106,7 +118,7 @@ class Tally:
         while got < n and time.monotonic() < deadline:
             try:
                 o = self.rx.get(timeout=0.1)
-            except Exception:  # noqa: BLE001 - a dead receiver is a crash
+            except Exception:
                 self.r["crashes"] += 1
                 return
             if o is None:
@@ -166,7 +178,23 @@ def case_nesting(ctx: zmq.Context, scale: float) -> dict[str, Any]:
 
 
 def _confusions(header: dict[str, Any]) -> list[dict[str, Any]]:
-    values: list[Any] = [None, True, 0, -1, 2**63, 2**64 - 1, 1.5, float("nan"), "", "x" * 300, b"\x00", [], [1, [2]], {}, {"a": {"b": 1}}]
+    values: list[Any] = [
+        None,
+        True,
+        0,
+        -1,
+        2**63,
+        2**64 - 1,
+        1.5,
+        float("nan"),
+        "",
+        "x" * 300,
+        b"\x00",
+        [],
+        [1, [2]],
+        {},
+        {"a": {"b": 1}},
+    ]
     out = []
     for key in header:
         for v in values:
@@ -202,7 +230,7 @@ def case_type_confusion(ctx: zmq.Context, scale: float) -> dict[str, Any]:
                 h = wire.decode_frame(frame, LimitsConfig())
                 expect, _ = wire.payload_from_header(h, [frame, hidden], LimitsConfig())  # type: ignore[arg-type]
                 valid[expect.request_id] = expect
-            except Exception:  # noqa: BLE001 - invalid: the receiver must refuse it
+            except Exception:
                 t.r["attacks"] += 1
             s.send_multipart([frame, hidden])
         s.send_multipart(frames_of(valid["after"], 10_000))
@@ -219,9 +247,14 @@ def _curve_pair(monkey_env: dict[str, str]) -> tuple[TransportConfig, dict[str, 
     os.environ["PDM_ATTACK_SERVER"] = ssec.decode()
     for n, (_, sec) in keys.items():
         os.environ[f"PDM_ATTACK_{n.upper()}"] = sec.decode()
-    server = cfg(curve=CurveConfig(enabled=True, secret_key_env="PDM_ATTACK_SERVER", clients={n: k[0].decode() for n, k in keys.items()}))
+    server = cfg(
+        curve=CurveConfig(
+            enabled=True, secret_key_env="PDM_ATTACK_SERVER", clients={n: k[0].decode() for n, k in keys.items()}
+        )
+    )
     clients = {
-        n: cfg(curve=CurveConfig(enabled=True, secret_key_env=f"PDM_ATTACK_{n.upper()}", server_key=spub.decode())) for n in keys
+        n: cfg(curve=CurveConfig(enabled=True, secret_key_env=f"PDM_ATTACK_{n.upper()}", server_key=spub.decode()))
+        for n in keys
     }
     return server, clients
 
@@ -231,7 +264,7 @@ def case_zmtp_stream(ctx: zmq.Context, scale: float) -> dict[str, Any]:
     rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=ctx).start()
     t = Tally(rx)
     try:
-        host, port = rx.address[len("tcp://"):].rsplit(":", 1)
+        host, port = rx.address[len("tcp://") :].rsplit(":", 1)
         total = int((256 << 20) * scale)
         before = rss_mb()
         peak = before
@@ -319,7 +352,9 @@ def _flood(address: str, n: int, big: int) -> None:
     s.setsockopt(zmq.SNDHWM, 2)
     data = bytes(big)
     for i in range(n):
-        p = Payload(f"f-{i}", (5,), (0.5,), 100, hidden=data, hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None))
+        p = Payload(
+            f"f-{i}", (5,), (0.5,), 100, hidden=data, hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None)
+        )
         header, _ = wire.build_header(p, i)
         try:
             s.send_multipart([wire.encode(header), data], flags=zmq.NOBLOCK, copy=False)
@@ -344,7 +379,9 @@ def case_inline_flood(ctx: zmq.Context, scale: float) -> dict[str, Any]:
     bound_mb = (cap + (hwm + 2) * big) / (1 << 20)
     code = f"import sys; sys.argv=['attacks']; sys.path[:0]={sys.path[:4]!r}; import attacks; attacks._flood({rx.address!r}, {n}, {big})"
     before = rss_mb()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+    )
     try:
         peak = before
         deadline = time.monotonic() + 20 + n * 0.1
@@ -382,7 +419,9 @@ def case_inline_flood(ctx: zmq.Context, scale: float) -> dict[str, Any]:
         growth = peak - before
         if growth > bound_mb:
             t.r["wrong"] += 1  # memory beyond the configured bound
-        return t.result(sent=len(sent), queued_while_stalled=queued, rss_growth_mb=round(growth, 1), bound_mb=round(bound_mb))
+        return t.result(
+            sent=len(sent), queued_while_stalled=queued, rss_growth_mb=round(growth, 1), bound_mb=round(bound_mb)
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -412,7 +451,7 @@ def main() -> int:
         c0 = time.monotonic()
         try:
             r = CASES[name](ctx, args.scale)
-        except Exception as exc:  # noqa: BLE001 - a case that raises counts as a crash
+        except Exception as exc:
             r = {"crashes": 1, "hangs": 0, "lost": 0, "wrong": 0, "error": f"{type(exc).__name__}: {exc}"}
         r["seconds"] = round(time.monotonic() - c0, 1)
         results[name] = r
@@ -420,15 +459,17 @@ def main() -> int:
             totals[k] += int(r.get(k, 0))
         print(f"{name}: {r}", file=sys.stderr, flush=True)
     ctx.destroy(linger=0)
-    emit({
-        "script": "attacks",
-        "cases": results,
-        "attacks": sum(int(r.get("attacks", 0)) for r in results.values()),
-        **totals,
-        "seconds": round(time.monotonic() - t0, 1),
-        "must_be_zero": ["crashes", "hangs", "lost", "wrong"],
-        "machine": machine(),
-    })
+    emit(
+        {
+            "script": "attacks",
+            "cases": results,
+            "attacks": sum(int(r.get("attacks", 0)) for r in results.values()),
+            **totals,
+            "seconds": round(time.monotonic() - t0, 1),
+            "must_be_zero": ["crashes", "hangs", "lost", "wrong"],
+            "machine": machine(),
+        }
+    )
     return 0 if not any(totals.values()) else 1
 
 

@@ -35,21 +35,22 @@ import sys
 import time
 import traceback
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_env()
 sys.path.insert(0, str(C.ROOT / "tests"))
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
+import msgspec
+import zmq
+from _bulk_peer import RawPrefill
 
-from pd_middleware import DenseEncoding, OneHotProposal, Payload  # noqa: E402
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, MooncakeConfig, MooncakeEngine, SlotsConfig, TransportConfig  # noqa: E402
-from _bulk_peer import RawPrefill  # noqa: E402  (tests/_bulk_peer.py: shared with tests/test_bulk.py)
+from pd_middleware import DenseEncoding, OneHotProposal, Payload
+from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, MooncakeConfig, MooncakeEngine, SlotsConfig, TransportConfig
 
 KEY = "bulk-attack-key-0123456789abcdef"
 VOCAB = 512
@@ -71,7 +72,9 @@ def payload(rid: str, seed: int) -> Payload:
     """A dense payload whose bytes depend on ``seed`` (so a stale slot never matches)."""
     rnd = (seed * 2654435761) & 0xFFFFFFFF
     data = bytes((rnd >> (i % 24) ^ i * 7) & 0xFF for i in range(VOCAB * 4))
-    return Payload(rid, (seed % VOCAB,), (0.5,), VOCAB, hidden=bytes([seed & 0xFF]) * 512, proposal=DenseEncoding("fp32", data))
+    return Payload(
+        rid, (seed % VOCAB,), (0.5,), VOCAB, hidden=bytes([seed & 0xFF]) * 512, proposal=DenseEncoding("fp32", data)
+    )
 
 
 class OneHot:
@@ -155,7 +158,10 @@ class Case:
         alive = self.rx._thread is not None and self.rx._thread.is_alive()
         if not alive:
             self.fig["crashes"] += 1
-        out = {k: self.fig[k] for k in ("attacks", "refused", "controls_delivered", "crashes", "hangs", "lost", "wrong_deliveries")}
+        out = {
+            k: self.fig[k]
+            for k in ("attacks", "refused", "controls_delivered", "crashes", "hangs", "lost", "wrong_deliveries")
+        }
         out["failure_keys"] = dict(self.keys)
         out["problems"] = self.problems[:10]
         return out
@@ -173,7 +179,7 @@ def unwritten(case: Case, ctx: zmq.Context, engine: MooncakeEngine, rounds: int)
             s = peer.grant.slots[i % 4]  # type: ignore[union-attr]
             case.control(peer, s, f"uw-ok-{i}", 2 * i)  # the slot now holds these bytes
             h, _ = peer.header(payload(f"uw-{i}", 2 * i + 1), s)
-            case.attack(f"uw-{i}", "transfer:digest", lambda: peer.send_header(h), peer, s)
+            case.attack(f"uw-{i}", "transfer:digest", lambda h=h: peer.send_header(h), peer, s)
     finally:
         peer.close()
 
@@ -202,17 +208,21 @@ def stale_after_reconnect(case: Case, ctx: zmq.Context, engine: MooncakeEngine, 
                 if s not in new.grant.slots:  # type: ignore[union-attr]
                     continue
                 h, _ = new.header(payload(f"st-new-{r}-{j}", 2000 + 8 * r + j), s)
-                case.attack(f"st-new-{r}-{j}", "transfer:digest", lambda h=h: new.send_header(h), new, s)
+                case.attack(f"st-new-{r}-{j}", "transfer:digest", lambda h=h, new=new: new.send_header(h), new, s)
                 # The old header, replayed: its digest matches the slot; its generation does not.
                 replay = msgspec.structs.replace(h_old, request_id=f"st-replay-{r}-{j}")
-                case.attack(f"st-replay-{r}-{j}", "transfer:digest", lambda h=replay: new.send_header(h), new, s)
+                case.attack(
+                    f"st-replay-{r}-{j}", "transfer:digest", lambda h=replay, new=new: new.send_header(h), new, s
+                )
                 case.control(new, s, f"st-ok-{r}-{j}", 3000 + 8 * r + j)
         finally:
             new.close()
             time.sleep(0.05)
 
 
-def tampered(case: Case, ctx: zmq.Context, engine: MooncakeEngine, other: MooncakeEngine, rounds: int, key: bytes | None) -> None:
+def tampered(
+    case: Case, ctx: zmq.Context, engine: MooncakeEngine, other: MooncakeEngine, rounds: int, key: bytes | None
+) -> None:
     peer = RawPrefill(ctx, case.rx.address, engine, f"tamper-{case.name}", want=4, key=key)
     peer.hello()
     algorithm = peer_algorithm(peer)
@@ -255,7 +265,9 @@ def two_slot(case: Case, ctx: zmq.Context, engine: MooncakeEngine, rounds: int) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=200, help="attacks per case (stale: rounds/8 reconnects x 4 slots x 2)")
+    ap.add_argument(
+        "--rounds", type=int, default=200, help="attacks per case (stale: rounds/8 reconnects x 4 slots x 2)"
+    )
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--negative-control", action="store_true", help="switch the integrity check off: must fail")
     args = ap.parse_args()
@@ -275,7 +287,11 @@ def main() -> int:
         ("unwritten", False, lambda c: unwritten(c, ctx, prefill_engine, args.rounds)),
         ("stale_after_reconnect", False, lambda c: stale_after_reconnect(c, ctx, prefill_engine, args.rounds)),
         ("tampered_fast", False, lambda c: tampered(c, ctx, prefill_engine, other_engine, args.rounds, None)),
-        ("tampered_authenticated", True, lambda c: tampered(c, ctx, prefill_engine, other_engine, args.rounds, KEY.encode())),
+        (
+            "tampered_authenticated",
+            True,
+            lambda c: tampered(c, ctx, prefill_engine, other_engine, args.rounds, KEY.encode()),
+        ),
         ("two_slot", False, lambda c: two_slot(c, ctx, prefill_engine, args.rounds)),
     ]
     t0 = time.monotonic()
@@ -308,7 +324,10 @@ def main() -> int:
     result = {
         "script": "attacks_bulk",
         "negative_control": args.negative_control,
-        **{k: totals[k] for k in ("attacks", "refused", "controls_delivered", "crashes", "hangs", "lost", "wrong_deliveries")},
+        **{
+            k: totals[k]
+            for k in ("attacks", "refused", "controls_delivered", "crashes", "hangs", "lost", "wrong_deliveries")
+        },
         "skipped": skipped,
         "cases": cases,
         "seconds": round(time.monotonic() - t0, 1),

@@ -50,20 +50,29 @@ from collections import Counter
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_env()
 
-import yaml  # noqa: E402
+import yaml
 
-from pd_middleware import ConfigError, PluginError  # noqa: E402
-from pd_middleware.config import load_config, resolve_plugins  # noqa: E402
-from pd_middleware.preflight import preflight  # noqa: E402
-from pd_middleware.registry import default_registry  # noqa: E402
+from pd_middleware import ConfigError, PluginError
+from pd_middleware.config import load_config, resolve_plugins
+from pd_middleware.preflight import preflight
+from pd_middleware.registry import default_registry
 
 FAMILIES = (
-    "unknown_key", "wrong_type", "out_of_range", "bad_plugin_name", "bad_plugin_path",
-    "bad_option", "duplicate_key", "syntax", "hostile", "inline_json", "startup",
+    "unknown_key",
+    "wrong_type",
+    "out_of_range",
+    "bad_plugin_name",
+    "bad_plugin_path",
+    "bad_option",
+    "duplicate_key",
+    "syntax",
+    "hostile",
+    "inline_json",
+    "startup",
 )
 HOSTILE = [
     ("toml", lambda: "a = " + "[" * 5000 + "]" * 5000 + "\n"),
@@ -86,10 +95,17 @@ STARTUP = [
 ]
 # (encoder, synthesizer, warned): the guard makes the first group fall back on every payload.
 PAIRS = [
-    ("greedy", "full_distribution", True), ("softmax", "full_distribution", True), ("greedy", "sparse", True),
-    ("softmax", "sparse", True), ("full", "sparse", True), ("sparse", "full_distribution", True),
-    ("full", "one_hot", True), ("sparse", "one_hot", True),
-    ("softmax", "one_hot", False), ("greedy", "one_hot", False), ("full", "full_distribution", False),
+    ("greedy", "full_distribution", True),
+    ("softmax", "full_distribution", True),
+    ("greedy", "sparse", True),
+    ("softmax", "sparse", True),
+    ("full", "sparse", True),
+    ("sparse", "full_distribution", True),
+    ("full", "one_hot", True),
+    ("sparse", "one_hot", True),
+    ("softmax", "one_hot", False),
+    ("greedy", "one_hot", False),
+    ("full", "full_distribution", False),
     ("sparse", "sparse", False),
 ]
 
@@ -134,10 +150,23 @@ OUT_OF_RANGE: dict[tuple[str, ...], list[Any]] = {
 
 BAD_NAMES = ["nope", "ONE_HOT", "one-hot", "", " one_hot", "one_hot\n", "sparse;ls", "../one_hot", "x" * 300]
 BAD_PATHS = [
-    "/tmp/x.py:Y", "./plugin.py:SPEC", "os.system('x'):Y", "x; rm -rf /:Y", "$(touch /tmp/pwn):Y",
-    "__import__('os'):Y", "pd_middleware:NOT_THERE", "no_such_module_pdm_fuzz:SPEC", "json:loads",
-    "pd_middleware.config:Config", "a..b:C", ":SPEC", "pd_middleware:", "pd_middleware:a:b", "pd middleware:X",
-    "pd_middleware_plugins.one_hot:SYNTHESIZER.factory", "pd_middleware_plugins.one_hot:OneHotSynthesizer",
+    "/tmp/x.py:Y",
+    "./plugin.py:SPEC",
+    "os.system('x'):Y",
+    "x; rm -rf /:Y",
+    "$(touch /tmp/pwn):Y",
+    "__import__('os'):Y",
+    "pd_middleware:NOT_THERE",
+    "no_such_module_pdm_fuzz:SPEC",
+    "json:loads",
+    "pd_middleware.config:Config",
+    "a..b:C",
+    ":SPEC",
+    "pd_middleware:",
+    "pd_middleware:a:b",
+    "pd middleware:X",
+    "pd_middleware_plugins.one_hot:SYNTHESIZER.factory",
+    "pd_middleware_plugins.one_hot:OneHotSynthesizer",
 ]
 
 
@@ -146,10 +175,10 @@ def tables(node: Any, path: tuple = ()) -> list[tuple]:
     out = [path] if isinstance(node, dict) else []
     if isinstance(node, dict):
         for k, v in node.items():
-            out += tables(v, path + (k,))
+            out += tables(v, (*path, k))
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            out += tables(v, path + (i,))
+            out += tables(v, (*path, i))
     return out
 
 
@@ -157,10 +186,10 @@ def leaves(node: Any, path: tuple = ()) -> list[tuple]:
     out = []
     if isinstance(node, dict):
         for k, v in node.items():
-            out += leaves(v, path + (k,)) if isinstance(v, (dict, list)) and v else [path + (k,)]
+            out += leaves(v, (*path, k)) if isinstance(v, (dict, list)) and v else [(*path, k)]
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            out += leaves(v, path + (i,)) if isinstance(v, (dict, list)) and v else [path + (i,)]
+            out += leaves(v, (*path, i)) if isinstance(v, (dict, list)) and v else [(*path, i)]
     return out
 
 
@@ -255,12 +284,19 @@ def mutate(rng: random.Random, family: str, base: dict, text: str, fmt: str) -> 
     data = copy.deepcopy(base)
     dup = None
     if family == "unknown_key":
-        candidates = tables(data) + [("transport",), ("transport", "slots"), ("transport", "limits"), ("transport", "mooncake"), ("ab", "workload", "options")]
-        candidates += [r + ("options",) for r in plugin_refs(data)]
+        candidates = [
+            *tables(data),
+            ("transport",),
+            ("transport", "slots"),
+            ("transport", "limits"),
+            ("transport", "mooncake"),
+            ("ab", "workload", "options"),
+        ]
+        candidates += [(*r, "options") for r in plugin_refs(data)]
         where = rng.choice(candidates)
         key = rng.choice(["bogus", "vocab_sise", "Name", "options_", "x-y", "__init__"])
         ensure(data, where)[key] = rng.choice([1, "x", True, [1]])
-        path, what = where + (key,), "unknown key"
+        path, what = (*where, key), "unknown key"
     elif family == "wrong_type":
         path = rng.choice(leaves(data))
         old = get(data, path)
@@ -274,31 +310,37 @@ def mutate(rng: random.Random, family: str, base: dict, text: str, fmt: str) -> 
             ensure(data, path[:-1])["heartbeat_s"] = 0.5
         what = f"= {value!r}"
     elif family in ("bad_plugin_name", "bad_plugin_path"):
-        ref = rng.choice(plugin_refs(data) + [("hooks", 0)])
+        ref = rng.choice([*plugin_refs(data), ("hooks", 0)])
         if ref == ("hooks", 0) and not data.get("hooks"):
             data["hooks"] = [{"name": "record"}]
         value = rng.choice(BAD_NAMES if family == "bad_plugin_name" else BAD_PATHS)
-        get(data, ref)["name"] = value if ref != ("hooks", 0) or data["hooks"][0].get("name") else value
+        get(data, ref)["name"] = value
         get(data, ref).pop("options", None)
-        path, what = ref + ("name",), f"= {value!r}"
+        path, what = (*ref, "name"), f"= {value!r}"
     elif family == "bad_option":
         ref = rng.choice(plugin_refs(data))
         opts = get(data, ref).setdefault("options", {})
         name = get(data, ref).get("name")
         if name == "sparse" and ref[-1] == "encoder" and rng.random() < 0.6:
-            key, val = rng.choice([("k", 0), ("epsilon", 1.0), ("mode", "median"), ("value_dtype", "fp64"), ("k_max", -3)])
+            key, val = rng.choice(
+                [("k", 0), ("epsilon", 1.0), ("mode", "median"), ("value_dtype", "fp64"), ("k_max", -3)]
+            )
         elif name == "full" and rng.random() < 0.6:
             key, val = "dtype", rng.choice(["fp8", "int8", 32])
         else:
             key, val = rng.choice(["top_kk", "dtyp", "Mode", "threshold"]), 1
         opts[key] = val
-        path, what = ref + ("options", key), f"= {val!r}"
+        path, what = (*ref, "options", key), f"= {val!r}"
     elif family == "duplicate_key":
         if fmt == "toml":
             dup = (rng.choice(list(data)),)
         else:
             dup = rng.choice(
-                [p for p in leaves(data) if all(isinstance(k, str) for k in p) and not isinstance(get(data, p), (dict, list))]
+                [
+                    p
+                    for p in leaves(data)
+                    if all(isinstance(k, str) for k in p) and not isinstance(get(data, p), (dict, list))
+                ]
                 or [("model", "vocab_size")]
             )
         path, what = dup, "written twice"
@@ -318,16 +360,28 @@ def mutate(rng: random.Random, family: str, base: dict, text: str, fmt: str) -> 
         raw = to_toml(data) if fmt == "toml" else to_yaml(data)
         if r < 0.4:
             cut = rng.randrange(1, max(2, len(raw) - 1))
-            raw = raw[:cut] + rng.choice(["= ", "[", "{", "\"", ":\n  - ", "{a: [", "x = [1,"])
+            raw = raw[:cut] + rng.choice(["= ", "[", "{", '"', ":\n  - ", "{a: [", "x = [1,"])
         elif r < 0.7:
             at = rng.randrange(len(raw))
-            raw = raw[:at] + rng.choice(["\"\"\"", "]]", "\t:\t", "= =", "{{", "\x00", "&a *b", "!!python/object:os.system ''"]) + raw[at:]
+            raw = (
+                raw[:at]
+                + rng.choice(['"""', "]]", "\t:\t", "= =", "{{", "\x00", "&a *b", "!!python/object:os.system ''"])
+                + raw[at:]
+            )
         else:
-            raw = rng.choice(["[model\nvocab_size = 1\n", "model = {vocab_size = }\n", "= 3\n", "model:\n vocab_size: [1,\n", "\x00\x01\x02", "!!python/object/apply:os.system ['true']\n"])
+            raw = rng.choice(
+                [
+                    "[model\nvocab_size = 1\n",
+                    "model = {vocab_size = }\n",
+                    "= 3\n",
+                    "model:\n vocab_size: [1,\n",
+                    "\x00\x01\x02",
+                    "!!python/object/apply:os.system ['true']\n",
+                ]
+            )
         return raw, "", "syntax"
     text = to_toml(data, dup) if fmt == "toml" else to_yaml(data, dup)
     return text, dotted(path), what
-
 
 
 def classify(exc: BaseException | None, family: str, path: str, src: str) -> tuple[str, str]:
@@ -349,7 +403,9 @@ def check_pairs(registry: Any) -> list[str]:
     """Each PAIRS entry: a warning exactly when the pair can never hand over its proposal."""
     wrong = []
     for enc, syn, warned in PAIRS:
-        cfg = load_config(json.dumps({"model": {"vocab_size": 2048}, "encoder": {"name": enc}, "synthesizer": {"name": syn}}))
+        cfg = load_config(
+            json.dumps({"model": {"vocab_size": 2048}, "encoder": {"name": enc}, "synthesizer": {"name": syn}})
+        )
         findings = preflight(cfg, resolve_plugins(cfg, registry), registry)
         got = any(f.level == "warning" and f.path == "synthesizer" for f in findings)
         if got != warned:
@@ -374,10 +430,10 @@ def main() -> int:
             bases.append((f.name, yaml.safe_load(f.read_text()) or {}))
     # Negative control: every shipped config is accepted as it is (else the fuzz proves nothing).
     broken_bases = []
-    for name, data in bases:
+    for name, _data in bases:
         try:
             resolve_plugins(load_config(C.ROOT / "configs" / name), registry)
-        except Exception as exc:  # noqa: BLE001 - reported, not raised
+        except Exception as exc:
             broken_bases.append(f"{name}: {exc}")
     imported_before = set(sys.modules)
     verdicts: Counter[str] = Counter()
@@ -405,7 +461,7 @@ def main() -> int:
                     exc = ConfigError(hit[0].message, path=path) if hit else None
                 else:
                     resolve_plugins(load_config(text if family == "inline_json" else src), registry, source=src)
-            except Exception as e:  # noqa: BLE001 - classified below
+            except Exception as e:
                 exc = e
             verdict, got = classify(exc, family, path, src)
             tried += 1
@@ -448,7 +504,11 @@ def main() -> int:
     }
     C.emit(result)
     bad = (
-        verdicts["accepted_silently"] + verdicts["crash"] + verdicts["no_path"] + len(broken_bases) + len(imported)
+        verdicts["accepted_silently"]
+        + verdicts["crash"]
+        + verdicts["no_path"]
+        + len(broken_bases)
+        + len(imported)
         + len(pair_errors)
     )
     return 0 if bad == 0 and tried >= min(args.cases, 1000) else 1

@@ -41,7 +41,7 @@ from collections import Counter
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_env()
 
@@ -260,7 +260,13 @@ def prefill_sigkill(env: dict) -> dict:
         for i in range(m):
             col.send(survivor, payload(f"survivor-{i}"))
         col.until(lambda: sum(r.startswith("victim-") for r in col.out) >= n and col.count("survivor-", "D") >= m, 30)
-        fails = [t for rid, outs in col.out.items() if rid.startswith("victim-") for t, o in outs[:1] if not hasattr(o, "payload")]
+        fails = [
+            t
+            for rid, outs in col.out.items()
+            if rid.startswith("victim-")
+            for t, o in outs[:1]
+            if not hasattr(o, "payload")
+        ]
         survivor.flush(5.0)
         free_back = rx.free_slots
         survivor.close()
@@ -279,8 +285,12 @@ def prefill_sigkill(env: dict) -> dict:
         "duplicates": dups,
         "recovery_s": round(max(fails) - t_kill, 3) if fails else None,
         "slots_back_in_pool": free_back == 64 - 16,
-        "ok": vf > 0 and set(col.reasons("victim-")) == {"transfer:peer_lost"} and vd + vf == n
-        and col.count("survivor-", "D") == m and dups == 0 and free_back == 64 - 16,
+        "ok": vf > 0
+        and set(col.reasons("victim-")) == {"transfer:peer_lost"}
+        and vd + vf == n
+        and col.count("survivor-", "D") == m
+        and dups == 0
+        and free_back == 64 - 16,
     }
 
 
@@ -303,7 +313,11 @@ def prefill_sigstop(env: dict) -> dict:
         for i in range(m):  # served while the other prefill is frozen
             col.send(other, payload(f"other-{i}"))
         col.until(lambda: sum(r.startswith("frozen-") for r in col.out) >= n, 30)
-        fail_times = [outs[0][0] for rid, outs in col.out.items() if rid.startswith("frozen-") and not isinstance(outs[0][1], Delivery)]
+        fail_times = [
+            outs[0][0]
+            for rid, outs in col.out.items()
+            if rid.startswith("frozen-") and not isinstance(outs[0][1], Delivery)
+        ]
         col.until(lambda: col.count("other-", "D") >= m, 15)
         for j in range(after):
             rx.expect(f"frozen-after-{j}", peer="frozen", deadline=time.monotonic() + 60)
@@ -311,8 +325,15 @@ def prefill_sigstop(env: dict) -> dict:
         t_cont = time.monotonic()
         _, err = victim.wait_for("ERROR", 30)
         victim.wait_for("RECONNECTED", 30)
-        col.until(lambda: sum(isinstance(o[0][1], Delivery) for r, o in col.out.items() if r.startswith("frozen-after")) >= after, 30)
-        after_times = [o[0][0] for r, o in col.out.items() if r.startswith("frozen-after") and isinstance(o[0][1], Delivery)]
+        col.until(
+            lambda: (
+                sum(isinstance(o[0][1], Delivery) for r, o in col.out.items() if r.startswith("frozen-after")) >= after
+            ),
+            30,
+        )
+        after_times = [
+            o[0][0] for r, o in col.out.items() if r.startswith("frozen-after") and isinstance(o[0][1], Delivery)
+        ]
         rep = victim.report(30)
         other.flush(5.0)
         other.close()
@@ -335,8 +356,11 @@ def prefill_sigstop(env: dict) -> dict:
         "late_messages_rejected": late,
         "sender_statuses": {k: rep.get(k) for k in ("sent", "delivered", "failed", "failed_by_reason", "outstanding")},
         "lost": n - fd - ff,
-        "ok": ff > 0 and set(col.reasons("frozen-")) <= {"transfer:peer_lost", "wire:peer"} and fd + ff == n
-        and col.count("other-", "D") == m and after_ok == after,
+        "ok": ff > 0
+        and set(col.reasons("frozen-")) <= {"transfer:peer_lost", "wire:peer"}
+        and fd + ff == n
+        and col.count("other-", "D") == m
+        and after_ok == after,
     }
 
 
@@ -413,10 +437,13 @@ def decode_restart(env: dict, bulk: bool = True) -> dict:
         "lost": lost,
         "new_decode_ready_after_s": round(b_ready - t_kill, 3) if b_ready else None,
         "recovery_s": round(t_back - t_kill, 3) if t_back else None,
-        "ok": bool(errors) and lost == 0 and st["outstanding"] == 0
+        "ok": bool(errors)
+        and lost == 0
+        and st["outstanding"] == 0
         # transfer:write: a pipelined write to the dead decode that failed after send returned
         and set(st["failed_by_reason"]) <= {"transfer:decode_lost", "transfer:write"}
-        and st["delivered"] + st["failed"] == n and len(b_rids) > 0,
+        and st["delivered"] + st["failed"] == n
+        and len(b_rids) > 0,
     }
 
 
@@ -515,8 +542,12 @@ def mooncake_vanished(env: dict) -> dict:
         "lost": st["sent"] - st["delivered"] - st["failed"] - st["outstanding"],
         "recovery_s": None,
         "affected_reasons": st["failed_by_reason"],
-        "ok": err is not None and err.op in ("transfer_submit_write", "transfer_check_status", "send_probe")
-        and err.code is not None and bool(err.peer) and took < 2.0 and before == 10
+        "ok": err is not None
+        and err.op in ("transfer_submit_write", "transfer_check_status", "send_probe")
+        and err.code is not None
+        and bool(err.peer)
+        and took < 2.0
+        and before == 10
         and set(st["failed_by_reason"]) <= {"transfer:write"},
     }
 
@@ -559,7 +590,7 @@ def main() -> int:
         t0 = time.monotonic()
         try:
             results[name] = SCENARIOS[name](env)
-        except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, reported as such
+        except Exception as exc:
             results[name] = {"ok": False, "crash": f"{type(exc).__name__}: {exc}"}
         results[name]["seconds"] = round(time.monotonic() - t0, 1)
         print(f"# {name}: {json.dumps(results[name])}", flush=True)

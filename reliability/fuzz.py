@@ -46,26 +46,44 @@ from collections import Counter
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_env()
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
+import msgspec
+import zmq
 
-from pd_middleware import WireError  # noqa: E402
-from pd_middleware.pipeline import Delivery, Failure  # noqa: E402
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, SlotsConfig, TransportConfig, integrity, wire  # noqa: E402
+from pd_middleware import WireError
+from pd_middleware.pipeline import Delivery, Failure
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, SlotsConfig, TransportConfig, integrity, wire
 
 FAMILIES = (
-    "field", "missing", "unknown", "truncate", "bytes", "swap", "huge", "version",
-    "prob", "range", "dup", "frames", "peer", "valid",
+    "field",
+    "missing",
+    "unknown",
+    "truncate",
+    "bytes",
+    "swap",
+    "huge",
+    "version",
+    "prob",
+    "range",
+    "dup",
+    "frames",
+    "peer",
+    "valid",
 )
 KINDS = ("none", "dense", "dense16", "sparse", "sparse_floor")
 V = C.VOCAB
 MAX_TENSOR = 1 << 20
 HUGE = b"HUGEMARK"
-HUGE_HEADERS = (b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdc\xff\xff")
+HUGE_HEADERS = (
+    b"\xdd\xff\xff\xff\xff",
+    b"\xdb\xff\xff\xff\xff",
+    b"\xc6\xff\xff\xff\xff",
+    b"\xdf\xff\xff\xff\xff",
+    b"\xdc\xff\xff",
+)
 
 
 def config() -> TransportConfig:
@@ -85,12 +103,12 @@ def _leaves(node: Any, path: tuple = ()) -> list[tuple]:
     out = []
     if isinstance(node, dict):
         for k, v in node.items():
-            out.append(path + (k,))
-            out += _leaves(v, path + (k,))
+            out.append((*path, k))
+            out += _leaves(v, (*path, k))
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            out.append(path + (i,))
-            out += _leaves(v, path + (i,))
+            out.append((*path, i))
+            out += _leaves(v, (*path, i))
     return out
 
 
@@ -182,7 +200,11 @@ class Fuzzer:
         self.n += 1
         if control_ok and self.rng.random() < 0.1:  # hello / ping / bye as the base message
             msg = self.rng.choice(
-                [wire.Hello(name=f"side-{self.n}", want_slots=2, mooncake=None), wire.Heartbeat(), wire.Bye(reason="fuzz")]
+                [
+                    wire.Hello(name=f"side-{self.n}", want_slots=2, mooncake=None),
+                    wire.Heartbeat(),
+                    wire.Bye(reason="fuzz"),
+                ]
             )
             return msgspec.msgpack.decode(wire.encode(msg)), [], -1
         kind, steps = self.rng.choice(self.corpus)
@@ -227,7 +249,9 @@ class Fuzzer:
             del _get(raw, path[:-1])[path[-1]]
         elif family == "unknown":
             dicts = [()] + [p for p in _leaves(raw) if isinstance(_get(raw, p), dict)]
-            _get(raw, rng.choice(dicts))[rng.choice(["extra", "Kind", "v2", "__class__", "x" * 40])] = rng.choice([1, "x", None, [1]])
+            _get(raw, rng.choice(dicts))[rng.choice(["extra", "Kind", "v2", "__class__", "x" * 40])] = rng.choice(
+                [1, "x", None, [1]]
+            )
         elif family == "truncate":
             enc = msgspec.msgpack.encode(raw)
             if parts and rng.random() < 0.5:
@@ -243,7 +267,9 @@ class Fuzzer:
         elif family == "swap":
             r = rng.random()
             if r < 0.4:
-                header = msgspec.msgpack.encode(rng.choice([[1, 2, 3], 7, "payload", None, 1.5, b"\x00" * 8, [raw], True]))
+                header = msgspec.msgpack.encode(
+                    rng.choice([[1, 2, 3], 7, "payload", None, 1.5, b"\x00" * 8, [raw], True])
+                )
             elif r < 0.8:
                 raw["kind"] = rng.choice(["grant", "ack", "error", "ping", "bye", "hello", "Payload", "", 1, None])
             else:
@@ -307,7 +333,9 @@ class Fuzzer:
                 else:
                     i = self.tensor_index(raw, "values")
                     at = rng.randrange(len(parts[i]) // 4) * 4
-                    parts[i][at : at + 4] = struct.pack("<f", bad) if abs(bad) < 3e38 or bad != bad else struct.pack("<f", float("inf"))
+                    parts[i][at : at + 4] = (
+                        struct.pack("<f", bad) if abs(bad) < 3e38 or bad != bad else struct.pack("<f", float("inf"))
+                    )
             else:
                 raw["draft_probs"] = [bad] * len(raw["draft_probs"])
         elif family == "range":
@@ -331,7 +359,7 @@ class Fuzzer:
             if r < 0.3:
                 parts = parts + [bytearray(b"x")] * (self.limits.max_frames + rng.randint(0, 3))
             elif r < 0.6:
-                parts = parts + [bytearray(rng.randrange(64))]
+                parts = [*parts, bytearray(rng.randrange(64))]
             elif r < 0.8 and parts:
                 parts = parts[:-1]
             else:
@@ -397,7 +425,11 @@ def main() -> int:
             items = rx.drain() or [x for x in [rx.get(timeout=0.05)] if x is not None]
             for o in items:
                 got += 1
-                fam = by_family[fz.family_of.get(o.request_id, "unattributed")] if o.request_id else by_family["unattributed"]
+                fam = (
+                    by_family[fz.family_of.get(o.request_id, "unattributed")]
+                    if o.request_id
+                    else by_family["unattributed"]
+                )
                 fam["accepted" if isinstance(o, Delivery) else "rejected"] += 1
                 if isinstance(o, Delivery):
                     bad = C.check_delivery(o, V)
@@ -490,16 +522,26 @@ def main() -> int:
     if alive:
         tx_engine = MooncakeEngine.open()
         tx = PrefillSender(config(), engine=tx_engine, context=ctx, name="clean").connect(rx.address)
-        want = {"final-inline": C.make_payload("final-inline", "dense", 1), "final-bulk": C.make_payload("final-bulk", "sparse", 2)}
+        want = {
+            "final-inline": C.make_payload("final-inline", "dense", 1),
+            "final-bulk": C.make_payload("final-bulk", "sparse", 2),
+        }
         tx.send(want["final-inline"])
-        big = PrefillSender(TransportConfig(**{**_cfg_dict(), "inline_threshold_bytes": 0}), engine=tx_engine, context=ctx, name="clean-bulk").connect(rx.address)
+        big = PrefillSender(
+            TransportConfig(**{**_cfg_dict(), "inline_threshold_bytes": 0}),
+            engine=tx_engine,
+            context=ctx,
+            name="clean-bulk",
+        ).connect(rx.address)
         big.send(want["final-bulk"])
         seen = {}
         deadline = time.monotonic() + 10
         while len(seen) < 2 and time.monotonic() < deadline:
             o = rx.get(timeout=0.2)
             if isinstance(o, Delivery) and o.request_id in want:
-                seen[o.request_id] = C.check_delivery(o, V) is None and bytes(o.payload.hidden) == bytes(want[o.request_id].hidden)
+                seen[o.request_id] = C.check_delivery(o, V) is None and bytes(o.payload.hidden) == bytes(
+                    want[o.request_id].hidden
+                )
                 o.release()
         final_ok = len(seen) == 2 and all(seen.values())
         tx.close()

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.setup_env()
 
@@ -79,7 +79,9 @@ def child(address: str, name: str, count: int, bulk: bool, deadline_s: float, wi
     send_s = time.monotonic() - t0
     flushed = tx.flush(60.0)
     st = tx.statuses()
-    print(json.dumps({"name": name, "flushed": flushed, "send_s": send_s, "send_errors": dict(errors), **st}), flush=True)
+    print(
+        json.dumps({"name": name, "flushed": flushed, "send_s": send_s, "send_errors": dict(errors), **st}), flush=True
+    )
     tx.close()
     os._exit(0)  # skip engine teardown: nothing left to flush
 
@@ -113,7 +115,19 @@ def main() -> int:
     for k, name in enumerate(names):
         mode = "bulk" if k < args.bulk_procs else "inline"
         procs[name] = subprocess.Popen(
-            [sys.executable, __file__, "--budget-s", str(send_deadline), "--window", str(args.window), "--child", rx.address, name, str(args.per_proc), mode],
+            [
+                sys.executable,
+                __file__,
+                "--budget-s",
+                str(send_deadline),
+                "--window",
+                str(args.window),
+                "--child",
+                rx.address,
+                name,
+                str(args.per_proc),
+                mode,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

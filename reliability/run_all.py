@@ -33,7 +33,15 @@ SCRIPTS: dict[str, tuple[list[str], list[str], float]] = {
 
 # Figures shown in the table, per script.
 SHOWN = {
-    "fuzz": ["tried", "rejected_with_field", "accepted", "control_accepted", "dropped_by_libzmq", "receiver_alive", "msgs_per_s"],
+    "fuzz": [
+        "tried",
+        "rejected_with_field",
+        "accepted",
+        "control_accepted",
+        "dropped_by_libzmq",
+        "receiver_alive",
+        "msgs_per_s",
+    ],
     "load": ["sent", "delivered", "failed", "lost", "throughput_per_s", "latency_ms_p50", "latency_ms_p99"],
     "faults": ["failed_scenarios"],
     "config_fuzz": ["tried", "rejected_with_path", "accepted_silently"],
@@ -50,7 +58,11 @@ def run(name: str, quick: bool) -> dict[str, Any]:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return {"_status": f"TIMEOUT after {timeout:g} s", "_seconds": round(time.monotonic() - t0, 1), "_tail": out[-500:]}
+        return {
+            "_status": f"TIMEOUT after {timeout:g} s",
+            "_seconds": round(time.monotonic() - t0, 1),
+            "_tail": out[-500:],
+        }
     elapsed = round(time.monotonic() - t0, 1)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     try:
@@ -58,7 +70,11 @@ def run(name: str, quick: bool) -> dict[str, Any]:
     except json.JSONDecodeError:
         result = None
     if not isinstance(result, dict):
-        return {"_status": f"CRASH (exit {proc.returncode}, no JSON line)", "_seconds": elapsed, "_tail": (proc.stdout + proc.stderr)[-800:]}
+        return {
+            "_status": f"CRASH (exit {proc.returncode}, no JSON line)",
+            "_seconds": elapsed,
+            "_tail": (proc.stdout + proc.stderr)[-800:],
+        }
     result["_status"] = "ok" if proc.returncode == 0 else f"FAIL (exit {proc.returncode})"
     result["_seconds"] = elapsed
     return result
@@ -89,7 +105,10 @@ def main() -> int:
         if r["_status"] != "ok" or bad:
             failed = True
         shown = ", ".join(f"{k}={r[k]}" for k in SHOWN[name] if k in r)
-        print(f"   {r['_status']} in {r['_seconds']} s; {shown}" + (f"; MUST BE ZERO: {', '.join(bad)}" if bad else ""), flush=True)
+        print(
+            f"   {r['_status']} in {r['_seconds']} s; {shown}" + (f"; MUST BE ZERO: {', '.join(bad)}" if bad else ""),
+            flush=True,
+        )
         if "_tail" in r:
             print("   " + r["_tail"].replace("\n", "\n   "), flush=True)
     print()
@@ -99,16 +118,22 @@ def main() -> int:
         print(f"{name:<12} {r['_status']:<22} {r['_seconds']:>8}  {must}")
     if "faults" in results and isinstance(results["faults"].get("scenarios"), dict):
         print()
-        print(f"{'fault':<20} {'ok':<5} {'affected failed':>15} {'unaffected delivered':>21} {'lost':>5} {'recovery s':>11}")
+        print(
+            f"{'fault':<20} {'ok':<5} {'affected failed':>15} {'unaffected delivered':>21} {'lost':>5} {'recovery s':>11}"
+        )
         for n, s in results["faults"]["scenarios"].items():
             una = s.get("unaffected_delivered", s.get("unaffected_delivered_during_freeze"))
-            print(f"{n:<20} {str(s.get('ok')):<5} {str(s.get('affected_failed_with_reason')):>15} {str(una):>21} {str(s.get('lost')):>5} {str(s.get('recovery_s')):>11}")
+            print(
+                f"{n:<20} {s.get('ok')!s:<5} {s.get('affected_failed_with_reason')!s:>15} {una!s:>21} {s.get('lost')!s:>5} {s.get('recovery_s')!s:>11}"
+            )
     if "attacks" in results and isinstance(results["attacks"].get("cases"), dict):
         print()
         print(f"{'attack':<16} {'attacks':>8} {'crashes':>8} {'hangs':>6} {'lost':>5} {'wrong':>6}  figures")
         for n, c in results["attacks"]["cases"].items():
             figs = ", ".join(f"{k}={c[k]}" for k in ("rss_growth_mb", "bound_mb", "handshakes_accepted") if k in c)
-            print(f"{n:<16} {c.get('attacks', '-'):>8} {c.get('crashes'):>8} {c.get('hangs'):>6} {c.get('lost'):>5} {c.get('wrong'):>6}  {figs}")
+            print(
+                f"{n:<16} {c.get('attacks', '-'):>8} {c.get('crashes'):>8} {c.get('hangs'):>6} {c.get('lost'):>5} {c.get('wrong'):>6}  {figs}"
+            )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -10,7 +10,7 @@ from pd_middleware import PluginSpec
 class SeeArm:
     """Records the arm each payload had when this hook ran."""
 
-    latest: ClassVar["SeeArm | None"] = None
+    latest: ClassVar[SeeArm | None] = None
 
     def __init__(self, options: object, context: object) -> None:
         self.seen: list[str] = []

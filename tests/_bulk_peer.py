@@ -24,7 +24,13 @@ class RawPrefill:
     """``engine``: an open Mooncake engine to write with (None: header-only peer)."""
 
     def __init__(
-        self, ctx: zmq.Context, address: str, engine: MooncakeEngine | None, name: str, want: int = 4, key: bytes | None = None
+        self,
+        ctx: zmq.Context,
+        address: str,
+        engine: MooncakeEngine | None,
+        name: str,
+        want: int = 4,
+        key: bytes | None = None,
     ) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -205,7 +205,9 @@ class RankProcess:
         cmd, self._pending = self._pending, None
         if not self._conn.poll(timeout):
             self._broken = f"{cmd} timed out"
-            raise TimeoutError(f"{self.name}: {cmd} gave no answer within {timeout} s (exit code {self._proc.exitcode})")
+            raise TimeoutError(
+                f"{self.name}: {cmd} gave no answer within {timeout} s (exit code {self._proc.exitcode})"
+            )
         try:
             status, value = self._conn.recv()
         except EOFError:
@@ -231,7 +233,13 @@ class RankProcess:
         self._conn.close()
 
 
-def gather(ranks: list[RankProcess], cmd: str, per_rank: list[dict] | None = None, ipc_timeout: float = CALL_TIMEOUT_S, **kw: Any) -> list:
+def gather(
+    ranks: list[RankProcess],
+    cmd: str,
+    per_rank: list[dict] | None = None,
+    ipc_timeout: float = CALL_TIMEOUT_S,
+    **kw: Any,
+) -> list:
     """Run ``cmd`` on all ``ranks`` at once (``per_rank[i]`` adds rank i's own arguments).
 
     Every rank's answer is collected (within one shared deadline) before the first error
@@ -288,7 +296,6 @@ def _child_main(conn, role: str, name: str, gloo, env: dict) -> None:
     state.close()
 
 
-
 def start(specs: list[tuple[str, str, tuple | None]], timeout: float = 120.0) -> list[RankProcess]:
     """Start rank processes ``(name, role, gloo)`` together and wait until all imported SGLang.
 
@@ -324,7 +331,12 @@ class Deployment:
     def __init__(self, start_timeout: float = 180.0):
         gp = free_port()
         self.ranks = start(
-            [("P0", "prefill", None), ("P1", "prefill", None), ("D0", "decode", (gp, 0, 2)), ("D1", "decode", (gp, 1, 2))],
+            [
+                ("P0", "prefill", None),
+                ("P1", "prefill", None),
+                ("D0", "decode", (gp, 0, 2)),
+                ("D1", "decode", (gp, 1, 2)),
+            ],
             timeout=start_timeout,
         )
         self.P, self.D = self.ranks[:2], self.ranks[2:]
@@ -339,25 +351,49 @@ class Deployment:
         key = (msgspec.json.encode(prefill, order="sorted"), msgspec.json.encode(decode, order="sorted"), vocab)
         if key == self._installed:
             return []
-        out = gather(self.P, "install", config=prefill, vocab=vocab) + gather(self.D, "install", config=decode, vocab=vocab)
+        out = gather(self.P, "install", config=prefill, vocab=vocab) + gather(
+            self.D, "install", config=decode, vocab=vocab
+        )
         self._installed = key
         return out
 
-    def configure(self, prefill_tp: int, decode_tp: int, shape: Shape | None = None, *, prefill_args: dict | None = None, decode_args: dict | None = None) -> dict:
+    def configure(
+        self,
+        prefill_tp: int,
+        decode_tp: int,
+        shape: Shape | None = None,
+        *,
+        prefill_args: dict | None = None,
+        decode_args: dict | None = None,
+    ) -> dict:
         """Rebuild the ranks as prefill TP ``prefill_tp`` -> decode TP ``decode_tp`` (1 or 2)."""
         self.shape = shape or Shape()
         self.prefill, self.decode = self.P[:prefill_tp], self.D[:decode_tp]
         port = free_port()
         common = dict(bootstrap_port=port, shape=msgspec.structs.asdict(self.shape))
-        info = {"P0": self.P[0].call("configure", tp_size=prefill_tp, tp_rank=0, serve_bootstrap=True, server_args=prefill_args, **common)}
+        info = {
+            "P0": self.P[0].call(
+                "configure", tp_size=prefill_tp, tp_rank=0, serve_bootstrap=True, server_args=prefill_args, **common
+            )
+        }
         for r, p in enumerate(self.prefill[1:], 1):
             info[p.name] = p.call("configure", tp_size=prefill_tp, tp_rank=r, server_args=prefill_args, **common)
         per = [{"tp_rank": r} for r in range(decode_tp)]
-        for p, got in zip(self.decode, gather(self.decode, "configure", per, tp_size=decode_tp, server_args=decode_args, **common)):
+        for p, got in zip(
+            self.decode, gather(self.decode, "configure", per, tp_size=decode_tp, server_args=decode_args, **common)
+        ):
             info[p.name] = got
         return info
 
-    def transfer(self, room: int, *, n_pages: int = 3, first: dict | list[dict], send_kw: dict | None = None, wait_kw: dict | None = None) -> dict:
+    def transfer(
+        self,
+        room: int,
+        *,
+        n_pages: int = 3,
+        first: dict | list[dict],
+        send_kw: dict | None = None,
+        wait_kw: dict | None = None,
+    ) -> dict:
         """One request through SGLang's PD path: open on the prefill ranks, receivers and
         destinations from the decode ranks, ``set_buf`` and KV send on the prefill ranks,
         then the gated poll and commit on the decode ranks.
@@ -369,7 +405,9 @@ class Deployment:
         t0 = time.perf_counter()
         gather(self.prefill, "open", room=room)
         opened = gather(self.decode, "recv_open", room=room, n_pages=n_pages)
-        sent = gather(self.prefill, "send", [{"first": f} for f in firsts], room=room, n_pages=n_pages, **(send_kw or {}))
+        sent = gather(
+            self.prefill, "send", [{"first": f} for f in firsts], room=room, n_pages=n_pages, **(send_kw or {})
+        )
         got = gather(self.decode, "recv_wait", room=room, **(wait_kw or {}))
         return {"prefill": sent, "decode": got, "opened": opened, "seconds": time.perf_counter() - t0}
 

@@ -22,11 +22,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
-from pd_middleware.config import parse_config
-from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang_prefill import _publish_batch
-from pd_middleware.integrations.sglang_startup import EngineFacts
 from sglang.srt.disaggregation import decode as sglang_decode
 from sglang.srt.disaggregation import prefill as sglang_prefill
 from sglang.srt.disaggregation import utils as sglang_utils
@@ -34,10 +29,20 @@ from sglang.srt.disaggregation.mooncake import conn as sglang_mooncake
 from sglang.srt.runtime_context import get_context
 from sglang.srt.speculative import eagle_disaggregation as ed
 
+from pd_middleware.config import parse_config
+from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations.sglang_prefill import _publish_batch
+from pd_middleware.integrations.sglang_startup import EngineFacts
+
 #: Every module the drop-in patches except the scheduler's (no scheduler runs here, and
 #: its module needs packages this tier leaves out); activation comes from the facts.
 MODULES = S.SGLangModules(
-    builder=ed, prefill=sglang_prefill, utils=sglang_utils, transfer=sglang_decode, mooncake=sglang_mooncake, only_given=True
+    builder=ed,
+    prefill=sglang_prefill,
+    utils=sglang_utils,
+    transfer=sglang_decode,
+    mooncake=sglang_mooncake,
+    only_given=True,
 )
 
 
@@ -56,7 +61,9 @@ def install(rank: Any, config: dict | None, vocab: int) -> dict:
     rank.vocab = vocab
     if config is None:
         return {"installed": False}
-    facts = EngineFacts(role=rank.role, vocab_size=vocab, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    facts = EngineFacts(
+        role=rank.role, vocab_size=vocab, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True
+    )
     inst = S.install(parse_config(config), S.InstallOptions(facts=facts, modules=MODULES))
     if rank.role == "prefill":
         rank.prepare_req = lambda req, first: _encode(inst, req, first, vocab)
@@ -68,7 +75,9 @@ def install(rank: Any, config: dict | None, vocab: int) -> dict:
 def _encode(inst: Any, req: Any, first: dict, vocab: int) -> None:
     q = draft_q(first["q_seed"], vocab)
     x = int(q.argmax())  # SGLang's own draw before the drop-in replaces it
-    draft_input = SimpleNamespace(topk_index=torch.tensor([[x]]), topk_p=torch.tensor([[float(q[0, x])]]), draft_probs=q)
+    draft_input = SimpleNamespace(
+        topk_index=torch.tensor([[x]]), topk_p=torch.tensor([[float(q[0, x])]]), draft_probs=q
+    )
     _publish_batch(inst.publisher, SimpleNamespace(reqs=[req], sampling_info=None), draft_input, q)
     # What SGLang's process_batch_result_disagg_prefill does next for a finished request.
     req.output_topk_p = draft_input.topk_p[0]
@@ -116,5 +125,8 @@ def build(rank: Any, rooms: list[int]) -> dict:
 
 def counters() -> dict:
     inst = S.current()
-    return {} if inst is None else {k: dict(v) if isinstance(v, dict) else v for k, v in inst.counters().items() if k != "metrics"}
-
+    return (
+        {}
+        if inst is None
+        else {k: dict(v) if isinstance(v, dict) else v for k, v in inst.counters().items() if k != "metrics"}
+    )

@@ -14,13 +14,12 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import _sglang_pd
 import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 import zmq
-
-import _sglang_pd
 from _sglang_pd import KV_DTYPE, Shape, kv_pattern
 
 _sglang_pd.install_torchvision_stand_in()  # before the first SGLang import
@@ -72,7 +71,11 @@ class Rank:
         if gloo is not None:
             port, rank, world = gloo
             dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=60),
             )
             # One group per decode TP width: {1: this rank alone, world: every decode rank}.
             singles = [dist.new_group([r], backend="gloo") for r in range(world)]
@@ -86,7 +89,16 @@ class Rank:
 
     # ----------------------------------------------------------------- topology
 
-    def cmd_configure(self, *, tp_size: int, tp_rank: int, bootstrap_port: int, shape: dict, serve_bootstrap: bool = False, server_args: dict | None = None) -> dict:
+    def cmd_configure(
+        self,
+        *,
+        tp_size: int,
+        tp_rank: int,
+        bootstrap_port: int,
+        shape: dict,
+        serve_bootstrap: bool = False,
+        server_args: dict | None = None,
+    ) -> dict:
         """Build this rank for a topology: runtime context, engine, pools, metadata, manager."""
         shape = Shape(**shape)
         if self.mgr is not None:
@@ -96,7 +108,9 @@ class Rank:
             # registrations back before the new one takes them.
             self.mgr.deregister_buffer_to_engine()
             self.retired.append(self.mgr)
-            assert msgspec.structs.replace(shape, mla=False) == msgspec.structs.replace(self.shape, mla=False), "only Shape.mla may change between topologies"
+            assert msgspec.structs.replace(shape, mla=False) == msgspec.structs.replace(self.shape, mla=False), (
+                "only Shape.mla may change between topologies"
+            )
         self.senders.clear()
         self.pending.clear()
         self.shape = s = shape
@@ -126,7 +140,9 @@ class Rank:
             self.fresh_engine = False
         if not hasattr(self, "arena"):
             # 2 x layers flat buffers, each big enough for every head (TP 1, MHA).
-            self.arena = [torch.zeros(s.pages * s.page_size * s.heads * s.head_dim, dtype=KV_DTYPE) for _ in range(2 * s.layers)]
+            self.arena = [
+                torch.zeros(s.pages * s.page_size * s.heads * s.head_dim, dtype=KV_DTYPE) for _ in range(2 * s.layers)
+            ]
             self.meta = self.make_metadata(s)
         maybe_init_shared_mooncake_transfer_engine(gpu_id=0)  # a no-op while one exists
         self.meta.bootstrap_room.zero_()
@@ -134,7 +150,10 @@ class Rank:
         # K then V per layer (MHA), or one latent buffer per layer (MLA, which then has
         # 2 x layers layers, so both register the same regions); one item = one page.
         n_bufs = 2 * s.layers
-        self.kv = [a[: s.pages * s.page_size * heads * s.head_dim].view(s.pages * s.page_size, heads, s.head_dim) for a in self.arena[:n_bufs]]
+        self.kv = [
+            a[: s.pages * s.page_size * heads * s.head_dim].view(s.pages * s.page_size, heads, s.head_dim)
+            for a in self.arena[:n_bufs]
+        ]
         self.heads = heads
         self.meta_alloc = ReqToMetadataIdxAllocator(s.aux_rows)
         self.free_pages = list(range(1, s.pages))  # page 0 stays unused, like SGLang's padding slot
@@ -167,7 +186,11 @@ class Rank:
         args.mla_compression_ratios = None
         self.mgr = MooncakeKVManager(args, self.mode, sa, is_mla_backend=s.mla)
         self.queue = self._transfer_queue()
-        return {"rank_port": self.mgr.rank_port, "aux_item_lens": list(args.aux_item_lens), "session": self.mgr.get_session_id()}
+        return {
+            "rank_port": self.mgr.rank_port,
+            "aux_item_lens": list(args.aux_item_lens),
+            "session": self.mgr.get_session_id(),
+        }
 
     def make_metadata(self, s: Shape) -> MetadataBuffers:
         """SGLang's real MetadataBuffers (patched by the drop-in when it is installed)."""
@@ -213,7 +236,11 @@ class Rank:
         status = _wait(sender.poll, (KVPoll.WaitingForInput, KVPoll.Failed), timeout)
         t1 = time.perf_counter()
         targets = [
-            {"endpoint": f"{i.endpoint}:{i.dst_port}", "dummy": bool(i.is_dummy), "aux_index": None if i.is_dummy else int(i.dst_aux_index)}
+            {
+                "endpoint": f"{i.endpoint}:{i.dst_port}",
+                "dummy": bool(i.is_dummy),
+                "aux_index": None if i.is_dummy else int(i.dst_aux_index),
+            }
             for i in self.mgr.transfer_infos.get(room, {}).values()
         ]
         if status != KVPoll.WaitingForInput:
@@ -284,13 +311,21 @@ class Rank:
         self.kv_zero(pages)
         receiver.send_metadata(pages, dreq.metadata_buffer_index, None)
         self.pending[room] = dreq
-        return {"aux_index": dreq.metadata_buffer_index, "pages": pages.tolist(), "is_dummy": [bool(i["is_dummy"]) for i in receiver.bootstrap_infos or []]}
+        return {
+            "aux_index": dreq.metadata_buffer_index,
+            "pages": pages.tolist(),
+            "is_dummy": [bool(i["is_dummy"]) for i in receiver.bootstrap_infos or []],
+        }
 
     def kv_zero(self, pages: np.ndarray) -> None:
         for buf in self.kv:
-            buf.view(self.shape.pages, self.shape.page_size, self.heads, self.shape.head_dim)[torch.as_tensor(pages, dtype=torch.long)] = 0
+            buf.view(self.shape.pages, self.shape.page_size, self.heads, self.shape.head_dim)[
+                torch.as_tensor(pages, dtype=torch.long)
+            ] = 0
 
-    def cmd_recv_wait(self, *, room: int, timeout: float = 20.0, before_commit: str | None = None, hook_kw: dict | None = None) -> dict:
+    def cmd_recv_wait(
+        self, *, room: int, timeout: float = 20.0, before_commit: str | None = None, hook_kw: dict | None = None
+    ) -> dict:
         """Decode: poll through SGLang's metadata gate (all-reduced over the decode TP group),
         then commit with the real ``_commit_transfer_to_req``. Returns what the request got."""
         dreq = self.pending.pop(room)
@@ -301,7 +336,9 @@ class Rank:
             # Every decode rank runs this loop the same number of times: the all-reduce
             # (MIN) hands all of them the same value, so none leaves early.
             expired = int(time.monotonic() > deadline)
-            (poll,) = poll_and_all_reduce([dreq.kv_receiver], self.queue.gloo_group, decode_reqs=[dreq], metadata_buffers=self.meta)
+            (poll,) = poll_and_all_reduce(
+                [dreq.kv_receiver], self.queue.gloo_group, decode_reqs=[dreq], metadata_buffers=self.meta
+            )
             polls += 1
             if poll in (KVPoll.Success, KVPoll.Failed) or _any_rank(expired, self.queue.gloo_group):
                 break
@@ -337,7 +374,10 @@ class Rank:
 
     def read_kv(self, pages: np.ndarray) -> list:
         s = self.shape
-        return [buf.view(s.pages, s.page_size, self.heads, s.head_dim)[torch.as_tensor(pages, dtype=torch.long)].clone() for buf in self.kv]
+        return [
+            buf.view(s.pages, s.page_size, self.heads, s.head_dim)[torch.as_tensor(pages, dtype=torch.long)].clone()
+            for buf in self.kv
+        ]
 
     def req_view(self, req) -> dict:
         """What the commit handed the request (the fields SGLang's draft builder reads)."""
@@ -346,7 +386,9 @@ class Rank:
             "output_topk_p": req.output_topk_p.clone(),
             "output_topk_index": req.output_topk_index.clone(),
             "hidden_states_tensor": req.hidden_states_tensor.clone(),
-            "aborted": repr(getattr(req, "finished_reason", None)) if getattr(req, "finished_reason", None) is not None else None,
+            "aborted": repr(getattr(req, "finished_reason", None))
+            if getattr(req, "finished_reason", None) is not None
+            else None,
             "attached": getattr(getattr(req, "pd_middleware", None), "reason", None),
         }
 

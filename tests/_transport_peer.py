@@ -49,7 +49,16 @@ def make_payload(name: str, i: int, vocab: int = 1000) -> Payload:
             values=struct.pack(f"<{4 * steps}e", *vals),
             value_dtype="fp16",
         )
-    return Payload(f"{name}-{i}", tokens, probs, vocab, hidden=hidden, hidden_dtype="fp16", provenance=Provenance(), proposal=proposal)
+    return Payload(
+        f"{name}-{i}",
+        tokens,
+        probs,
+        vocab,
+        hidden=hidden,
+        hidden_dtype="fp16",
+        provenance=Provenance(),
+        proposal=proposal,
+    )
 
 
 def main() -> None:

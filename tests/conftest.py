@@ -1,15 +1,31 @@
+"""Shared fixtures for the whole suite (helpers that are not fixtures: tests/_helpers.py)."""
 
-# ---- transport fixtures (owner: transport helper; append other sections, do not rewrite) ----
-import os as _transport_os
+from __future__ import annotations
 
-import pytest as _transport_pytest
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+# ---- transport fixtures ----
 
 
-@_transport_pytest.fixture(scope="session")
-def mooncake_pair():
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A fresh ZMQ context per test; destroyed with linger 0, which closes whatever a failed
+    test left open, so a failure never hangs in ``term()``."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="session")
+def mooncake_pair() -> Iterator[tuple[object, object]]:
     """Two real Mooncake engines (TCP, loopback) shared by the session: (decode, prefill)."""
-    _transport_os.environ.setdefault("MC_FORCE_TCP", "1")
-    _transport_os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from pd_middleware.transport import MooncakeEngine
 
     decode, prefill = MooncakeEngine.open(), MooncakeEngine.open()
@@ -18,19 +34,15 @@ def mooncake_pair():
     prefill.close()
 
 
-# ---- end transport fixtures ----
+# ---- sglang fixtures ----
 
 
-# ---- sglang fixtures (owner: sglang helper) ----
-import importlib.util as _sg_importlib_util
-
-
-@_transport_pytest.fixture(scope="session")
-def sglang_importable():
+@pytest.fixture(scope="session")
+def sglang_importable() -> bool:
     """Make SGLang's speculative and disaggregation modules importable on this CPU tier
     (tests/_sglang_import.py: the torchvision stand-in and why)."""
-    if _sg_importlib_util.find_spec("sglang") is None:
-        _transport_pytest.skip("SGLang is not installed; run `make setup-sglang` (requirements-sglang.txt)")
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed; run `make setup-sglang` (requirements-sglang.txt)")
     from _sglang_import import import_sglang  # tests/ is on sys.path (no __init__.py)
 
     for name in (
@@ -43,4 +55,10 @@ def sglang_importable():
     return True
 
 
-# ---- end sglang fixtures ----
+@pytest.fixture
+def sglang_uninstall() -> Iterator[None]:
+    """Undo whatever SGLang installation a test made (tests of the drop-in use it for every test)."""
+    yield
+    from pd_middleware.integrations import sglang
+
+    sglang.uninstall()

@@ -20,7 +20,9 @@ from pd_middleware.stats import ExactnessAccumulator
 CFG = load_config("configs/ab_tiny.toml")
 
 
-def _stats(name: str, synth: str, enc: str, verified: int, accepted: int, exact_sum: float, failed: int = 0) -> ArmStats:
+def _stats(
+    name: str, synth: str, enc: str, verified: int, accepted: int, exact_sum: float, failed: int = 0
+) -> ArmStats:
     st = ArmStats(name=name, synthesizer=synth, encoder=enc, encoder_options={}, exactness=ExactnessAccumulator())
     st.verified = st.delivered = verified
     st.first_accepted = st.accepted_sum = accepted
@@ -39,14 +41,26 @@ def _report(reference: str | None = "full_fp32", partial: bool = False) -> Repor
     }
     hidden = CFG.model.hidden_size * 2
     prefill = {
-        "sent": {a: 100 for a in stats},
-        "bytes": {"one_hot": {"control": 24_000, "bulk": 100 * hidden},
-                  "full_fp32": {"control": 33_000, "bulk": 100 * (hidden + 4096)},
-                  "sparse": {"control": 41_000, "bulk": 100 * (hidden + 300)}},
+        "sent": dict.fromkeys(stats, 100),
+        "bytes": {
+            "one_hot": {"control": 24_000, "bulk": 100 * hidden},
+            "full_fp32": {"control": 33_000, "bulk": 100 * (hidden + 4096)},
+            "sparse": {"control": 41_000, "bulk": 100 * (hidden + 300)},
+        },
         "send_errors": {"sparse": ["sparse/7: TransferError: peer went away"]},
     }
-    facts = RunFacts(config=CFG, workload={"name": "synthetic"}, requests=100, seed=7, wall_s=1.5, partial=partial,
-                     baseline="one_hot", reference=reference, receiver={}, prefill=prefill)
+    facts = RunFacts(
+        config=CFG,
+        workload={"name": "synthetic"},
+        requests=100,
+        seed=7,
+        wall_s=1.5,
+        partial=partial,
+        baseline="one_hot",
+        reference=reference,
+        receiver={},
+        prefill=prefill,
+    )
     return build_report(stats, facts)
 
 
@@ -75,7 +89,8 @@ def test_json_round_trips_and_names_every_documented_field() -> None:
     assert msgspec.json.decode(r.to_json(), type=Report) == r
     assert data["schema_version"] == 2 and data["arms"][0]["exact"]["pass"] is False  # no tokens recorded
     assert data["arms"][0]["exact"]["tv"] is None  # null, never NaN
-    doc = open("docs/report.md", encoding="utf-8").read()
+    with open("docs/report.md", encoding="utf-8") as f:
+        doc = f.read()
     for name in _field_names(Report):
         assert f"`{name}`" in doc, f"docs/report.md does not document {name!r}"
 
@@ -124,7 +139,14 @@ def test_markdown_and_csv() -> None:
 
 
 def test_fmt_bytes_units() -> None:
-    assert [fmt_bytes(x) for x in (0, 999, 4096, 608_256, 2.5e6, None)] == ["0 B", "999 B", "4.1 KB", "608.3 KB", "2.5 MB", "-"]
+    assert [fmt_bytes(x) for x in (0, 999, 4096, 608_256, 2.5e6, None)] == [
+        "0 B",
+        "999 B",
+        "4.1 KB",
+        "608.3 KB",
+        "2.5 MB",
+        "-",
+    ]
     assert not math.isnan(_report().arms[0].latency_ms.p50)
 
 

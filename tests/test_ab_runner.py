@@ -19,7 +19,7 @@ from pd_middleware.ab.runner import run_ab
 from pd_middleware.config import load_config, parse_config
 
 pytest.importorskip("pd_middleware_example", reason="make setup installs examples/pd-middleware-example-plugin")
-from pd_middleware_example import ArmTally  # noqa: E402 - after the skip guard
+from pd_middleware_example import ArmTally
 
 
 def _tiny(**over: object) -> dict:
@@ -59,7 +59,9 @@ def test_cancel_returns_a_partial_report_quickly() -> None:
     box: dict[str, object] = {}
 
     def run() -> None:
-        box["report"] = run_ab(parse_config(_tiny()), requests=20_000, seed=1, out_dir=None, progress=False, cancel=cancel)
+        box["report"] = run_ab(
+            parse_config(_tiny()), requests=20_000, seed=1, out_dir=None, progress=False, cancel=cancel
+        )
 
     t = threading.Thread(target=run, daemon=True)
     t.start()

@@ -76,7 +76,6 @@ def test_arms_without_a_router_is_a_config_error():
     assert ei.value.path == "hooks"
 
 
-
 class _FixedRouter:
     """A router that sends everything to arm "other" (it needs no routes_arms flag)."""
 

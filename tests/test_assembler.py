@@ -160,7 +160,8 @@ def test_build_fresh_equals_the_reference_and_leaves_the_buffers_alone(num_steps
         b = rng.randint(1, 2 * max_b)
         kinds = rng.choice(["all_one_hot", "mixed"])
         props = [
-            OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps))) if kinds == "all_one_hot"
+            OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps)))
+            if kinds == "all_one_hot"
             else _random_proposal(rng, num_steps, v)
             for _ in range(b)
         ]
@@ -194,8 +195,10 @@ def test_build_fresh_refuses_what_build_refuses():
         asm.build_fresh([floats])
     # A listed value overrides its step's floor; int32 ids are widened, bf16 values too.
     sp = SparseProposal(
-        lengths=(2,), indices=torch.tensor([3, 0], dtype=torch.int32),
-        values=torch.tensor([0.5, 0.25], dtype=torch.bfloat16), floor=(0.03125,),
+        lengths=(2,),
+        indices=torch.tensor([3, 0], dtype=torch.int32),
+        values=torch.tensor([0.5, 0.25], dtype=torch.bfloat16),
+        floor=(0.03125,),
     )
     out = asm.build_fresh([sp, OneHotProposal((10,))])
     assert out[0].tolist() == [0.25, 0.03125, 0.03125, 0.5] + [0.03125] * 7

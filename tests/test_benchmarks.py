@@ -79,7 +79,10 @@ def test_sglang_inband_quick_mode_prints_its_figures():
     # One-hot rows carry X and q(X) only; sparse_floor rows carry thousands of entries.
     assert result["aux_bytes_per_request"]["one_hot"] < 128 < result["aux_bytes_per_request"]["sparse_floor"]
     assert result["entries_per_request"]["sparse_floor"] > 100
-    assert result["per_request_us"] > 0 and result["per_request_us_by_strategy"]["sparse_floor"] == result["per_request_us"]
+    assert (
+        result["per_request_us"] > 0
+        and result["per_request_us_by_strategy"]["sparse_floor"] == result["per_request_us"]
+    )
     ratios = result["ratio_vs_sglang_builder"]
     if importlib.util.find_spec("sglang") is None:
         assert ratios == {"skipped": "SGLang is not installed"}

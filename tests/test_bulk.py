@@ -11,24 +11,19 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
-import zmq
-
-from pd_middleware import DenseEncoding, OneHotProposal, Payload
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
-from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig, wire
 from _bulk_peer import RawPrefill  # tests/ is on sys.path (no __init__.py)
+from _helpers import OneHot  # tests/ is on sys.path (no __init__.py)
 from _transport_peer import collect_outcomes, make_payload
 
+from pd_middleware import DenseEncoding, Payload
+from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
+
 KEY = b"k" * 32
-
-
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
 
 
 def cfg(per_peer: int = 4, digest: str = "auto", hmac: bool = False) -> TransportConfig:
@@ -44,20 +39,17 @@ def cfg(per_peer: int = 4, digest: str = "auto", hmac: bool = False) -> Transpor
 
 def dense(rid: str, seed: int, vocab: int = 256) -> Payload:
     data = bytes((seed * 31 + i) % 251 for i in range(vocab * 4))
-    return Payload(rid, (seed % vocab,), (0.5,), vocab, hidden=bytes([seed % 256]) * 256, proposal=DenseEncoding("fp32", data))
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: a failure must not hang term()
+    return Payload(
+        rid, (seed % vocab,), (0.5,), vocab, hidden=bytes([seed % 256]) * 256, proposal=DenseEncoding("fp32", data)
+    )
 
 
 @pytest.fixture
 def rx(zctx, mooncake_pair, request) -> Iterator[DecodeReceiver]:
     c = getattr(request, "param", None) or cfg()
-    r = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=mooncake_pair[0], context=zctx).start()
+    r = DecodeReceiver(
+        c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=mooncake_pair[0], context=zctx
+    ).start()
     yield r
     r.stop()
     for o in r.drain():
@@ -129,14 +121,17 @@ def test_previous_peers_bytes_are_never_delivered_to_a_new_peer(zctx, rx, moonca
         for h in headers:  # replayed headers of the old peer: bytes match, the generation does not
             new.send_header(h)
         outs = collect_outcomes(rx, 4)
-        assert all(isinstance(o, Failure) and o.key == "transfer:digest" and "not of this grant" in o.reason for o in outs)
+        assert all(
+            isinstance(o, Failure) and o.key == "transfer:digest" and "not of this grant" in o.reason for o in outs
+        )
         # Control: the old header's bytes with the new grant's generation would pass.
         s = headers[0].hidden.slot  # type: ignore[union-attr]
         fixed = msgspec.structs.replace(
             headers[0],
             hidden=msgspec.structs.replace(headers[0].hidden, gen=new.gens[s] + 1),
             proposal=msgspec.structs.replace(
-                headers[0].proposal, data=msgspec.structs.replace(headers[0].proposal.data, gen=new.gens[s] + 1)  # type: ignore[union-attr]
+                headers[0].proposal,
+                data=msgspec.structs.replace(headers[0].proposal.data, gen=new.gens[s] + 1),  # type: ignore[union-attr]
             ),
         )
         new.send_header(fixed)
@@ -198,7 +193,9 @@ def test_a_payload_naming_two_slots_is_refused(rx, peer) -> None:
     two = msgspec.structs.replace(h, proposal=hb.proposal)  # hidden in slot a, proposal in slot b
     peer.send_header(two)
     out = _one(rx)
-    assert isinstance(out, Failure) and out.key == "wire:proposal.data.slot" and "other tensors are in slot" in out.reason
+    assert (
+        isinstance(out, Failure) and out.key == "wire:proposal.data.slot" and "other tensors are in slot" in out.reason
+    )
     assert peer.wait_freed(a)
     assert not rx._pool.held[a] and not rx._pool.held[b]  # nothing is held for a refused payload
     # Control: the same payload in one slot is delivered.
@@ -234,7 +231,9 @@ def test_a_payload_rejected_at_the_wire_frees_its_slot(rx, peer) -> None:
 def test_a_second_release_after_reuse_frees_nothing(zctx, mooncake_pair) -> None:
     decode_engine, prefill_engine = mooncake_pair
     c = cfg(per_peer=1)
-    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx).start()
+    rx = DecodeReceiver(
+        c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx
+    ).start()
     tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="reuse").connect(rx.address)
     try:
         tx.send(make_payload("reuse", 0))
@@ -263,7 +262,9 @@ def test_stress_reuse_and_release_stay_bit_exact(zctx, mooncake_pair) -> None:
     freed twice, and both slots are free at the end. Bounded: 60 s at most."""
     decode_engine, prefill_engine = mooncake_pair
     c = cfg(per_peer=2)
-    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx).start()
+    rx = DecodeReceiver(
+        c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx
+    ).start()
     tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="stress").connect(rx.address)
     n = 300
     sent = {f"stress-{i}": make_payload("stress", i) for i in range(n)}
@@ -294,7 +295,7 @@ def test_stress_reuse_and_release_stay_bit_exact(zctx, mooncake_pair) -> None:
     t = threading.Thread(target=scheduler, daemon=True)
     t.start()
     try:
-        for rid, p in sent.items():
+        for p in sent.values():
             tx.send(p)
             assert tx.statuses()["free_slots"] <= 2
         assert tx.flush(30.0)
@@ -310,12 +311,16 @@ def test_stress_reuse_and_release_stay_bit_exact(zctx, mooncake_pair) -> None:
         rx.stop()
 
 
-@pytest.mark.parametrize("hmac, algorithm, nbytes", [(False, "xxh3_128", 16), (True, "blake3", 32)], ids=["fast", "authenticated"])
+@pytest.mark.parametrize(
+    "hmac, algorithm, nbytes", [(False, "xxh3_128", 16), (True, "blake3", 32)], ids=["fast", "authenticated"]
+)
 def test_the_real_sender_stamps_what_the_decode_requires(zctx, mooncake_pair, hmac, algorithm, nbytes) -> None:
     """``digest = "auto"`` on both sides: BLAKE3 exactly when HMAC is on; deliveries arrive."""
     decode_engine, prefill_engine = mooncake_pair
     c = cfg(hmac=hmac)
-    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx).start()
+    rx = DecodeReceiver(
+        c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx
+    ).start()
     tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="auto").connect(rx.address)
     try:
         assert rx._pool.digest == algorithm

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "pd_middleware.cli"]
 
 
-def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     p = subprocess.run(CLI + args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert "Traceback" not in p.stderr, p.stderr
@@ -30,7 +32,12 @@ def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: 
 def test_help_documents_exit_codes(tmp_path):
     p = run(["--help"], tmp_path)
     assert p.returncode == 0
-    for line in ("0    success", "1    the job ran and its checks failed", "2    usage, config, plugin or run error", "130  interrupted"):
+    for line in (
+        "0    success",
+        "1    the job ran and its checks failed",
+        "2    usage, config, plugin or run error",
+        "130  interrupted",
+    ):
         assert line in p.stdout
     for flag in ("--log-level", "--plugin-path", "check-config", "config", "plugins", "ab"):
         assert flag in p.stdout
@@ -47,7 +54,9 @@ def test_check_config_inline_json_reports_every_error_at_its_full_path(tmp_path)
     # The same through PD_MIDDLEWARE_CONFIG's loader: load_config takes the inline text too.
     opts = '{"encoder": {"name": "sparse", "options": {"top_k": 3}}}'
     p = run(["check-config", opts], tmp_path)
-    assert p.returncode == 2 and "config error at encoder.options.top_k (<inline JSON>): unknown field `top_k`" in p.stderr
+    assert (
+        p.returncode == 2 and "config error at encoder.options.top_k (<inline JSON>): unknown field `top_k`" in p.stderr
+    )
 
 
 def test_empty_config_says_which_defaults_apply_and_show_prints_them(tmp_path):
@@ -85,7 +94,9 @@ def test_ok_means_it_would_start(tmp_path):
         }
     )
     env = {k: v for k, v in os.environ.items() if k != "PDM_TEST_UNSET_SECRET"}
-    p = subprocess.run(CLI + ["check-config", doc, "--no-probe"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [*CLI, "check-config", doc, "--no-probe"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "would not start (3 problems)" in p.stderr
     assert "transport.hmac_key_env: environment variable PDM_TEST_UNSET_SECRET is not set" in p.stderr
@@ -101,7 +112,10 @@ def test_pair_that_never_uses_its_proposal_is_a_warning(tmp_path):
     bad = '{"encoder": {"name": "greedy"}, "synthesizer": {"name": "full_distribution"}}'
     p = run(["check-config", bad], tmp_path)
     assert p.returncode == 0
-    assert "warning: synthesizer: encoder 'greedy' sends no usable proposal for synthesizer 'full_distribution'" in p.stdout
+    assert (
+        "warning: synthesizer: encoder 'greedy' sends no usable proposal for synthesizer 'full_distribution'"
+        in p.stdout
+    )
     assert "falls back to one-hot (greedy)" in p.stdout
     p = run(["check-config", '{"encoder": {"name": "softmax"}, "synthesizer": {"name": "sparse"}}'], tmp_path)
     assert "every payload falls back to one-hot (no_proposal)" in p.stdout
@@ -187,7 +201,11 @@ def test_hook_failures_are_summarised_and_fail_on_loss(tmp_path):
     (tmp_path / "plug" / "flaky_hook.py").write_text(_PLUGIN.format(marker=str(marker)))
     cfg = 'hooks = [{name = "flaky_hook:SPEC"}]\n' + (ROOT / "configs" / "ab_tiny.toml").read_text()
     (tmp_path / "c.toml").write_text(cfg)
-    p = run(["--plugin-path", "plug", "ab", "c.toml", "--requests", "32", "--out", "o", "--no-progress", "--fail-on-loss"], tmp_path, timeout=300)
+    p = run(
+        ["--plugin-path", "plug", "ab", "c.toml", "--requests", "32", "--out", "o", "--no-progress", "--fail-on-loss"],
+        tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stderr
     flat = " ".join(p.stdout.split())  # the table wraps long lines at the terminal width
     assert "hook flaky: 48 payload(s) failed (" in flat
@@ -199,7 +217,11 @@ def test_hook_failures_are_summarised_and_fail_on_loss(tmp_path):
 
 @pytest.mark.slow
 def test_default_ab_is_quiet_and_debug_shows_engine_logs(tmp_path):
-    p = run(["--log-level", "debug", "ab", "ab_tiny", "--requests", "8", "--out", "o", "--no-progress"], tmp_path, timeout=300)
+    p = run(
+        ["--log-level", "debug", "ab", "ab_tiny", "--requests", "8", "--out", "o", "--no-progress"],
+        tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert "Local segment descriptor not found" in p.stderr  # negative control of the quiet check above
     assert "hook " not in p.stdout and "payload(s) failed" not in p.stdout
@@ -208,8 +230,11 @@ def test_default_ab_is_quiet_and_debug_shows_engine_logs(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_exits_130_quickly_with_a_partial_report(tmp_path):
     proc = subprocess.Popen(
-        CLI + ["ab", "ab_tiny", "--requests", "200000", "--out", "o"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*CLI, "ab", "ab_tiny", "--requests", "200000", "--out", "o"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         # Wait for the first progress line (the run is under way), at most 120 s.
@@ -222,7 +247,7 @@ def test_ctrl_c_exits_130_quickly_with_a_partial_report(tmp_path):
         time.sleep(1.0)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        _out, err = proc.communicate(timeout=30)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:

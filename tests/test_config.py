@@ -29,7 +29,11 @@ def test_defaults():
         ({"decode": {"device": "tpu"}}, "decode.device", "must be 'cpu', 'cuda' or 'cuda:N'"),
         ({"decode": {"max_batch": 0}}, "decode.max_batch", r"must be in \[1, 65536\]"),
         ({"hooks": [{"name": "a"}, {"nam": "b"}]}, "hooks[1].nam", "unknown field `nam`; did you mean `name`"),
-        ({"synthesizer": {"name": "x", "option": {}}}, "synthesizer.option", "unknown field `option`; did you mean `options`"),
+        (
+            {"synthesizer": {"name": "x", "option": {}}},
+            "synthesizer.option",
+            "unknown field `option`; did you mean `options`",
+        ),
         ({"transport": {"slots": {"cout": 3}}}, "transport.slots.cout", "did you mean `count`"),
         ({"transport": {"slots": {"count": -1}}}, "transport.slots.count", r"must be in \[0, 2\*\*20\]"),
         ({"synthesizer": {"options": {}}}, "synthesizer.name", "missing required field `name`"),
@@ -126,7 +130,11 @@ def test_every_error_is_reported_at_once_with_suggestions():
     assert "\n  at model.vocab_sise: unknown field `vocab_sise`; did you mean `vocab_size`?" in text
     # The first issue stays reachable as .path/.detail for callers that want one.
     first = ei.value.issues[0]
-    assert (ei.value.path, ei.value.detail) == (first.path, first.message) == ("modle", "unknown field `modle`; did you mean `model`?")
+    assert (
+        (ei.value.path, ei.value.detail)
+        == (first.path, first.message)
+        == ("modle", "unknown field `modle`; did you mean `model`?")
+    )
 
 
 def test_no_suggestion_when_nothing_is_close():

@@ -10,9 +10,11 @@ from pd_middleware.config import convert_options
 from pd_middleware.encodings import dense_law_tensor, sparse_law_tensor
 from pd_middleware.payload import ITEMSIZE
 from pd_middleware.stats import chi_square, chi_square_critical
-from pd_middleware_full.full import ENCODER as FULL, FullEncoder, FullEncoderOptions
+from pd_middleware_full.full import ENCODER as FULL
+from pd_middleware_full.full import FullEncoder, FullEncoderOptions
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
-from pd_middleware_plugins.sparse import ENCODER as SPARSE, SparseEncoder, SparseEncoderOptions
+from pd_middleware_plugins.sparse import ENCODER as SPARSE
+from pd_middleware_plugins.sparse import SparseEncoder, SparseEncoderOptions
 
 SEED = 20261129
 V = 16
@@ -46,7 +48,9 @@ ENCODERS = {
     "sparse-floor": lambda c: SparseEncoder(SparseEncoderOptions(mode="topk", k=5, floor=True), c),
     "sparse-tv": lambda c: SparseEncoder(SparseEncoderOptions(mode="tv", epsilon=0.05, k_max=12, floor=True), c),
     "sparse-topk-u16": lambda c: SparseEncoder(SparseEncoderOptions(mode="topk", k=5, index_format="u16"), c),
-    "sparse-floor-u16": lambda c: SparseEncoder(SparseEncoderOptions(mode="topk", k=5, floor=True, index_format="u16"), c),
+    "sparse-floor-u16": lambda c: SparseEncoder(
+        SparseEncoderOptions(mode="topk", k=5, floor=True, index_format="u16"), c
+    ),
     "sparse-tv-u16": lambda c: SparseEncoder(
         SparseEncoderOptions(mode="tv", epsilon=0.05, k_max=12, floor=True, index_format="u16"), c
     ),

@@ -25,7 +25,9 @@ def u16(ids_per_step, vals_per_step, v, tail=(), dtype="fp32", counts=None, leng
     return SparseEncoding(
         lengths=tuple(lengths) if lengths is not None else tuple(len(r) for r in ids_per_step),
         indices=np.asarray([i & 0xFFFF for i in flat_ids], dtype=np.uint16).tobytes(),
-        values=np.asarray([x for r in vals_per_step for x in r], dtype=np.float16 if dtype == "fp16" else np.float32).tobytes(),
+        values=np.asarray(
+            [x for r in vals_per_step for x in r], dtype=np.float16 if dtype == "fp16" else np.float32
+        ).tobytes(),
         value_dtype=dtype,
         tail_mass=tuple(tail),
         index_format="u16",
@@ -37,7 +39,9 @@ def int32(ids_per_step, vals_per_step, tail=(), dtype="fp32"):
     return SparseEncoding(
         lengths=tuple(len(r) for r in ids_per_step),
         indices=np.asarray([i for r in ids_per_step for i in r], dtype=np.int32).tobytes(),
-        values=np.asarray([x for r in vals_per_step for x in r], dtype=np.float16 if dtype == "fp16" else np.float32).tobytes(),
+        values=np.asarray(
+            [x for r in vals_per_step for x in r], dtype=np.float16 if dtype == "fp16" else np.float32
+        ).tobytes(),
         value_dtype=dtype,
         tail_mass=tuple(tail),
     )
@@ -101,28 +105,83 @@ V = 12  # a single bucket
 
 U16_BAD = [
     # (encoding, steps, field, message)
-    (u16([[1, 2]], [[0.5, 0.5]], V, counts=[2, 0]), 1, "proposal.bucket_counts",
-     "has 2 counts, expected 1 steps x 1 buckets of 65536 tokens = 1"),
-    (u16([[1, 2]], [[0.5, 0.5]], V, counts=[]), 1, "proposal.bucket_counts", "has 0 counts, expected 1 steps x 1 buckets"),
-    (u16([[1, 2]], [[0.5, 0.5]], V, counts=[1]), 1, "proposal.bucket_counts",
-     "step 0: counts sum to 1, but the step lists 2 entries"),
-    (u16([[1, 2]], [[0.5, 0.5]], V, counts=[3]), 1, "proposal.bucket_counts",
-     "step 0: counts sum to 3, but the step lists 2 entries"),
+    (
+        u16([[1, 2]], [[0.5, 0.5]], V, counts=[2, 0]),
+        1,
+        "proposal.bucket_counts",
+        "has 2 counts, expected 1 steps x 1 buckets of 65536 tokens = 1",
+    ),
+    (
+        u16([[1, 2]], [[0.5, 0.5]], V, counts=[]),
+        1,
+        "proposal.bucket_counts",
+        "has 0 counts, expected 1 steps x 1 buckets",
+    ),
+    (
+        u16([[1, 2]], [[0.5, 0.5]], V, counts=[1]),
+        1,
+        "proposal.bucket_counts",
+        "step 0: counts sum to 1, but the step lists 2 entries",
+    ),
+    (
+        u16([[1, 2]], [[0.5, 0.5]], V, counts=[3]),
+        1,
+        "proposal.bucket_counts",
+        "step 0: counts sum to 3, but the step lists 2 entries",
+    ),
     (u16([[1, 2]], [[0.5, 0.5]], V, counts=[-1]), 1, "proposal.bucket_counts", "count -1 is not an int >= 0"),
     (u16([[1, 2]], [[0.5, 0.5]], V, counts=[True]), 1, "proposal.bucket_counts", "count True is not an int >= 0"),
-    (u16([[2, 1]], [[0.5, 0.5]], V), 1, "proposal.indices", "step 0: ids are not strictly ascending (entry 1: id 1 after 2)"),
-    (u16([[1, 1]], [[0.5, 0.5]], V), 1, "proposal.indices", "step 0: ids are not strictly ascending (entry 1: id 1 after 1)"),
-    (u16([[1, 5], [3, 9, 4]], [[0.5, 0.5], [0.5, 0.25, 0.25]], V), 2, "proposal.indices",
-     "step 1: ids are not strictly ascending (entry 4: id 4 after 9)"),
+    (
+        u16([[2, 1]], [[0.5, 0.5]], V),
+        1,
+        "proposal.indices",
+        "step 0: ids are not strictly ascending (entry 1: id 1 after 2)",
+    ),
+    (
+        u16([[1, 1]], [[0.5, 0.5]], V),
+        1,
+        "proposal.indices",
+        "step 0: ids are not strictly ascending (entry 1: id 1 after 1)",
+    ),
+    (
+        u16([[1, 5], [3, 9, 4]], [[0.5, 0.5], [0.5, 0.25, 0.25]], V),
+        2,
+        "proposal.indices",
+        "step 1: ids are not strictly ascending (entry 4: id 4 after 9)",
+    ),
     (u16([[1, V]], [[0.5, 0.5]], V), 1, "proposal.indices", f"index {V} is outside [0, {V})"),
     (u16([[1, 65535]], [[0.5, 0.5]], V), 1, "proposal.indices", f"index 65535 is outside [0, {V})"),
-    (SparseEncoding(lengths=(2,), indices=b"\0" * 8, values=b"\0" * 8, value_dtype="fp32", index_format="u16",
-                    bucket_counts=(2,)), 1, "proposal.indices", "holds 8 bytes, expected 2 u16 indices"),
-    (SparseEncoding(lengths=(2,), indices=np.array([1, 2], np.int32).tobytes(), values=np.array([0.5, 0.5], np.float32).tobytes(),
-                    value_dtype="fp32", bucket_counts=(2,)), 1, "proposal.bucket_counts",
-     "has 1 counts, but int32 indices take none"),
-    (SparseEncoding(lengths=(2,), indices=b"\0" * 4, values=b"\0" * 8, value_dtype="fp32", index_format="u8"),  # type: ignore[arg-type]
-     1, "proposal.index_format", "unsupported index format 'u8'"),
+    (
+        SparseEncoding(
+            lengths=(2,),
+            indices=b"\0" * 8,
+            values=b"\0" * 8,
+            value_dtype="fp32",
+            index_format="u16",
+            bucket_counts=(2,),
+        ),
+        1,
+        "proposal.indices",
+        "holds 8 bytes, expected 2 u16 indices",
+    ),
+    (
+        SparseEncoding(
+            lengths=(2,),
+            indices=np.array([1, 2], np.int32).tobytes(),
+            values=np.array([0.5, 0.5], np.float32).tobytes(),
+            value_dtype="fp32",
+            bucket_counts=(2,),
+        ),
+        1,
+        "proposal.bucket_counts",
+        "has 1 counts, but int32 indices take none",
+    ),
+    (
+        SparseEncoding(lengths=(2,), indices=b"\0" * 4, values=b"\0" * 8, value_dtype="fp32", index_format="u8"),  # type: ignore[arg-type]
+        1,
+        "proposal.index_format",
+        "unsupported index format 'u8'",
+    ),
 ]
 
 
@@ -141,12 +200,17 @@ def test_u16_range_and_count_errors_in_a_multi_bucket_vocab():
         sparse_law(enc, 1, BIG_V)
     assert e.value.field == "proposal.indices"
     enc = u16([[1, 70000, 65600]], [[0.5, 0.25, 0.25]], BIG_V)
-    with pytest.raises(ValidationError, match=r"step 0: ids are not strictly ascending \(entry 2: id 65600 after 70000\)"):
+    with pytest.raises(
+        ValidationError, match=r"step 0: ids are not strictly ascending \(entry 2: id 65600 after 70000\)"
+    ):
         sparse_law(enc, 1, BIG_V)
     # The counts are authoritative: moving an entry to another bucket changes its id (to
     # another valid, ascending set), which no check can see; the encoder derives both
     # from the same sorted ids, and the law X is drawn from is decoded from these bytes.
-    assert sparse_law(u16([[1, 70000]], [[0.5, 0.5]], BIG_V, counts=[0, 2, 0]), 1, BIG_V).indices.tolist() == [65537, 70000]
+    assert sparse_law(u16([[1, 70000]], [[0.5, 0.5]], BIG_V, counts=[0, 2, 0]), 1, BIG_V).indices.tolist() == [
+        65537,
+        70000,
+    ]
     enc = u16([[1, 70000], [5]], [[0.5, 0.5], [1.0]], BIG_V, counts=[1, 1, 0, 1, 0])
     with pytest.raises(ValidationError, match=r"has 5 counts, expected 2 steps x 3 buckets of 65536 tokens = 6"):
         sparse_law(enc, 2, BIG_V)

@@ -75,7 +75,9 @@ def fr(t: torch.Tensor) -> list[Fraction]:
 
 
 def encode(name: str, q: torch.Tensor):
-    out = ENCODERS[name](ctx(side="prefill")).encode(q.view(1, 1, -1).float(), generator=torch.Generator().manual_seed(SEED))
+    out = ENCODERS[name](ctx(side="prefill")).encode(
+        q.view(1, 1, -1).float(), generator=torch.Generator().manual_seed(SEED)
+    )
     return out.proposals[0], out.provenance
 
 
@@ -166,7 +168,14 @@ def test_every_pair_is_exact_up_to_fp32_normalisation(enc_name, synth_name):
     for x in range(V):
         declared = min(1.0, float(s_vec[x].float()))
         payloads[x] = synth.synthesize(
-            Payload(request_id=f"x{x}", draft_tokens=(x,), draft_probs=(declared,), vocab_size=V, provenance=prov, proposal=enc)
+            Payload(
+                request_id=f"x{x}",
+                draft_tokens=(x,),
+                draft_probs=(declared,),
+                vocab_size=V,
+                provenance=prov,
+                proposal=enc,
+            )
         )
     s = fr(s_vec)
     s = [v / sum(s) for v in s]
@@ -271,7 +280,9 @@ def test_monte_carlo_through_the_real_transport(mooncake_pair):
     try:
         for arm, (enc_name, synth_name, unsafe, expect_pass) in MC_ARMS.items():
             synth = SYNTHS[synth_name](ctx(MC_V), unsafe)
-            rx = DecodeReceiver(cfg, ReceivePipeline([], {"default": (synth_name, synth)}), engine=decode_engine, context=zctx).start()
+            rx = DecodeReceiver(
+                cfg, ReceivePipeline([], {"default": (synth_name, synth)}), engine=decode_engine, context=zctx
+            ).start()
             tx = PrefillSender(cfg, engine=prefill_engine, context=zctx, name=f"mc-{arm}").connect(rx.address)
             asm = ProposalAssembler(MC_V, 1, max_batch=MC_BATCH)
             gen_pre = torch.Generator().manual_seed(SEED)
@@ -360,15 +371,24 @@ def test_u16_sparse_round_trips_bit_exact_through_the_real_transport(path, moonc
         ctx(U16_V, U16_STEPS, side="prefill"),
     ).encode(q, generator=torch.Generator().manual_seed(SEED))
     sent = [
-        Payload(request_id=f"u16-{i}", draft_tokens=enc.tokens[i], draft_probs=enc.token_probs[i], vocab_size=U16_V,
-                hidden=bytes(64), provenance=enc.provenance, proposal=p)
+        Payload(
+            request_id=f"u16-{i}",
+            draft_tokens=enc.tokens[i],
+            draft_probs=enc.token_probs[i],
+            vocab_size=U16_V,
+            hidden=bytes(64),
+            provenance=enc.provenance,
+            proposal=p,
+        )
         for i, p in enumerate(enc.proposals)
     ]
     # Every bucket is used and more than one step is sent: the multi-bucket, multi-step case.
     assert all(sum(1 for c in p.proposal.bucket_counts if c) == 3 * U16_STEPS for p in sent), f"seed {SEED}"
     synth = sparse.SparseSynthesizer(None, ctx(U16_V, U16_STEPS))
     zctx = zmq.Context()
-    rx = DecodeReceiver(cfg, ReceivePipeline([], {"default": ("sparse", synth)}), engine=decode_engine, context=zctx).start()
+    rx = DecodeReceiver(
+        cfg, ReceivePipeline([], {"default": ("sparse", synth)}), engine=decode_engine, context=zctx
+    ).start()
     tx = PrefillSender(cfg, engine=prefill_engine, context=zctx, name=f"u16-{path}").connect(rx.address)
     try:
         for p in sent:
@@ -378,7 +398,10 @@ def test_u16_sparse_round_trips_bit_exact_through_the_real_transport(path, moonc
             got = out.payload.proposal
             want = p.proposal
             assert (got.index_format, got.bucket_counts, got.lengths, got.tail_mass) == (
-                "u16", want.bucket_counts, want.lengths, want.tail_mass
+                "u16",
+                want.bucket_counts,
+                want.lengths,
+                want.tail_mass,
             )
             assert bytes(got.indices) == bytes(want.indices) and bytes(got.values) == bytes(want.values)
             law = sparse_law_tensor(want, U16_STEPS, U16_V)
@@ -420,7 +443,9 @@ def test_fp32_underflowing_floor_never_reaches_the_verifier():
     from pd_middleware import Provenance
 
     prov = Provenance(rule="sampled", sampled_from="sparse-fp32")
-    payload = Payload(request_id="x5", draft_tokens=(5,), draft_probs=(1e-46,), vocab_size=V, provenance=prov, proposal=enc)
+    payload = Payload(
+        request_id="x5", draft_tokens=(5,), draft_probs=(1e-46,), vocab_size=V, provenance=prov, proposal=enc
+    )
     delta5 = [Fraction(int(y == 5)) for y in range(V)]
     asm = ProposalAssembler(V, 1, max_batch=1)
     guarded = SYNTHS["sparse"](ctx(), False)
@@ -460,9 +485,13 @@ def test_listed_zero_under_a_floor_is_outside_the_proposal():
     )
     prov = Provenance(rule="sampled", sampled_from="sparse-fp32")
     synth = SYNTHS["sparse"](ctx(), False)
-    out = synth.synthesize(Payload(request_id="x2", draft_tokens=(2,), draft_probs=(0.0,), vocab_size=V, provenance=prov, proposal=enc))
+    out = synth.synthesize(
+        Payload(request_id="x2", draft_tokens=(2,), draft_probs=(0.0,), vocab_size=V, provenance=prov, proposal=enc)
+    )
     assert out == OneHotProposal((2,)) and dict(synth.guard.counts) == {"token_outside_proposal": 1}
     # Negative control: an unlisted X gets the floor (0.25 / 3) and is handed over.
     f = float(np.float32(0.25 / 3))
-    out = synth.synthesize(Payload(request_id="x4", draft_tokens=(4,), draft_probs=(f,), vocab_size=V, provenance=prov, proposal=enc))
+    out = synth.synthesize(
+        Payload(request_id="x4", draft_tokens=(4,), draft_probs=(f,), vocab_size=V, provenance=prov, proposal=enc)
+    )
     assert type(out).__name__ == "SparseProposal" and out.values_at((4,)) == [f]

@@ -17,7 +17,11 @@ def dense(dtype="fp32"):
     import torch
 
     row = torch.tensor([0.25, 0.25, 0.25, 0.25])
-    row = row.to(torch.bfloat16).view(torch.int16) if dtype == "bf16" else row.to({"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    row = (
+        row.to(torch.bfloat16).view(torch.int16)
+        if dtype == "bf16"
+        else row.to({"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    )
     return DenseEncoding(dtype=dtype, data=row.numpy().tobytes())
 
 
@@ -122,15 +126,22 @@ def test_token_outside_the_sent_law_falls_back_to_one_hot():
     assert sp.guard.counts["token_outside_proposal"] == 1 and m.fallbacks["token_outside_proposal"] == 1
     # With a floor every token has positive probability: no fallback.
     floored = SparseEncoding(
-        lengths=(2,), indices=np.array([1, 3], dtype=np.int32).tobytes(),
-        values=np.array([0.45, 0.45], dtype=np.float16).tobytes(), value_dtype="fp16", tail_mass=(0.1,),
+        lengths=(2,),
+        indices=np.array([1, 3], dtype=np.int32).tobytes(),
+        values=np.array([0.45, 0.45], dtype=np.float16).tobytes(),
+        value_dtype="fp16",
+        tail_mass=(0.1,),
     )
     q0 = float(np.float32(0.1 / 2))  # the fp32 floor: what the assembler writes at X = 0
-    assert isinstance(sp.synthesize(payload(floored, sampled_from="sparse-fp16", tokens=(0,), probs=(q0,))), SparseProposal)
+    assert isinstance(
+        sp.synthesize(payload(floored, sampled_from="sparse-fp16", tokens=(0,), probs=(q0,))), SparseProposal
+    )
     # Dense: a zero entry at X.
     row = np.array([0.0, 0.5, 0.25, 0.25], dtype=np.float32).tobytes()
     full = FullDistributionSynthesizer(None, ctx)
-    assert full.synthesize(payload(DenseEncoding("fp32", row), sampled_from="dense-fp32", tokens=(0,))) == OneHotProposal((0,))
+    assert full.synthesize(
+        payload(DenseEncoding("fp32", row), sampled_from="dense-fp32", tokens=(0,))
+    ) == OneHotProposal((0,))
     assert full.guard.counts["token_outside_proposal"] == 1
     # The negative-control bypass also skips this check (tests must be able to see the bias).
     unsafe = SparseSynthesizer(None, ctx, unsafe_disable_guard=True)
@@ -217,8 +228,33 @@ def test_values_at_is_what_the_assembler_writes():
     for kind, dtype in CASES:
         x, declared, _, enc, prov, synth = _encode(kind, dtype)
         law = synth.synthesize(
-            Payload(request_id="r", draft_tokens=(x,), draft_probs=(declared,), vocab_size=DV, provenance=prov, proposal=enc)
+            Payload(
+                request_id="r", draft_tokens=(x,), draft_probs=(declared,), vocab_size=DV, provenance=prov, proposal=enc
+            )
         )
         row = ProposalAssembler(DV, 1, max_batch=1).build([law])[0]
         assert [law.values_at((t,))[0] for t in range(DV)] == row.tolist(), (kind, dtype)
         assert torch.equal(row, law.to_dense(DV)[0]), (kind, dtype)
+
+
+def test_q_above_one_at_x_falls_back():
+    """SGLang's kernel rejects X unless 0 < q'(X) <= 1: a law one ulp above 1 at X is not handed over."""
+    import numpy as np
+    import torch
+
+    from pd_middleware import SparseProposal
+
+    g = ProvenanceGuard("sparse", SPARSE)
+    above = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    p = payload(sparse(), sampled_from="sparse-fp16", tokens=(3,), probs=(1.0,))
+
+    def law(v: float) -> SparseProposal:
+        return SparseProposal(
+            lengths=(1,),
+            indices=torch.tensor([3], dtype=torch.int64),
+            values=torch.tensor([v], dtype=torch.float32),
+            floor=(0.0,),
+        )
+
+    assert g.check_law(p, law(above)) == "q_above_one"
+    assert g.check_law(p, law(1.0)) is None  # control: exactly 1 is the kernel's accepted edge

@@ -53,7 +53,10 @@ ENCODERS = {
     "full_fp32": {"name": "full", "options": {"dtype": "fp32"}},
     "full_bf16": {"name": "full", "options": {"dtype": "bf16"}},
     "sparse_topk": {"name": "sparse", "options": {"mode": "topk", "k": 50}},
-    "sparse_floor_u16": {"name": "sparse", "options": {"mode": "topp", "epsilon": 0.01, "floor": True, "index_format": "u16"}},
+    "sparse_floor_u16": {
+        "name": "sparse",
+        "options": {"mode": "topp", "epsilon": 0.01, "floor": True, "index_format": "u16"},
+    },
 }
 
 
@@ -132,26 +135,32 @@ def test_zero_row_and_other_room_are_not_sent() -> None:
 
 def test_bad_magic_version_layout_length_digest() -> None:
     row, layout, _ = _written()
-    bad = row.copy(); bad[0] ^= 1
+    bad = row.copy()
+    bad[0] ^= 1
     assert _fault(bad, layout).reason == "magic"
-    bad = row.copy(); bad[4] = 9
+    bad = row.copy()
+    bad[4] = 9
     assert _fault(bad, layout).reason == "version"
     f = _fault(row, RowLayout(8192, V, 1))
     assert f.reason == "layout" and "capacity=8192" in f.detail
     assert _fault(row, RowLayout(4096, V + 1, 1)).reason == "layout"
-    bad = row.copy(); bad[24:28] = np.frombuffer(struct.pack("<I", 10_000), np.uint8)
+    bad = row.copy()
+    bad[24:28] = np.frombuffer(struct.pack("<I", 10_000), np.uint8)
     assert _fault(bad, layout).reason == "length"
-    bad = row.copy(); bad[24:28] = np.frombuffer(struct.pack("<I", 100), np.uint8)
+    bad = row.copy()
+    bad[24:28] = np.frombuffer(struct.pack("<I", 100), np.uint8)
     assert _fault(bad, layout).reason == "digest"
     for at in (HEADER_BYTES + 1, 40, 200):  # a token, the temperature, the body
-        bad = row.copy(); bad[at] ^= 0x10
+        bad = row.copy()
+        bad[at] ^= 0x10
         assert _fault(bad, layout).reason == "digest", at
 
 
 def test_negative_control_unchecked_flip_would_change_the_law() -> None:
     # Proves the digest test above is meaningful: the flipped byte is part of the law.
-    row, layout, p = _written()
-    bad = row.copy(); bad[300] ^= 0x10
+    row, layout, _p = _written()
+    bad = row.copy()
+    bad[300] ^= 0x10
     assert bad.tobytes() != row.tobytes()
     assert _fault(bad, layout).reason == "digest"
 
@@ -190,7 +199,13 @@ def test_layout_bounds_are_checked() -> None:
 
 
 def test_greedy_provenance_round_trips() -> None:
-    p = Payload(request_id="g", draft_tokens=(3,), draft_probs=(1.0,), vocab_size=V, provenance=Provenance(rule="greedy", temperature=0.0))
+    p = Payload(
+        request_id="g",
+        draft_tokens=(3,),
+        draft_probs=(1.0,),
+        vocab_size=V,
+        provenance=Provenance(rule="greedy", temperature=0.0),
+    )
     layout = RowLayout(256, V, 1)
     row = np.zeros(256, np.uint8)
     write_row(row, 1, p, layout)

@@ -243,7 +243,9 @@ def _processor(brp):
 
     calls: list = []
     fields = {f.name: None for f in dataclasses.fields(brp.SchedulerBatchResultProcessor)}
-    fields["metrics_reporter"] = SimpleNamespace(snapshot_spec_decode_metrics=lambda batch, result: calls.append("snap"))
+    fields["metrics_reporter"] = SimpleNamespace(
+        snapshot_spec_decode_metrics=lambda batch, result: calls.append("snap")
+    )
     fields["model_worker"] = SimpleNamespace(on_verify_complete_cpu=lambda n, batch_size: calls.append(list(n)))
     return brp.SchedulerBatchResultProcessor(**fields), calls
 
@@ -312,7 +314,7 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
     try:
         proc, calls = _processor(brp)
         reqs = _reqs(b, arms)
-        reqs[3].finished_reason = SimpleNamespace(to_json=lambda: {}, is_error=False)  # finished: not verified
+        reqs[3].finished_reason = SimpleNamespace(to_json=dict, is_error=False)  # finished: not verified
         batch = SimpleNamespace(reqs=reqs, has_grammar=False)
         tokens = proc._resolve_spec_v2_tokens(_result((accepted + 1).tolist(), 2), batch)
         assert len(tokens) == b and calls[0] == "snap"
@@ -374,7 +376,9 @@ def test_install_patches_and_uninstall_restores(brp) -> None:
     from pd_middleware.integrations import sglang as S
 
     orig = brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens
-    cfg = parse_config({"model": {"vocab_size": 16}, "decode": {"max_batch": 4}, "transport": {"mooncake": {"enabled": False}}})
+    cfg = parse_config(
+        {"model": {"vocab_size": 16}, "decode": {"max_batch": 4}, "transport": {"mooncake": {"enabled": False}}}
+    )
     ed = SimpleNamespace(
         __name__="fake_ed",
         build_eagle_disagg_draft_input=lambda batch, last_tokens_tensor, future_map: None,

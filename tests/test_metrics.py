@@ -19,6 +19,7 @@ import sys
 import textwrap
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -163,7 +164,9 @@ def _promtool(text: str) -> subprocess.CompletedProcess:
     return subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)")
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)"
+)
 def test_promtool_accepts_the_exposition() -> None:
     out = _promtool(exposition(busy_metrics()))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -171,7 +174,7 @@ def test_promtool_accepts_the_exposition() -> None:
     # Negative control: the lint does reject a counter named against the convention.
     bad = "# HELP pd_bad_bytes A counter\n# TYPE pd_bad_bytes counter\npd_bad_bytes 1\n"
     out = _promtool(bad)
-    assert out.returncode != 0 and "counter metrics should have \"_total\" suffix" in out.stdout + out.stderr
+    assert out.returncode != 0 and 'counter metrics should have "_total" suffix' in out.stdout + out.stderr
 
 
 # ----------------------------------------------------------------- the endpoint
@@ -250,7 +253,9 @@ def _write_from_processes(tmp_path) -> str:
     d.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d), "PYTHONPATH": ROOT}
     for scale in (1, 2):
-        out = subprocess.run([sys.executable, "-c", WRITER, str(scale)], env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", WRITER, str(scale)], env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "synced 3"
     assert sorted(p.name.split("_")[0] for p in d.iterdir()) == ["counter", "counter", "histogram", "histogram"]
@@ -336,7 +341,7 @@ GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "6h", "$baseline": "one_ho
 def doc_promql() -> list[str]:
     """The expressions of docs/metrics.md's ```promql blocks (comments and blank lines separate them;
     a line starting at column 0 with a name or number starts a new one)."""
-    text = open(DOC, encoding="utf-8").read()
+    text = Path(DOC).read_text(encoding="utf-8")
     exprs: list[list[str]] = []
     for block in re.findall(r"```promql\n(.*?)```", text, re.S):
         fresh = True
@@ -354,7 +359,7 @@ def doc_promql() -> list[str]:
 def dashboard_promql() -> list[str]:
     import json
 
-    dash = json.load(open(DASHBOARD, encoding="utf-8"))
+    dash = json.loads(Path(DASHBOARD).read_text(encoding="utf-8"))
     out = []
     for p in dash["panels"]:
         for t in p.get("targets", []):
@@ -372,12 +377,12 @@ def test_every_name_in_the_docs_and_dashboard_is_exported() -> None:
     for fam in text_string_to_metric_families(exposition(busy_metrics())):
         samples.add(fam.name)
         samples.update(s.name for s in fam.samples)
-    doc = open(DOC, encoding="utf-8").read()
+    doc = Path(DOC).read_text(encoding="utf-8")
     used = set(re.findall(r"\bpd_middleware_[a-z_]+\b", doc + "\n".join(dashboard_promql())))
     used = {u for u in used if not u.startswith("pd_middleware_plugins")}
     assert used - samples == set()
     # and every exported family is documented
-    assert {n for n in NAMES} - used == set()
+    assert set(NAMES) - used == set()
     assert len(doc_promql()) >= 12 and len(dashboard_promql()) >= 15
 
 
@@ -390,7 +395,9 @@ def _check_rules(exprs: list[str], tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)")
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)"
+)
 def test_promtool_parses_every_documented_query(tmp_path) -> None:
     exprs = doc_promql() + dashboard_promql()
     out = _check_rules(exprs, tmp_path)
@@ -401,7 +408,9 @@ def test_promtool_parses_every_documented_query(tmp_path) -> None:
     assert bad.returncode != 0 and "unclosed left parenthesis" in bad.stdout + bad.stderr
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)")
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)"
+)
 def test_the_documented_ab_queries_compute_the_right_numbers(tmp_path) -> None:
     """promtool evaluates the doc's live A/B queries on series of known increase.
 
@@ -411,7 +420,9 @@ def test_the_documented_ab_queries_compute_the_right_numbers(tmp_path) -> None:
     scales numerator and denominator alike, and these ratios are exact in binary).
     """
     exprs = doc_promql()
-    mean = next(e for e in exprs if e.startswith("sum by (arm) (increase(pd_middleware_first_verify_accepted_tokens_sum"))
+    mean = next(
+        e for e in exprs if e.startswith("sum by (arm) (increase(pd_middleware_first_verify_accepted_tokens_sum")
+    )
     accept = next(e for e in exprs if e.startswith("1 - sum by (arm)"))
     ratio = next(e for e in exprs if "group_left()" in e)
     fv = "pd_middleware_first_verify_accepted_tokens"
@@ -422,7 +433,11 @@ def test_the_documented_ab_queries_compute_the_right_numbers(tmp_path) -> None:
             (f'{fv}_count{{arm="{arm}"}}', "0+8x400"),
             (f'{fv}_bucket{{arm="{arm}",le="0.0"}}', f"0+{zero}x400"),
         ]
-    want = {mean: {"one_hot": 0.5, "sparse": 0.75}, accept: {"one_hot": 0.5, "sparse": 0.75}, ratio: {"one_hot": 1.0, "sparse": 1.5}}
+    want = {
+        mean: {"one_hot": 0.5, "sparse": 0.75},
+        accept: {"one_hot": 0.5, "sparse": 0.75},
+        ratio: {"one_hot": 1.0, "sparse": 1.5},
+    }
     lines = ["tests:", "  - interval: 1m", "    input_series:"]
     for s, v in series:
         lines += [f"      - series: '{s}'", f"        values: '{v}'"]
@@ -453,6 +468,7 @@ def test_sglang_export_gate_follows_sglangs_own_rule(monkeypatch, tmp_path) -> N
     from types import SimpleNamespace
 
     from _sglang_import import import_sglang  # tests/ is on sys.path (no __init__.py)
+
     from pd_middleware.integrations.sglang_ab import sglang_exports_metrics
 
     rc = import_sglang("sglang.srt.runtime_context")

@@ -47,7 +47,7 @@ def test_write_lands_bit_exact_with_merged_ranges(mooncake_pair) -> None:
 
 def test_failures_are_transfer_errors_with_context(mooncake_pair) -> None:
     decode, prefill = mooncake_pair
-    src, s, dst, d = _buffers(mooncake_pair)
+    _src, s, _dst, d = _buffers(mooncake_pair)
     try:
         with pytest.raises(TransferError) as info:
             prefill.write("127.0.0.1:1", [(s, d, 64)])  # nobody listens there
@@ -101,7 +101,7 @@ def test_guards_keep_crashing_calls_away_from_the_engine(mooncake_pair) -> None:
         with pytest.raises(TransferError) as info:
             prefill.finish_write(decode.peer_name, [bad])
         assert info.value.op == "transfer_check_status" and "is not live" in str(info.value)
-    src, s, dst, d = _buffers(mooncake_pair)
+    _src, s, _dst, d = _buffers(mooncake_pair)
     bids = prefill.start_write(decode.peer_name, [(s, d, 128)])
     prefill.finish_write(decode.peer_name, bids)
     with pytest.raises(TransferError, match="is not live"):  # stale: already reaped
@@ -160,7 +160,7 @@ def test_an_engine_timeout_is_a_typed_abandoned_write(mooncake_pair, monkeypatch
     (the write may still land, so callers retire its slot), a plain failure (-1) as a
     TransferError that is not one; and our own write_timeout_s gives TransferAbandoned."""
     decode, prefill = mooncake_pair
-    src, s, dst, d = _buffers(mooncake_pair)
+    _src, s, _dst, d = _buffers(mooncake_pair)
     real = prefill._engine
     status = [-2]
 

@@ -106,7 +106,7 @@ def _one_hot_committed_law(mw, p, draft_law, vocab):
         q_row = mw.assemble([d])[0].tolist()  # exactly what the verifier would read
         delta = [Fraction(int(i == x)) for i in range(vocab)]
         law = exact_verify_law(p, q_row, delta)
-        out = [o + sx * l for o, l in zip(out, law)]
+        out = [o + sx * w for o, w in zip(out, law)]
     return out
 
 

@@ -24,7 +24,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _sh(cmd: list[str], cwd: Path, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _sh(
+    cmd: list[str], cwd: Path, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert p.returncode == 0, f"{cmd}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p
@@ -35,29 +37,69 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
     pytest.importorskip("wheel", reason="building a wheel without isolation needs the 'wheel' package (test extra)")
     wheels = tmp_path / "wheels"
     _sh(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-         str(ROOT), str(ROOT / "plugins" / "pd-middleware-full")],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(ROOT),
+            str(ROOT / "plugins" / "pd-middleware-full"),
+        ],
         cwd=tmp_path,
     )
     built = sorted(p.name for p in wheels.glob("*.whl"))
-    assert len(built) == 2 and built[0].startswith("pd_middleware-0") and built[1].startswith("pd_middleware_full-"), built
+    assert len(built) == 2 and built[0].startswith("pd_middleware-0") and built[1].startswith("pd_middleware_full-"), (
+        built
+    )
 
     venv = tmp_path / "venv"
     _sh([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
     py = venv / "bin" / "python"
-    vsite = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    vsite = Path(
+        subprocess.check_output(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
     # Dependencies only: this environment's site directories, appended after the venv's own.
     here = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
     here |= {p for p in sys.path if p.endswith("site-packages")}
     (vsite / "_deps_from_test_env.pth").write_text("\n".join(sorted(here)) + "\n")
-    _sh([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
-         *map(str, sorted(wheels.glob("*.whl")))], cwd=tmp_path)
+    _sh(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            *map(str, sorted(wheels.glob("*.whl"))),
+        ],
+        cwd=tmp_path,
+    )
 
     work = tmp_path / "empty"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PD_MIDDLEWARE_CONFIG")}
-    where = _sh([str(py), "-c", "import pd_middleware, pd_middleware_plugins, pd_middleware_full as f; "
-                 "print(pd_middleware.__file__); print(pd_middleware_plugins.__file__); print(f.__file__)"], cwd=work, env=env)
+    where = _sh(
+        [
+            str(py),
+            "-c",
+            (
+                "import pd_middleware, pd_middleware_plugins, pd_middleware_full as f; "
+                "print(pd_middleware.__file__); print(pd_middleware_plugins.__file__); print(f.__file__)"
+            ),
+        ],
+        cwd=work,
+        env=env,
+    )
     for line in where.stdout.split():
         assert line.startswith(str(vsite)), f"imported from outside the venv: {line}"
 

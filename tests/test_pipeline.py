@@ -36,7 +36,10 @@ def test_hook_failure_fails_only_that_payload():
     released = []
     tag = Tag()
     pipe = ReceivePipeline([("boom", Boom()), ("tag", tag)], {"a": ("s", Synth()), "b": ("s", Synth())})
-    outs = [pipe.process(p(rid, i), releaser=lambda rid=rid: released.append(rid)) for i, rid in enumerate(["r0", "r1bad", "r2", "r3"])]
+    outs = [
+        pipe.process(p(rid, i), releaser=lambda rid=rid: released.append(rid))
+        for i, rid in enumerate(["r0", "r1bad", "r2", "r3"])
+    ]
     assert [type(o) for o in outs] == [Delivery, Failure, Delivery, Delivery]
     f = outs[1]
     assert f.stage == "hook:boom" and f.request_id == "r1bad"

@@ -6,20 +6,14 @@ engines on loopback; every wait is bounded.
 from __future__ import annotations
 
 import time
-from typing import Iterator
 
 import pytest
-import zmq
-
-from pd_middleware import OneHotProposal, Payload, TransferAbandoned, TransferError
-from pd_middleware.pipeline import Delivery, ReceivePipeline
-from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
+from _helpers import OneHot  # tests/ is on sys.path (no __init__.py)
 from _transport_peer import collect_outcomes, make_payload  # tests/ is on sys.path (no __init__.py)
 
-
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
+from pd_middleware import Payload, TransferAbandoned, TransferError
+from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
 
 
 def cfg(inflight: int, per_peer: int = 32) -> TransportConfig:
@@ -32,17 +26,12 @@ def cfg(inflight: int, per_peer: int = 32) -> TransportConfig:
     )
 
 
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: a failure must not hang term()
-
-
 def _pair(inflight: int, zctx, mooncake_pair) -> tuple[DecodeReceiver, PrefillSender]:
     decode_engine, prefill_engine = mooncake_pair
     c = cfg(inflight)
-    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx).start()
+    rx = DecodeReceiver(
+        c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), engine=decode_engine, context=zctx
+    ).start()
     tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="pipelined").connect(rx.address)
     return rx, tx
 
@@ -146,7 +135,10 @@ def test_write_failure_fails_the_request_then_refuses_until_reconnect(inflight, 
         tx.send(make_payload("after", 3))
         assert tx.flush(5.0)
         outs = collect_outcomes(rx, 2, timeout=5.0)  # "ok" and "after": the decode never saw the rest
-        assert [o.payload.request_id for o in outs] == [make_payload("ok", 0).request_id, make_payload("after", 3).request_id]
+        assert [o.payload.request_id for o in outs] == [
+            make_payload("ok", 0).request_id,
+            make_payload("after", 3).request_id,
+        ]
         for o in outs:
             o.release()
         st = tx.statuses()

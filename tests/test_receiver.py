@@ -14,31 +14,19 @@ Every test has a negative control showing it can fail.
 from __future__ import annotations
 
 import time
-from typing import Iterator
 
 import msgspec
 import pytest
 import zmq
+from _helpers import OneHot, inline_frames  # tests/ is on sys.path (no __init__.py)
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
-from pd_middleware import OneHotProposal, Payload, Provenance, TransferError
+from pd_middleware import Payload, Provenance, TransferError
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
 from pd_middleware.transport.nesting import MAX_DEPTH, nesting_depth
-from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
 NESTED = b"\x91" * 1000 + b"\x01"  # [[[...1...]]], 1001 bytes
-
-
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
 
 
 def cfg(**kw) -> TransportConfig:
@@ -52,7 +40,9 @@ def receiver(zctx, **kw) -> DecodeReceiver:
 
 
 def make(rid: str, hidden: int = 128) -> Payload:
-    return Payload(rid, (3,), (0.5,), 100, hidden=bytes(hidden), hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None))
+    return Payload(
+        rid, (3,), (0.5,), 100, hidden=bytes(hidden), hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None)
+    )
 
 
 def raw_peer(ctx: zmq.Context, address: str, name: str = "raw") -> zmq.Socket:
@@ -65,11 +55,6 @@ def raw_peer(ctx: zmq.Context, address: str, name: str = "raw") -> zmq.Socket:
     return s
 
 
-def frames_of(p: Payload, seq: int = 0) -> list[bytes]:
-    header, parts = wire.build_header(p, seq)
-    return [wire.encode(header), *(bytes(b) for b, _ in parts)]
-
-
 # ---- the loop survives any message ----------------------------------------------------
 
 
@@ -77,14 +62,14 @@ def test_nested_frame_is_a_counted_wire_nesting_failure(zctx) -> None:
     # Negative control: this frame is the one that raised RecursionError from an untyped decode.
     with pytest.raises(RecursionError):
         msgspec.msgpack.decode(NESTED)
-    assert nesting_depth(NESTED) == MAX_DEPTH + 1 and nesting_depth(frames_of(make("x"))[0]) <= 4
+    assert nesting_depth(NESTED) == MAX_DEPTH + 1 and nesting_depth(inline_frames(make("x"))[0]) <= 4
     rx = receiver(zctx)
     try:
         s = raw_peer(zctx, rx.address)
         for _ in range(3):
             s.send_multipart([NESTED])
             s.send_multipart([b"\x81\xa4kind" + b"\x81\xa1a" * 2000 + b"\x01"])  # nested maps under a key
-        s.send_multipart(frames_of(make("after")))
+        s.send_multipart(inline_frames(make("after")))
         outs = collect_outcomes(rx, 7)
         assert [o.key for o in outs[:6]] == ["wire:nesting"] * 6
         assert isinstance(outs[6], Delivery) and outs[6].request_id == "after"
@@ -107,8 +92,8 @@ def test_unforeseen_exception_fails_one_message_not_the_loop(zctx, monkeypatch) 
     monkeypatch.setattr(wire, "payload_from_header", flaky)
     try:
         s = raw_peer(zctx, rx.address)
-        s.send_multipart(frames_of(make("boom")))
-        s.send_multipart(frames_of(make("fine"), seq=1))
+        s.send_multipart(inline_frames(make("boom")))
+        s.send_multipart(inline_frames(make("fine"), seq=1))
         a, b = collect_outcomes(rx, 2)
         assert isinstance(a, Failure) and a.key == "receiver:internal" and "RuntimeError" in a.reason
         assert isinstance(b, Delivery) and b.request_id == "fine"  # negative control: the loop went on
@@ -178,16 +163,16 @@ def test_outstanding_request_id_from_the_same_peer_is_a_duplicate(zctx) -> None:
     s = raw_peer(zctx, rx.address, "p")
     t = raw_peer(zctx, rx.address, "q")
     try:
-        s.send_multipart(frames_of(make("r"), 0))
-        s.send_multipart(frames_of(make("r"), 1))  # again while the first is outstanding
+        s.send_multipart(inline_frames(make("r"), 0))
+        s.send_multipart(inline_frames(make("r"), 1))  # again while the first is outstanding
         first, dup = collect_outcomes(rx, 2)
-        t.send_multipart(frames_of(make("r"), 0))  # another peer: not this peer's duplicate
+        t.send_multipart(inline_frames(make("r"), 0))  # another peer: not this peer's duplicate
         (other,) = collect_outcomes(rx, 1)
         assert isinstance(first, Delivery) and dup.key == "wire:duplicate" and isinstance(other, Delivery)
         first.release()
         other.release()
         time.sleep(0.1)  # the loop applies the release
-        s.send_multipart(frames_of(make("r"), 2))  # negative control: released, so it may come again
+        s.send_multipart(inline_frames(make("r"), 2))  # negative control: released, so it may come again
         (again,) = collect_outcomes(rx, 1)
         assert isinstance(again, Delivery)
     finally:
@@ -201,13 +186,21 @@ def test_hidden_size_and_dtype_checked_against_config(zctx) -> None:
     rx = receiver(zctx, limits=LimitsConfig(hidden_size=64, hidden_dtype="bf16"))
     try:
         s = raw_peer(zctx, rx.address)
-        s.send_multipart(frames_of(make("wide", hidden=16 * 1024 * 1024 // 64)))  # 128K elements
-        fp32 = Payload("fp32", (3,), (0.5,), 100, hidden=bytes(256), hidden_dtype="fp32", provenance=Provenance("sampled", 1.0, None))
-        s.send_multipart(frames_of(fp32, 1))
-        s.send_multipart(frames_of(make("ok", hidden=128), 2))  # 64 bf16 elements: the control
+        s.send_multipart(inline_frames(make("wide", hidden=16 * 1024 * 1024 // 64)))  # 128K elements
+        fp32 = Payload(
+            "fp32",
+            (3,),
+            (0.5,),
+            100,
+            hidden=bytes(256),
+            hidden_dtype="fp32",
+            provenance=Provenance("sampled", 1.0, None),
+        )
+        s.send_multipart(inline_frames(fp32, 1))
+        s.send_multipart(inline_frames(make("ok", hidden=128), 2))  # 64 bf16 elements: the control
         # No hidden state at all (SGLang's side channel: the engine carries it) is not a wrong one.
         bare = Payload("bare", (3,), (0.5,), 100, hidden_dtype="fp32", provenance=Provenance("sampled", 1.0, None))
-        s.send_multipart(frames_of(bare, 3))
+        s.send_multipart(inline_frames(bare, 3))
         wide, dt, ok, none = collect_outcomes(rx, 4)
         assert wide.key == "wire:hidden.shape" and dt.key == "wire:hidden_dtype" and isinstance(ok, Delivery)
         assert isinstance(none, Delivery) and none.payload.hidden == b""

@@ -93,7 +93,9 @@ def test_unknown_plugin_names_the_config_key():
     reg = PluginRegistry()
     reg.register(GOOD)
     cfg = parse_config({"hooks": [{"name": "good"}, {"name": "nope"}], "synthesizer": {"name": "x"}})
-    with pytest.raises(PluginError, match=r"config key hooks\[1\]\.name.*no hook plugin named 'nope'; registered: good") as ei:
+    with pytest.raises(
+        PluginError, match=r"config key hooks\[1\]\.name.*no hook plugin named 'nope'; registered: good"
+    ) as ei:
         resolve_plugins(cfg, reg)
     assert ei.value.key == "hooks[1].name"
 
@@ -202,13 +204,17 @@ def test_separate_distribution_plugin_is_found():
 
 def test_broken_entry_point_is_lazy_listed_and_only_breaks_its_users(tmp_path, monkeypatch):
     """An unrelated broken entry point never breaks a lookup; the one that uses it names it."""
-    _install_fake_dist(tmp_path, "pdm-broken2", "pdm_broken2", "raise ImportError('boom2')\n", ["hook.broken = pdm_broken2:NOPE"])
+    _install_fake_dist(
+        tmp_path, "pdm-broken2", "pdm_broken2", "raise ImportError('boom2')\n", ["hook.broken = pdm_broken2:NOPE"]
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("pdm_broken2", None)
     reg = default_registry()
     assert reg.get("synthesizer", "one_hot").name == "one_hot"
     assert "pdm_broken2" not in sys.modules, "looking up one_hot imported an unrelated plugin"
-    with pytest.raises(PluginError, match=r"cannot load entry point hook.broken = pdm_broken2:NOPE .*ImportError: boom2") as ei:
+    with pytest.raises(
+        PluginError, match=r"cannot load entry point hook.broken = pdm_broken2:NOPE .*ImportError: boom2"
+    ) as ei:
         reg.get("hook", "broken", key="hooks[0].name")
     assert ei.value.key == "hooks[0].name"
     names = {(i.kind, i.name) for i in reg.plugins()}

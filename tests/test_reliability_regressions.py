@@ -15,7 +15,6 @@ One test (or pair) per bug, each with the campaign family that found it:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -25,27 +24,18 @@ import time
 import msgspec
 import pytest
 import zmq
+from _helpers import OneHot, inline_frames, make  # tests/ is on sys.path (no __init__.py)
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
-from pd_middleware import ConfigError, OneHotProposal, PluginError, WireError
+from pd_middleware import ConfigError, PluginError, WireError
 from pd_middleware.config import load_config, parse_config, resolve_plugins
 from pd_middleware.metrics import MAX_REASON_CHARS, MAX_REASONS, Metrics
 from pd_middleware.pipeline import Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
-from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, TransportConfig, wire
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-_spec = importlib.util.spec_from_file_location("_test_wire_reg", HERE / "test_wire.py")
-tw = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(tw)  # type: ignore[union-attr]
-
-
-class OneHot:
-    def synthesize(self, payload):
-        return OneHotProposal(payload.draft_tokens)
-
-
 
 
 # ---- 1. failure-reason cardinality -----------------------------------------------------------
@@ -69,7 +59,11 @@ def test_metrics_cap_distinct_and_long_failure_reasons() -> None:
 
 def test_unique_unknown_wire_fields_do_not_grow_decode_counters() -> None:
     ctx = zmq.Context()
-    rx = DecodeReceiver(TransportConfig(heartbeat_s=0.05, peer_timeout_s=30.0), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=ctx).start()
+    rx = DecodeReceiver(
+        TransportConfig(heartbeat_s=0.05, peer_timeout_s=30.0),
+        ReceivePipeline([], {"default": ("one_hot", OneHot())}),
+        context=ctx,
+    ).start()
     try:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
@@ -77,7 +71,7 @@ def test_unique_unknown_wire_fields_do_not_grow_decode_counters() -> None:
         s.send_multipart([wire.encode(wire.Hello(name="p", want_slots=0))])
         assert s.poll(5000)
         s.recv_multipart()
-        frames = tw.inline_frames(tw.make(rid="r"))
+        frames = inline_frames(make(rid="r"))
         raw = msgspec.msgpack.decode(frames[0])
         n = MAX_REASONS + 200
         for i in range(n):
@@ -105,7 +99,7 @@ def test_unique_unknown_wire_fields_do_not_grow_decode_counters() -> None:
     ],
 )
 def test_unnamed_inline_frames_are_rejected(change, message) -> None:
-    frames = tw.inline_frames(tw.make(1, "bf16", "dense", rid="extra"))
+    frames = inline_frames(make(1, "bf16", "dense", rid="extra"))
     assert len(frames) == 3
     with pytest.raises(WireError) as info:
         msg = wire.decode_frame(frames[0], LimitsConfig())
@@ -141,7 +135,11 @@ def test_yaml_duplicate_keys_are_rejected(tmp_path) -> None:
     f.write_text("model:\n  vocab_size: 100\n  vocab_size: 200\n")
     with pytest.raises(ConfigError) as info:
         load_config(f)
-    assert info.value.source == str(f) and "found duplicate key 'vocab_size'" in str(info.value) and "line 3" in str(info.value)
+    assert (
+        info.value.source == str(f)
+        and "found duplicate key 'vocab_size'" in str(info.value)
+        and "line 3" in str(info.value)
+    )
     f.write_text("model:\n  vocab_size: 100\nmodel:\n  num_steps: 2\n")
     with pytest.raises(ConfigError, match="found duplicate key 'model'"):
         load_config(f)
@@ -190,7 +188,16 @@ def test_py_file_reference_is_refused_before_import(tmp_path, monkeypatch) -> No
 def test_config_fuzz_smoke() -> None:
     """120 broken configs through reliability/config_fuzz.py: all rejected with a path (~5 s)."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "reliability" / "config_fuzz.py"), "--cases", "120", "--seed", "11", "--budget-s", "60"],
+        [
+            sys.executable,
+            str(ROOT / "reliability" / "config_fuzz.py"),
+            "--cases",
+            "120",
+            "--seed",
+            "11",
+            "--budget-s",
+            "60",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -22,25 +22,22 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Iterator
 
 import msgspec
 import pytest
 import zmq
+from _helpers import OneHot, inline_frames, make  # tests/ is on sys.path (no __init__.py)
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
-from pd_middleware import ConfigError, OneHotProposal, Payload, PluginError, TransferError, WireError
+from pd_middleware import ConfigError, Payload, PluginError, TransferError, WireError
 from pd_middleware.config import load_config, resolve_plugins
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
-from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
 from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-_spec = importlib.util.spec_from_file_location("_test_wire_sec", HERE / "test_wire.py")
-tw = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(tw)  # type: ignore[union-attr]
 
 KEY = "security-test-key-0123456789"
 
@@ -55,24 +52,10 @@ class Recorder:
         self.seen.append(payload.request_id)
 
 
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
-
-
 def cfg(**kw) -> TransportConfig:
     base = dict(heartbeat_s=0.05, peer_timeout_s=5.0)
     base.update(kw)
     return TransportConfig(**base)
-
-
 
 
 def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -87,7 +70,9 @@ def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
 
 def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> None:
     rec = Recorder()
-    rx = DecodeReceiver(cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    rx = DecodeReceiver(
+        cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx
+    ).start()
     good = Signer(KEY.encode())
     nonce = new_nonce()
     try:
@@ -100,15 +85,17 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
         attacker.recv_multipart()
         n = 20
         for i in range(n):
-            frames = tw.inline_frames(tw.make(rid=f"unsigned-{i}"))
+            frames = inline_frames(make(rid=f"unsigned-{i}"))
             attacker.send_multipart(frames)
-            frames = tw.inline_frames(tw.make(rid=f"forged-{i}"))
-            attacker.send_multipart([*frames, *Signer(b"not-the-key-not-the-key").sign(frames, nonce, 1 + i, TO_DECODE)])
-            frames = tw.inline_frames(tw.make(rid=f"tampered-{i}"))
+            frames = inline_frames(make(rid=f"forged-{i}"))
+            attacker.send_multipart(
+                [*frames, *Signer(b"not-the-key-not-the-key").sign(frames, nonce, 1 + i, TO_DECODE)]
+            )
+            frames = inline_frames(make(rid=f"tampered-{i}"))
             sig = good.sign(frames, nonce, 1 + i, TO_DECODE)
             frames[1] = bytes([frames[1][0] ^ 1]) + frames[1][1:]  # one bit of the tensor frame
             attacker.send_multipart([*frames, *sig])
-            frames = tw.inline_frames(tw.make(rid=f"truncsig-{i}"))
+            frames = inline_frames(make(rid=f"truncsig-{i}"))
             tail, mac = good.sign(frames, nonce, 1 + i, TO_DECODE)
             attacker.send_multipart([*frames, tail, mac[:16]])
         bad = collect_outcomes(rx, 4 * n)
@@ -118,7 +105,7 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
         assert rec.seen == []  # no hook or synthesizer ever ran on them
         assert rx.metrics.snapshot()["failed_by_reason"] == {"wire:hmac": 4 * n}
         # Negative control: the same socket, correctly signed, is delivered (the test can fail).
-        frames = tw.inline_frames(tw.make(rid="signed-ok"))
+        frames = inline_frames(make(rid="signed-ok"))
         attacker.send_multipart([*frames, *good.sign(frames, nonce, 1, TO_DECODE)])
         (ok,) = collect_outcomes(rx, 1)
         assert isinstance(ok, Delivery) and ok.request_id == "signed-ok" and rec.seen == ["signed-ok"]
@@ -129,10 +116,14 @@ def test_hmac_unsigned_forged_and_tampered_never_reach_the_scheduler(zctx) -> No
 
 
 def test_hmac_sender_receiver_key_mismatch_cannot_connect(zctx) -> None:
-    rx = DecodeReceiver(cfg(hmac_key=KEY), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    rx = DecodeReceiver(
+        cfg(hmac_key=KEY), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx
+    ).start()
     try:
         with pytest.raises(Exception, match="no slot grant from the decode within 0.5 s"):
-            PrefillSender(cfg(hmac_key="another-key-another-key", connect_timeout_s=0.5), context=zctx, name="x").connect(rx.address)
+            PrefillSender(
+                cfg(hmac_key="another-key-another-key", connect_timeout_s=0.5), context=zctx, name="x"
+            ).connect(rx.address)
         assert rx.peers == {}
     finally:
         rx.stop()
@@ -155,7 +146,9 @@ def _non_loopback_ip() -> str | None:
 
 def test_default_bind_is_loopback_only(zctx) -> None:
     assert TransportConfig().bind_host == "127.0.0.1"
-    rx = DecodeReceiver(TransportConfig(), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    rx = DecodeReceiver(
+        TransportConfig(), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx
+    ).start()
     try:
         endpoint = rx._sock.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
         assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", endpoint), endpoint
@@ -221,7 +214,9 @@ RSS_BOUND = 24 << 20  # allowed growth; each attack below would allocate >= 1 Ti
 def _oversize_peak(zctx, max_tensor_bytes: int) -> tuple[int, list]:
     """Peak RSS growth of this process while 10 frames of 16 MiB arrive from another process."""
     limits = LimitsConfig(max_message_bytes=4096, max_tensor_bytes=max_tensor_bytes)
-    rx = DecodeReceiver(cfg(limits=limits), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    rx = DecodeReceiver(
+        cfg(limits=limits), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx
+    ).start()
     try:
         _reset_peak()
         before = _peak_bytes()
@@ -245,13 +240,15 @@ def test_size_caps_reject_before_allocating(zctx) -> None:
     that peak, and the declarations would need terabytes.
     """
     limits = LimitsConfig(max_message_bytes=4096, max_tensor_bytes=65536)
-    rx = DecodeReceiver(cfg(limits=limits, peer_timeout_s=30.0), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    rx = DecodeReceiver(
+        cfg(limits=limits, peer_timeout_s=30.0), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx
+    ).start()
     try:
         s = dealer(zctx, rx.address)
         s.send_multipart([wire.encode(wire.Hello(name="big", want_slots=0))])
         assert s.poll(5000)
         s.recv_multipart()
-        base = tw.inline_frames(tw.make(1, "bf16", "sparse", rid="huge"))
+        base = inline_frames(make(1, "bf16", "sparse", rid="huge"))
         raw = msgspec.msgpack.decode(base[0])
         raw["hidden"]["shape"], raw["hidden"]["nbytes"] = [1 << 39], 1 << 40
         declared_hidden = [msgspec.msgpack.encode(raw), *base[1:]]
@@ -265,7 +262,7 @@ def test_size_caps_reject_before_allocating(zctx) -> None:
         before = _rss_bytes()
         peak_ok = _reset_peak()
         peak0 = _peak_bytes()
-        for i in range(1000):
+        for _i in range(1000):
             s.send_multipart(declared_hidden)
             s.send_multipart(declared_sparse)
         for _ in range(200):
@@ -283,7 +280,7 @@ def test_size_caps_reject_before_allocating(zctx) -> None:
             assert peak < RSS_BOUND, f"peak RSS grew by {peak / 2**20:.1f} MiB (bound {RSS_BOUND >> 20} MiB)"
         # The 16 MiB frames never reached Python (no outcome), and the receiver still serves.
         assert rx.get(timeout=0.3) is None
-        s.send_multipart(tw.inline_frames(tw.make(rid="after")))
+        s.send_multipart(inline_frames(make(rid="after")))
         (ok,) = collect_outcomes(rx, 1)
         assert isinstance(ok, Delivery) and ok.request_id == "after"
         s.close(0)
@@ -317,10 +314,19 @@ _DANGEROUS = re.compile(
 
 def test_no_code_path_unpickles_or_evaluates() -> None:
     assert len(_SOURCES) > 20  # negative control: the scan sees the package and plugins
-    offenders = [f"{p.relative_to(ROOT)}:{m.group(0).strip()}" for p in _SOURCES for m in _DANGEROUS.finditer(p.read_text())]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{m.group(0).strip()}" for p in _SOURCES for m in _DANGEROUS.finditer(p.read_text())
+    ]
     assert offenders == []
     # The scanner itself catches what it must (negative controls).
-    for bad in ("import pickle", "from marshal import loads", "x = eval(s)", "exec(code)", "torch.load(f)", "yaml.load(t, Loader=yaml.Loader)"):
+    for bad in (
+        "import pickle",
+        "from marshal import loads",
+        "x = eval(s)",
+        "exec(code)",
+        "torch.load(f)",
+        "yaml.load(t, Loader=yaml.Loader)",
+    ):
         assert _DANGEROUS.search(bad), bad
     # The one yaml.load call uses a SafeLoader subclass.
     for p in _SOURCES:
@@ -347,13 +353,15 @@ def test_msgspec_decoders_have_no_ext_hook() -> None:
     decoders = {n: getattr(wire, n) for n in dir(wire) if isinstance(getattr(wire, n), msgspec.msgpack.Decoder)}
     from pd_middleware.workloads import trace
 
-    decoders.update({f"trace.{n}": getattr(trace, n) for n in dir(trace) if isinstance(getattr(trace, n), msgspec.msgpack.Decoder)})
+    decoders.update(
+        {f"trace.{n}": getattr(trace, n) for n in dir(trace) if isinstance(getattr(trace, n), msgspec.msgpack.Decoder)}
+    )
     assert {"INBOUND_DECODER", "OUTBOUND_DECODER", "_SHALLOW_DECODER"} <= set(decoders)
     for name, dec in decoders.items():
         assert dec.ext_hook is None, name
     # An ext value anywhere in a typed message is a WireError, and the shallow decoder
     # (used to sniff request ids on the error path) yields inert bytes, not objects.
-    raw = msgspec.msgpack.decode(tw.inline_frames(tw.make())[0])
+    raw = msgspec.msgpack.decode(inline_frames(make())[0])
     frame = msgspec.msgpack.encode({**raw, "request_id": msgspec.msgpack.Ext(1, b"\x00")})
     with pytest.raises(WireError) as info:
         wire.decode_frame(frame, LimitsConfig())
@@ -424,19 +432,22 @@ def test_plugin_reference_in_config_names_the_key(tmp_path, plugin_on_disk) -> N
     # A well-formed but missing module is imported (that is the contract) and fails clearly.
     assert "cannot import 'no_such_module_pdm_sec': ModuleNotFoundError" in str(info.value)
     # Importable, but not a plugin: refused with the key named.
-    with pytest.raises(PluginError, match=r"\(config key synthesizer.name\): os:system is a builtin_function_or_method, not a PluginSpec|not a PluginSpec"):
+    with pytest.raises(
+        PluginError,
+        match=r"\(config key synthesizer.name\): os:system is a builtin_function_or_method, not a PluginSpec|not a PluginSpec",
+    ):
         PluginRegistry().resolve("synthesizer", "os:system", key="synthesizer.name")
     assert not plugin_on_disk.exists()
 
 
 # ---- CURVE: authenticated identity, allowlist, memory against raw ZMTP -----------------
 
-import resource  # noqa: E402
+import resource  # noqa: E402  # the CURVE section keeps its own imports
 
 sys.path.insert(0, str(ROOT / "reliability"))
-from _zmtp import RawZmtp  # noqa: E402
+from _zmtp import RawZmtp  # noqa: E402  # after the sys.path line above
 
-from pd_middleware.transport.config import CurveConfig  # noqa: E402
+from pd_middleware.transport.config import CurveConfig  # noqa: E402  # with the section
 
 
 def _keys(monkeypatch, name: str) -> tuple[str, str]:
@@ -451,8 +462,10 @@ def curve_setup(monkeypatch):
     server_pub, server_env = _keys(monkeypatch, "server")
     alice_pub, alice_env = _keys(monkeypatch, "alice")
     bob_pub, bob_env = _keys(monkeypatch, "bob")
-    eve_pub, eve_env = _keys(monkeypatch, "eve")  # a valid key pair, not on the allowlist
-    server = cfg(curve=CurveConfig(enabled=True, secret_key_env=server_env, clients={"alice": alice_pub, "bob": bob_pub}))
+    _eve_pub, eve_env = _keys(monkeypatch, "eve")  # a valid key pair, not on the allowlist
+    server = cfg(
+        curve=CurveConfig(enabled=True, secret_key_env=server_env, clients={"alice": alice_pub, "bob": bob_pub})
+    )
 
     def client(env: str, **kw) -> TransportConfig:
         return cfg(curve=CurveConfig(enabled=True, secret_key_env=env, server_key=server_pub), **kw)
@@ -471,11 +484,13 @@ def _rss_mb() -> float:
 def test_curve_identity_is_the_key_and_strangers_never_reach_python(zctx, curve_setup) -> None:
     server, clients = curve_setup
     rec = Recorder()
-    rx = DecodeReceiver(server, ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    rx = DecodeReceiver(
+        server, ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx
+    ).start()
     try:
         # The hello claims "bob", but the key is alice's: the identity is alice.
         a = PrefillSender(clients["alice"], context=zctx, name="bob").connect(rx.address)
-        a.send(tw.make(rid="from-alice"))
+        a.send(make(rid="from-alice"))
         (d,) = collect_outcomes(rx, 1)
         assert isinstance(d, Delivery) and d.peer == "alice" and rx.peers == {"alice": 0}
         # A valid key that is not allowed, and a plain (NULL) client: no grant, nothing received.
@@ -486,7 +501,7 @@ def test_curve_identity_is_the_key_and_strangers_never_reach_python(zctx, curve_
         # Spoofing alice's name from bob's (allowed) key neither drops alice nor takes her id.
         b = PrefillSender(clients["bob"], context=zctx, name="alice").connect(rx.address)
         assert rx.peers == {"alice": 0, "bob": 0}
-        a.send(tw.make(rid="alice-again"))
+        a.send(make(rid="alice-again"))
         (d2,) = collect_outcomes(rx, 1)
         assert d2.peer == "alice" and a.flush(5) and a.statuses()["delivered"] == 2
         a.reconnect()  # the same key on a new connection replaces its old one, nobody else's
@@ -507,7 +522,7 @@ def test_curve_raw_zmtp_stream_is_refused_at_the_handshake(zctx, curve_setup) ->
     rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
     plain = DecodeReceiver(cfg(), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
     try:
-        host, port = rx.address[len("tcp://"):].rsplit(":", 1)
+        host, port = rx.address[len("tcp://") :].rsplit(":", 1)
         # Negative control: the same raw client completes a NULL handshake with a plain receiver.
         ctl = RawZmtp(host, int(plain.address.rsplit(":", 1)[1]))
         assert ctl.handshake()
@@ -531,7 +546,9 @@ def test_curve_raw_zmtp_stream_is_refused_at_the_handshake(zctx, curve_setup) ->
 
 def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
     rec = Recorder()
-    rx = DecodeReceiver(cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    rx = DecodeReceiver(
+        cfg(hmac_key=KEY), ReceivePipeline([("rec", rec)], {"default": ("one_hot", OneHot())}), context=zctx
+    ).start()
     good = Signer(KEY.encode())
     nonce = new_nonce()
     try:
@@ -541,7 +558,7 @@ def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
         legit.send_multipart(signed_hello)
         assert legit.poll(5000)
         legit.recv_multipart()
-        frames = tw.inline_frames(tw.make(rid="once"))
+        frames = inline_frames(make(rid="once"))
         captured = [*frames, *good.sign(frames, nonce, 1, TO_DECODE)]
         legit.send_multipart(captured)
         (d,) = collect_outcomes(rx, 1)
@@ -563,7 +580,7 @@ def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
         (r4,) = collect_outcomes(rx, 1)
         assert r4.key == "wire:replay" and "off this clock" in r4.reason
         # Negative control: the legit connection's next sequence is delivered.
-        frames = tw.inline_frames(tw.make(rid="twice"))
+        frames = inline_frames(make(rid="twice"))
         legit.send_multipart([*frames, *good.sign(frames, nonce, 2, TO_DECODE)])
         (ok,) = collect_outcomes(rx, 1)
         assert isinstance(ok, Delivery) and rec.seen == ["once", "twice"]
@@ -588,7 +605,7 @@ def test_curve_keys_from_files_and_config_checks(zctx, tmp_path) -> None:
     rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
     try:
         tx = PrefillSender(client, context=zctx, name="whatever").connect(rx.address)
-        tx.send(tw.make(rid="k"))
+        tx.send(make(rid="k"))
         (d,) = collect_outcomes(rx, 1)
         assert isinstance(d, Delivery) and d.peer == "prefill-a"  # the certificate's file name
         tx.close()
@@ -608,8 +625,16 @@ def test_curve_keys_from_files_and_config_checks(zctx, tmp_path) -> None:
         TransportConfig(hmac_key=KEY, curve=CurveConfig(enabled=True, secret_key_env="X"))
     # A missing secret or an empty allowlist fails at start with the config path, never silently open.
     with pytest.raises(ConfigError) as err:
-        DecodeReceiver(cfg(curve=CurveConfig(enabled=True, secret_key_env="PDM_UNSET_VAR_XYZ")), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+        DecodeReceiver(
+            cfg(curve=CurveConfig(enabled=True, secret_key_env="PDM_UNSET_VAR_XYZ")),
+            ReceivePipeline([], {"default": ("one_hot", OneHot())}),
+            context=zctx,
+        ).start()
     assert err.value.path == "transport.curve.secret_key_env"
     with pytest.raises(ConfigError) as err:
-        DecodeReceiver(cfg(curve=CurveConfig(enabled=True, secret_key_file=decode_secret)), ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+        DecodeReceiver(
+            cfg(curve=CurveConfig(enabled=True, secret_key_file=decode_secret)),
+            ReceivePipeline([], {"default": ("one_hot", OneHot())}),
+            context=zctx,
+        ).start()
     assert err.value.path == "transport.curve.clients"

@@ -9,7 +9,6 @@ A raw ROUTER plays the decode: it grants, then sends what a real decode never wo
 from __future__ import annotations
 
 import time
-from typing import Iterator
 
 import pytest
 import zmq
@@ -18,13 +17,6 @@ from pd_middleware import Payload, Provenance, TransferError
 from pd_middleware.transport import PrefillSender, TransportConfig, wire
 
 NESTED = b"\x91" * 1000 + b"\x01"
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # fail, never hang in term()
 
 
 def cfg() -> TransportConfig:
@@ -60,7 +52,9 @@ def connect(ctx: zmq.Context, router: zmq.Socket, address: str) -> tuple[Prefill
 
 
 def make(rid: str) -> Payload:
-    return Payload(rid, (3,), (0.5,), 100, hidden=bytes(64), hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None))
+    return Payload(
+        rid, (3,), (0.5,), 100, hidden=bytes(64), hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None)
+    )
 
 
 def test_nested_frame_from_the_decode_is_counted_and_the_sender_stays_up(zctx) -> None:

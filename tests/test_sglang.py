@@ -73,10 +73,7 @@ def install(cfg, *, decode_module=None, prefill_module=None, version=None, chann
     return S.install(cfg, S.InstallOptions(channel=channel, modules=mods, version=version, **kw))
 
 
-@pytest.fixture(autouse=True)
-def _clean_install():
-    yield
-    S.uninstall()
+pytestmark = pytest.mark.usefixtures("sglang_uninstall")  # conftest: no installation outlives a test
 
 
 # ----------------------------------------------------------------- stand-in SGLang modules
@@ -204,7 +201,13 @@ def test_missing_prefill_class_refused_before_decode_is_patched() -> None:
     build = m.build_eagle_disagg_draft_input
     pub = ProposalPublisher(object(), RecordingSender(), vocab_size=V)
     with pytest.raises(PluginError, match=r"empty_pre\.SchedulerDisaggregationPrefillMixin not found"):
-        install(make_config(), decode_module=m, prefill_module=types.ModuleType("empty_pre"), publisher=pub, version="0.5.23")
+        install(
+            make_config(),
+            decode_module=m,
+            prefill_module=types.ModuleType("empty_pre"),
+            publisher=pub,
+            version="0.5.23",
+        )
     assert m.build_eagle_disagg_draft_input is build
 
 
@@ -256,13 +259,17 @@ def test_one_hot_through_the_wrapped_function_single_and_multi_layer() -> None:
     m.SPEC = SimpleNamespace(rs=True, multi_layer=True, num_steps=3)
     out = m.build_eagle_disagg_draft_input(batch_of([req([1, 2, 3]), req([4, 5, 6])]), None, None).draft_probs
     assert tuple(out.shape) == (2, 3, V)
-    assert torch.equal(out.argmax(-1), torch.tensor([[1, 2, 3], [4, 5, 6]])) and torch.equal(out.sum(-1), torch.ones(2, 3))
+    assert torch.equal(out.argmax(-1), torch.tensor([[1, 2, 3], [4, 5, 6]])) and torch.equal(
+        out.sum(-1), torch.ones(2, 3)
+    )
 
 
 def test_config_mismatches_are_config_errors() -> None:
     m = fake_decode_module()
     install(make_config(), decode_module=m, version="0.5.23")
-    with pytest.raises(ConfigError, match=r"at model\.vocab_size.*SGLang runs with vocab_size = 32, the config says 16"):
+    with pytest.raises(
+        ConfigError, match=r"at model\.vocab_size.*SGLang runs with vocab_size = 32, the config says 16"
+    ):
         m.build_eagle_disagg_draft_input(batch_of([req([1])], vocab=32), None, None)
     m.SPEC = SimpleNamespace(rs=True, multi_layer=True, num_steps=2)
     with pytest.raises(ConfigError, match=r"at model\.num_steps.*SGLang runs with num_steps = 2, the config says 1"):
@@ -302,10 +309,17 @@ def test_store_feeds_proposals_and_counts_every_fallback() -> None:
     reqs = [req([2], room=7), req([4], room=8), req([1], room=9), req([3], room=10)]
     out = m.build_eagle_disagg_draft_input(batch_of(reqs), None, None).draft_probs
     assert out[0, 2] == 0.75 and out[0, 5] == 0.25 and out[0].sum() == 1.0
-    assert torch.equal(out[1:].argmax(-1), torch.tensor([4, 1, 3])) and torch.equal(out[1:].max(-1).values, torch.ones(3))
+    assert torch.equal(out[1:].argmax(-1), torch.tensor([4, 1, 3])) and torch.equal(
+        out[1:].max(-1).values, torch.ones(3)
+    )
     assert sorted(released) == ["7", "8"] and len(store) == 0
     c = inst.proposer.counts
-    assert (c["proposal:prefill"], c["fallback:token_mismatch"], c["fallback:failed:wire:draft_probs"], c["fallback:missing"]) == (1, 1, 1, 1)
+    assert (
+        c["proposal:prefill"],
+        c["fallback:token_mismatch"],
+        c["fallback:failed:wire:draft_probs"],
+        c["fallback:missing"],
+    ) == (1, 1, 1, 1)
     assert inst.middleware.metrics.fallbacks["sglang:missing"] == 1
 
 
@@ -316,7 +330,7 @@ def test_store_bounds_capacity_and_age() -> None:
     for rid in ("a", "b", "c"):
         store.put(_delivery(rid, [1], OneHotProposal((1,)), released)._replace(received_at=now[0]))
     assert released == ["a"] and store.evicted["capacity"] == 1 and len(store) == 2
-    store.receiver = SimpleNamespace(drain=lambda: [])
+    store.receiver = SimpleNamespace(drain=list)
     now[0] = 111.0
     store.pump()
     assert sorted(released) == ["a", "b", "c"] and store.evicted["ttl"] == 2 and len(store) == 0
@@ -392,9 +406,13 @@ def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None
     assert int(reqs[0].output_topk_index[0]) == x and x in q[0].topk(2).indices.tolist(), f"seed {SEED}"
     assert int(reqs[1].output_topk_index[0]) == 15 and int(reqs[2].output_topk_index[0]) == 15
     di3 = SimpleNamespace(draft_probs=q.view(3, 1, V).expand(3, 2, V), topk_index=torch.zeros(3, 2, dtype=torch.int64))
-    wrap_process_batch_result(lambda self, b, r: None, lambda: pub)(None, SimpleNamespace(reqs=reqs), SimpleNamespace(next_draft_input=di3))
+    wrap_process_batch_result(lambda self, b, r: None, lambda: pub)(
+        None, SimpleNamespace(reqs=reqs), SimpleNamespace(next_draft_input=di3)
+    )
     assert pub.counts["skipped:multi_layer"] == 1 and len(tx.sent) == 1
-    assert S.uninstall() and not hasattr(pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill, "__wrapped__")
+    assert S.uninstall() and not hasattr(
+        pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill, "__wrapped__"
+    )
 
 
 # ----------------------------------------------------------------- activation
@@ -403,7 +421,7 @@ def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None
 def test_activate_from_env(tmp_path, monkeypatch) -> None:
     assert S.activate_from_env({}) is None
     bad = tmp_path / "bad.toml"
-    bad.write_text("[sglang]\nchannel = \"carrier-pigeon\"\n")
+    bad.write_text('[sglang]\nchannel = "carrier-pigeon"\n')
     monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(bad))
     with pytest.raises(SystemExit, match=r"pd-middleware: config error at sglang\.channel"):
         S.sglang_plugin()
@@ -424,7 +442,12 @@ def facts(**over):
         ({"topk": 4}, {}, "metadata", "--speculative-eagle-topk is 4"),
         ({"rejection_sampling": False}, {}, "metadata", "without --speculative-use-rejection-sampling"),
         ({}, {"decode": {"rejection_sampling": False}}, "metadata", "at decode.rejection_sampling"),
-        ({"vocab_size": 32}, {}, "metadata", "at model.vocab_size.*SGLang runs with vocab_size = 32, the config says 16"),
+        (
+            {"vocab_size": 32},
+            {},
+            "metadata",
+            "at model.vocab_size.*SGLang runs with vocab_size = 32, the config says 16",
+        ),
         ({"num_steps": 3}, {}, "metadata", "at model.num_steps.*num_steps = 3, the config says 1"),
         ({"backend": "nixl"}, {}, "metadata", "at sglang.channel.*mooncake transfer backend only.*nixl"),
         ({"tp_rank": 1}, {"synthesizer": {"name": "sparse"}}, "sidechannel", "TP rank 1 would not see the payloads"),
@@ -432,7 +455,13 @@ def facts(**over):
 )
 def test_startup_checks_name_the_flag(over, cfg_over, channel, message) -> None:
     with pytest.raises(ConfigError, match=message):
-        install(make_config(**cfg_over), decode_module=fake_decode_module(), version="0.5.23", channel=channel, facts=facts(**over))
+        install(
+            make_config(**cfg_over),
+            decode_module=fake_decode_module(),
+            version="0.5.23",
+            channel=channel,
+            facts=facts(**over),
+        )
     assert S.current() is None  # a failed activation leaves SGLang unpatched
 
 
@@ -468,7 +497,9 @@ def test_publisher_from_config_uses_the_top_level_encoder_under_ab() -> None:
 SGLANG_ABSENT = importlib.util.find_spec("sglang") is None
 needs_sglang = [
     pytest.mark.sglang,
-    pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang` (requirements-sglang.txt)"),
+    pytest.mark.skipif(
+        SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang` (requirements-sglang.txt)"
+    ),
 ]
 
 
@@ -604,7 +635,11 @@ def _serve_and_publish(ed, cfg, rooms, rows_q, seed=SEED):
 
 
 def sparse_cfg(**over):
-    return make_config(synthesizer={"name": "sparse"}, encoder={"name": "sparse", "options": {"mode": "topk", "k": 3, "value_dtype": "fp32"}}, **over)
+    return make_config(
+        synthesizer={"name": "sparse"},
+        encoder={"name": "sparse", "options": {"mode": "topk", "k": 3, "value_dtype": "fp32"}},
+        **over,
+    )
 
 
 @sglang_test
@@ -627,8 +662,12 @@ def test_real_overlap_relay_carries_our_q(ed) -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     cfg = sparse_cfg()
-    inst, enc = _serve_and_publish(ed, cfg, [201, 202], draft_rows(2, seed=SEED + 1))
-    fm = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.EAGLE, SimpleNamespace(req_to_token=torch.zeros((8, 64), dtype=torch.int32)))
+    _inst, enc = _serve_and_publish(ed, cfg, [201, 202], draft_rows(2, seed=SEED + 1))
+    fm = FutureMap(
+        torch.device("cpu"),
+        SpeculativeAlgorithm.EAGLE,
+        SimpleNamespace(req_to_token=torch.zeros((8, 64), dtype=torch.int32)),
+    )
     tokens = enc.tokens[:, 0].tolist()
     with spec():
         got = build(ed, real_batch([[t] for t in tokens], overlap=True, rooms=[201, 202]), fm)
@@ -667,7 +706,9 @@ def test_real_plugin_loader_activates_from_env(ed, tmp_path, monkeypatch) -> Non
     cfg = tmp_path / "pd.toml"
     cfg.write_text(f"[model]\nvocab_size = {V}\n")
     ep = importlib.metadata.EntryPoint(
-        name="pd_middleware", value="pd_middleware.integrations.sglang:sglang_plugin", group=plugins.GENERAL_PLUGINS_GROUP
+        name="pd_middleware",
+        value="pd_middleware.integrations.sglang:sglang_plugin",
+        group=plugins.GENERAL_PLUGINS_GROUP,
     )
     monkeypatch.setattr(plugins, "entry_points", lambda group: [ep] if group == plugins.GENERAL_PLUGINS_GROUP else [])
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
@@ -687,7 +728,10 @@ def test_real_live_ab_split_routes_each_room_to_its_arm(ed) -> None:
 
     cfg = sparse_cfg(
         hooks=[{"name": "ab_split"}],
-        arms=[{"name": "one_hot", "synthesizer": {"name": "one_hot"}}, {"name": "sparse", "synthesizer": {"name": "sparse"}}],
+        arms=[
+            {"name": "one_hot", "synthesizer": {"name": "one_hot"}},
+            {"name": "sparse", "synthesizer": {"name": "sparse"}},
+        ],
     )
     rooms = list(range(300, 308))
     inst, enc = _serve_and_publish(ed, cfg, rooms, draft_rows(len(rooms), seed=SEED + 2))
@@ -696,7 +740,11 @@ def test_real_live_ab_split_routes_each_room_to_its_arm(ed) -> None:
     with spec():
         got = build(ed, real_batch([[t] for t in enc.tokens[:, 0].tolist()], rooms=rooms)).draft_probs
     for i, arm in enumerate(arms):
-        want = sparse_law_tensor(enc.proposals[i], 1, V)[0] if arm == "sparse" else torch.nn.functional.one_hot(enc.tokens[i, 0], V).float()
+        want = (
+            sparse_law_tensor(enc.proposals[i], 1, V)[0]
+            if arm == "sparse"
+            else torch.nn.functional.one_hot(enc.tokens[i, 0], V).float()
+        )
         assert torch.equal(got[i], want), f"room {rooms[i]} arm {arm}"
     assert inst.middleware.metrics.snapshot()["delivered_by_arm"] == {a: arms.count(a) for a in set(arms)}
 
@@ -709,7 +757,15 @@ def test_sidechannel_activation_starts_the_receiver_and_needs_an_address(monkeyp
     assert S.uninstall()
     monkeypatch.delenv("PD_MIDDLEWARE_DECODE_ADDRESS", raising=False)
     with pytest.raises(ConfigError, match="needs PD_MIDDLEWARE_DECODE_ADDRESS"):
-        install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill"))
+        install(
+            cfg,
+            decode_module=fake_decode_module(),
+            version="0.5.23",
+            channel="sidechannel",
+            facts=facts(role="prefill"),
+        )
     monkeypatch.setenv("PD_MIDDLEWARE_DECODE_ADDRESS", address)
-    inst = install(cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill"))
+    inst = install(
+        cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill")
+    )
     assert inst.publisher is not None and inst.publisher.stage is None  # connects on its first publish

@@ -60,7 +60,9 @@ def ed(request, sglang_importable):
 def test_offline_job_configs_are_refused_at_install(path, sglang_importable) -> None:
     from pd_middleware import ConfigError
 
-    with pytest.raises(ConfigError, match=r"at hooks: \[\[arms\]\] needs a routing hook .* offline `pd-middleware ab` job"):
+    with pytest.raises(
+        ConfigError, match=r"at hooks: \[\[arms\]\] needs a routing hook .* offline `pd-middleware ab` job"
+    ):
         S.install(shapeless(path), S.InstallOptions(hook_scheduler=False))
     assert S.current() is None
 
@@ -81,12 +83,19 @@ def spec(rejection_sampling=True, multi_layer=False):
 def batch(chains, vocab=VOCAB):
     reqs = [
         SimpleNamespace(
-            output_topk_p=[0.25] * len(c), output_topk_index=list(c), hidden_states_tensor=torch.full((4,), float(i)),
+            output_topk_p=[0.25] * len(c),
+            output_topk_index=list(c),
+            hidden_states_tensor=torch.full((4,), float(i)),
             output_dsa_topk_indices=None,
         )
         for i, c in enumerate(chains)
     ]
-    return SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=vocab, hf_config=SimpleNamespace()))
+    return SimpleNamespace(
+        reqs=reqs,
+        device="cpu",
+        enable_overlap=False,
+        model_config=SimpleNamespace(vocab_size=vocab, hf_config=SimpleNamespace()),
+    )
 
 
 def build(ed, sp, chains, vocab=VOCAB):

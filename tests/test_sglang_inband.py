@@ -27,19 +27,15 @@ from pd_middleware import ConfigError
 from pd_middleware.config import parse_config
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations import sglang_metadata
 from pd_middleware.integrations.sglang_metadata import FRAME_MARK, _wrap_init, _wrap_registration
 from pd_middleware.integrations.sglang_prefill import room_seed, wrap_process_batch_result
+from pd_middleware.payload import Payload, Provenance
 
-pytestmark = [pytest.mark.sglang]
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
 
 V = 64
 SEED = 77
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    yield
-    S.uninstall()
 
 
 @pytest.fixture
@@ -66,7 +62,9 @@ def config(capacity=4096, **over):
 
 
 def facts(role="decode", **over):
-    return S.EngineFacts(**{**dict(role=role, vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True), **over})
+    return S.EngineFacts(
+        **{**dict(role=role, vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True), **over}
+    )
 
 
 def activate(cfg, role="decode", **over):
@@ -79,10 +77,21 @@ def buffers(sg, size=8):
 
 def prefill_req(room, idx):
     return SimpleNamespace(
-        bootstrap_room=room, metadata_buffer_index=idx, output_ids=[5], cached_tokens=0, cached_tokens_device=0,
-        cached_tokens_host=0, cached_tokens_storage=0, get_mm_token_counts=lambda: (0, 0, 0), return_logprob=False,
-        return_sampling_mask=False, hidden_states_tensor=torch.ones(4), output_dsa_topk_indices=None,
-        inflight_middle_chunks=0, to_finish=None, discard_output_reason=None,
+        bootstrap_room=room,
+        metadata_buffer_index=idx,
+        output_ids=[5],
+        cached_tokens=0,
+        cached_tokens_device=0,
+        cached_tokens_host=0,
+        cached_tokens_storage=0,
+        get_mm_token_counts=lambda: (0, 0, 0),
+        return_logprob=False,
+        return_sampling_mask=False,
+        hidden_states_tensor=torch.ones(4),
+        output_dsa_topk_indices=None,
+        inflight_middle_chunks=0,
+        to_finish=None,
+        discard_output_reason=None,
     )
 
 
@@ -96,9 +105,13 @@ def sglang_copies_draft_input(self, batch, result):
 def prefill(inst, reqs, q, pbuf):
     """The prefill of one batch: SGLang's draw, our wrapper, SGLang's copy, the real set_buf."""
     b = len(reqs)
-    di = SimpleNamespace(topk_index=torch.zeros((b, 1), dtype=torch.int64), topk_p=torch.full((b, 1), 0.5), draft_probs=q)
+    di = SimpleNamespace(
+        topk_index=torch.zeros((b, 1), dtype=torch.int64), topk_p=torch.full((b, 1), 0.5), draft_probs=q
+    )
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1))))
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
+        None, batch, SimpleNamespace(next_draft_input=di)
+    )
     for r in reqs:
         pbuf.set_buf(r)
     return di
@@ -114,23 +127,45 @@ def send_aux(src, src_idx, dst, dst_idx):
 
 def commit(sg, dbuf, idx, room):
     req = SimpleNamespace(
-        rid=f"r{room}", bootstrap_room=room, bootstrap_host="10.0.0.2", output_ids=[], return_logprob=False,
-        return_sampling_mask=False, finished_reason=None, pd_rebootstrap_forced_output_id=None,
+        rid=f"r{room}",
+        bootstrap_room=room,
+        bootstrap_host="10.0.0.2",
+        output_ids=[],
+        return_logprob=False,
+        return_sampling_mask=False,
+        finished_reason=None,
+        pd_rebootstrap_forced_output_id=None,
         time_stats=SimpleNamespace(set_wait_queue_entry_time=lambda: None),
     )
     queue = SimpleNamespace(
-        scheduler=SimpleNamespace(kv_checksum_computer=None, batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda r, t: None)),
-        metadata_buffers=dbuf, spec_algorithm=SimpleNamespace(is_none=lambda: False),
+        scheduler=SimpleNamespace(
+            kv_checksum_computer=None,
+            batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda r, t: None),
+        ),
+        metadata_buffers=dbuf,
+        spec_algorithm=SimpleNamespace(is_none=lambda: False),
         _commit_hicache_local_restore_to_req=lambda dr: None,
     )
-    dreq = SimpleNamespace(req=req, metadata_buffer_index=idx, is_rebootstrap=False, kv_receiver=SimpleNamespace(clear=lambda: None))
+    dreq = SimpleNamespace(
+        req=req, metadata_buffer_index=idx, is_rebootstrap=False, kv_receiver=SimpleNamespace(clear=lambda: None)
+    )
     sg.decode.DecodeTransferQueue._commit_transfer_to_req(queue, dreq)
     return req
 
 
 def build(sg, reqs):
-    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=1, enable_multi_layer_eagle=False, speculative_use_rejection_sampling=True)
-    batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    spec = SimpleNamespace(
+        speculative_eagle_topk=1,
+        speculative_num_steps=1,
+        enable_multi_layer_eagle=False,
+        speculative_use_rejection_sampling=True,
+    )
+    batch = SimpleNamespace(
+        reqs=reqs,
+        device="cpu",
+        enable_overlap=False,
+        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
+    )
     with patch.object(sg.ed, "get_spec", return_value=spec):
         return sg.ed.build_eagle_disagg_draft_input(batch, torch.zeros(len(reqs), dtype=torch.int64), None).draft_probs
 
@@ -220,6 +255,83 @@ def test_rank_divergence_falls_back_to_one_hot(sg) -> None:
     assert inst.proposer.counts["fallback:token_mismatch"] == 1
 
 
+def test_x_and_row_from_different_prefill_writes_fall_back_to_one_hot(sg) -> None:
+    """TP 2 -> 1 MHA: each aux buffer's last writer wins, buffer by buffer (docs/sglang_transfer.md).
+
+    Rank B wrote its row and X'; rank A's publish failed, so it kept SGLang's own draw
+    (X ~ q, here the same token as X') and no row. If A's ``output_topk_index`` lands last
+    and B's row stays, X and q' come from different draws: a biased pair even though the
+    tokens agree. The tag beside X binds X to its row, so this falls back to one-hot.
+    """
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    p_b, p_a, dbuf = buffers(sg), buffers(sg), buffers(sg)
+    (req_b,) = [prefill_req(31, 0)]
+    prefill(inst, [req_b], draft(1), p_b)
+    x = int(req_b.output_topk_index[0])
+    req_a = prefill_req(31, 0)
+    req_a.output_topk_index = torch.tensor([x])  # SGLang's own draw, the same token
+    req_a.output_topk_p = torch.tensor([0.27])
+    inst.channel.stage(req_a, None)  # nothing staged on rank A
+    p_a.set_buf(req_a)
+    assert int(p_a.output_topk_index[0, 15]) == 0 and int(p_b.output_topk_index[0, 15]) != 0
+    # Control: everything from rank B is B's exact pair.
+    send_aux(p_b, 0, dbuf, 0)
+    assert commit(sg, dbuf, 0, 31).pd_middleware.reason == "prefill"
+    # A's X and q(X) buffers land after B's (interleaved writers), B's row stays.
+    dbuf.output_topk_index[0] = p_a.output_topk_index[0]
+    dbuf.output_topk_p[0] = p_a.output_topk_p[0]
+    dreq = commit(sg, dbuf, 0, 31)
+    assert dreq.pd_middleware.reason == "binding"
+    assert torch.equal(build(sg, [dreq])[0], torch.nn.functional.one_hot(torch.tensor(x), V).float())
+    assert inst.channel.counts["inband:binding"] == 1
+
+
+def test_late_write_after_the_digest_check_is_not_read(sg) -> None:
+    """The row is copied once before its digest is checked: a write landing afterwards (SGLang's
+    TCP aux path writes from another thread) cannot reach the decoded payload unverified."""
+    from pd_middleware.inband import read_row
+
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    reqs = [prefill_req(41, 0)]
+    prefill(inst, reqs, draft(1), pbuf)
+    send_aux(pbuf, 0, dbuf, 0)
+    live = inst.channel.rows(dbuf)[0]
+    shared: list[bool] = []
+
+    def read_watching(row, room, layout, request_id=None):
+        # read_row checks the digest, then decodes: both must see one snapshot, not the live row.
+        shared.append(bool(np.shares_memory(row, live)))
+        return read_row(row, room, layout, request_id)
+
+    with patch.object(sglang_metadata, "read_row", read_watching):
+        dreq = commit(sg, dbuf, 0, 41)
+    assert dreq.pd_middleware.reason == "prefill"
+    assert shared == [False]
+
+
+def test_overflow_that_cannot_fit_even_x_never_raises_into_set_buf(sg) -> None:
+    """A row so small that the X-only overflow row does not fit either: cleared, counted, no raise."""
+    inst = activate(config(capacity=256), num_steps=15)
+    long_name = Payload(
+        request_id="51",
+        draft_tokens=(1,) * 15,
+        draft_probs=(0.5,) * 15,
+        vocab_size=V,
+        provenance=Provenance("sampled", 1.0, "x" * 40),
+        proposal=None,
+    )
+    pbuf = buffers(sg)
+    req = prefill_req(51, 0)
+    req.output_topk_index, req.output_topk_p = torch.ones(15, dtype=torch.int64), torch.full((15,), 0.5)
+    inst.channel.stage(req, long_name)
+    pbuf.set_buf(req)  # must not raise
+    assert not pbuf.pd_proposal[0, :48].any() and int(pbuf.output_topk_index[0, 15]) == 0
+    assert inst.channel.counts["inband:write_failed:RowOverflowError"] == 1
+
+
 @pytest.mark.parametrize("where", [60, 200, 3000])
 def test_corrupt_row_falls_back_to_one_hot_counted(sg, where) -> None:
     inst = activate(config())
@@ -272,16 +384,35 @@ def _registration(aux_ptrs, extra=None):
     from sglang.srt.disaggregation.common.utils import pack_int_lists
 
     msg = [
-        b"None", b"127.0.0.1", b"17000", b"127.0.0.1:17001", b"", struct.pack(f"{len(aux_ptrs)}Q", *aux_ptrs),
-        pack_int_lists([], "Q"), b"0", b"1", b"0", pack_int_lists([], "I"), pack_int_lists([], "I"),
-        b"", b"", b"", b"", b"1", b"0", b"", b"",
+        b"None",
+        b"127.0.0.1",
+        b"17000",
+        b"127.0.0.1:17001",
+        b"",
+        struct.pack(f"{len(aux_ptrs)}Q", *aux_ptrs),
+        pack_int_lists([], "Q"),
+        b"0",
+        b"1",
+        b"0",
+        pack_int_lists([], "I"),
+        pack_int_lists([], "I"),
+        b"",
+        b"",
+        b"",
+        b"",
+        b"1",
+        b"0",
+        b"",
+        b"",
     ]
     return msg + ([extra] if extra is not None else [])
 
 
 def _validate(sg, inst, local_aux, msg):
     info = sg.mooncake.KVArgsRegisterInfo.from_zmq(msg)
-    mgr = SimpleNamespace(kv_args=SimpleNamespace(state_types=[], aux_data_ptrs=[0] * local_aux), state_tp_size=1, attn_tp_size=1)
+    mgr = SimpleNamespace(
+        kv_args=SimpleNamespace(state_types=[], aux_data_ptrs=[0] * local_aux), state_tp_size=1, attn_tp_size=1
+    )
     spec = SimpleNamespace(speculative_algorithm="EAGLE")
     with patch.object(sg.mooncake, "get_spec", return_value=spec):
         return sg.mooncake.MooncakeKVManager._validate_peer_state_layout(mgr, info)
@@ -296,7 +427,10 @@ def test_handshake_rejects_one_sided_drop_in_and_other_capacity(sg) -> None:
     assert "the decode registered none (15 metadata buffers vs 16 here)" in why and "capacity=4096" in why
     theirs = b"rowv1 capacity=8192 vocab=64 steps=1 sig=0000000000000000"
     _, why = _validate(sg, inst, 16, _registration([1] * 16, FRAME_MARK + theirs))
-    assert why.startswith("pd-middleware proposal rows differ: prefill rowv1 capacity=4096") and "decode rowv1 capacity=8192" in why
+    assert (
+        why.startswith("pd-middleware proposal rows differ: prefill rowv1 capacity=4096")
+        and "decode rowv1 capacity=8192" in why
+    )
     _, why = _validate(sg, inst, 16, _registration([1] * 17, FRAME_MARK + mine))
     assert "metadata buffer count differs: prefill 16, decode 17" in why
     assert inst.channel.counts["inband:peer_rejected"] == 3
@@ -374,7 +508,9 @@ def multi_layer_stand_in():
         g = torch.Generator().manual_seed(1000 + int(prev.sum()))
         return torch.randn(b, V, generator=g) * 2 + torch.nn.functional.one_hot(prev, V).float() * 3
 
-    def sample_draft_proposal(next_token_logits, temperatures, top_ks=None, *, sampling_seed=None, positions=None, draft_step=0):
+    def sample_draft_proposal(
+        next_token_logits, temperatures, top_ks=None, *, sampling_seed=None, positions=None, draft_step=0
+    ):
         probs = torch.softmax(next_token_logits / temperatures.view(-1, 1), -1)
         x = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5 + draft_step))
         return probs, probs.gather(1, x), x
@@ -384,8 +520,12 @@ def multi_layer_stand_in():
             prev, ps, xs, qs = next_token_ids, [], [], []
             for step in range(STEPS):
                 logits = step_logits(prev, len(batch.reqs))
-                q, p, x = m.sample_draft_proposal(logits, batch.sampling_info.temperatures, sampling_seed=None, positions=None, draft_step=step)
-                ps.append(p); xs.append(x); qs.append(q)
+                q, p, x = m.sample_draft_proposal(
+                    logits, batch.sampling_info.temperatures, sampling_seed=None, positions=None, draft_step=step
+                )
+                ps.append(p)
+                xs.append(x)
+                qs.append(q)
                 prev = x[:, 0]
             return SimpleNamespace(topk_p=torch.cat(ps, 1), topk_index=torch.cat(xs, 1), draft_probs=torch.stack(qs, 1))
 
@@ -399,7 +539,12 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
     mod = multi_layer_stand_in()
     orig_sample = mod.sample_draft_proposal
     cfg = config(capacity=8192)
-    inst = S.install(cfg, S.InstallOptions(channel="metadata", facts=facts("prefill", num_steps=STEPS), modules=S.SGLangModules(multi_layer=mod)))
+    inst = S.install(
+        cfg,
+        S.InstallOptions(
+            channel="metadata", facts=facts("prefill", num_steps=STEPS), modules=S.SGLangModules(multi_layer=mod)
+        ),
+    )
     assert mod.sample_draft_proposal is not orig_sample
     pbuf = buffers(sg)
     rooms = [501, 502]
@@ -412,13 +557,18 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
     for k in range(STEPS):
         q = torch.softmax(mod.step_logits(prev, 2), -1)
         for i in range(2):
-            g = torch.Generator().manual_seed(room_seed(SEED, f"{rooms[i]}:{k}"))
+            salt = f"{getattr(reqs[i], 'rid', '')}:{k}"
+            g = torch.Generator().manual_seed(room_seed(SEED, rooms[i], salt))
             e = inst.publisher.encoder.encode(q[i : i + 1], temperature=1.0, generator=g)
             assert payloads[i].draft_tokens[k] == int(e.tokens[0, 0]) == int(di.topk_index[i, k]), (i, k)
-            assert torch.equal(sparse_law_tensor(payloads[i].proposal, STEPS, V)[k], sparse_law_tensor(e.proposals[0], 1, V)[0])
+            assert torch.equal(
+                sparse_law_tensor(payloads[i].proposal, STEPS, V)[k], sparse_law_tensor(e.proposals[0], 1, V)[0]
+            )
         prev = di.topk_index[:, k]
     # The prefill wrapper hands those payloads on (no second draw), set_buf writes them.
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
+        None, batch, SimpleNamespace(next_draft_input=di)
+    )
     for r in reqs:
         pbuf.set_buf(r)
     assert inst.publisher.counts["chain:published"] == 2
@@ -431,8 +581,18 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
         send_aux(pbuf, i, dbuf, i)
         dreqs.append(commit(sg, dbuf, i, r))
     assert [d.pd_middleware.reason for d in dreqs] == ["prefill", "prefill"]
-    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=STEPS, enable_multi_layer_eagle=True, speculative_use_rejection_sampling=True)
-    b = SimpleNamespace(reqs=dreqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    spec = SimpleNamespace(
+        speculative_eagle_topk=1,
+        speculative_num_steps=STEPS,
+        enable_multi_layer_eagle=True,
+        speculative_use_rejection_sampling=True,
+    )
+    b = SimpleNamespace(
+        reqs=dreqs,
+        device="cpu",
+        enable_overlap=False,
+        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
+    )
     with patch.object(sg.ed, "get_spec", return_value=spec):
         got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(2, dtype=torch.int64), None).draft_probs
     assert got.shape == (2, STEPS, V)
@@ -458,9 +618,15 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
     inst.publisher.vocab_size = V
     pbuf = buffers(sg)
     reqs = [prefill_req(601, 0)]
-    di = SimpleNamespace(topk_index=torch.tensor([[4, 9, 2]]), topk_p=torch.tensor([[0.5, 0.25, 0.125]]), draft_probs=torch.full((1, STEPS, V), 1.0 / V))
+    di = SimpleNamespace(
+        topk_index=torch.tensor([[4, 9, 2]]),
+        topk_p=torch.tensor([[0.5, 0.25, 0.125]]),
+        draft_probs=torch.full((1, STEPS, V), 1.0 / V),
+    )
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((1, 1))))
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(None, batch, SimpleNamespace(next_draft_input=di))
+    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
+        None, batch, SimpleNamespace(next_draft_input=di)
+    )
     pbuf.set_buf(reqs[0])
     assert inst.publisher.counts["skipped:multi_layer"] == 1
     inst.proposer.bind(V, STEPS)
@@ -468,8 +634,18 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
     send_aux(pbuf, 0, dbuf, 0)
     dreq = commit(sg, dbuf, 0, 601)
     assert dreq.pd_middleware.reason == "no_distribution" and dreq.pd_middleware.tokens == (4, 9, 2)
-    spec = SimpleNamespace(speculative_eagle_topk=1, speculative_num_steps=STEPS, enable_multi_layer_eagle=True, speculative_use_rejection_sampling=True)
-    b = SimpleNamespace(reqs=[dreq], device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()))
+    spec = SimpleNamespace(
+        speculative_eagle_topk=1,
+        speculative_num_steps=STEPS,
+        enable_multi_layer_eagle=True,
+        speculative_use_rejection_sampling=True,
+    )
+    b = SimpleNamespace(
+        reqs=[dreq],
+        device="cpu",
+        enable_overlap=False,
+        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
+    )
     with patch.object(sg.ed, "get_spec", return_value=spec):
         got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
@@ -482,15 +658,30 @@ def test_fake_transfer_is_not_counted_as_a_missing_row(sg) -> None:
     room = 77
     dbuf.bootstrap_room[0, 0] = room
     req = SimpleNamespace(
-        rid="warm", bootstrap_room=room, bootstrap_host=sg.utils.FAKE_BOOTSTRAP_HOST, output_ids=[], return_logprob=False,
-        return_sampling_mask=False, finished_reason=None, pd_rebootstrap_forced_output_id=None,
-        time_stats=SimpleNamespace(set_wait_queue_entry_time=lambda: None), origin_input_ids=[1, 2], sampling_params=SimpleNamespace(),
+        rid="warm",
+        bootstrap_room=room,
+        bootstrap_host=sg.utils.FAKE_BOOTSTRAP_HOST,
+        output_ids=[],
+        return_logprob=False,
+        return_sampling_mask=False,
+        finished_reason=None,
+        pd_rebootstrap_forced_output_id=None,
+        time_stats=SimpleNamespace(set_wait_queue_entry_time=lambda: None),
+        origin_input_ids=[1, 2],
+        sampling_params=SimpleNamespace(),
     )
     queue = SimpleNamespace(
-        scheduler=SimpleNamespace(kv_checksum_computer=None, batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda r, t: None)),
-        metadata_buffers=dbuf, spec_algorithm=SimpleNamespace(is_none=lambda: False), _commit_hicache_local_restore_to_req=lambda dr: None,
+        scheduler=SimpleNamespace(
+            kv_checksum_computer=None,
+            batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda r, t: None),
+        ),
+        metadata_buffers=dbuf,
+        spec_algorithm=SimpleNamespace(is_none=lambda: False),
+        _commit_hicache_local_restore_to_req=lambda dr: None,
     )
-    dreq = SimpleNamespace(req=req, metadata_buffer_index=0, is_rebootstrap=False, kv_receiver=SimpleNamespace(clear=lambda: None))
+    dreq = SimpleNamespace(
+        req=req, metadata_buffer_index=0, is_rebootstrap=False, kv_receiver=SimpleNamespace(clear=lambda: None)
+    )
     with patch.object(sg.decode, "_generate_fake_prefill_handoff_output_id", return_value=3):
         sg.decode.DecodeTransferQueue._commit_transfer_to_req(queue, dreq)
     assert not hasattr(req, "pd_middleware") and inst.channel.counts["inband:not_sent"] == 0
@@ -515,12 +706,19 @@ def scheduler_module(sg):
 
 
 def runtime(**over):
-    from sglang.srt.runtime_context import get_context, get_parallel
     import contextlib
 
+    from sglang.srt.runtime_context import get_context, get_parallel
+
     args = dict(
-        speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3, enable_multi_layer_eagle=False,
-        speculative_use_rejection_sampling=True, disaggregation_mode="decode", disaggregation_transfer_backend="mooncake", tp_size=2,
+        speculative_algorithm="EAGLE",
+        speculative_eagle_topk=1,
+        speculative_num_steps=3,
+        enable_multi_layer_eagle=False,
+        speculative_use_rejection_sampling=True,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="mooncake",
+        tp_size=2,
     )
     args.update(over)
     stack = contextlib.ExitStack()
@@ -535,7 +733,16 @@ def test_scheduler_start_reads_sglangs_runtime_context_and_binds_before_allocati
     sched = mod.Scheduler(vocab=V)
     with runtime():
         sched.init_disaggregation()
-    assert inst.facts == S.EngineFacts(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True, backend="mooncake", tp_rank=1)
+    assert inst.facts == S.EngineFacts(
+        role="decode",
+        vocab_size=V,
+        num_steps=1,
+        algorithm="EAGLE",
+        topk=1,
+        rejection_sampling=True,
+        backend="mooncake",
+        tp_rank=1,
+    )
     assert inst.proposer.bound == (V, 1) and inst.channel.layout.vocab_size == V
     assert sched.disagg_metadata_buffers.pd_proposal.shape == (8, 4096)  # TP rank 1: no rank-0 restriction
 
@@ -556,3 +763,22 @@ def test_misconfigured_scheduler_stops_at_startup(sg, over, message) -> None:
     with runtime(**over), pytest.raises(ConfigError, match=message):
         sched.init_disaggregation()
     assert not hasattr(sched, "disagg_metadata_buffers")  # before SGLang allocated anything
+
+
+def test_prefill_start_warns_when_the_encoders_largest_row_exceeds_capacity(sg, caplog) -> None:
+    """A full-distribution encoder behind a too-small row would send X-only every time: say so at start."""
+    from pd_middleware.inband import row_bytes
+
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        inst = activate(config(capacity=256, encoder={"name": "full", "options": {"dtype": "fp32"}}), role="prefill")
+    msg = [r.getMessage() for r in caplog.records if "largest row" in r.getMessage()]
+    _, (flat,) = inst.publisher.encode([0], torch.full((1, V), 1.0 / V))
+    need = row_bytes(flat)
+    assert need > 256 and len(msg) == 1
+    assert f"largest row is {need} bytes" in msg[0] and "capacity_bytes is 256" in msg[0]
+    S.uninstall()
+    caplog.clear()
+    # Control: a top-5 sparse row fits in 256 bytes, nothing is said.
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        activate(config(capacity=256), role="prefill")
+    assert not [r for r in caplog.records if "largest row" in r.getMessage()]

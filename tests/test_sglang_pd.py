@@ -14,11 +14,11 @@ import statistics
 import tomllib
 from pathlib import Path
 
+import _sglang_pd as H
 import numpy as np
 import pytest
 import torch
 
-import _sglang_pd as H
 from pd_middleware.config import parse_config
 from pd_middleware.inband import RowLayout, read_row
 from pd_middleware.middleware import DecodeMiddleware
@@ -269,7 +269,7 @@ def row_diff(a: list[bytes], b: list[bytes]) -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             off = next(k for k in range(min(len(x), len(y))) if x[k] != y[k])
-            return f"buffer {i} differs first at byte {off}: {x[off:off + 16].hex()} vs {y[off:off + 16].hex()}"
+            return f"buffer {i} differs first at byte {off}: {x[off : off + 16].hex()} vs {y[off : off + 16].hex()}"
     return f"{len(a)} vs {len(b)} buffers"
 
 
@@ -282,7 +282,9 @@ def one_hot(x: int) -> torch.Tensor:
 def transfer_and_build(dep, room: int, firsts, **kw) -> tuple[dict, list[dict]]:
     out = dep.transfer(room, n_pages=N_PAGES, first=firsts, **kw)
     for d, got in enumerate(out["decode"]):
-        assert got["status"] == "Success", f"room {room}: decode rank {d}: {got['status']} ({got['reason']}); prefill {out['prefill']}"
+        assert got["status"] == "Success", (
+            f"room {room}: decode rank {d}: {got['status']} ({got['reason']}); prefill {out['prefill']}"
+        )
     built = H.gather(dep.decode, "build", rooms=[room])
     return out, built
 
@@ -347,7 +349,9 @@ def test_dropin_on_the_prefill_only_fails_fast_naming_both_layouts(dep):
     out = dep.transfer(room, n_pages=N_PAGES, first=dropin_first(room))
     (p,), (got,) = out["prefill"], out["decode"]
     assert p["status"] == "Failed" and got["status"] == "Failed"
-    assert "proposal rows differ" in p["reason"] and "capacity=20480" in p["reason"] and "registered none" in p["reason"], p["reason"]
+    assert (
+        "proposal rows differ" in p["reason"] and "capacity=20480" in p["reason"] and "registered none" in p["reason"]
+    ), p["reason"]
     assert out["seconds"] < 10, out["seconds"]
     print(f"\nprefill-only drop-in: request failed after {1e3 * out['seconds']:.0f} ms: {p['reason']}")
     assert H.gather(dep.prefill, "counters")[0]["inband"]["inband:peer_rejected"] >= 1
@@ -357,7 +361,7 @@ def test_dropin_on_the_decode_only_counts_not_sent_and_answers_one_hot(dep):
     dep.install(None, sparse_config(), V)
     dep.configure(1, 1)
     room = rooms()
-    out, (b,) = transfer_and_build(dep, room, first_row(0, room))
+    _out, (b,) = transfer_and_build(dep, room, first_row(0, room))
     x = first_row(0, room)["topk_index"][0]
     assert torch.equal(b["draft_probs"], one_hot(x)) and b["reasons"] == ["not_sent"]
     assert b["counters"]["inband"]["inband:not_sent"] == 1 and b["counters"]["decode"]["fallback:not_sent"] == 1
@@ -380,7 +384,9 @@ def test_dropin_corrupt_row_falls_back_to_one_hot_counted(dep):
     dep.install(cfg, cfg, V)
     dep.configure(1, 1)
     room = rooms()
-    out, (b,) = transfer_and_build(dep, room, dropin_first(room), wait_kw={"before_commit": "flip_proposal_byte", "hook_kw": {"offset": 200}})
+    out, (b,) = transfer_and_build(
+        dep, room, dropin_first(room), wait_kw={"before_commit": "flip_proposal_byte", "hook_kw": {"offset": 200}}
+    )
     x = out["prefill"][0]["x"]
     assert torch.equal(b["draft_probs"], one_hot(x)) and b["reasons"] == ["digest"]
     assert b["counters"]["inband"]["inband:digest"] == 1 and b["counters"]["decode"]["fallback:digest"] == 1
@@ -415,16 +421,22 @@ def test_dropin_rank_divergence_never_pairs_a_proposal_with_another_draw(dep, re
         assert x in xs
         if b["reasons"] == ["prefill"]:
             assert torch.equal(b["draft_probs"], reference(room, got["row"][-1]))
-            assert written(got["row"][-1]) == written(out["prefill"][xs.index(x)]["row"][-1])  # the proposal of the X verified
+            assert written(got["row"][-1]) == written(
+                out["prefill"][xs.index(x)]["row"][-1]
+            )  # the proposal of the X verified
         else:
             # X from one rank, the row from the other; or a row torn between the two writers.
-            assert b["reasons"][0] in ("token_mismatch", "digest") and torch.equal(b["draft_probs"], one_hot(x)), b["reasons"]
+            assert b["reasons"][0] in ("token_mismatch", "digest") and torch.equal(b["draft_probs"], one_hot(x)), b[
+                "reasons"
+            ]
             assert b["counters"]["decode"][f"fallback:{b['reasons'][0]}"] >= 1
         seen.append(b["reasons"][0])
     # Deterministic mismatch: SGLang's row says X' != the proposal row's X.
     room = rooms()
     other = 1 + dropin_first(room)["q_seed"] % (V - 1)
-    out, (b,) = transfer_and_build(dep, room, dropin_first(room), wait_kw={"before_commit": "set_x", "hook_kw": {"x": other}})
+    out, (b,) = transfer_and_build(
+        dep, room, dropin_first(room), wait_kw={"before_commit": "set_x", "hook_kw": {"x": other}}
+    )
     if other != out["prefill"][0]["x"]:
         assert b["reasons"] == ["token_mismatch"] and torch.equal(b["draft_probs"], one_hot(other))
         assert b["counters"]["decode"]["fallback:token_mismatch"] >= 1

@@ -56,16 +56,22 @@ def test_admit_accepts_the_written_bytes_once_and_refuses_a_replay() -> None:
 def test_unwritten_or_stale_bytes_are_refused_with_a_control() -> None:
     pool = SlotPool(2, 4096)
     (s,) = pool.grant("p", 1)
-    old, parts = wire.build_header(_payload("old", seed=1), 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"])
+    old, parts = wire.build_header(
+        _payload("old", seed=1), 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
+    )
     _place(pool, s, parts)
     _admit(pool, s, old)
     # The next header names the slot, but its write never happened: the old bytes are there.
-    new, new_parts = wire.build_header(_payload("new", seed=2), 1, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"])
+    new, _new_parts = wire.build_header(
+        _payload("new", seed=2), 1, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
+    )
     with pytest.raises(IntegrityError, match="do not match") as info:
         _admit(pool, s, new)
     assert info.value.field == "proposal.data.digest"
     # Control: once the bytes are written, a header at the next generation is admitted.
-    new2, parts2 = wire.build_header(_payload("new", seed=2), 2, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"])
+    new2, parts2 = wire.build_header(
+        _payload("new", seed=2), 2, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
+    )
     _place(pool, s, parts2)
     _admit(pool, s, new2)
 

@@ -39,7 +39,9 @@ ENCODERS = {
     "full-fp32": lambda c: full.FullEncoder(full.FullEncoderOptions(dtype="fp32"), c),
     "full-bf16": lambda c: full.FullEncoder(full.FullEncoderOptions(dtype="bf16"), c),
     "sparse-topk": lambda c: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topk", k=4), c),
-    "sparse-floor": lambda c: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topp", epsilon=0.2, k_max=6, floor=True), c),
+    "sparse-floor": lambda c: sparse.SparseEncoder(
+        sparse.SparseEncoderOptions(mode="topp", epsilon=0.2, k_max=6, floor=True), c
+    ),
 }
 
 
@@ -58,17 +60,21 @@ def payloads(encoder_name, b=4, steps=1, v=V):
     ctx = PluginContext(vocab_size=v, num_steps=steps, rejection_sampling=True, side="prefill")
     q = rows(b, steps, v)
     out = ENCODERS[encoder_name](ctx).encode(q, generator=torch.Generator().manual_seed(SEED))
-    return q, out, [
-        Payload(
-            request_id=f"r{i}",
-            draft_tokens=out.tokens[i],
-            draft_probs=out.token_probs[i],
-            vocab_size=v,
-            provenance=out.provenance,
-            proposal=out.proposals[i],
-        )
-        for i in range(b)
-    ]
+    return (
+        q,
+        out,
+        [
+            Payload(
+                request_id=f"r{i}",
+                draft_tokens=out.tokens[i],
+                draft_probs=out.token_probs[i],
+                vocab_size=v,
+                provenance=out.provenance,
+                proposal=out.proposals[i],
+            )
+            for i in range(b)
+        ],
+    )
 
 
 # ----------------------------------------------------------------------------- contract suite
@@ -100,7 +106,7 @@ def test_contract_refuses_wrong_vocab_and_step_count(name):
 def test_contract_hands_over_the_law_x_was_drawn_from_or_one_hot(name, encoder, steps):
     """The exactness contract for every (encoder, synthesizer) pair: q' is either the
     exact law X was drawn from (bit for bit) or the one-hot row at X."""
-    q, out, ps = payloads(encoder, steps=steps)
+    _q, _out, ps = payloads(encoder, steps=steps)
     synth = build(name, steps=steps)
     props = [synth.synthesize(p) for p in ps]
     built = ProposalAssembler(V, steps, max_batch=8).build(props).clone().view(len(ps), steps, V)
@@ -119,7 +125,7 @@ def test_contract_hands_over_the_law_x_was_drawn_from_or_one_hot(name, encoder, 
 @pytest.mark.parametrize("name", SYNTHS)
 def test_contract_greedy_payloads_get_one_hot_even_with_a_distribution_attached(name):
     for enc_name in ("full-fp32", "sparse-topk"):
-        _, out, ps = payloads(enc_name)
+        _, _out, ps = payloads(enc_name)
         for p in ps:
             forged = Payload(
                 request_id=p.request_id,
@@ -168,7 +174,9 @@ def _dense(values, dtype="fp32"):
     t = torch.tensor(values, dtype=torch.float32)
     if dtype == "bf16":
         return DenseEncoding(dtype="bf16", data=t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return DenseEncoding(dtype=dtype, data=t.to({"fp32": torch.float32, "fp16": torch.float16}[dtype]).numpy().tobytes())
+    return DenseEncoding(
+        dtype=dtype, data=t.to({"fp32": torch.float32, "fp16": torch.float16}[dtype]).numpy().tobytes()
+    )
 
 
 def _sparse(idx, vals, lengths=None, dtype="fp16", tail=()):
@@ -184,11 +192,15 @@ def _sparse(idx, vals, lengths=None, dtype="fp16", tail=()):
 U = [1 / V] * V
 
 DENSE_BAD = [
-    (_dense(U[:-1]), "proposal.data", f"holds {4 * (V - 1)} bytes, expected {4 * V} (1 x {V} fp32); width {V - 1} != vocab {V}"),
-    (_dense(U + [0.0]), "proposal.data", f"width {V + 1} != vocab {V}"),
-    (_dense([float("nan")] + U[1:]), "proposal.data", "contains NaN or inf"),
-    (_dense([float("inf")] + U[1:], "bf16"), "proposal.data", "contains NaN or inf"),
-    (_dense([-0.25, 0.25 + 1 / V] + U[2:]), "proposal.data", "contains negative values"),
+    (
+        _dense(U[:-1]),
+        "proposal.data",
+        f"holds {4 * (V - 1)} bytes, expected {4 * V} (1 x {V} fp32); width {V - 1} != vocab {V}",
+    ),
+    (_dense([*U, 0.0]), "proposal.data", f"width {V + 1} != vocab {V}"),
+    (_dense([float("nan"), *U[1:]]), "proposal.data", "contains NaN or inf"),
+    (_dense([float("inf"), *U[1:]], "bf16"), "proposal.data", "contains NaN or inf"),
+    (_dense([-0.25, 0.25 + 1 / V, *U[2:]]), "proposal.data", "contains negative values"),
     (_dense([2 / V] * V), "proposal.data", "step 0 sums to 2, not 1 within 0.001"),
     (_dense([0.9 / V] * V, "fp16"), "proposal.data", "step 0 sums to 0.9"),
 ]
@@ -199,17 +211,32 @@ SPARSE_BAD = [
     (_sparse([-1, 2], [0.5, 0.5]), "proposal.indices", f"index -1 is outside [0, {V})"),
     (_sparse([1, 2], [float("nan"), 1.0]), "proposal.values", "contains NaN or inf"),
     (_sparse([1, 2], [-0.5, 1.5], dtype="fp32"), "proposal.values", "contains negative values"),
-    (_sparse([1, 2], [0.5, 0.6], dtype="fp32"), "proposal.values", "step 0: listed mass 1.1 + tail 0 is not 1 within 0.001"),
-    (_sparse([1, 2], [0.2, 0.2], tail=(0.3,)), "proposal.values", "listed mass 0.399902 + tail 0.3 is not 1 within 0.01"),
+    (
+        _sparse([1, 2], [0.5, 0.6], dtype="fp32"),
+        "proposal.values",
+        "step 0: listed mass 1.1 + tail 0 is not 1 within 0.001",
+    ),
+    (
+        _sparse([1, 2], [0.2, 0.2], tail=(0.3,)),
+        "proposal.values",
+        "listed mass 0.399902 + tail 0.3 is not 1 within 0.01",
+    ),
     (_sparse([1, 2], [0.0, 0.0], tail=(0.99,)), "proposal.values", "step 0 has no probability mass"),
     (_sparse([1, 2], [0.5, 0.5], lengths=(1, 1)), "proposal.lengths", "has 2 steps, expected 1"),
     (_sparse([], [], lengths=(0,)), "proposal.lengths", f"entry count 0 is not an int in [1, {V}]"),
     (_sparse([1, 2], [0.5, 0.5], lengths=(3,)), "proposal.indices", "holds 8 bytes, expected 3 int32 indices"),
-    (SparseEncoding(lengths=(2,), indices=np.array([1, 2], np.int32).tobytes(), values=b"\0" * 2), "proposal.values",
-     "holds 2 bytes, expected 2 fp16 values"),
+    (
+        SparseEncoding(lengths=(2,), indices=np.array([1, 2], np.int32).tobytes(), values=b"\0" * 2),
+        "proposal.values",
+        "holds 2 bytes, expected 2 fp16 values",
+    ),
     (_sparse([1, 2], [0.5, 0.5], tail=(0.1, 0.1)), "proposal.tail_mass", "has 2 entries, expected 1"),
     (_sparse([1, 2], [0.5, 0.5], tail=(1.0,)), "proposal.tail_mass", "step 0: 1.0 is not a probability in [0, 1)"),
-    (_sparse(list(range(V)), U, tail=(0.1,)), "proposal.tail_mass", "step 0 lists the whole vocab but spreads 0.1 over no token"),
+    (
+        _sparse(list(range(V)), U, tail=(0.1,)),
+        "proposal.tail_mass",
+        "step 0 lists the whole vocab but spreads 0.1 over no token",
+    ),
 ]
 
 

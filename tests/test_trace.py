@@ -44,10 +44,25 @@ def payloads() -> list[Payload]:
         tail_mass=(0.2, 0.1),
     )
     return [
-        Payload("r-dense", (3,), (float(q[0, 3]),), V, hidden=hidden,
-                provenance=Provenance("sampled", 0.7, "dense-fp32"), proposal=dense(q[:1], "fp32")),
-        Payload("r-bf16", (4, 7), (0.25, 1), V, hidden=memoryview(bytearray(hidden)), hidden_dtype="bf16",
-                provenance=Provenance(sampled_from="dense-bf16"), proposal=dense(q, "bf16")),
+        Payload(
+            "r-dense",
+            (3,),
+            (float(q[0, 3]),),
+            V,
+            hidden=hidden,
+            provenance=Provenance("sampled", 0.7, "dense-fp32"),
+            proposal=dense(q[:1], "fp32"),
+        ),
+        Payload(
+            "r-bf16",
+            (4, 7),
+            (0.25, 1),
+            V,
+            hidden=memoryview(bytearray(hidden)),
+            hidden_dtype="bf16",
+            provenance=Provenance(sampled_from="dense-bf16"),
+            proposal=dense(q, "bf16"),
+        ),
         Payload("r-sparse", (1, 2), (0.5, 0.3), V, provenance=Provenance(sampled_from="sparse-fp16"), proposal=sparse),
         Payload("r-greedy", (11,), (0.9,), V, hidden=b"", hidden_dtype="fp32", provenance=Provenance("greedy", 0.0)),
     ]
@@ -165,7 +180,7 @@ def test_reader_rejects_malformed_files(tmp_path: Path) -> None:
     open_seg.write_bytes(raw[: len(raw) - len(_frame({"kind": "end", "records": 1}))])
     with pytest.raises(TraceError, match="last segment has no end record"):
         list(read_trace(open_seg))
-    bad.write_bytes(raw[:-len(_frame({"kind": "end", "records": 1}))] + _frame({"kind": "end", "records": 5}))
+    bad.write_bytes(raw[: -len(_frame({"kind": "end", "records": 1}))] + _frame({"kind": "end", "records": 5}))
     with pytest.raises(TraceError, match="end record counts 5 payloads, segment holds 1"):
         list(read_trace(bad))
 
@@ -178,14 +193,20 @@ def test_trace_workload_replays_targets_and_proposals(tmp_path: Path) -> None:
     with TraceWriter(path) as w:
         for i in range(5):
             enc = dense(q[i], "fp32")
-            w.write(Payload(f"t{i}", (i, i + 1), (0.1, 0.2), V, provenance=Provenance(sampled_from="dense-fp32"),
-                            proposal=enc), target=target[i])
+            w.write(
+                Payload(
+                    f"t{i}", (i, i + 1), (0.1, 0.2), V, provenance=Provenance(sampled_from="dense-fp32"), proposal=enc
+                ),
+                target=target[i],
+            )
     wl = make_workload("trace", path=str(path))
     assert (wl.vocab_size, wl.num_steps) == (V, 2)
     batches = list(wl.batches(4, 3, seed=0))
     assert [b.request_ids for b in batches] == [("t0", "t1", "t2"), ("t3",)]
     assert torch.equal(batches[0].target_probs, target[:3])
-    assert torch.allclose(batches[0].draft_probs, torch.stack([dense_law_tensor(dense(q[i], "fp32"), 2, V) for i in range(3)]))
+    assert torch.allclose(
+        batches[0].draft_probs, torch.stack([dense_law_tensor(dense(q[i], "fp32"), 2, V) for i in range(3)])
+    )
     assert batches[1].prefix.tolist() == [[3, 4]]
     assert len(list(wl.payloads())) == 5
 
@@ -200,7 +221,11 @@ def _u16_payload() -> Payload:
     """Two steps at V = 152064 (three 65536-token buckets), u16 indices."""
     ids = [[7, 70000, 150000], [65535, 65536]]
     return Payload(
-        "r-u16", (7, 65536), (0.25, 0.5), 152064, provenance=Provenance(sampled_from="sparse-fp16"),
+        "r-u16",
+        (7, 65536),
+        (0.25, 0.5),
+        152064,
+        provenance=Provenance(sampled_from="sparse-fp16"),
         proposal=SparseEncoding(
             lengths=(3, 2),
             indices=torch.tensor([i & 0xFFFF for r in ids for i in r], dtype=torch.uint16).numpy().tobytes(),
@@ -242,15 +267,28 @@ def test_traces_written_before_u16_still_read(tmp_path: Path) -> None:
     p = payloads()[2]
     sp = p.proposal
     record = {
-        "kind": "payload", "seq": 0, "request_id": p.request_id, "draft_tokens": list(p.draft_tokens),
-        "draft_probs": list(p.draft_probs), "vocab_size": V, "hidden": b"", "hidden_dtype": "bf16",
+        "kind": "payload",
+        "seq": 0,
+        "request_id": p.request_id,
+        "draft_tokens": list(p.draft_tokens),
+        "draft_probs": list(p.draft_probs),
+        "vocab_size": V,
+        "hidden": b"",
+        "hidden_dtype": "bf16",
         "provenance": {"rule": "sampled", "temperature": 1.0, "sampled_from": "sparse-fp16"},
-        "proposal": {"kind": "sparse", "lengths": [2, 3], "indices": bytes(sp.indices), "values": bytes(sp.values),  # type: ignore[union-attr]
-                     "value_dtype": "fp16", "tail_mass": [0.2, 0.1]},
+        "proposal": {
+            "kind": "sparse",
+            "lengths": [2, 3],
+            "indices": bytes(sp.indices),
+            "values": bytes(sp.values),  # type: ignore[union-attr]
+            "value_dtype": "fp16",
+            "tail_mass": [0.2, 0.1],
+        },
     }
     path.write_bytes(
         _frame({"kind": "header", "format": FORMAT, "version": 1, "created_unix": 0.0, "meta": {}})
-        + _frame(record) + _frame({"kind": "end", "records": 1})
+        + _frame(record)
+        + _frame({"kind": "end", "records": 1})
     )
     (e,) = list(read_trace(path))
     assert e.payload == p and e.payload.proposal.index_format == "int32"  # type: ignore[union-attr]

@@ -5,7 +5,6 @@ Every wait is bounded; a test that stalls fails instead of hanging.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -14,31 +13,18 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Iterator
 
 import msgspec
 import pytest
 import zmq
+from _helpers import OneHot, inline_frames, make, mutations, same  # tests/ is on sys.path (no __init__.py)
+from _transport_peer import collect_outcomes, make_payload  # tests/ is on sys.path (no __init__.py)
 
-from pd_middleware import NoSlotError, OneHotProposal, Payload, TransferError
+from pd_middleware import NoSlotError, OneHotProposal, TransferError
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
-from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 from pd_middleware.transport import DecodeReceiver, PrefillSender, SlotsConfig, TransportConfig, wire
 
 HERE = pathlib.Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_transport_peer", HERE / "_transport_peer.py")
-peer_mod = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(peer_mod)  # type: ignore[union-attr]
-make_payload = peer_mod.make_payload
-
-_test_wire_spec = importlib.util.spec_from_file_location("_test_wire", HERE / "test_wire.py")
-tw = importlib.util.module_from_spec(_test_wire_spec)  # type: ignore[arg-type]
-_test_wire_spec.loader.exec_module(tw)  # type: ignore[union-attr]
-
-
-class OneHot:
-    def synthesize(self, payload: Payload) -> OneHotProposal:
-        return OneHotProposal(payload.draft_tokens)
 
 
 def cfg(**kw) -> TransportConfig:
@@ -53,17 +39,8 @@ def small_slots(**kw) -> SlotsConfig:
     return SlotsConfig(**base)
 
 
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes what a failed test left open: fail, never hang in term()
-
-
 def pipeline() -> ReceivePipeline:
     return ReceivePipeline([], {"default": ("one_hot", OneHot())})
-
-
 
 
 def reconcile(rx: DecodeReceiver) -> dict:
@@ -83,7 +60,7 @@ def test_round_trip_bit_exact(path: str, zctx, mooncake_pair) -> None:
     tx = PrefillSender(c, engine=prefill_engine, context=zctx, name="p").connect(rx.address)
     try:
         sent = [
-            tw.make(steps, hd, prop, rid=f"r-{steps}-{hd}-{prop}")
+            make(steps, hd, prop, rid=f"r-{steps}-{hd}-{prop}")
             for steps in (1, 3)
             for hd in ("bf16", "fp16", "fp32")
             for prop in (None, "dense", "dense16", "sparse")
@@ -92,7 +69,7 @@ def test_round_trip_bit_exact(path: str, zctx, mooncake_pair) -> None:
             tx.send(p)
             out = rx.get(timeout=5.0)
             assert isinstance(out, Delivery), out
-            tw.same(p, out.payload)
+            same(p, out.payload)
             assert out.proposal == OneHotProposal(p.draft_tokens) and out.payload.request_id == p.request_id
             if path == "mooncake":
                 assert isinstance(out.payload.hidden, memoryview) and not out.payload.hidden.readonly  # slot view
@@ -148,13 +125,16 @@ def test_two_senders_10000_payloads_zero_loss(mooncake_pair) -> None:
                 assert isinstance(item, Delivery), item
                 rid = item.request_id
                 name, i = rid.rsplit("-", 1)
-                tw.same(make_payload(name, int(i)), item.payload)  # bit-exact, every payload
+                same(make_payload(name, int(i)), item.payload)  # bit-exact, every payload
                 seen[rid] = seen.get(rid, 0) + 1
                 item.release()
         assert len(seen) == 2 * n and set(seen.values()) == {1}, f"{len(seen)} distinct of {2 * n}"
         reports = {name: _peer_report(p, 60) for name, p in procs.items()}
         for name, r in reports.items():
-            assert r["flushed"] and r["sent"] == r["delivered"] == n and r["failed"] == 0 and r["outstanding"] == 0, (name, r)
+            assert r["flushed"] and r["sent"] == r["delivered"] == n and r["failed"] == 0 and r["outstanding"] == 0, (
+                name,
+                r,
+            )
         assert reports["blk"]["bytes_by_plane"]["bulk"] > 0 and reports["inl"]["bytes_by_plane"]["bulk"] == 0
         s = reconcile(rx)
         assert s["received"] == s["delivered"] == 2 * n and s["failed"] == 0
@@ -212,7 +192,7 @@ def test_kill_9_prefill_fails_only_its_requests(mooncake_pair, zctx) -> None:
         for i in range(n):
             o = outcomes[f"survivor-{i}"]
             assert isinstance(o, Delivery), o
-            tw.same(make_payload("survivor", i), o.payload)
+            same(make_payload("survivor", i), o.payload)
         assert survivor.flush(5.0) and survivor.statuses()["delivered"] == n
         assert "victim" not in rx.peers and rx.peers["survivor"] == 16
         assert rx.free_slots == 64 - 16  # the victim's slots came back to the pool
@@ -243,12 +223,12 @@ def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
     try:
         held = []
         for i in range(2):
-            tx.send(tw.make(1, "fp32", "dense", rid=f"h{i}"))
+            tx.send(make(1, "fp32", "dense", rid=f"h{i}"))
             held.append(collect_outcomes(rx, 1)[0])
         before = [bytes(d.payload.hidden) + bytes(d.payload.proposal.data) for d in held]
         t0 = time.monotonic()
         with pytest.raises(NoSlotError) as info:
-            tx.send(tw.make(1, "fp32", "dense", rid="third"))
+            tx.send(make(1, "fp32", "dense", rid="third"))
         waited = time.monotonic() - t0
         assert 0.3 <= waited < 3.0 and "all 2 slots stayed in use for 0.3 s" in str(info.value)
         assert info.value.op == "send" and info.value.peer == rx.address
@@ -256,7 +236,7 @@ def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
         assert [bytes(d.payload.hidden) + bytes(d.payload.proposal.data) for d in held] == before
         held[0].release()
         held[0].release()  # a second release is a no-op
-        tx.send(tw.make(1, "fp32", "dense", rid="third"))
+        tx.send(make(1, "fp32", "dense", rid="third"))
         third = collect_outcomes(rx, 1)[0]
         assert isinstance(third, Delivery) and third.request_id == "third"
         assert bytes(held[1].payload.hidden) + bytes(held[1].payload.proposal.data) == before[1]
@@ -289,19 +269,19 @@ def test_decode_restart_gives_clear_error_then_reconnect_works(zctx, monkeypatch
     port = int(rx.address.rsplit(":", 1)[1])
     tx = PrefillSender(c, context=zctx, name="p").connect(rx.address)
     try:
-        tx.send(tw.make(rid="before"))
+        tx.send(make(rid="before"))
         assert isinstance(collect_outcomes(rx, 1)[0], Delivery)
         rx.stop()
         rx = DecodeReceiver(cfg(port=port, **kw), pipeline(), context=zctx).start()
         deadline = time.monotonic() + 5
         with pytest.raises(TransferError) as info:
             while time.monotonic() < deadline:  # the bye arrives asynchronously
-                tx.send(tw.make(rid="during"))
+                tx.send(make(rid="during"))
                 time.sleep(0.05)
         assert info.value.op == "send" and "call reconnect()" in str(info.value)
         assert "the decode closed the connection" in str(info.value) or "does not know this prefill" in str(info.value)
         tx.reconnect()
-        tx.send(tw.make(rid="after"))
+        tx.send(make(rid="after"))
         outs: list = []
         deadline = time.monotonic() + 5
         while not any(isinstance(o, Delivery) for o in outs) and time.monotonic() < deadline:
@@ -327,7 +307,7 @@ def test_decode_crash_detected_by_silence(zctx) -> None:
         rx._wake()
         time.sleep(0.6)
         with pytest.raises(TransferError, match="the decode was silent for more than 0.3 s; call reconnect"):
-            tx.send(tw.make())
+            tx.send(make())
     finally:
         tx.close()
         if rx._sock is not None:
@@ -361,12 +341,12 @@ def test_hmac_rejects_unsigned_and_forged(zctx) -> None:
     rx = DecodeReceiver(c, pipeline(), context=zctx).start()
     tx = PrefillSender(c, context=zctx, name="signed").connect(rx.address)
     try:
-        tx.send(tw.make(rid="signed"))
+        tx.send(make(rid="signed"))
         assert isinstance(collect_outcomes(rx, 1)[0], Delivery)
         attacker = zctx.socket(zmq.DEALER)
         attacker.setsockopt(zmq.LINGER, 0)
         attacker.connect(rx.address)
-        frames = tw.inline_frames(tw.make(rid="injected"))
+        frames = inline_frames(make(rid="injected"))
         attacker.send_multipart(frames)  # unsigned
         attacker.send_multipart([*frames, *Signer(b"wrong-key-wrong-key").sign(frames, bytes(16), 0, b"P")])  # forged
         # Replaying the signed sender's payload under an unsigned hello does not help either.
@@ -397,11 +377,16 @@ def test_live_fuzz_rejects_and_keeps_serving(zctx) -> None:
     rx = DecodeReceiver(cfg(peer_timeout_s=30.0), pipeline(), context=zctx).start()
     sock = _raw_peer(zctx, rx.address)
     try:
-        corpus = [tw.inline_frames(tw.make(s, hd, prop, rid=f"f{s}{hd}{prop}")) for s in (1, 2) for hd in ("bf16", "fp32") for prop in (None, "dense", "sparse")]
+        corpus = [
+            inline_frames(make(s, hd, prop, rid=f"f{s}{hd}{prop}"))
+            for s in (1, 2)
+            for hd in ("bf16", "fp32")
+            for prop in (None, "dense", "sparse")
+        ]
         n = 1000
         kinds = []
         for _ in range(n):
-            frames = tw._mutations(rng, rng.choice(corpus))
+            frames = mutations(rng, rng.choice(corpus))
             try:  # what the receiver should conclude, computed offline
                 msg = wire.decode_frame(frames[0], rx.config.limits)
                 kinds.append(type(msg).__name__)
@@ -419,7 +404,7 @@ def test_live_fuzz_rejects_and_keeps_serving(zctx) -> None:
         assert s["received"] == expected, (s, LIVE_FUZZ_SEED)
         # Still serving: a clean payload from a clean sender is delivered.
         tx = PrefillSender(cfg(), context=zctx, name="clean").connect(rx.address)
-        tx.send(tw.make(rid="clean"))
+        tx.send(make(rid="clean"))
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             o = rx.get(timeout=0.2)
@@ -438,7 +423,7 @@ def test_payload_before_hello_is_rejected(zctx) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(rx.address)
     try:
-        sock.send_multipart(tw.inline_frames(tw.make(rid="early")))
+        sock.send_multipart(inline_frames(make(rid="early")))
         (out,) = collect_outcomes(rx, 1)
         assert isinstance(out, Failure) and out.key == "wire:peer" and out.request_id == "early"
         assert "unknown peer: send hello first" in out.reason
@@ -455,7 +440,7 @@ def test_metrics_export_prometheus(zctx) -> None:
     rx = DecodeReceiver(cfg(), pipe, context=zctx).start()
     tx = PrefillSender(cfg(), context=zctx, name="p").connect(rx.address)
     try:
-        tx.send(tw.make())
+        tx.send(make())
         collect_outcomes(rx, 1)
         text = prometheus_client.generate_latest(registry).decode()
         assert 'pd_middleware_received_bytes_total{plane="inline"} 128.0' in text

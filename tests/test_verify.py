@@ -233,7 +233,7 @@ def chain_tables(seed: int, v: int, steps: int) -> tuple[dict, dict]:
     def prefixes(n: int) -> list[tuple[int, ...]]:
         out: list[tuple[int, ...]] = [()]
         for _ in range(n):
-            out = [pre + (x,) for pre in out for x in range(v)]
+            out = [(*pre, x) for pre in out for x in range(v)]
         return out
 
     for n in range(steps + 1):
@@ -250,7 +250,7 @@ def test_chain_is_exact_for_full_and_one_hot_proposals(steps: int, v: int) -> No
     full = exact_chain_law(p_tab.__getitem__, lambda pre, x: q_tab[pre], q_tab.__getitem__, steps)
     assert sum(full.law.values()) == 1
     assert complete_law(full.law, p_tab.__getitem__, steps + 1) == target
-    greedy = lambda pre: one_hot(v, argmax(q_tab[pre]))  # noqa: E731
+    greedy = lambda pre: one_hot(v, argmax(q_tab[pre]))  # noqa: E731  # a one-line law
     hot = exact_chain_law(p_tab.__getitem__, lambda pre, x: one_hot(v, x), greedy, steps)
     assert complete_law(hot.law, p_tab.__getitem__, steps + 1) == target
     biased = exact_chain_law(p_tab.__getitem__, lambda pre, x: q_tab[pre], greedy, steps)

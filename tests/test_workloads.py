@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def test_synthetic_shapes_laws_and_reproducibility(steps: int) -> None:
     assert torch.allclose(b.draft_probs.sum(-1), torch.ones(3, steps), atol=1e-5)
     assert bool((b.prefix == -1).all())
     drafted = torch.zeros(3, steps, dtype=torch.int64)
-    assert b.target_given(drafted) is b.target_probs and torch.equal(b.draft_given(0, drafted[:, :0]), b.draft_probs[:, 0])
+    assert b.target_given(drafted) is b.target_probs and torch.equal(
+        b.draft_given(0, drafted[:, :0]), b.draft_probs[:, 0]
+    )
     # Same seed: same rows, whatever the batch size; another seed: different rows.
     again = list(w.batches(7, 4, seed=11))
     assert torch.equal(again[0].target_probs[:3], b.target_probs)
@@ -58,7 +61,7 @@ def test_synthetic_rows_follow_the_definition() -> None:
     assert bool(((s > 1.0) & (s < 2.0)).all()), s
     r = torch.arange(1, 20001, dtype=torch.float64).log()
     assert torch.allclose(logp - logp[:, :1], -s.unsqueeze(1) * r, atol=1e-3)
-    diff = (q.log() - p.log())
+    diff = q.log() - p.log()
     sd = diff.std(dim=1)
     assert bool(((sd - 0.5).abs() < 0.02).all()), sd
     assert 0.5 < float(sum_min(p, q).mean()) < 0.95
@@ -75,7 +78,9 @@ def test_make_workload_errors_name_the_key() -> None:
         make_workload("zipf")
     with pytest.raises(ConfigError, match="at ab.workload.options.noise: Object contains unknown field `noise`"):
         make_workload("synthetic", noise=0.3)
-    with pytest.raises(ConfigError, match=r"at ab.workload.options.s_max: need 0 <= s_min <= s_max <= 100, got 3.0, 2.0"):
+    with pytest.raises(
+        ConfigError, match=r"at ab.workload.options.s_max: need 0 <= s_min <= s_max <= 100, got 3.0, 2.0"
+    ):
         make_workload("synthetic", s_min=3.0)
     with pytest.raises(ConfigError, match="at ab.workload.options.vocab_size: Expected `int`, got `str`"):
         make_workload("synthetic", vocab_size="big")
@@ -138,7 +143,7 @@ def test_ngram_chain_conditions_on_the_drafted_prefix() -> None:
     ctx = b.conditional.context
     # Contexts are consecutive held-out tokens.
     held = m.heldout.tolist()
-    pairs = set(zip(held[:-1], held[1:]))
+    pairs = set(itertools.pairwise(held))
     assert all((a, c) in pairs for a, c in ctx.tolist())
     assert torch.equal(b.target_given(b.prefix), b.target_probs)
     for k in range(3):

@@ -13,7 +13,15 @@ from typing import Any
 from .config import ABConfig, WorkloadRef
 from .effect import ResponseEffect, later_tokens_per_verify, response_effect
 
-__all__ = ["ABConfig", "Report", "ResponseEffect", "WorkloadRef", "later_tokens_per_verify", "response_effect", "run_ab"]
+__all__ = [
+    "ABConfig",
+    "Report",
+    "ResponseEffect",
+    "WorkloadRef",
+    "later_tokens_per_verify",
+    "response_effect",
+    "run_ab",
+]
 
 
 def __getattr__(name: str) -> Any:  # lazy: the job imports torch, zmq and the transport

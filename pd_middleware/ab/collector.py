@@ -9,8 +9,9 @@ formation never waits for another arm or for verification.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..contracts import ReceiveContext
 from ..payload import Payload

@@ -94,4 +94,6 @@ def check_workload_options(config: Any, source: str | None) -> None:
     from ..config_loader import convert  # the core's one conversion path: errors at the full key path
     from ..workloads import workload_options_type
 
-    convert(dict(config.ab.workload.options), workload_options_type(config.ab.workload.name), "ab.workload.options", source)
+    convert(
+        dict(config.ab.workload.options), workload_options_type(config.ab.workload.name), "ab.workload.options", source
+    )

@@ -43,14 +43,27 @@ def write_plot(report: Report, path: Path) -> None:
         label = f"{a.name} ({a.encoding} → {a.synthesizer}{', ' + a.role if a.role != 'candidate' else ''})"
         acc = a.acceptance
         if acc.mean is not None and acc.ci95 is not None:
-            ax.errorbar([x], [acc.mean], yerr=[[acc.mean - acc.ci95[0]], [acc.ci95[1] - acc.mean]], fmt=marker,
-                        color=color, capsize=4, markersize=7, label=label)
+            ax.errorbar(
+                [x],
+                [acc.mean],
+                yerr=[[acc.mean - acc.ci95[0]], [acc.ci95[1] - acc.mean]],
+                fmt=marker,
+                color=color,
+                capsize=4,
+                markersize=7,
+                label=label,
+            )
         if acc.exact_expected is not None:
             ax.plot([x], [acc.exact_expected], marker="x", markersize=9, color=color, linestyle="none")
         pts = a.effect.by_response_length
         if a.role != "baseline" and pts:
-            ax2.plot([p.response_tokens for p in pts], [p.saved_pct_vs_baseline for p in pts], marker=marker,
-                     color=color, label=a.name)
+            ax2.plot(
+                [p.response_tokens for p in pts],
+                [p.saved_pct_vs_baseline for p in pts],
+                marker=marker,
+                color=color,
+                label=a.name,
+            )
     ax.plot([], [], marker="x", color="black", linestyle="none", label="exact expectation (paired)")
     bound = next((a.full_distribution_bound for a in report.arms if a.full_distribution_bound is not None), None)
     if bound is not None:
@@ -76,12 +89,21 @@ def write_plot(report: Report, path: Path) -> None:
         ax2.legend(fontsize=7.5, loc="upper right", framealpha=0.9)
     # The saving is a constant number of verify steps (only the first verify differs),
     # diluted as responses grow: say the constant, the curve shows the dilution.
-    steps = [f"{a.name}: {a.effect.by_response_length[-1].saved_vs_baseline:.2f}" for a in report.arms
-             if a.role != "baseline" and a.effect.by_response_length]
+    steps = [
+        f"{a.name}: {a.effect.by_response_length[-1].saved_vs_baseline:.2f}"
+        for a in report.arms
+        if a.role != "baseline" and a.effect.by_response_length
+    ]
     if steps:
-        ax2.text(0.40, 0.42, "verify steps saved per response, any length:\n" + "\n".join(steps),
-                 transform=ax2.transAxes, fontsize=7.5, va="bottom",
-                 bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85, "edgecolor": "0.8"})
+        ax2.text(
+            0.40,
+            0.42,
+            "verify steps saved per response, any length:\n" + "\n".join(steps),
+            transform=ax2.transAxes,
+            fontsize=7.5,
+            va="bottom",
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85, "edgecolor": "0.8"},
+        )
     ax2.set_title(
         f"effect over a response (later verifies: acceptance {report.ab['later_acceptance']}, same for every arm)",
         fontsize=9,

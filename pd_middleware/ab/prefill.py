@@ -37,9 +37,9 @@ def combine_steps(parts: list[EncodedProposal | None]) -> EncodedProposal | None
     first = parts[0]
     if isinstance(first, DenseEncoding):
         assert all(isinstance(p, DenseEncoding) and p.dtype == first.dtype for p in parts)
-        return DenseEncoding(first.dtype, b"".join(bytes(p.data) for p in parts))  # type: ignore[union-attr]
+        return DenseEncoding(first.dtype, b"".join(bytes(p.data) for p in parts))  # type: ignore[union-attr]  # the assert above; mypy keeps no narrowing through all()
     assert isinstance(first, SparseEncoding)
-    sp: list[SparseEncoding] = parts  # type: ignore[assignment]
+    sp: list[SparseEncoding] = parts  # type: ignore[assignment]  # no None (checked above), all sparse (same kind per request)
     assert all(p.index_format == first.index_format for p in sp)
     return SparseEncoding(
         lengths=tuple(n for p in sp for n in p.lengths),
@@ -111,7 +111,7 @@ def run_prefill(job: PrefillJob, results: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results.put(("done", _run(job)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails loudly
+    except BaseException as exc:
         results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
@@ -131,7 +131,7 @@ def _run(job: PrefillJob) -> dict[str, Any]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.hidden_dtype]
     sender = open_sender(cfg.transport, job.address, name="ab-prefill")
     per_arm_bytes = {a: {"control": 0, "inline": 0, "bulk": 0} for a in job.arm_names}
-    sent = {a: 0 for a in job.arm_names}
+    sent = dict.fromkeys(job.arm_names, 0)
     send_errors: dict[str, list[str]] = {a: [] for a in job.arm_names}
     hidden_gen = torch.Generator().manual_seed(job.seed ^ 0x5EED)
     try:
@@ -147,7 +147,7 @@ def _run(job: PrefillJob) -> dict[str, Any]:
                     try:
                         sender.send(p)
                         sent[arm] += 1
-                    except Exception as exc:  # noqa: BLE001 - counted per arm, reported
+                    except Exception as exc:
                         sent[arm] += 1
                         send_errors[arm].append(f"{p.request_id}: {type(exc).__name__}: {exc}")
                 after = sender.statuses()["bytes_by_plane"]

@@ -27,8 +27,13 @@ class Progress:
 
             # Fits the terminal's width; transient, so the table printed next starts clean.
             self._bar = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("payloads"),
-                TimeRemainingColumn(), console=Console(file=self.stream), transient=True,
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("payloads"),
+                TimeRemainingColumn(),
+                console=Console(file=self.stream),
+                transient=True,
             )
             self._task = self._bar.add_task(label, total=self.total)
             self._bar.start()
@@ -44,7 +49,9 @@ class Progress:
         decile = int(frac * 10)
         if decile > self._last_decile:
             self._last_decile = decile
-            self.stream.write(f"{self.label}: {done}/{self.total} payloads ({frac:.0%}) after {time.monotonic() - self.t0:.1f}s\n")
+            self.stream.write(
+                f"{self.label}: {done}/{self.total} payloads ({frac:.0%}) after {time.monotonic() - self.t0:.1f}s\n"
+            )
             self.stream.flush()
 
     def close(self) -> None:

@@ -37,19 +37,33 @@ def _pct(x: float | None) -> str:
 
 
 def _measured_rows(report: Report) -> tuple[list[str], list[list[str]]]:
-    head = ["arm", "accept [95% CI]", "exact (TV≤bound)", "proposal B/req", "wire B/req",
-            "p50/p99 ms", "req/s", "sent/ok/fail"]
+    head = [
+        "arm",
+        "accept [95% CI]",
+        "exact (TV≤bound)",
+        "proposal B/req",
+        "wire B/req",
+        "p50/p99 ms",
+        "req/s",
+        "sent/ok/fail",
+    ]
     rows = []
     for a in report.arms:
         acc, ex, pl = a.acceptance, a.exact, a.payloads
         ci = f" [{acc.ci95[0]:.3f},{acc.ci95[1]:.3f}]" if acc.ci95 else ""
         verdict = "PASS" if ex.passed else "FAIL"
-        rows.append([
-            a.name, f"{_f(acc.mean)}{ci}", f"{verdict} {_f(ex.tv)}≤{_f(ex.bound)}",
-            fmt_bytes(a.bytes_per_request.proposal), fmt_bytes(a.bytes_per_request.total),
-            f"{_f(a.latency_ms.p50, '.1f')}/{_f(a.latency_ms.p99, '.1f')}", _f(a.throughput_per_s, ".0f"),
-            f"{pl.sent}/{pl.delivered}/{pl.failed}",
-        ])
+        rows.append(
+            [
+                a.name,
+                f"{_f(acc.mean)}{ci}",
+                f"{verdict} {_f(ex.tv)}≤{_f(ex.bound)}",
+                fmt_bytes(a.bytes_per_request.proposal),
+                fmt_bytes(a.bytes_per_request.total),
+                f"{_f(a.latency_ms.p50, '.1f')}/{_f(a.latency_ms.p99, '.1f')}",
+                _f(a.throughput_per_s, ".0f"),
+                f"{pl.sent}/{pl.delivered}/{pl.failed}",
+            ]
+        )
     return head, rows
 
 
@@ -65,9 +79,15 @@ def _effect_rows(report: Report) -> tuple[list[str], list[list[str]]]:
         row = [a.name, a.role, _f(a.acceptance.exact_expected, ".4f")]
         if ref:
             vs = a.vs_reference
-            row += ["ref"] * 3 if vs is None else [
-                f"{vs.acceptance_ratio:.3f}x" if vs.acceptance_ratio is not None else "-",
-                _pct(vs.proposal_bytes_ratio), _pct(vs.bytes_ratio)]
+            row += (
+                ["ref"] * 3
+                if vs is None
+                else [
+                    f"{vs.acceptance_ratio:.3f}x" if vs.acceptance_ratio is not None else "-",
+                    _pct(vs.proposal_bytes_ratio),
+                    _pct(vs.bytes_ratio),
+                ]
+            )
         saved = "baseline" if a.role == "baseline" else _saved(a, t)
         row += [_f(a.effect.first_verify_tokens), _f(a.effect.verifies_per_response, ".2f"), saved]
         rows.append(row)
@@ -82,8 +102,10 @@ def _saved(a: ArmReport, t: int) -> str:
 def _title(report: Report) -> str:
     wl, m = report.workload, report.model
     part = "  PARTIAL (cancelled)" if report.partial else ""
-    return (f"workload {wl.get('name')}, seed {report.seed}, {report.requests_per_arm} requests/arm, "
-            f"V {m['vocab_size']}, {m['num_steps']} draft step(s), {report.wall_s:.1f} s{part}")
+    return (
+        f"workload {wl.get('name')}, seed {report.seed}, {report.requests_per_arm} requests/arm, "
+        f"V {m['vocab_size']}, {m['num_steps']} draft step(s), {report.wall_s:.1f} s{part}"
+    )
 
 
 def notes(report: Report) -> list[str]:
@@ -93,18 +115,28 @@ def notes(report: Report) -> list[str]:
     s = report.model["num_steps"]
     lines = [
         "arms: " + "; ".join(f"{a.name} = {a.encoding} encoder → {a.synthesizer} synthesizer" for a in report.arms),
-        "accept: observed first-verify acceptance, 95% Wilson interval. E[accept]: its exact expectation given the "
-        "workload rows, paired across arms (same contexts), so ratios between arms are precise.",
-        "exact: total-variation distance (TV) of the committed tokens' probability bins from the target law; "
-        "a correct verifier stays under the bound with probability ≥ 1 - 1e-6.",
-        f"proposal B/req: bulk bytes beyond the {hidden} B hidden state; wire B/req: control + bulk; "
-        "p50/p99 ms: latency from receive to batch assembled.",
-        f"ref: the reference arm ({report.reference or 'none'}); baseline: {report.baseline}; verifies per resp.: "
-        f"expected verify steps for a {report.ab['response_tokens']}-token response.",
+        (
+            "accept: observed first-verify acceptance, 95% Wilson interval. E[accept]: its exact expectation given the "
+            "workload rows, paired across arms (same contexts), so ratios between arms are precise."
+        ),
+        (
+            "exact: total-variation distance (TV) of the committed tokens' probability bins from the target law; "
+            "a correct verifier stays under the bound with probability ≥ 1 - 1e-6."
+        ),
+        (
+            f"proposal B/req: bulk bytes beyond the {hidden} B hidden state; wire B/req: control + bulk; "
+            "p50/p99 ms: latency from receive to batch assembled."
+        ),
+        (
+            f"ref: the reference arm ({report.reference or 'none'}); baseline: {report.baseline}; verifies per resp.: "
+            f"expected verify steps for a {report.ab['response_tokens']}-token response."
+        ),
         f"full-distribution bound (Σ min(p, q) at the first position, the best any proposal can do): {_f(bound, '.4f')}",
-        f"tokens 1st verify: accepted drafts + 1 (of {s} drafted). Later verifies are drafted on the decode node, "
-        f"the same for every arm (acceptance {report.ab['later_acceptance']}), so a proposal's effect is diluted "
-        "over the response: see the plot's second panel.",
+        (
+            f"tokens 1st verify: accepted drafts + 1 (of {s} drafted). Later verifies are drafted on the decode node, "
+            f"the same for every arm (acceptance {report.ab['later_acceptance']}), so a proposal's effect is diluted "
+            "over the response: see the plot's second panel."
+        ),
     ]
     return lines
 
@@ -121,7 +153,9 @@ def failure_lines(report: Report) -> list[str]:
                 out.append(f"arm {a.name}: {f.count} x {f.kind}; first: {f.first_request}: {f.first_error}")
         if a.send_failures is not None:
             sf = a.send_failures
-            out.append(f"arm {a.name}: {sf.count} send error(s) at the prefill; first: {sf.first_request}: {sf.first_error}")
+            out.append(
+                f"arm {a.name}: {sf.count} send error(s) at the prefill; first: {sf.first_request}: {sf.first_error}"
+            )
     return out
 
 
@@ -164,8 +198,11 @@ def _table(report: Report, width: int) -> str:
 def _markdown(report: Report) -> str:
     def md(head: list[str], rows: list[list[str]]) -> list[str]:
         esc = [[c.replace("|", "\\|") for c in r] for r in [head, *rows]]
-        return ["| " + " | ".join(esc[0]) + " |", "|" + "|".join("---" for _ in head) + "|",
-                *("| " + " | ".join(r) + " |" for r in esc[1:])]
+        return [
+            "| " + " | ".join(esc[0]) + " |",
+            "|" + "|".join("---" for _ in head) + "|",
+            *("| " + " | ".join(r) + " |" for r in esc[1:]),
+        ]
 
     out = [f"**{_title(report)}**", "", *md(*_measured_rows(report)), "", *md(*_effect_rows(report)), ""]
     out += [f"- {line}" for line in notes(report) + failure_lines(report)]
@@ -175,15 +212,58 @@ def _markdown(report: Report) -> str:
 def _csv(report: Report) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["arm", "role", "encoding", "synthesizer", "acceptance", "ci95_low", "ci95_high", "exact_expected",
-                "exact_pass", "tv", "tv_bound", "proposal_bytes_per_req", "wire_bytes_per_req", "latency_p50_ms",
-                "latency_p99_ms", "throughput_per_s", "sent", "delivered", "failed", "first_verify_tokens",
-                "verifies_per_response", "verifies_vs_baseline"])
+    w.writerow(
+        [
+            "arm",
+            "role",
+            "encoding",
+            "synthesizer",
+            "acceptance",
+            "ci95_low",
+            "ci95_high",
+            "exact_expected",
+            "exact_pass",
+            "tv",
+            "tv_bound",
+            "proposal_bytes_per_req",
+            "wire_bytes_per_req",
+            "latency_p50_ms",
+            "latency_p99_ms",
+            "throughput_per_s",
+            "sent",
+            "delivered",
+            "failed",
+            "first_verify_tokens",
+            "verifies_per_response",
+            "verifies_vs_baseline",
+        ]
+    )
     for a in report.arms:
         acc, ci = a.acceptance, a.acceptance.ci95 or (None, None)
-        w.writerow([a.name, a.role, a.encoding, a.synthesizer, acc.mean, ci[0], ci[1], acc.exact_expected,
-                    a.exact.passed, a.exact.tv, a.exact.bound, a.bytes_per_request.proposal, a.bytes_per_request.total,
-                    a.latency_ms.p50, a.latency_ms.p99, a.throughput_per_s, a.payloads.sent, a.payloads.delivered,
-                    a.payloads.failed, a.effect.first_verify_tokens, a.effect.verifies_per_response,
-                    a.effect.verifies_vs_baseline])
+        w.writerow(
+            [
+                a.name,
+                a.role,
+                a.encoding,
+                a.synthesizer,
+                acc.mean,
+                ci[0],
+                ci[1],
+                acc.exact_expected,
+                a.exact.passed,
+                a.exact.tv,
+                a.exact.bound,
+                a.bytes_per_request.proposal,
+                a.bytes_per_request.total,
+                a.latency_ms.p50,
+                a.latency_ms.p99,
+                a.throughput_per_s,
+                a.payloads.sent,
+                a.payloads.delivered,
+                a.payloads.failed,
+                a.effect.first_verify_tokens,
+                a.effect.verifies_per_response,
+                a.effect.verifies_vs_baseline,
+            ]
+        )
     return buf.getvalue()

@@ -36,7 +36,14 @@ from .schema import (
     VsReference,
 )
 
-_PACKAGES = ("pd-middleware", "torch", "msgspec", "pyzmq", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+_PACKAGES = (
+    "pd-middleware",
+    "torch",
+    "msgspec",
+    "pyzmq",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine",
+)
 
 
 def _num(x: float) -> float | None:
@@ -83,7 +90,7 @@ def build_report(stats: dict[str, ArmStats], facts: RunFacts) -> Report:
     arms = [_compare(a, base, ref, cfg) for a in arms]
     return Report(
         schema_version=SCHEMA_VERSION,
-        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         partial=facts.partial,
         seed=facts.seed,
         requests_per_arm=facts.requests,
@@ -127,41 +134,71 @@ def _arm(st: ArmStats, cfg: Any, hidden_bytes: int, pre: dict[str, Any], facts: 
         full_distribution_bound=st.full_bound_sum / n if n else None,
         accepted_length=mean_len,
         exact=Exactness(
-            tv=ex.tv if ex else None, bound=ex.bound if ex else None, passed=bool(ex and ex.passed),
-            tokens=ex.n if ex else 0, bins=ex.num_bins if ex else 0,
+            tv=ex.tv if ex else None,
+            bound=ex.bound if ex else None,
+            passed=bool(ex and ex.passed),
+            tokens=ex.n if ex else 0,
+            bins=ex.num_bins if ex else 0,
         ),
         bytes_per_request=BytesPerRequest(
-            control=per_req.get("control", 0.0), bulk=bulk, bulk_mooncake=per_req.get("bulk", 0.0),
-            bulk_inline=per_req.get("inline", 0.0), total=sum(per_req.values()),
+            control=per_req.get("control", 0.0),
+            bulk=bulk,
+            bulk_mooncake=per_req.get("bulk", 0.0),
+            bulk_inline=per_req.get("inline", 0.0),
+            total=sum(per_req.values()),
             # What the proposal itself costs: bulk bytes beyond the hidden state.
             proposal=max(0.0, bulk - hidden_bytes),
         ),
         latency_ms=Latency(p50=_num(percentile(st.latencies_ms, 50)), p99=_num(percentile(st.latencies_ms, 99))),
         throughput_per_s=(st.delivered / span) if span > 0 else None,
         payloads=Payloads(
-            sent=sent, delivered=st.delivered, failed=st.failed,
+            sent=sent,
+            delivered=st.delivered,
+            failed=st.failed,
             failed_by_reason={k: t.count for k, t in st.failures.items()},
         ),
-        failures=[FailureCount(kind=k, count=t.count, first_error=t.first_error, first_request=t.first_request)
-                  for k, t in st.failures.items()],
-        send_failures=FailureCount(kind="send", count=len(errors), first_error=errors[0].partition(": ")[2],
-                                   first_request=errors[0].partition(": ")[0]) if errors else None,
+        failures=[
+            FailureCount(kind=k, count=t.count, first_error=t.first_error, first_request=t.first_request)
+            for k, t in st.failures.items()
+        ],
+        send_failures=FailureCount(
+            kind="send",
+            count=len(errors),
+            first_error=errors[0].partition(": ")[2],
+            first_request=errors[0].partition(": ")[0],
+        )
+        if errors
+        else None,
         effect=_effect(mean_len, cfg),
         vs_reference=None,
     )
 
 
 def _effect(mean_len: float | None, cfg: Any) -> Effect:
-    later = response_effect(1.0, response_tokens=1, later_acceptance=cfg.ab.later_acceptance,
-                            num_steps=cfg.model.num_steps).later_tokens_per_verify
+    later = response_effect(
+        1.0, response_tokens=1, later_acceptance=cfg.ab.later_acceptance, num_steps=cfg.model.num_steps
+    ).later_tokens_per_verify
     if mean_len is None:
-        return Effect(first_verify_tokens=None, later_tokens_per_verify=round(later, 5), verifies_per_response=None,
-                      verifies_vs_baseline=None, by_response_length=[])
-    e = response_effect(mean_len + 1.0, response_tokens=cfg.ab.response_tokens,
-                        later_acceptance=cfg.ab.later_acceptance, num_steps=cfg.model.num_steps)
-    return Effect(first_verify_tokens=round(e.first_verify_tokens, 5), later_tokens_per_verify=round(later, 5),
-                  verifies_per_response=round(e.verifies_per_response, 5), verifies_vs_baseline=None,
-                  by_response_length=[])
+        return Effect(
+            first_verify_tokens=None,
+            later_tokens_per_verify=round(later, 5),
+            verifies_per_response=None,
+            verifies_vs_baseline=None,
+            by_response_length=[],
+        )
+    e = response_effect(
+        mean_len + 1.0,
+        response_tokens=cfg.ab.response_tokens,
+        later_acceptance=cfg.ab.later_acceptance,
+        num_steps=cfg.model.num_steps,
+    )
+    return Effect(
+        first_verify_tokens=round(e.first_verify_tokens, 5),
+        later_tokens_per_verify=round(later, 5),
+        verifies_per_response=round(e.verifies_per_response, 5),
+        verifies_vs_baseline=None,
+        by_response_length=[],
+    )
 
 
 def _compare(a: ArmReport, base: ArmReport, ref: ArmReport | None, cfg: Any) -> ArmReport:
@@ -173,10 +210,17 @@ def _compare(a: ArmReport, base: ArmReport, ref: ArmReport | None, cfg: Any) -> 
             kw = dict(response_tokens=t, later_acceptance=cfg.ab.later_acceptance, num_steps=cfg.model.num_steps)
             mine = response_effect(eff.first_verify_tokens, **kw).verifies_per_response
             theirs = response_effect(base.effect.first_verify_tokens, **kw).verifies_per_response
-            points.append(EffectPoint(response_tokens=t, verifies=round(mine, 5), saved_vs_baseline=round(theirs - mine, 5),
-                                      saved_pct_vs_baseline=round((theirs - mine) / theirs * 100, 5)))
+            points.append(
+                EffectPoint(
+                    response_tokens=t,
+                    verifies=round(mine, 5),
+                    saved_vs_baseline=round(theirs - mine, 5),
+                    saved_pct_vs_baseline=round((theirs - mine) / theirs * 100, 5),
+                )
+            )
     eff = msgspec.structs.replace(
-        eff, by_response_length=points,
+        eff,
+        by_response_length=points,
         verifies_vs_baseline=_ratio(eff.verifies_per_response, base.effect.verifies_per_response),
     )
     vs = None
@@ -199,8 +243,9 @@ def _hook_failures(stats: dict[str, ArmStats]) -> list[HookFailures]:
             if stage != "hook":
                 continue
             hook = rest.partition(":")[0]
-            h = out.setdefault(hook, {"count": 0, "first_error": t.first_error, "first_request": t.first_request,
-                                      "by_arm": {}})
+            h = out.setdefault(
+                hook, {"count": 0, "first_error": t.first_error, "first_request": t.first_request, "by_arm": {}}
+            )
             h["count"] += t.count
             h["by_arm"][st.name] = h["by_arm"].get(st.name, 0) + t.count
     return [HookFailures(hook=k, **v) for k, v in out.items()]

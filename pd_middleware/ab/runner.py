@@ -99,9 +99,16 @@ def run_ab(
     finally:
         mw.close()
     facts = RunFacts(
-        config=cfg, workload=wl.describe(), requests=plan.requests, seed=seed_v,
-        wall_s=time.perf_counter() - t_start, partial=stop.is_set(), baseline=baseline, reference=reference,
-        receiver=metrics.snapshot(), prefill=prefill_report,
+        config=cfg,
+        workload=wl.describe(),
+        requests=plan.requests,
+        seed=seed_v,
+        wall_s=time.perf_counter() - t_start,
+        partial=stop.is_set(),
+        baseline=baseline,
+        reference=reference,
+        receiver=metrics.snapshot(),
+        prefill=prefill_report,
     )
     report = build_report(stats, facts)
     if out_dir is not None:
@@ -109,8 +116,16 @@ def run_ab(
     return report
 
 
-def _deploy(cfg: Config, mw: Any, collector: Collector, wl: Any, seed: int, progress: bool,
-            stop: threading.Event, timeout_s: float) -> dict[str, Any] | None:
+def _deploy(
+    cfg: Config,
+    mw: Any,
+    collector: Collector,
+    wl: Any,
+    seed: int,
+    progress: bool,
+    stop: threading.Event,
+    timeout_s: float,
+) -> dict[str, Any] | None:
     """Open the receiver, spawn the prefill, drive the run; always tear everything down.
 
     Returns the prefill's report (None when cancelled before it arrived).
@@ -126,8 +141,12 @@ def _deploy(cfg: Config, mw: Any, collector: Collector, wl: Any, seed: int, prog
         mpctx = mp.get_context("spawn")
         results = mpctx.Queue()
         job = PrefillJob(
-            config_data=msgspec.to_builtins(cfg), address=receiver.address, requests=plan.requests,
-            seed=seed, batch_size=plan.batch_size, arm_names=plan.arm_names,
+            config_data=msgspec.to_builtins(cfg),
+            address=receiver.address,
+            requests=plan.requests,
+            seed=seed,
+            batch_size=plan.batch_size,
+            arm_names=plan.arm_names,
         )
         proc = mpctx.Process(target=run_prefill, args=(job, results), name="pd-middleware-ab-prefill", daemon=True)
         # Target rows are regenerated from the seed, and batches verified, on their own
@@ -193,8 +212,17 @@ def _start_ignoring_sigint(proc: Any) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _drive(receiver: Any, collector: Collector, targets: Any, verifier: Any, results: Any, proc: Any,
-           bar: Progress, stop: threading.Event, timeout_s: float) -> dict[str, Any] | None:
+def _drive(
+    receiver: Any,
+    collector: Collector,
+    targets: Any,
+    verifier: Any,
+    results: Any,
+    proc: Any,
+    bar: Progress,
+    stop: threading.Event,
+    timeout_s: float,
+) -> dict[str, Any] | None:
     """The decode loop: file outcomes, verify complete batches in order, until done or cancelled.
 
     Returns the prefill's report (None when cancelled before it arrived).
@@ -212,7 +240,11 @@ def _drive(receiver: Any, collector: Collector, targets: Any, verifier: Any, res
         # Verify, in order, every batch whose arms are all assembled and whose targets exist.
         while next_k < plan.batches and collector.batch_ready(next_k):
             # Never block here: deliveries keep arriving while targets are generated.
-            batch = targets.poll(next_k) if item is not None else targets.get(next_k, min(deadline, time.monotonic() + 0.05))
+            batch = (
+                targets.poll(next_k)
+                if item is not None
+                else targets.get(next_k, min(deadline, time.monotonic() + 0.05))
+            )
             if batch is None:
                 break
             verifier.submit(batch, collector.take(next_k))
@@ -243,7 +275,7 @@ def _drive(receiver: Any, collector: Collector, targets: Any, verifier: Any, res
             raise PDMiddlewareError(f"ab: timed out after {timeout_s:.0f}s waiting for the prefill's report")
         try:
             prefill_report = _prefill_result(results.get(timeout=0.2))
-        except Exception:  # noqa: BLE001 - queue.Empty from a multiprocessing queue; poll again
+        except Exception:
             if not proc.is_alive() and results.empty():
                 raise PDMiddlewareError(f"ab: the prefill process died (exit code {proc.exitcode})") from None
     return prefill_report
@@ -253,10 +285,13 @@ def _prefill_result(msg: tuple[str, Any]) -> dict[str, Any]:
     kind, value = msg
     if kind == "error":
         raise PDMiddlewareError(f"ab: the prefill process failed: {value}")
-    return value
+    report: dict[str, Any] = value
+    return report
 
 
-def _check(cfg: Config, requests: int | None, seed: int | None, source: str | None) -> tuple[BatchPlan, int, str, str | None]:
+def _check(
+    cfg: Config, requests: int | None, seed: int | None, source: str | None
+) -> tuple[BatchPlan, int, str, str | None]:
     """Validate what the job needs from the config; ConfigError naming the key."""
     if not cfg.arms:
         raise ConfigError("the ab job needs at least one [[arms]] entry", path="arms", source=source)
@@ -264,7 +299,11 @@ def _check(cfg: Config, requests: int | None, seed: int | None, source: str | No
     if n_req < 1:
         raise ConfigError(f"--requests must be >= 1, got {n_req}", path="ab.requests", source=source)
     if not cfg.decode.rejection_sampling:
-        raise ConfigError("the ab job compares proposals, so it needs rejection sampling on", path="decode.rejection_sampling", source=source)
+        raise ConfigError(
+            "the ab job compares proposals, so it needs rejection sampling on",
+            path="decode.rejection_sampling",
+            source=source,
+        )
     names = tuple(a.name for a in cfg.arms)
     baseline, reference = arm_roles(cfg.ab, names, source)
     plan = BatchPlan(arm_names=names, requests=n_req, batch_size=cfg.ab.batch_size)

@@ -40,7 +40,7 @@ class TargetFeed:
                         continue
                 if self._stop.is_set():
                     return
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        except BaseException as exc:
             self._q.put(("error", exc))
 
     def poll(self, k: int) -> Any:
@@ -51,7 +51,9 @@ class TargetFeed:
         """Batch ``k``, waiting until monotonic time ``until`` at most; None if not ready."""
         if self._held is None:
             try:
-                self._held = self._q.get(timeout=max(0.0, until - time.monotonic())) if until > 0 else self._q.get_nowait()
+                self._held = (
+                    self._q.get(timeout=max(0.0, until - time.monotonic())) if until > 0 else self._q.get_nowait()
+                )
             except queue.Empty:
                 return None
         got, batch = self._held
@@ -90,7 +92,7 @@ class VerifyThread:
                 return
             try:
                 verify_batch(item[0], item[1], self._stats, self._gen)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by check()
+            except BaseException as exc:
                 self._error = exc
                 return
 

@@ -43,13 +43,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .._errors import ConfigError, PDMiddlewareError, PluginError
 from .sglang_ab import PROCESSOR_MODULE, install_first_verify
 from .sglang_decode import ATTACH_ATTR, DecodeProposer, ProposalStore, RequestProposal, room_key
-from .sglang_installation import ENV_ALLOW_UNSUPPORTED, ENV_CONFIG, InstallOptions, Installation
+from .sglang_installation import ENV_ALLOW_UNSUPPORTED, ENV_CONFIG, Installation, InstallOptions
 from .sglang_metadata import MetadataChannel
 from .sglang_patch import (
     BUILD_PARAMS,
@@ -65,7 +66,6 @@ from .sglang_patch import (
     UTILS_MODULE,
     SGLangModules,
     _check_signature,
-    _import,  # noqa: F401 - re-exported: sglang_ab imports the patch helpers from here
     _mark,
     _module,
     _wrap_build,
@@ -101,7 +101,7 @@ logger = logging.getLogger("pd_middleware.integrations.sglang")
 SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.23",)
 
 _lock = threading.RLock()
-_installed: "Installation | None" = None
+_installed: Installation | None = None
 
 
 def install(config: Any, options: InstallOptions | None = None) -> Installation:
@@ -131,7 +131,9 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
             config = load_config(config)
         channel_name = opts.channel if opts.channel is not None else config.sglang.channel
         if channel_name not in ("metadata", "sidechannel"):
-            raise ConfigError(f"channel must be 'metadata' or 'sidechannel', got {channel_name!r}", path="sglang.channel")
+            raise ConfigError(
+                f"channel must be 'metadata' or 'sidechannel', got {channel_name!r}", path="sglang.channel"
+            )
 
         dec = _module(mods.builder, DECODE_MODULE, mods)
         if dec is None:
@@ -167,7 +169,10 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
                 transfer = _module(mods.transfer, TRANSFER_MODULE, mods)
                 if transfer is not None:
                     _check_signature(
-                        transfer.DecodeTransferQueue, "_commit_transfer_to_req", ("self", "decode_req"), transfer.__name__
+                        transfer.DecodeTransferQueue,
+                        "_commit_transfer_to_req",
+                        ("self", "decode_req"),
+                        transfer.__name__,
                     )
                 mooncake = _module(mods.mooncake, MOONCAKE_MODULE, mods)
                 if mooncake is not None:
@@ -175,7 +180,10 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
                         mooncake.MooncakeKVManager, "build_receiver_registration_message", ("self",), mooncake.__name__
                     )
                     _check_signature(
-                        mooncake.MooncakeKVManager, "_validate_peer_state_layout", ("self", "registration_info"), mooncake.__name__
+                        mooncake.MooncakeKVManager,
+                        "_validate_peer_state_layout",
+                        ("self", "registration_info"),
+                        mooncake.__name__,
                     )
                 channel = MetadataChannel(config.sglang.capacity_bytes)
                 meta_patches = channel.patches(utils, transfer, mooncake)
@@ -213,28 +221,41 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
         # Live A/B: each request's first verify, by arm (sglang_ab; checked, nothing patched yet).
         processor = _module(mods.processor, PROCESSOR_MODULE, mods)
         ab_patch = (
-            install_first_verify(proposer.metrics, config.metrics, proposer.exporters, processor) if processor is not None else None
+            install_first_verify(proposer.metrics, config.metrics, proposer.exporters, processor)
+            if processor is not None
+            else None
         )
 
         # ... then patch, all at once.
-        if mode == "proposal":
+        if first is not None:  # mode == "proposal"
             inst.patches.append((dec, "build_eagle_disagg_draft_input", build, _wrap_build(build)))
             inst.patches.append((dec, "pd_first_draft_proposal", first, _wrap_proposal(first, proposer)))
         else:
             inst.patches.append((dec, "build_eagle_disagg_draft_input", build, _wrap_build_post_hoc(build, proposer)))
-        if pre_owner is not None:
+        if pre_owner is not None and pre_orig is not None:
             inst.patches.append(
-                (pre_owner, "process_batch_result_disagg_prefill", pre_orig, wrap_process_batch_result(pre_orig, lambda: inst.publisher))
+                (
+                    pre_owner,
+                    "process_batch_result_disagg_prefill",
+                    pre_orig,
+                    wrap_process_batch_result(pre_orig, lambda: inst.publisher),
+                )
             )
         inst.patches.extend(meta_patches)
         if ab_patch is not None:
             inst.patches.append(ab_patch)
-        if sched_cls is not None:
+        if sched_cls is not None and sched_init is not None:
             inst.patches.append((sched_cls, "init_disaggregation", sched_init, _wrap_scheduler_init(sched_init, inst)))
         for owner, attr, _, new in inst.patches:
             setattr(owner, attr, new)
         _set_installed(inst)
-        logger.info("pd-middleware installed into SGLang %s (%s mode, channel %s, %d patches)", ver, mode, channel_name, len(inst.patches))
+        logger.info(
+            "pd-middleware installed into SGLang %s (%s mode, channel %s, %d patches)",
+            ver,
+            mode,
+            channel_name,
+            len(inst.patches),
+        )
         if opts.facts is not None:
             try:
                 inst.activate(opts.facts)
@@ -255,7 +276,7 @@ def _wrap_scheduler_init(orig: Callable[..., Any], inst: Installation) -> Callab
     return _mark(init_disaggregation, orig)
 
 
-def _set_installed(inst: "Installation | None") -> None:
+def _set_installed(inst: Installation | None) -> None:
     global _installed
     _installed = inst
 

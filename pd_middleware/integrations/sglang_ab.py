@@ -38,12 +38,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from .._errors import PDMiddlewareError, PluginError
 from ..metrics import Metrics
+from .sglang_patch import _check_signature, _import, _mark
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -123,7 +125,7 @@ class FirstVerifyRecorder:
             if path is None:  # stopped meanwhile
                 return
             if self._log is None:
-                self._log = open(path, "a", buffering=1, encoding="utf-8")
+                self._log = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115  # held open across calls; stop() closes it
             self._log.write(line + "\n")
 
     def stop(self) -> None:
@@ -143,8 +145,6 @@ def first_verify_patch(
     list (:func:`pd_middleware.integrations.sglang.install` applies and restores it).
     Raises PluginError when the class or method is missing or its signature changed.
     """
-    from .sglang import _check_signature, _import, _mark
-
     mod = processor_module if processor_module is not None else _import(PROCESSOR_MODULE)
     owner = getattr(mod, PROCESSOR_CLASS, None)
     if owner is None:
@@ -172,7 +172,7 @@ def sglang_exports_metrics() -> bool:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return False
     try:
-        from sglang.srt.runtime_context import get_observability, get_parallel  # type: ignore[import-untyped]  # SGLang ships no stubs
+        from sglang.srt.runtime_context import get_observability, get_parallel
 
         obs = get_observability()
         if not obs.enable_metrics:

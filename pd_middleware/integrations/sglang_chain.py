@@ -26,8 +26,9 @@ encoding again. Each step is exact given the accepted prefix, so the chain is.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import torch
@@ -41,7 +42,7 @@ WORKER_CLASS = "MultiLayerEagleDraftWorker"
 #: Draft-input attribute the finished payloads are left under (one per batch row).
 PAYLOADS_ATTR = "pd_middleware_payloads"
 
-_chain: contextvars.ContextVar["ChainDraw | None"] = contextvars.ContextVar("pd_middleware_sglang_chain", default=None)
+_chain: contextvars.ContextVar[ChainDraw | None] = contextvars.ContextVar("pd_middleware_sglang_chain", default=None)
 
 
 @dataclass
@@ -51,6 +52,8 @@ class ChainDraw:
     publisher: Any
     rooms: list[Any]
     temperatures: list[float]
+    # Per-row SGLang request ids, mixed into each draw's seed (see room_seed).
+    salts: list[str] = field(default_factory=list)
     steps: list[list[tuple[int, float, Any, Any]]] = field(default_factory=list)
 
     def draw(self, step: int, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -64,9 +67,12 @@ class ChainDraw:
         rows = probs.detach().to("cpu", torch.float32)
         got: list[tuple[int, float, Any, Any]] = []
         for i, room in enumerate(self.rooms):
-            g = torch.Generator().manual_seed(room_seed(self.publisher.seed, f"{room}:{step}"))
+            salt = f"{self.salts[i] if i < len(self.salts) else ''}:{step}"
+            g = torch.Generator().manual_seed(room_seed(self.publisher.seed, room, salt))
             e = self.publisher.encoder.encode(rows[i : i + 1], temperature=self.temperatures[i], generator=g)
-            got.append((int(e.tokens[0, 0]), min(1.0, max(0.0, float(e.token_probs[0, 0]))), e.proposals[0], e.provenance))
+            got.append(
+                (int(e.tokens[0, 0]), min(1.0, max(0.0, float(e.token_probs[0, 0]))), e.proposals[0], e.provenance)
+            )
         self.steps.append(got)
         x = torch.tensor([[t[0]] for t in got], dtype=torch.int64)
         p = torch.tensor([[t[1]] for t in got], dtype=torch.float32)
@@ -124,8 +130,17 @@ def chain_patches(module: Any, get_publisher: Callable[[], Any]) -> list[tuple[A
             return extend(self, batch, *args, **kwargs)
         temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
         n = len(batch.reqs)
-        tl = temps.detach().to("cpu", torch.float64).reshape(-1).tolist() if isinstance(temps, torch.Tensor) else [1.0] * n
-        chain = ChainDraw(publisher, [getattr(r, "bootstrap_room", None) for r in batch.reqs], (tl * n)[:n] if len(tl) == 1 else tl)
+        tl = (
+            temps.detach().to("cpu", torch.float64).reshape(-1).tolist()
+            if isinstance(temps, torch.Tensor)
+            else [1.0] * n
+        )
+        chain = ChainDraw(
+            publisher,
+            [getattr(r, "bootstrap_room", None) for r in batch.reqs],
+            (tl * n)[:n] if len(tl) == 1 else tl,
+            [str(getattr(r, "rid", "")) for r in batch.reqs],
+        )
         token = _chain.set(chain)
         try:
             out = extend(self, batch, *args, **kwargs)
@@ -149,8 +164,8 @@ def chain_patches(module: Any, get_publisher: Callable[[], Any]) -> list[tuple[A
         return probs, p.to(topk_p.device, topk_p.dtype), x.to(topk_index.device, topk_index.dtype)
 
     for fn, orig in ((_draft_extend_for_prefill, extend), (sample_draft_proposal, sample)):
-        fn.__wrapped__ = orig  # type: ignore[attr-defined]  # functools.wraps' attribute, set by hand
-        fn.__pd_middleware__ = True  # type: ignore[attr-defined]  # our "already patched" marker
+        fn.__wrapped__ = orig  # type: ignore[union-attr]  # functools.wraps' attribute, set by hand
+        fn.__pd_middleware__ = True  # type: ignore[union-attr]  # our "already patched" marker
     return [
         (worker, "_draft_extend_for_prefill", extend, _draft_extend_for_prefill),
         (module, "sample_draft_proposal", sample, sample_draft_proposal),

@@ -31,8 +31,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, overload
 
 import torch
 
@@ -74,6 +75,12 @@ class RequestProposal:
     used: bool = False
 
 
+@overload
+def room_key(room: None) -> None: ...
+@overload
+def room_key(room: int) -> str: ...
+@overload
+def room_key(room: Any) -> str | None: ...
 def room_key(room: Any) -> str | None:
     """The request id a bootstrap room travels under: its decimal string (None stays None)."""
     if room is None:
@@ -184,7 +191,9 @@ class DecodeProposer:
     ``metrics``: shared by the middleware of every shape.
     """
 
-    def __init__(self, config: Any, store: ProposalStore | None = None, *, registry: Any = None, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, config: Any, store: ProposalStore | None = None, *, registry: Any = None, metrics: Metrics | None = None
+    ) -> None:
         self.config = config
         self.store = store
         self.registry = registry
@@ -247,7 +256,7 @@ class DecodeProposer:
         self.metrics.fallbacks[f"sglang:{reason}"] += 1
 
     # -- metadata channel: at transfer commit -----------------------------------------
-    def on_row(self, req: Any, got: "Payload | RowFault") -> None:
+    def on_row(self, req: Any, got: Payload | RowFault) -> None:
         """Attach ``req.pd_middleware`` from the request's in-band row (decode, every rank)."""
         if self.bound is None:
             raise ConfigError("the decode's shapes were not bound at scheduler start", path="model")
@@ -355,7 +364,7 @@ class DecodeProposer:
         # assembler's rotating buffer could be overwritten under it. build_fresh writes
         # each row once into a new tensor (any batch size), with no copy out of the
         # persistent buffer (benchmarks/sglang_inband.py).
-        out = mw.assembler.build_fresh(proposals)
+        out: torch.Tensor | None = mw.assembler.build_fresh(proposals)
         assert out is not None  # every entry is a proposal (rejection sampling is on)
         return out.view(len(proposals), n, vocab).to(device)
 

@@ -34,12 +34,23 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ..inband import RowFault, RowLayout, RowOverflowError, clear_row, mark_overflow, read_row, write_row
+from ..inband import (
+    RowFault,
+    RowLayout,
+    RowOverflowError,
+    clear_row,
+    mark_overflow,
+    read_row,
+    row_digest,
+    write_row,
+)
 from ..payload import Payload
+from .sglang_patch import _mark
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -49,6 +60,17 @@ ROW_ATTR = "pd_middleware_row"
 BUFFER_ATTR = "pd_proposal"
 #: Marker of the layout frame appended to the decode's Mooncake registration.
 FRAME_MARK = b"pd-middleware-row "
+#: Column of SGLang's 16-wide ``output_topk_index`` row that carries the proposal row's
+#: binding tag. SGLang writes only the first ``topk * num_steps`` (<= 15) columns.
+TAG_COLUMN = 15
+#: A written row's tag is this bit plus its CRC-32; an unwritten row's tag is 0.
+_TAG_WRITTEN = 1 << 32
+
+
+def row_tag(row: np.ndarray) -> int:
+    """The binding tag of a written row: it goes into the same SGLang buffer as X."""
+    return _TAG_WRITTEN | row_digest(row)
+
 
 UTILS_MODULE = "sglang.srt.disaggregation.utils"
 DECODE_MODULE = "sglang.srt.disaggregation.decode"
@@ -67,7 +89,7 @@ class MetadataChannel:
     ``counts``: ``inband:<event>`` counters.
     """
 
-    def __init__(self, capacity_bytes: int, on_row: Callable[[Any, "Payload | RowFault"], None] | None = None) -> None:
+    def __init__(self, capacity_bytes: int, on_row: Callable[[Any, Payload | RowFault], None] | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.on_row = on_row
         self.layout: RowLayout | None = None
@@ -77,13 +99,27 @@ class MetadataChannel:
 
     # -- shapes ---------------------------------------------------------------------
     def bind(self, vocab_size: int, num_steps: int) -> RowLayout:
-        """Fix V and S (both nodes must bind the same); returns the layout."""
+        """Fix V and S (both nodes must bind the same); returns the layout.
+
+        Raises ConfigError when S leaves no spare ``output_topk_index`` column for the
+        binding tag (S > 15).
+        """
+        if num_steps > TAG_COLUMN:
+            from .._errors import ConfigError
+
+            raise ConfigError(
+                f"the metadata channel carries at most {TAG_COLUMN} draft steps (SGLang's output_topk_index row "
+                f"has 16 columns and one binds the proposal row), got {num_steps}",
+                path="model.num_steps",
+            )
         self.layout = RowLayout(self.capacity_bytes, vocab_size, num_steps)
         return self.layout
 
     def describe(self) -> str:
         """This node's layout for error messages (or its capacity while unbound)."""
-        return self.layout.describe() if self.layout is not None else f"capacity={self.capacity_bytes} (shapes not bound)"
+        return (
+            self.layout.describe() if self.layout is not None else f"capacity={self.capacity_bytes} (shapes not bound)"
+        )
 
     def _count(self, event: str, detail: str = "") -> None:
         key = f"inband:{event}"
@@ -98,7 +134,7 @@ class MetadataChannel:
     def rows(self, buffers: Any) -> np.ndarray | None:
         """The (rows, capacity) uint8 numpy view of ``buffers``' proposal buffer
         (None for buffers made before the drop-in was installed: SGLang's alone)."""
-        arr = buffers.__dict__.get("_pd_proposal_np")
+        arr: np.ndarray | None = buffers.__dict__.get("_pd_proposal_np")
         if arr is None:
             buf = buffers.__dict__.get(BUFFER_ATTR)
             if buf is None:
@@ -112,27 +148,42 @@ class MetadataChannel:
         setattr(req, ROW_ATTR, payload)
 
     def write(self, buffers: Any, req: Any) -> None:
-        """Prefill ``set_buf`` tail: write the staged row of ``req`` (or clear the row)."""
+        """Prefill ``set_buf`` tail: write the staged row of ``req`` (or clear the row).
+
+        Also writes the row's binding tag into the spare ``output_topk_index`` column of
+        the same slot, next to X (0 when no row is written). Under TP, SGLang's transfer
+        lets each aux buffer's last writer win buffer by buffer; the decode accepts a row
+        only when the tag beside the X it verifies names that row, so X and q' always
+        come from one prefill rank's one write. Never raises into SGLang.
+        """
         rows = self.rows(buffers)
         if rows is None:
             return
-        row = rows[req.metadata_buffer_index]
+        idx = req.metadata_buffer_index
+        row = rows[idx]
         payload = getattr(req, ROW_ATTR, None)
         room = getattr(req, "bootstrap_room", None)
-        if payload is None or room is None or self.layout is None:
-            clear_row(row)
-            return
+        tag = 0
         try:
-            write_row(row, int(room), payload, self.layout)
-            self._count("written")
-        except RowOverflowError as exc:
-            mark_overflow(row, int(room), payload, self.layout)
-            self._count("overflow", f"{exc.needed} bytes > capacity {exc.capacity}; raise [sglang].capacity_bytes")
-        except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler: no row, exact one-hot
+            if payload is None or room is None or self.layout is None:
+                clear_row(row)
+            else:
+                try:
+                    write_row(row, int(room), payload, self.layout)
+                    self._count("written")
+                except RowOverflowError as exc:
+                    mark_overflow(row, int(room), payload, self.layout)
+                    self._count(
+                        "overflow", f"{exc.needed} bytes > capacity {exc.capacity}; raise [sglang].capacity_bytes"
+                    )
+                tag = row_tag(row)
+        except Exception as exc:
             clear_row(row)
+            tag = 0
             self._count(f"write_failed:{type(exc).__name__}", str(exc))
+        _set_tag(buffers, idx, tag)
 
-    def read(self, buffers: Any, idx: int, req: Any) -> "Payload | RowFault":
+    def read(self, buffers: Any, idx: int, req: Any) -> Payload | RowFault:
         """Decode: the row of metadata slot ``idx`` for ``req`` (a Payload or a RowFault)."""
         room = getattr(req, "bootstrap_room", None)
         if self.layout is None:
@@ -142,13 +193,24 @@ class MetadataChannel:
         rows = self.rows(buffers)
         if rows is None:
             return RowFault("not_sent", "these metadata buffers were made before the drop-in was installed")
-        got = read_row(rows[idx], int(room), self.layout, request_id=str(int(room)))
+        # One copy: the digest check and the decode read the same bytes even if a late
+        # write lands in the buffer meanwhile (SGLang's TCP aux path writes from its own thread).
+        row = rows[idx].copy()
+        got = read_row(row, int(room), self.layout, request_id=str(int(room)))
+        if not isinstance(got, RowFault):
+            want, have = _committed_tag(req, buffers, idx), row_tag(row)
+            if want != have:
+                got = RowFault(
+                    "binding",
+                    f"the row's tag {have:#x} is not the one beside SGLang's X ({want:#x}): X and the row "
+                    "come from different prefill writes",
+                )
         if isinstance(got, RowFault):
             detail = got.detail
             if got.reason == "not_sent":
                 detail = (
                     f"{detail}; this decode is {self.describe()}: the prefill runs without the drop-in, "
-                    "or with [sglang].channel = \"sidechannel\""
+                    'or with [sglang].channel = "sidechannel"'
                 )
             self._count(got.reason, detail)
         else:
@@ -174,7 +236,12 @@ class MetadataChannel:
             q = decode.DecodeTransferQueue
             fake = getattr(utils, "_is_fake_transfer", None)
             out.append(
-                (q, "_commit_transfer_to_req", q._commit_transfer_to_req, _wrap_commit(q._commit_transfer_to_req, self, fake))
+                (
+                    q,
+                    "_commit_transfer_to_req",
+                    q._commit_transfer_to_req,
+                    _wrap_commit(q._commit_transfer_to_req, self, fake),
+                )
             )
         if mooncake is not None:
             mgr, info = mooncake.MooncakeKVManager, mooncake.KVArgsRegisterInfo
@@ -205,7 +272,7 @@ class MetadataChannel:
             return (
                 f"pd-middleware proposal rows differ: this prefill appends one ({mine}), the decode registered "
                 f"none ({remote_aux} metadata buffers vs {local_aux} here); run both nodes with the drop-in "
-                "and [sglang].channel = \"metadata\", or neither"
+                'and [sglang].channel = "metadata", or neither'
             )
         if remote_layout != mine:
             return f"pd-middleware proposal rows differ: prefill {mine}, decode {remote_layout}; use one config on both nodes"
@@ -217,10 +284,21 @@ class MetadataChannel:
         return None
 
 
-def _mark(fn: Callable[..., Any], original: Any) -> Callable[..., Any]:
-    fn.__wrapped__ = original  # type: ignore[attr-defined]  # functools.wraps' attribute, set by hand
-    fn.__pd_middleware__ = True  # type: ignore[attr-defined]  # our marker: "already patched"
-    return fn
+def _set_tag(buffers: Any, idx: int, tag: int) -> None:
+    topk = getattr(buffers, "output_topk_index", None)
+    if topk is not None and topk.shape[-1] > TAG_COLUMN:
+        topk[idx, TAG_COLUMN] = tag
+
+
+def _committed_tag(req: Any, buffers: Any, idx: int) -> int:
+    """The tag beside the X SGLang committed to ``req`` (its cloned 16-wide row), else the slot's."""
+    got = getattr(req, "output_topk_index", None)
+    if got is None or getattr(got, "shape", (0,))[-1] <= TAG_COLUMN:
+        got = getattr(buffers, "output_topk_index", None)
+        if got is None or got.shape[-1] <= TAG_COLUMN:
+            return -1
+        got = got[idx]
+    return int(got[TAG_COLUMN])
 
 
 def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
@@ -236,7 +314,7 @@ def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., A
 
             raise ConfigError(
                 f"SGLang keeps its PD metadata on {where}; the metadata channel needs CPU metadata "
-                "buffers: use [sglang].channel = \"sidechannel\" on this deployment",
+                'buffers: use [sglang].channel = "sidechannel" on this deployment',
                 path="sglang.channel",
             )
         setattr(self, BUFFER_ATTR, torch.zeros((self.output_ids.shape[0], ch.capacity_bytes), dtype=torch.uint8))
@@ -276,7 +354,9 @@ def _wrap_clear(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., 
     return _mark(clear_slot, orig)
 
 
-def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None) -> Callable[..., Any]:
+def _wrap_commit(
+    orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None
+) -> Callable[..., Any]:
     def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
         out = orig(self, decode_req)
         req = decode_req.req
@@ -286,7 +366,7 @@ def _wrap_commit(orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callabl
             return out  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
         try:
             ch.on_row(req, ch.read(self.metadata_buffers, decode_req.metadata_buffer_index, req))
-        except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler; the builder falls back to one-hot
+        except Exception as exc:
             ch._count(f"attach_failed:{type(exc).__name__}", str(exc))
         return out
 
@@ -308,7 +388,9 @@ def _wrap_from_zmq(raw: Any) -> Any:
     def from_zmq(cls: Any, msg: Any) -> Any:
         info = func(cls, msg)
         last = msg[-1] if len(msg) else b""
-        layout = bytes(last)[len(FRAME_MARK) :].decode("ascii", "replace") if bytes(last).startswith(FRAME_MARK) else None
+        layout = (
+            bytes(last)[len(FRAME_MARK) :].decode("ascii", "replace") if bytes(last).startswith(FRAME_MARK) else None
+        )
         info.pd_middleware_layout = layout
         return info
 
@@ -326,7 +408,9 @@ def _wrap_validate(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..
             )
             if mismatch is not None:
                 ch._count("peer_rejected", mismatch)
-                logger.error("pd-middleware: rejecting decode session %s: %s", registration_info.mooncake_session_id, mismatch)
+                logger.error(
+                    "pd-middleware: rejecting decode session %s: %s", registration_info.mooncake_session_id, mismatch
+                )
         return fully_checked, mismatch
 
     return _mark(_validate_peer_state_layout, orig)

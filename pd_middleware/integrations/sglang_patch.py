@@ -11,9 +11,10 @@ import contextvars
 import importlib
 import importlib.metadata
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from .._errors import PluginError
 from .sglang_decode import DecodeProposer
@@ -38,6 +39,7 @@ METADATA_PARAMS = {
     "get_buf_infos": ("self",),
 }
 
+
 @dataclass(frozen=True)
 class SGLangModules:
     """The SGLang modules to patch; a field left None is imported (the real SGLang),
@@ -60,6 +62,7 @@ class SGLangModules:
 # if two schedulers ever share a process on different threads.
 _current_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("pd_middleware_sglang_batch", default=None)
 
+
 def detect_version() -> str:
     """The installed SGLang version (package metadata; no import). PluginError if absent."""
     try:
@@ -76,7 +79,7 @@ def _import(name: str) -> ModuleType:
 
 
 def _check_signature(owner: Any, attr: str, expected: tuple[str, ...], where: str) -> Callable[..., Any]:
-    fn = getattr(owner, attr, None)
+    fn: object = getattr(owner, attr, None)
     if fn is None:
         raise PluginError(f"{where}.{attr} not found; this SGLang version is not supported", plugin="sglang")
     if not callable(fn):
@@ -97,11 +100,10 @@ def _check_signature(owner: Any, attr: str, expected: tuple[str, ...], where: st
 
 
 def _mark(fn: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    fn.__wrapped__ = original  # type: ignore[attr-defined]
-    fn.__pd_middleware__ = True  # type: ignore[attr-defined]
+    """Mark ``fn`` as our wrapper of ``original`` (what the "already patched" check reads)."""
+    fn.__wrapped__ = original  # type: ignore[attr-defined]  # functools.wraps' attribute, set by hand
+    fn.__pd_middleware__ = True  # type: ignore[attr-defined]  # our marker: "already patched"
     return fn
-
-
 
 
 def _wrap_build(build: Callable[..., Any]) -> Callable[..., Any]:

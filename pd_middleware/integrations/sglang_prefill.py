@@ -40,7 +40,8 @@ import hashlib
 import logging
 import threading
 from collections import Counter
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -48,13 +49,18 @@ from .._errors import ConfigError, PDMiddlewareError
 from ..contracts import EncodedBatch
 from ..payload import Payload
 from .sglang_decode import room_key
+from .sglang_patch import _mark
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
 
-def room_seed(seed: int, room: Any) -> int:
-    """The generator seed of one request: a 63-bit digest of (``seed``, room), equal on every rank."""
-    raw = f"{int(seed)}:{room}".encode()
+def room_seed(seed: int, room: Any, salt: str = "") -> int:
+    """The generator seed of one request: a 63-bit digest of (``seed``, room, ``salt``), equal on every rank.
+
+    ``salt``: SGLang's request id (``req.rid``, the same on every TP rank and new for every
+    request), so a client that reuses a ``bootstrap_room`` does not get the same draw twice.
+    """
+    raw = f"{int(seed)}:{room}:{salt}".encode()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"pd-mw-draw").digest(), "little") >> 1
 
 
@@ -76,7 +82,7 @@ class ProposalPublisher:
         *,
         vocab_size: int,
         seed: int = 0,
-        stage: Callable[[Any, Payload], None] | None = None,
+        stage: Callable[[Any, Payload | None], None] | None = None,
     ) -> None:
         if (sender is None) == (stage is None):
             raise ValueError("give exactly one of sender (side channel) and stage (metadata channel)")
@@ -98,10 +104,10 @@ class ProposalPublisher:
         arm: str | None = None,
         registry: Any = None,
         seed: int | None = None,
-        stage: Callable[[Any, Payload], None] | None = None,
+        stage: Callable[[Any, Payload | None], None] | None = None,
         vocab_size: int | None = None,
         num_steps: int | None = None,
-    ) -> "ProposalPublisher":
+    ) -> ProposalPublisher:
         """A publisher with the config's top-level ``[encoder]``, or arm ``arm``'s encoder.
 
         In a live A/B (``ab_split``) leave ``arm`` unset: the prefill sends one encoding
@@ -145,13 +151,14 @@ class ProposalPublisher:
         rooms: Sequence[Any],
         draft_probs: torch.Tensor,
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
+        salts: Sequence[str] | None = None,
     ) -> tuple[EncodedBatch, list[Payload]]:
         """Encode one batch, each request from its own (seed, room) generator.
 
         ``rooms``: B bootstrap rooms (ints) or request ids; ``draft_probs``: float
         (B, V) or (B, S, V) draft probabilities after temperature, any device;
-        ``temperature``: one value or B values (recorded in each provenance).
-        Returns the batch (X is ``tokens``) and one payload per request. Encoder errors raise.
+        ``temperature``: one value or B values (recorded in each provenance);
+        ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``). Returns the batch (X is ``tokens``) and one payload per request. Encoder errors raise.
         """
         probs = draft_probs.detach().to("cpu", torch.float32)
         b = probs.shape[0]
@@ -160,7 +167,11 @@ class ProposalPublisher:
         temps = _temperatures(temperature, b)
         encs = [
             self.encoder.encode(
-                probs[i : i + 1], temperature=temps[i], generator=torch.Generator().manual_seed(room_seed(self.seed, rooms[i]))
+                probs[i : i + 1],
+                temperature=temps[i],
+                generator=torch.Generator().manual_seed(
+                    room_seed(self.seed, rooms[i], salts[i] if salts is not None else "")
+                ),
             )
             for i in range(b)
         ]
@@ -199,7 +210,9 @@ class ProposalPublisher:
                     self.counts[key] += 1
                     if key not in self._logged:
                         self._logged.add(key)
-                        logger.warning("publishing request %s failed (%s); the decode will use one-hot", payload.request_id, exc)
+                        logger.warning(
+                            "publishing request %s failed (%s); the decode will use one-hot", payload.request_id, exc
+                        )
 
     def publish(
         self,
@@ -214,7 +227,8 @@ class ProposalPublisher:
         rooms). A request whose send fails is counted (``send_failed:<error>``) and
         logged once per error; the decode then falls back to one-hot for it.
         """
-        enc, payloads = self.encode(rooms, draft_probs, temperature)
+        salts = [str(getattr(t, "rid", "")) for t in targets] if targets is not None else None
+        enc, payloads = self.encode(rooms, draft_probs, temperature, salts)
         self.deliver(targets if targets is not None else rooms, payloads)
         return enc
 
@@ -271,10 +285,14 @@ def wrap_process_batch_result(original: Callable[..., Any], get_publisher: Calla
         publisher = get_publisher()
         draft_input = getattr(result, "next_draft_input", None)
         q = getattr(draft_input, "draft_probs", None)
+        if publisher is not None:
+            # Nothing staged by an earlier batch (a request requeued without a q) may be
+            # written next to this batch's X.
+            _unstage(publisher, batch)
         if publisher is not None and q is not None:
             try:
                 _publish_batch(publisher, batch, draft_input, q)
-            except Exception as exc:  # noqa: BLE001 - never raise in SGLang's scheduler: SGLang's own draw stands
+            except Exception as exc:
                 _unstage(publisher, batch)
                 key = f"publish_failed:{type(exc).__name__}"
                 publisher.counts[key] += 1
@@ -283,9 +301,7 @@ def wrap_process_batch_result(original: Callable[..., Any], get_publisher: Calla
                     logger.error("pd-middleware could not encode a batch (%s); those requests get one-hot", exc)
         return original(self, batch, result)
 
-    process_batch_result_disagg_prefill.__wrapped__ = original  # type: ignore[attr-defined]
-    process_batch_result_disagg_prefill.__pd_middleware__ = True  # type: ignore[attr-defined]
-    return process_batch_result_disagg_prefill
+    return _mark(process_batch_result_disagg_prefill, original)
 
 
 def _unstage(publisher: ProposalPublisher, batch: Any) -> None:
@@ -315,7 +331,9 @@ def _publish_batch(publisher: ProposalPublisher, batch: Any, draft_input: Any, q
         if publisher.stage is not None:
             _stage_bare(publisher, batch, draft_input)
         return
-    rows = [i for i, req in enumerate(batch.reqs) if _finishing(req) and getattr(req, "bootstrap_room", None) is not None]
+    rows = [
+        i for i, req in enumerate(batch.reqs) if _finishing(req) and getattr(req, "bootstrap_room", None) is not None
+    ]
     if not rows:
         return
     q2 = q.reshape(q.shape[0], -1)[rows]

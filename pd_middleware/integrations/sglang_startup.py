@@ -96,14 +96,14 @@ def check(config: Any, facts: EngineFacts, channel: str) -> None:
     config.model.with_shapes(facts.vocab_size, facts.num_steps, engine="SGLang")
     if channel == "metadata" and facts.backend != "mooncake":
         raise ConfigError(
-            f"[sglang].channel = \"metadata\" is verified on the mooncake transfer backend only, this server runs "
-            f"--disaggregation-transfer-backend {facts.backend}; use channel = \"sidechannel\"",
+            f'[sglang].channel = "metadata" is verified on the mooncake transfer backend only, this server runs '
+            f'--disaggregation-transfer-backend {facts.backend}; use channel = "sidechannel"',
             path="sglang.channel",
         )
     if channel == "sidechannel" and facts.tp_rank != 0 and not _one_hot(config):
         raise ConfigError(
-            f"[sglang].channel = \"sidechannel\" publishes through one receiver per node (TP rank 0); TP rank "
-            f"{facts.tp_rank} would not see the payloads: use channel = \"metadata\" with TP > 1",
+            f'[sglang].channel = "sidechannel" publishes through one receiver per node (TP rank 0); TP rank '
+            f'{facts.tp_rank} would not see the payloads: use channel = "metadata" with TP > 1',
             path="sglang.channel",
         )
 

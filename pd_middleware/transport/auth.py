@@ -32,14 +32,18 @@ import os
 import pathlib
 import threading
 import weakref
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.auth
 
 from .._errors import ConfigError
 
-Buffer = Union[bytes, memoryview]
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
+Buffer = bytes | memoryview
 
 #: Length of the signature frame.
 SIGNATURE_BYTES = 32
@@ -204,11 +208,11 @@ class _Allowlist:
 
 # One ZAP handler per zmq.Context (libzmq allows one): receivers sharing a context each
 # get their own ZAP domain and allowlist on it.
-_GATES: "weakref.WeakKeyDictionary[zmq.Context, tuple[object, set[str]]]" = weakref.WeakKeyDictionary()
+_GATES: weakref.WeakKeyDictionary[zmq.Context[Any], tuple[ThreadAuthenticator, set[str]]] = weakref.WeakKeyDictionary()
 _GATES_LOCK = threading.Lock()
 
 
-def _start(auth: object, wait_s: float = 2.0) -> None:
+def _start(auth: ThreadAuthenticator, wait_s: float = 2.0) -> None:
     """Start a ZAP handler; the inproc endpoint of one stopped just before in this
     context may take a moment to be released (libzmq unbinds asynchronously)."""
     import time
@@ -216,7 +220,7 @@ def _start(auth: object, wait_s: float = 2.0) -> None:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            auth.start()  # type: ignore[attr-defined]
+            auth.start()
             return
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
@@ -227,7 +231,7 @@ def _start(auth: object, wait_s: float = 2.0) -> None:
 class CurveGate:
     """The decode's ZAP allowlist for one server socket (see the module docstring)."""
 
-    def __init__(self, ctx: zmq.Context, domain: str, allowed: dict[str, str]) -> None:
+    def __init__(self, ctx: zmq.Context[Any], domain: str, allowed: dict[str, str]) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 
         self._ctx = ctx
@@ -241,7 +245,7 @@ class CurveGate:
                 entry = (auth, set())
                 _GATES[ctx] = entry
             auth, domains = entry
-            auth.configure_curve_callback(domain=domain, credentials_provider=_Allowlist(allowed))  # type: ignore[attr-defined]
+            auth.configure_curve_callback(domain=domain, credentials_provider=_Allowlist(allowed))
             domains.add(domain)
 
     def close(self) -> None:
@@ -254,17 +258,17 @@ class CurveGate:
             domains.discard(self.domain)
             getattr(auth, "credentials_providers", {}).pop(self.domain, None)
             if not domains:
-                auth.stop()  # type: ignore[attr-defined]
+                auth.stop()
                 del _GATES[self._ctx]
 
 
-def curve_server(sock: zmq.Socket, curve: object, domain: str) -> CurveGate:
+def curve_server(sock: zmq.Socket[Any], curve: object, domain: str) -> CurveGate:
     """Make ``sock`` a CURVE server behind an allowlist gate (call before bind)."""
     pub, sec = load_secret_key(curve)
     allowed = load_allowlist(curve)
     if not allowed:
         raise ConfigError("CURVE is on but no client key is allowed", path="transport.curve.clients")
-    gate = CurveGate(sock.context, domain, allowed)  # type: ignore[arg-type]
+    gate = CurveGate(sock.context, domain, allowed)
     sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, sec)
@@ -272,7 +276,7 @@ def curve_server(sock: zmq.Socket, curve: object, domain: str) -> CurveGate:
     return gate
 
 
-def curve_client(sock: zmq.Socket, curve: object) -> None:
+def curve_client(sock: zmq.Socket[Any], curve: object) -> None:
     """Make ``sock`` a CURVE client of ``curve.server_key`` (call before connect)."""
     server = getattr(curve, "server_key", None)
     if server is None:

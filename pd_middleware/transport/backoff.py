@@ -9,7 +9,7 @@ own threads).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 #: First polling interval, in seconds.
 POLL_MIN_S = 20e-6

@@ -19,7 +19,8 @@ import ctypes
 import mmap
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._errors import TransferAbandoned, TransferError
 from ..payload import Payload
@@ -42,7 +43,7 @@ def _flat(buf: Any) -> memoryview:
 class InFlight:
     """A bulk write submitted but not yet seen complete; its header waits for it."""
 
-    __slots__ = ("seq", "slot", "header", "bids", "region", "started", "error")
+    __slots__ = ("bids", "error", "header", "region", "seq", "slot", "started")
 
     def __init__(self, seq: int, slot: int, header: Any, bids: list[int], region: int, started: float) -> None:
         self.seq = seq

@@ -69,7 +69,9 @@ class LimitsConfig(msgspec.Struct, **_STRUCT):
         _check(1 <= self.max_vocab <= 1 << 30, "max_vocab", "must be in [1, 2**30]")
         _check(1 <= self.max_request_id <= 65536, "max_request_id", "must be in [1, 65536]")
         _check(1 <= self.max_queued_outcomes <= 1 << 24, "max_queued_outcomes", "must be in [1, 2**24]")
-        _check(1 << 16 <= self.max_queued_inline_bytes <= 1 << 40, "max_queued_inline_bytes", "must be in [2**16, 2**40]")
+        _check(
+            1 << 16 <= self.max_queued_inline_bytes <= 1 << 40, "max_queued_inline_bytes", "must be in [2**16, 2**40]"
+        )
         _check(0 <= self.hidden_size <= 1 << 20, "hidden_size", "must be in [0, 2**20]")
 
 
@@ -157,9 +159,15 @@ class CurveConfig(msgspec.Struct, **_STRUCT):
             "secret_key_file",
             "set secret_key_env or secret_key_file, not both",
         )
-        _check(self.server_key is None or bool(_Z85_RE.match(self.server_key)), "server_key", "must be a 40-character Z85 key")
+        _check(
+            self.server_key is None or bool(_Z85_RE.match(self.server_key)),
+            "server_key",
+            "must be a 40-character Z85 key",
+        )
         for name, key in self.clients.items():
-            _check(bool(name) and bool(_Z85_RE.match(key)), f"clients.{name}", "must map a name to a 40-character Z85 key")
+            _check(
+                bool(name) and bool(_Z85_RE.match(key)), f"clients.{name}", "must map a name to a 40-character Z85 key"
+            )
         if self.enabled:
             _check(
                 self.secret_key_env is not None or self.secret_key_file is not None,

@@ -31,7 +31,8 @@ scheduler uses the delivery), which only keeping the plane private prevents.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Literal, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import blake3
 import xxhash
@@ -41,7 +42,7 @@ from .._errors import IntegrityError
 if TYPE_CHECKING:
     from .config import TransportConfig
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 Algorithm = Literal["xxh3_128", "blake3"]
 
 
@@ -57,12 +58,12 @@ BY_LENGTH: dict[int, str] = {16: "xxh3_128", 32: "blake3"}
 USE_BITS = 32
 
 
-def authenticated(config: "TransportConfig") -> bool:
+def authenticated(config: TransportConfig) -> bool:
     """Whether the control plane carrying the headers is authenticated (CURVE or HMAC configured)."""
     return config.curve.enabled or config.hmac_key is not None or config.hmac_key_env is not None
 
 
-def algorithm_for(config: "TransportConfig") -> str:
+def algorithm_for(config: TransportConfig) -> str:
     """The digest this side computes (prefill) or requires (decode) for ``config``.
 
     ``transport.mooncake.digest`` ``"auto"`` means BLAKE3 when the headers are

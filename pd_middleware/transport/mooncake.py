@@ -37,8 +37,9 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from .._errors import TransferAbandoned, TransferError
 from .config import MooncakeConfig
@@ -135,7 +136,7 @@ class MooncakeEngine:
         force_tcp: bool = True,
         log_level: str = "WARNING",
         write_timeout_s: float = 30.0,
-    ) -> "MooncakeEngine":
+    ) -> MooncakeEngine:
         """Start and initialise an engine with P2PHANDSHAKE (no metadata server).
 
         ``protocol`` ``"tcp"`` or ``"rdma"`` with ``device_names`` (``"mlx5_0,mlx5_1"``);
@@ -153,7 +154,9 @@ class MooncakeEngine:
             engine = TransferEngine()
             rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_names)
         if rc != 0:
-            raise TransferError(f"engine initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed", op="initialize", code=rc, peer=host)
+            raise TransferError(
+                f"engine initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed", op="initialize", code=rc, peer=host
+            )
         return cls(engine, f"{host}:{engine.get_rpc_port()}", write_timeout_s=write_timeout_s)
 
     # -- guards -----------------------------------------------------------------
@@ -229,7 +232,9 @@ class MooncakeEngine:
                 except TransferError:
                     pass  # the submit failure below is the error to report
                 self._probed.discard(peer)  # the peer may have restarted: probe before the next write
-                raise TransferError(f"write of {n} bytes was not submitted", op="transfer_submit_write", code=-1, peer=peer)
+                raise TransferError(
+                    f"write of {n} bytes was not submitted", op="transfer_submit_write", code=-1, peer=peer
+                )
             live.append(bid)
         with self._lock:
             self._live_batches.update(live)
@@ -264,7 +269,9 @@ class MooncakeEngine:
         for st in results:
             if st != 1 and error is None:
                 if st == -2:  # the engine's timeout: the write may still land (TransferAbandoned)
-                    error = TransferAbandoned("transfer timed out in the engine", op="transfer_check_status", code=st, peer=peer)
+                    error = TransferAbandoned(
+                        "transfer timed out in the engine", op="transfer_check_status", code=st, peer=peer
+                    )
                 else:
                     error = TransferError("transfer failed", op="transfer_check_status", code=st, peer=peer)
         if error is not None:
@@ -325,12 +332,14 @@ class MooncakeEngine:
             self.finish_write(peer, self.start_write(peer, ranges))
         except TransferError as exc:
             total = sum(r[2] for r in ranges)
-            cls = TransferAbandoned if isinstance(exc, TransferAbandoned) else TransferError  # the caller retires on the first
+            cls = (
+                TransferAbandoned if isinstance(exc, TransferAbandoned) else TransferError
+            )  # the caller retires on the first
             raise cls(
                 f"write of {total} bytes in {len(ranges)} range(s) failed: {exc}", op=exc.op, code=exc.code, peer=peer
             ) from None
 
-    def submit(self, peer: str, ranges: Iterable[Range]) -> "Future[None]":
+    def submit(self, peer: str, ranges: Iterable[Range]) -> Future[None]:
         """:meth:`write` on the dedicated transfer thread, for callers that must never block.
 
         The future's ``result()`` raises the write's TransferError.

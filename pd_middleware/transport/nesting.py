@@ -22,16 +22,36 @@ MAX_DEPTH = 32
 
 # First byte -> (length-prefix bytes, fixed payload bytes) for the non-fix types.
 _SIZED = {
-    0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0),  # bin 8/16/32
-    0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),  # ext 8/16/32 (+1 type byte)
-    0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),  # str 8/16/32
+    0xC4: (1, 0),
+    0xC5: (2, 0),
+    0xC6: (4, 0),  # bin 8/16/32
+    0xC7: (1, 1),
+    0xC8: (2, 1),
+    0xC9: (4, 1),  # ext 8/16/32 (+1 type byte)
+    0xD9: (1, 0),
+    0xDA: (2, 0),
+    0xDB: (4, 0),  # str 8/16/32
 }
 _FIXED = {
-    0xC0: 0, 0xC1: 0, 0xC2: 0, 0xC3: 0,  # nil, (never used), false, true
-    0xCA: 4, 0xCB: 8,  # float 32/64
-    0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,  # uint 8..64
-    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,  # int 8..64
-    0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17,  # fixext 1..16 (+1 type byte)
+    0xC0: 0,
+    0xC1: 0,
+    0xC2: 0,
+    0xC3: 0,  # nil, (never used), false, true
+    0xCA: 4,
+    0xCB: 8,  # float 32/64
+    0xCC: 1,
+    0xCD: 2,
+    0xCE: 4,
+    0xCF: 8,  # uint 8..64
+    0xD0: 1,
+    0xD1: 2,
+    0xD2: 4,
+    0xD3: 8,  # int 8..64
+    0xD4: 2,
+    0xD5: 3,
+    0xD6: 5,
+    0xD7: 9,
+    0xD8: 17,  # fixext 1..16 (+1 type byte)
 }
 # Containers with a length prefix: first byte -> (prefix bytes, items per entry).
 _CONTAINER = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}

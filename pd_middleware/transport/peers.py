@@ -12,8 +12,8 @@ Single-threaded: only the receive loop touches it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from . import wire
 
@@ -71,7 +71,8 @@ class PeerTable:
         """Peers that this hello replaces: the same connection, or the same identity
         (its CURVE key when authenticated, else its name) reconnecting."""
         return [
-            p for p in self.by_ident.values()
+            p
+            for p in self.by_ident.values()
             if p.ident == ident or (p.key == key if key is not None else p.name == name)
         ]
 
@@ -87,7 +88,9 @@ class PeerTable:
         """One ack to every peer that is owed one."""
         for peer in list(self.by_ident.values()):
             if peer.freed or peer.delivered or peer.failed:
-                send(peer, wire.Ack(freed=tuple(peer.freed), delivered=tuple(peer.delivered), failed=tuple(peer.failed)))
+                send(
+                    peer, wire.Ack(freed=tuple(peer.freed), delivered=tuple(peer.delivered), failed=tuple(peer.failed))
+                )
                 peer.freed.clear()
                 peer.delivered.clear()
                 peer.failed.clear()

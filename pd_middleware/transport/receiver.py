@@ -37,7 +37,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -75,7 +76,7 @@ class DecodeReceiver:
         config: TransportConfig,
         pipeline: ReceivePipeline,
         engine: MooncakeEngine | None = None,
-        context: zmq.Context | None = None,
+        context: zmq.Context[Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -104,7 +105,7 @@ class DecodeReceiver:
         self._wake_armed = False
         self._running = False
         self._thread: threading.Thread | None = None
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[Any] | None = None
         self._pool: SlotPool | None = None
         self._pool_addr = 0
         self._pipe: tuple[int, int] | None = None
@@ -113,7 +114,7 @@ class DecodeReceiver:
 
     # -- lifecycle --------------------------------------------------------------
 
-    def start(self) -> "DecodeReceiver":
+    def start(self) -> DecodeReceiver:
         """Bind, register the slots with the engine and start the receive thread."""
         cfg = self.config
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
@@ -160,7 +161,7 @@ class DecodeReceiver:
             self._gate.close()
             self._gate = None
 
-    def __enter__(self) -> "DecodeReceiver":
+    def __enter__(self) -> DecodeReceiver:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -179,7 +180,8 @@ class DecodeReceiver:
         Raises :class:`TransferError` (op ``receive``) once the receive loop has died and
         every outcome it queued was taken: nothing more will ever arrive.
         """
-        return self._queue.get(timeout)
+        got: Delivery | Failure | None = self._queue.get(timeout)
+        return got
 
     def drain(self, max_items: int = 1 << 30) -> list[Delivery | Failure]:
         """Every outcome ready now, at most ``max_items``; raises like :meth:`get` once the loop died."""
@@ -236,7 +238,7 @@ class DecodeReceiver:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 - the application must learn of it, below
+        except BaseException as exc:
             self._queue.dead = f"{type(exc).__name__}: {exc}"
             raise
         finally:
@@ -288,7 +290,7 @@ class DecodeReceiver:
             if full == reading:
                 reading = not full
                 poller.modify(sock, zmq.POLLIN if reading else 0)
-            events = dict(poller.poll(max(0.0, wait) * 1000.0))
+            events = dict(poller.poll(max(0.0, wait) * 1000.0))  # type: ignore[arg-type]  # pyzmq takes float ms
             if rfd in events:
                 try:
                     os.read(rfd, 4096)
@@ -302,7 +304,7 @@ class DecodeReceiver:
                         f = recv(noblock, copy=False)
                     except zmq.Again:
                         break
-                    user = f.get("User-Id") if curve else None
+                    user: str | None = f.get("User-Id") if curve else None  # type: ignore[assignment]  # a str property
                     frames = [f.bytes]
                     extra = 0
                     while f.more:  # the rest of a multipart message has arrived with it
@@ -313,10 +315,18 @@ class DecodeReceiver:
                             extra += 1
                     try:
                         if extra:
-                            self._reject(frames[0], WireError(f"{len(frames) - 1 + extra} frames is not in [1, {self._limits.max_frames}]", field="frames"), "wire", 0)
+                            self._reject(
+                                frames[0],
+                                WireError(
+                                    f"{len(frames) - 1 + extra} frames is not in [1, {self._limits.max_frames}]",
+                                    field="frames",
+                                ),
+                                "wire",
+                                0,
+                            )
                         else:
                             self._handle(frames, user)
-                    except Exception as exc:  # noqa: BLE001 - one message fails, never the loop
+                    except Exception as exc:
                         self._internal(frames, exc)
                     if queue.full(max_out, max_bytes):
                         break
@@ -341,7 +351,7 @@ class DecodeReceiver:
         self._emit(self.pipeline.fail(Failure(request_id=None, stage="receiver", reason=reason, field="internal")))
         try:
             self._send_to(frames[0], wire.ErrorReply(code="internal", reason=reason))
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:
             pass
 
     def _shutdown(self) -> None:
@@ -393,14 +403,18 @@ class DecodeReceiver:
         signed = self._signer is not None
         if not body or len(body) > limits.max_frames + 2 * signed:
             n = sum(map(len, body))
-            self._reject(ident, WireError(f"{len(body)} frames is not in [1, {limits.max_frames}]", field="frames"), "wire", n)
+            self._reject(
+                ident, WireError(f"{len(body)} frames is not in [1, {limits.max_frames}]", field="frames"), "wire", n
+            )
             return
         peer = self._peers.by_ident.get(ident)
         nonce, seq = _NO_NONCE, 0
         if signed:
-            opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]
+            opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]  # set whenever `signed`
             if opened is None:
-                self._reject(ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", sum(map(len, body)))
+                self._reject(
+                    ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", sum(map(len, body))
+                )
                 return
             nonce, seq = opened
             body = body[:-2]
@@ -425,20 +439,23 @@ class DecodeReceiver:
         kind = type(msg)
         if kind is _PayloadHeader:
             if peer is None:
-                exc = WireError("unknown peer: send hello first (decode restarted?)", field="peer", request_id=msg.request_id)  # type: ignore[attr-defined]
-                self._reject(ident, exc, "hello", sum(map(len, body)), nonce)
+                err = WireError(
+                    "unknown peer: send hello first (decode restarted?)",
+                    field="peer",
+                    request_id=msg.request_id,  # type: ignore[attr-defined]  # kind is PayloadHeader (checked above)
+                )
+                self._reject(ident, err, "hello", sum(map(len, body)), nonce)
             else:
-                self._on_payload(peer, msg, body)  # type: ignore[arg-type]
+                self._on_payload(peer, msg, body)  # type: ignore[arg-type]  # `kind is` dispatch: a PayloadHeader
             return
         self.metrics.bytes["control"] += len(body[0])
         if kind is wire.Hello:
-            self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]
+            self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]  # `kind is` dispatch: a Hello
         elif kind is wire.Heartbeat:
             if peer is None:
                 self._send_to(ident, wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"), nonce)
-        elif kind is wire.Bye:
-            if peer is not None:
-                self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]
+        elif kind is wire.Bye and peer is not None:
+            self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]  # `kind is` dispatch: a Bye
 
     def _on_hello(self, ident: bytes, msg: wire.Hello, now: float, user: str | None, nonce: bytes, seq: int) -> None:
         name = msg.name
@@ -455,7 +472,16 @@ class DecodeReceiver:
         for other in self._peers.same_identity(ident, name, user):
             # The same prefill reconnected: it stays responsible for its expected requests.
             self._drop(other, None, "")
-        peer = Peer(ident=ident, name=name, last_seen=now, last_sent=now, key=user, nonce=nonce, rx_seq=seq, tx_seq=time.time_ns())
+        peer = Peer(
+            ident=ident,
+            name=name,
+            last_seen=now,
+            last_sent=now,
+            key=user,
+            nonce=nonce,
+            rx_seq=seq,
+            tx_seq=time.time_ns(),
+        )
         slots: list[int] = []
         pool = self._pool
         if pool is not None:
@@ -493,7 +519,7 @@ class DecodeReceiver:
             payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
             gen = 0
             if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
-                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]
+                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]  # slot >= 0 only with a pool
         except (WireError, IntegrityError) as exc:
             named = wire.named_slot(h)
             if named >= 0 and self._pool is not None and named < self._pool.count:
@@ -510,7 +536,7 @@ class DecodeReceiver:
         by_plane["control"] += len(body[0])
         inline = 0
         if slot >= 0:
-            self._pool.hold(slot)  # type: ignore[union-attr]
+            self._pool.hold(slot)  # type: ignore[union-attr]  # slot >= 0 only with a pool
             self._held_n += 1
             by_plane["bulk"] += wire.bulk_bytes(payload)
         elif len(body) == 2:
@@ -535,7 +561,7 @@ class DecodeReceiver:
             else:
                 peer.delivered.append(h.seq)
         else:
-            peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]
+            peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]  # a Failure here
 
     def _apply_releases(self) -> None:
         pool = self._pool
@@ -547,17 +573,17 @@ class DecodeReceiver:
             if delivered:
                 peer.outstanding.pop(rid, None)
             if slot >= 0:
-                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]
+                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]  # slot >= 0 only with a pool
                 if done:  # else stale: the slot was freed or reused since; never free a later use
                     self._held_n -= 1
                 if done and owner is not None:
-                    holder = peers.get(owner)  # type: ignore[arg-type]
+                    holder = peers.get(owner)  # type: ignore[arg-type]  # slot owners are peer idents
                     if holder is not None:
                         holder.freed.append(slot)
             if consumed and delivered:
                 self._held_n -= 1
                 if peers.get(peer.ident) is peer:  # still connected: ack it now it was used
-                    peer.delivered.append(seq)
+                    peer.delivered.append(seq)  # type: ignore[union-attr]  # `is` narrowed it to get()'s Optional
 
     def _fail_expected(self, rid: str, why: str, reason: str) -> None:
         self._emit(self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field=why)))
@@ -572,7 +598,11 @@ class DecodeReceiver:
                 peer.last_seen = now  # not reading: their heartbeats wait in libzmq, unheard
             silent = now - peer.last_seen
             if silent > timeout:
-                self._drop(peer, "peer_lost", f"prefill {peer.name!r} lost: silent for {silent:.1f} s (peer_timeout_s={timeout:g})")
+                self._drop(
+                    peer,
+                    "peer_lost",
+                    f"prefill {peer.name!r} lost: silent for {silent:.1f} s (peer_timeout_s={timeout:g})",
+                )
             elif now - peer.last_sent >= hb:
                 self._send(peer, wire.Heartbeat(session=self.session))
 
@@ -590,7 +620,7 @@ def open_receiver(
     config: TransportConfig,
     pipeline: ReceivePipeline,
     *,
-    context: zmq.Context | None = None,
+    context: zmq.Context[Any] | None = None,
 ) -> DecodeReceiver:
     """Open a Mooncake engine when ``config.mooncake.enabled``, then build and start a receiver.
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -64,7 +65,7 @@ class PrefillSender:
         self,
         config: TransportConfig,
         engine: MooncakeEngine | None = None,
-        context: zmq.Context | None = None,
+        context: zmq.Context[Any] | None = None,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -81,7 +82,7 @@ class PrefillSender:
         self._rx_seq = -1
         self._thread_error: str | None = None  # why the background thread died, if it did
         self._lock = threading.RLock()
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[Any] | None = None
         self._address = ""
         self._session = ""
         self._lost: str | None = "not connected"
@@ -111,7 +112,7 @@ class PrefillSender:
 
     # -- connection -------------------------------------------------------------
 
-    def connect(self, address: str, timeout: float | None = None) -> "PrefillSender":
+    def connect(self, address: str, timeout: float | None = None) -> PrefillSender:
         """Connect to ``address`` (``tcp://host:port``), say hello and wait for the slot grant.
 
         Raises :class:`TransferError` (op ``connect``) when no grant arrives in time.
@@ -126,7 +127,7 @@ class PrefillSender:
             self._hb_thread.start()
         return self
 
-    def reconnect(self, timeout: float | None = None) -> "PrefillSender":
+    def reconnect(self, timeout: float | None = None) -> PrefillSender:
         """Drop the connection (in-flight requests count as ``transfer:decode_lost``) and connect again."""
         with self._lock:
             address = self._address
@@ -162,7 +163,7 @@ class PrefillSender:
 
     def _reset(self, key: str, why: str, linger: int = 0) -> None:
         self._drop_inflight()
-        for seq, rid in self._outstanding.items():
+        for rid in self._outstanding.values():
             self.failed[key] += 1
             self._failures.append((rid, key, why))
         self._outstanding.clear()
@@ -183,9 +184,11 @@ class PrefillSender:
         deadline = self._clock() + timeout
         while True:
             left = deadline - self._clock()
-            if left <= 0 or not sock.poll(left * 1000.0):
+            if left <= 0 or not sock.poll(left * 1000.0):  # type: ignore[arg-type]  # pyzmq takes float ms
                 self._lost = "no grant"
-                raise TransferError(f"no slot grant from the decode within {timeout:g} s", op="connect", peer=self._address)
+                raise TransferError(
+                    f"no slot grant from the decode within {timeout:g} s", op="connect", peer=self._address
+                )
             msg = self._recv_one()
             if isinstance(msg, wire.Grant):
                 break
@@ -222,22 +225,22 @@ class PrefillSender:
         except WireError as exc:
             self.rejected[f"wire:{exc.field}"] += 1
             return None
-        except Exception as exc:  # noqa: BLE001 - one bad message from the decode, never the sender
+        except Exception as exc:
             self.rejected[f"internal:{type(exc).__name__}"] += 1
             return None
         self._last_heard = self._clock()
         kind = type(msg)
         if kind is wire.Ack:
-            self._on_ack(msg)  # type: ignore[arg-type]
+            self._on_ack(msg)  # type: ignore[arg-type]  # `kind is` dispatch: an Ack
         elif kind is wire.ErrorReply:
-            self.rejected[msg.code] += 1  # type: ignore[attr-defined]
-            if msg.code == "hello":  # type: ignore[attr-defined]
-                self._lost = f"the decode does not know this prefill (restarted?): {msg.reason}"  # type: ignore[attr-defined]
+            self.rejected[msg.code] += 1  # type: ignore[attr-defined]  # `kind is` dispatch: an ErrorReply
+            if msg.code == "hello":  # type: ignore[attr-defined]  # an ErrorReply
+                self._lost = f"the decode does not know this prefill (restarted?): {msg.reason}"  # type: ignore[attr-defined]  # an ErrorReply
         elif kind is wire.Heartbeat:
-            if self._session and msg.session != self._session:  # type: ignore[attr-defined]
+            if self._session and msg.session != self._session:  # type: ignore[attr-defined]  # a Heartbeat
                 self._lost = "the decode restarted (new session)"
         elif kind is wire.Bye:
-            self._lost = f"the decode closed the connection: {msg.reason}"  # type: ignore[attr-defined]
+            self._lost = f"the decode closed the connection: {msg.reason}"  # type: ignore[attr-defined]  # a Bye
         return msg
 
     def _on_ack(self, ack: wire.Ack) -> None:
@@ -417,7 +420,7 @@ class PrefillSender:
             self._bulk.drop(self._decode_mc)
 
     @property
-    def _inflight(self) -> "deque[InFlight] | tuple[()]":
+    def _inflight(self) -> deque[InFlight] | tuple[()]:
         """The writes in flight (an empty tuple without an engine)."""
         return self._bulk.inflight if self._bulk is not None else ()
 
@@ -446,7 +449,7 @@ class PrefillSender:
                 raise NoSlotError(
                     f"all {len(self._slot_addr)} slots stayed in use for {wait:g} s", op="send", peer=self._address
                 )
-            if sock.poll(min(left, POLL_MAX_S if self._inflight else 0.05) * 1000.0):
+            if sock.poll(min(left, POLL_MAX_S if self._inflight else 0.05) * 1000.0):  # type: ignore[arg-type]  # pyzmq takes float ms
                 self._drain()
             self._check_alive("send")
         return self._free.popleft()
@@ -483,7 +486,7 @@ class PrefillSender:
                 if left <= 0:
                     return False
                 if not self._inflight:
-                    sock.poll(min(left, 0.05) * 1000.0)
+                    sock.poll(min(left, 0.05) * 1000.0)  # type: ignore[arg-type]  # pyzmq takes float ms
                     continue
             backoff.sleep()  # writes still landing: poll them again shortly
 
@@ -524,7 +527,7 @@ class PrefillSender:
         (``connected`` reads False and the next send raises) instead of a silent stall."""
         try:
             self._background_loop()
-        except BaseException as exc:  # noqa: BLE001 - reported through connected/send
+        except BaseException as exc:
             self._thread_error = f"{type(exc).__name__}: {exc}"
             self._lost = f"the sender's background thread died ({self._thread_error})"
             raise
@@ -561,8 +564,8 @@ class PrefillSender:
         # An idle sender notices a dead decode too: flush() then returns early
         # and statuses()["connected"] turns False without waiting for a send.
         self._note_silence()
-        if self._lost is not None:
-            return
+        if self._lost is not None:  # _note_silence() may set it
+            return  # type: ignore[unreachable]  # mypy keeps the narrowing across the call
         if now - self._last_sent >= self.config.heartbeat_s:
             try:
                 self._send_msg(wire.Heartbeat())
@@ -575,7 +578,7 @@ def open_sender(
     address: str,
     *,
     name: str | None = None,
-    context: zmq.Context | None = None,
+    context: zmq.Context[Any] | None = None,
 ) -> PrefillSender:
     """Open a Mooncake engine when ``config.mooncake.enabled``, then build and connect a sender.
 

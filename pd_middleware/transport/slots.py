@@ -20,7 +20,7 @@ Single-threaded by design: only the receiver loop touches a pool.
 from __future__ import annotations
 
 import mmap
-from typing import Hashable
+from collections.abc import Hashable
 
 from .._errors import IntegrityError, WireError
 from . import integrity
@@ -58,7 +58,7 @@ class SlotPool:
         """Give up to ``n`` unowned slots to ``peer``, each at a new grant generation."""
         self._grants += 1
         base = self._grants << integrity.USE_BITS
-        out = []
+        out: list[int] = []
         while self._pool and len(out) < n:
             s = self._pool.pop()
             self.owner[s] = peer
@@ -106,7 +106,9 @@ class SlotPool:
         g = first.gen
         for f, ref in refs[1:]:
             if ref.gen != g:
-                raise IntegrityError(f"generation {ref.gen:#x} differs from {field}'s {g:#x}", field=f"{f}.gen", request_id=rid)
+                raise IntegrityError(
+                    f"generation {ref.gen:#x} differs from {field}'s {g:#x}", field=f"{f}.gen", request_id=rid
+                )
         cur = self.gen[slot]
         if g >> integrity.USE_BITS != cur >> integrity.USE_BITS or g <= cur:
             raise IntegrityError(

@@ -9,6 +9,7 @@ allowlist (:class:`~.auth.CurveGate`), the client with the decode's public key.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import zmq
 
@@ -17,8 +18,8 @@ from .auth import CurveGate, curve_client, curve_server
 from .config import TransportConfig
 
 
-def _base(ctx: zmq.Context, kind: int, cfg: TransportConfig, max_frame: int) -> zmq.Socket:
-    sock = ctx.socket(kind)
+def _base(ctx: zmq.Context[Any], kind: int, cfg: TransportConfig, max_frame: int) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, cfg.hwm)
     sock.setsockopt(zmq.SNDHWM, cfg.hwm)
@@ -26,7 +27,9 @@ def _base(ctx: zmq.Context, kind: int, cfg: TransportConfig, max_frame: int) -> 
     return sock
 
 
-def bind_router(ctx: zmq.Context, cfg: TransportConfig, domain: str) -> tuple[zmq.Socket, str, CurveGate | None]:
+def bind_router(
+    ctx: zmq.Context[Any], cfg: TransportConfig, domain: str
+) -> tuple[zmq.Socket[Any], str, CurveGate | None]:
     """The decode's bound ROUTER, its ``tcp://host:port`` and its CURVE gate (None without CURVE).
 
     Raises :class:`TransferError` (op ``bind``) when the address cannot be bound.
@@ -59,7 +62,7 @@ def bind_router(ctx: zmq.Context, cfg: TransportConfig, domain: str) -> tuple[zm
         raise
 
 
-def connect_dealer(ctx: zmq.Context, cfg: TransportConfig, address: str) -> zmq.Socket:
+def connect_dealer(ctx: zmq.Context[Any], cfg: TransportConfig, address: str) -> zmq.Socket[Any]:
     """A prefill's DEALER connected (asynchronously, as ZMQ does) to ``address``."""
     sock = _base(ctx, zmq.DEALER, cfg, cfg.limits.max_message_bytes)
     try:

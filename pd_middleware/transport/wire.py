@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Callable, Literal, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -52,7 +53,7 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 TensorDType = Literal["bf16", "fp16", "fp32", "int32", "uint16"]
 
-Buffer = Union[bytes, memoryview]
+Buffer = bytes | memoryview
 #: ``resolve(slot, offset, nbytes, field, request_id) -> memoryview`` of a slot range,
 #: or raises WireError.
 SlotResolver = Callable[[int, int, int, str, str], memoryview]
@@ -97,7 +98,13 @@ class DenseMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 
 class SparseMeta(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True, tag_field="kind", tag="sparse"
+    msgspec.Struct,
+    frozen=True,
+    forbid_unknown_fields=True,
+    kw_only=True,
+    omit_defaults=True,
+    tag_field="kind",
+    tag="sparse",
 ):
     """A sparse proposal: per-step ``lengths``, ``indices``, ``values``, ``tail_mass``.
 
@@ -120,12 +127,16 @@ class SparseMeta(
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind"):
-    """Base of every control message: ``kind`` tag plus schema version ``v``."""
+    """Base of every control message: ``kind`` tag plus schema version ``v``.
+
+    Subclasses inherit ``frozen``; each restates it because type checkers read
+    ``frozen`` per class (a dataclass transform) and would call them mutable.
+    """
 
     v: int = WIRE_VERSION
 
 
-class PayloadHeader(Message, tag="payload"):
+class PayloadHeader(Message, tag="payload", frozen=True):
     """Prefill -> decode, per request: every payload field except bulk bytes."""
 
     # Sender-local sequence number, echoed in acks.
@@ -140,7 +151,7 @@ class PayloadHeader(Message, tag="payload"):
     proposal: DenseMeta | SparseMeta | None = None
 
 
-class Hello(Message, tag="hello"):
+class Hello(Message, tag="hello", frozen=True):
     """Prefill -> decode, once per connection: who I am and how many slots I want."""
 
     name: str
@@ -152,7 +163,7 @@ class Hello(Message, tag="hello"):
     ts: float = 0.0
 
 
-class Grant(Message, tag="grant"):
+class Grant(Message, tag="grant", frozen=True):
     """Decode -> prefill: slot registration (the answer to :class:`Hello`)."""
 
     # Random id of this decode incarnation; a change means the decode restarted.
@@ -167,7 +178,7 @@ class Grant(Message, tag="grant"):
     gens: tuple[NonNeg, ...] = ()
 
 
-class Ack(Message, tag="ack"):
+class Ack(Message, tag="ack", frozen=True):
     """Decode -> prefill, batched: freed slots and per-request outcomes (by seq)."""
 
     freed: tuple[NonNeg, ...] = ()
@@ -176,7 +187,7 @@ class Ack(Message, tag="ack"):
     failed: tuple[tuple[NonNeg, str, str], ...] = ()
 
 
-class ErrorReply(Message, tag="error"):
+class ErrorReply(Message, tag="error", frozen=True):
     """Decode -> prefill: a message was rejected and could not be tied to a seq."""
 
     code: str
@@ -184,20 +195,20 @@ class ErrorReply(Message, tag="error"):
     request_id: str | None = None
 
 
-class Heartbeat(Message, tag="ping"):
+class Heartbeat(Message, tag="ping", frozen=True):
     """Either direction, when idle; carries the decode session (empty from a prefill)."""
 
     session: str = ""
 
 
-class Bye(Message, tag="bye"):
+class Bye(Message, tag="bye", frozen=True):
     """Either direction: orderly close."""
 
     reason: str = ""
 
 
-INBOUND = Union[PayloadHeader, Hello, Heartbeat, Bye]
-OUTBOUND = Union[Grant, Ack, ErrorReply, Heartbeat, Bye]
+INBOUND = PayloadHeader | Hello | Heartbeat | Bye
+OUTBOUND = Grant | Ack | ErrorReply | Heartbeat | Bye
 
 ENCODER = msgspec.msgpack.Encoder()
 INBOUND_DECODER = msgspec.msgpack.Decoder(INBOUND)
@@ -257,7 +268,9 @@ def _check_nesting(frame: bytes | memoryview) -> None:
         raise WireError(f"containers nest deeper than {MAX_DEPTH} levels", field="nesting")
 
 
-def decode_frame(frame: bytes | memoryview, limits: LimitsConfig, decoder: msgspec.msgpack.Decoder = INBOUND_DECODER) -> Message:
+def decode_frame(
+    frame: bytes | memoryview, limits: LimitsConfig, decoder: msgspec.msgpack.Decoder[Any] = INBOUND_DECODER
+) -> Message:
     """Decode one control frame; size is checked before parsing.
 
     Raises :class:`WireError` naming the field (``message`` for the frame as a whole,
@@ -269,12 +282,14 @@ def decode_frame(frame: bytes | memoryview, limits: LimitsConfig, decoder: msgsp
             f"control frame of {n} bytes exceeds max_message_bytes {limits.max_message_bytes}", field="message"
         )
     try:
-        msg = decoder.decode(frame)
+        msg: Message = decoder.decode(frame)
     except msgspec.ValidationError as exc:
         _check_nesting(frame)
         rid, v = _sniff(frame, limits)
         if v is not None and v != WIRE_VERSION:
-            raise WireError(f"wire version {v!r} is not supported (expected {WIRE_VERSION})", field="v", request_id=rid) from None
+            raise WireError(
+                f"wire version {v!r} is not supported (expected {WIRE_VERSION})", field="v", request_id=rid
+            ) from None
         raise WireError(str(exc), field=_field_of(str(exc)), request_id=rid) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         _check_nesting(frame)
@@ -307,23 +322,31 @@ def _resolve(
         raise WireError(f"shape {ref.shape} is not 1-D", field=f"{field}.shape", request_id=rid)
     want = math.prod(ref.shape) * ITEMSIZE[dtype]
     if ref.nbytes != want:
-        raise WireError(f"declares {ref.nbytes} bytes for shape {ref.shape} {dtype}", field=f"{field}.nbytes", request_id=rid)
+        raise WireError(
+            f"declares {ref.nbytes} bytes for shape {ref.shape} {dtype}", field=f"{field}.nbytes", request_id=rid
+        )
     if want > limits.max_tensor_bytes:
         raise WireError(
             f"{want} bytes exceeds max_tensor_bytes {limits.max_tensor_bytes}", field=f"{field}.nbytes", request_id=rid
         )
     if ref.frame:
         if ref.frame >= len(frames):
-            raise WireError(f"names frame {ref.frame} of a {len(frames)}-frame message", field=f"{field}.frame", request_id=rid)
+            raise WireError(
+                f"names frame {ref.frame} of a {len(frames)}-frame message", field=f"{field}.frame", request_id=rid
+            )
         buf = frames[ref.frame]
         got = len(buf) if isinstance(buf, bytes) else buf.nbytes
         if got != want:
-            raise WireError(f"frame {ref.frame} holds {got} bytes, declared {want}", field=f"{field}.nbytes", request_id=rid)
+            raise WireError(
+                f"frame {ref.frame} holds {got} bytes, declared {want}", field=f"{field}.nbytes", request_id=rid
+            )
         return buf, -1
     if resolver is None:
         raise WireError("names a slot but this peer has no slots", field=f"{field}.slot", request_id=rid)
     if ref.offset % SLOT_ALIGN:
-        raise WireError(f"offset {ref.offset} is not {SLOT_ALIGN}-byte aligned", field=f"{field}.offset", request_id=rid)
+        raise WireError(
+            f"offset {ref.offset} is not {SLOT_ALIGN}-byte aligned", field=f"{field}.offset", request_id=rid
+        )
     return resolver(ref.slot, ref.offset, want, field, rid), ref.slot
 
 
@@ -341,7 +364,9 @@ def payload_from_header(
     """
     rid = h.request_id
     if not 0 < len(rid) <= limits.max_request_id:
-        raise WireError(f"length {len(rid)} is not in [1, {limits.max_request_id}]", field="request_id", request_id=rid[:64] or None)
+        raise WireError(
+            f"length {len(rid)} is not in [1, {limits.max_request_id}]", field="request_id", request_id=rid[:64] or None
+        )
     steps = len(h.draft_tokens)
     if not 0 < steps <= limits.max_steps:
         raise WireError(f"{steps} steps is not in [1, {limits.max_steps}]", field="draft_tokens", request_id=rid)
@@ -351,25 +376,35 @@ def payload_from_header(
     # A payload without a hidden state (SGLang's side channel: the engine carries it)
     # passes; one that carries a hidden state carries exactly the configured one.
     if h.hidden is not None and limits.hidden_dtype is not None and h.hidden_dtype != limits.hidden_dtype:
-        raise WireError(f"{h.hidden_dtype} does not match the configured {limits.hidden_dtype}", field="hidden_dtype", request_id=rid)
+        raise WireError(
+            f"{h.hidden_dtype} does not match the configured {limits.hidden_dtype}",
+            field="hidden_dtype",
+            request_id=rid,
+        )
     if limits.hidden_size and h.hidden is not None:
         width = h.hidden.shape[0] if len(h.hidden.shape) == 1 else 0
         if width != limits.hidden_size:
-            raise WireError(f"{width} elements, the configured hidden_size is {limits.hidden_size}", field="hidden.shape", request_id=rid)
+            raise WireError(
+                f"{width} elements, the configured hidden_size is {limits.hidden_size}",
+                field="hidden.shape",
+                request_id=rid,
+            )
     slot = -1
     hidden: Buffer = b""
     if h.hidden is not None:
         hidden, slot = _resolve(h.hidden, "hidden", h.hidden_dtype, None, frames, limits, resolver, rid)
-    proposal = None
+    proposal: DenseEncoding | SparseEncoding | None = None
     p = h.proposal
     if p is not None:
-        if type(p) is DenseMeta:
+        if isinstance(p, DenseMeta):
             data, s = _resolve(p.data, "proposal.data", p.dtype, (steps, vocab), frames, limits, resolver, rid)
             slot = _same_slot(slot, s, "proposal.data", rid)
             proposal = DenseEncoding(dtype=p.dtype, data=data)
         else:
             if len(p.lengths) != steps:
-                raise WireError(f"has {len(p.lengths)} steps, expected {steps}", field="proposal.lengths", request_id=rid)
+                raise WireError(
+                    f"has {len(p.lengths)} steps, expected {steps}", field="proposal.lengths", request_id=rid
+                )
             for n in p.lengths:
                 if not 1 <= n <= vocab:
                     raise WireError(f"entry count {n} is not in [1, {vocab}]", field="proposal.lengths", request_id=rid)
@@ -381,8 +416,13 @@ def payload_from_header(
             vals, s = _resolve(p.values, "proposal.values", p.value_dtype, (total,), frames, limits, resolver, rid)
             slot = _same_slot(slot, s, "proposal.values", rid)
             proposal = SparseEncoding(
-                lengths=p.lengths, indices=idx, values=vals, value_dtype=p.value_dtype, tail_mass=p.tail_mass,
-                index_format=p.index_format, bucket_counts=p.bucket_counts,
+                lengths=p.lengths,
+                indices=idx,
+                values=vals,
+                value_dtype=p.value_dtype,
+                tail_mass=p.tail_mass,
+                index_format=p.index_format,
+                bucket_counts=p.bucket_counts,
             )
     if len(frames) > 1:
         _check_frames_named(h, len(frames), rid)
@@ -411,7 +451,9 @@ def _check_buckets(p: SparseMeta, vocab: int, rid: str) -> None:
     counts = p.bucket_counts
     if p.index_format != "u16":
         if counts:
-            raise WireError(f"has {len(counts)} counts, but int32 indices take none", field="proposal.bucket_counts", request_id=rid)
+            raise WireError(
+                f"has {len(counts)} counts, but int32 indices take none", field="proposal.bucket_counts", request_id=rid
+            )
         return
     nb = u16_buckets(vocab)
     steps = len(p.lengths)
@@ -425,7 +467,9 @@ def _check_buckets(p: SparseMeta, vocab: int, rid: str) -> None:
         got = sum(counts[s * nb : (s + 1) * nb])
         if got != n:
             raise WireError(
-                f"step {s}: counts sum to {got}, but the step lists {n} entries", field="proposal.bucket_counts", request_id=rid
+                f"step {s}: counts sum to {got}, but the step lists {n} entries",
+                field="proposal.bucket_counts",
+                request_id=rid,
             )
 
 
@@ -453,7 +497,7 @@ def _check_frames_named(h: PayloadHeader, n_frames: int, rid: str) -> None:
     if p is None and n_frames == 2 and h.hidden is not None and h.hidden.frame == 1:
         return  # the common case: one inline hidden state, correctly named
     refs: list[TensorRef | None] = [h.hidden]
-    if type(p) is DenseMeta:
+    if isinstance(p, DenseMeta):
         refs.append(p.data)
     elif p is not None:
         refs += [p.indices, p.values]
@@ -470,7 +514,7 @@ def slot_refs(h: PayloadHeader) -> list[tuple[str, TensorRef]]:
     """``(field, ref)`` of every slot range a (decoded) header names, in header order."""
     p = h.proposal
     refs: list[tuple[str, TensorRef | None]] = [("hidden", h.hidden)]
-    if type(p) is DenseMeta:
+    if isinstance(p, DenseMeta):
         refs.append(("proposal.data", p.data))
     elif p is not None:
         refs += [("proposal.indices", p.indices), ("proposal.values", p.values)]
@@ -487,7 +531,9 @@ def named_slot(h: PayloadHeader) -> int:
 
 def _same_slot(a: int, b: int, field: str, rid: str) -> int:
     if a != -1 and b != -1 and a != b:
-        raise WireError(f"names slot {b}, but this payload's other tensors are in slot {a}", field=f"{field}.slot", request_id=rid)
+        raise WireError(
+            f"names slot {b}, but this payload's other tensors are in slot {a}", field=f"{field}.slot", request_id=rid
+        )
     return b if a == -1 else a
 
 
@@ -535,12 +581,12 @@ def build_header(
         n = _nbytes(buf)
         if slot < 0:
             parts.append((buf, -1))
-            return TensorRef(dtype=dtype, shape=shape, nbytes=n, frame=len(parts))  # type: ignore[arg-type]
+            return TensorRef(dtype=dtype, shape=shape, nbytes=n, frame=len(parts))  # type: ignore[arg-type]  # dtype: a wire dtype name, checked on decode
         off = cursor
         cursor += _aligned(n)
         parts.append((buf, off))
         d = digest(buf) if digest is not None else b""
-        return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off, gen=gen, digest=d)  # type: ignore[arg-type]
+        return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off, gen=gen, digest=d)  # type: ignore[arg-type]  # dtype: a wire dtype name, checked on decode
 
     steps = len(payload.draft_tokens)
     hidden = None

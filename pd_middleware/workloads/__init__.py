@@ -21,15 +21,16 @@ runs with different batch sizes see the same requests. Memory per batch is
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Conditional",
     "WORKLOAD_NAMES",
+    "Conditional",
     "Workload",
     "WorkloadBatch",
     "make_workload",
@@ -41,11 +42,11 @@ __all__ = [
 class Conditional(Protocol):
     """Rows of one batch conditioned on a given drafted prefix (prefix-dependent workloads)."""
 
-    def draft(self, step: int, drafted: "torch.Tensor") -> "torch.Tensor":
+    def draft(self, step: int, drafted: torch.Tensor) -> torch.Tensor:
         """float32 (B, V): q at ``step`` given int64 (B, step) drafted tokens."""
         ...
 
-    def target(self, drafted: "torch.Tensor") -> "torch.Tensor":
+    def target(self, drafted: torch.Tensor) -> torch.Tensor:
         """float32 (B, S+1, V): p at every position given int64 (B, S) drafted tokens."""
         ...
 
@@ -55,9 +56,9 @@ class WorkloadBatch:
     """B requests of one workload; see the module docstring for shapes."""
 
     request_ids: tuple[str, ...]
-    target_probs: "torch.Tensor"
-    draft_probs: "torch.Tensor"
-    prefix: "torch.Tensor"
+    target_probs: torch.Tensor
+    draft_probs: torch.Tensor
+    prefix: torch.Tensor
     conditional: Conditional | None = None
 
     @property
@@ -72,13 +73,13 @@ class WorkloadBatch:
     def vocab_size(self) -> int:
         return int(self.target_probs.shape[2])
 
-    def draft_given(self, step: int, drafted: "torch.Tensor") -> "torch.Tensor":
+    def draft_given(self, step: int, drafted: torch.Tensor) -> torch.Tensor:
         """float32 (B, V): q at ``step`` given int64 (B, step) really-drafted tokens."""
         if self.conditional is None:
             return self.draft_probs[:, step]
         return self.conditional.draft(step, drafted)
 
-    def target_given(self, drafted: "torch.Tensor") -> "torch.Tensor":
+    def target_given(self, drafted: torch.Tensor) -> torch.Tensor:
         """float32 (B, S+1, V): p at every position given int64 (B, S) drafted tokens."""
         if self.conditional is None:
             return self.target_probs
@@ -155,7 +156,7 @@ def make_workload(name: str, *, config_key: str = "ab.workload", **options: Any)
     opt_type, factory = _WORKLOADS[name]()
     prefix = f"{config_key}.options"
     try:
-        opts = msgspec.convert(options, opt_type, strict=True)
+        opts: Any = msgspec.convert(options, opt_type, strict=True)  # the workload's own options type
     except msgspec.ValidationError as exc:
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, OptionValueError):

@@ -36,8 +36,9 @@ import re
 import sys
 import sysconfig
 from collections import Counter
+from collections.abc import Iterator
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -146,7 +147,7 @@ class NgramModel:
         self._tri = self._table(train[:-2] * v + train[1:-1], train[2:], v)
 
     @staticmethod
-    def _table(ctx: "torch.Tensor", nxt: "torch.Tensor", v: int) -> dict[str, "torch.Tensor"]:
+    def _table(ctx: torch.Tensor, nxt: torch.Tensor, v: int) -> dict[str, torch.Tensor]:
         """Sorted unique (context, next) pairs with counts, grouped by context."""
         import torch
 
@@ -157,13 +158,15 @@ class NgramModel:
             0, torch.repeat_interleave(torch.arange(keys.numel()), types), cnt.double()
         )
         return {
-            "keys": keys, "start": ends - types, "types": types, "total": totals,
-            "next": codes % v, "count": cnt.double(),
+            "keys": keys,
+            "start": ends - types,
+            "types": types,
+            "total": totals,
+            "next": codes % v,
+            "count": cnt.double(),
         }
 
-    def _witten_bell(
-        self, table: dict[str, "torch.Tensor"], ctx: "torch.Tensor", lower: "torch.Tensor"
-    ) -> "torch.Tensor":
+    def _witten_bell(self, table: dict[str, torch.Tensor], ctx: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
         """(n, V) float64 rows (C(ctx c) + T(ctx) lower(c)) / (C(ctx) + T(ctx)); unseen ctx -> lower."""
         import torch
 
@@ -185,12 +188,12 @@ class NgramModel:
         denom = (total + types.double()).unsqueeze(1)
         return torch.where(denom > 0, rows / denom.clamp_min(1.0), lower)
 
-    def draft_rows(self, prev1: "torch.Tensor") -> "torch.Tensor":
+    def draft_rows(self, prev1: torch.Tensor) -> torch.Tensor:
         """float64 (n, V) bigram draft q(. | prev1)."""
         lower = self.p1.unsqueeze(0).expand(prev1.numel(), -1)
         return self._witten_bell(self._bi, prev1, lower)
 
-    def target_rows(self, prev2: "torch.Tensor", prev1: "torch.Tensor") -> "torch.Tensor":
+    def target_rows(self, prev2: torch.Tensor, prev1: torch.Tensor) -> torch.Tensor:
         """float64 (n, V) trigram target p(. | prev2 prev1)."""
         return self._witten_bell(self._tri, prev2 * self.vocab_size + prev1, self.draft_rows(prev1))
 
@@ -201,7 +204,7 @@ def _model(options: NgramOptions) -> NgramModel:
     return NgramModel(options)
 
 
-def _tempered(rows: "torch.Tensor", temperature: float) -> "torch.Tensor":
+def _tempered(rows: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature != 1.0:
         rows = rows.pow(1.0 / temperature)
     return (rows / rows.sum(dim=1, keepdim=True)).float()
@@ -210,17 +213,17 @@ def _tempered(rows: "torch.Tensor", temperature: float) -> "torch.Tensor":
 class _NgramConditional:
     """Rows of one batch conditioned on really-drafted tokens."""
 
-    def __init__(self, workload: "NgramWorkload", context: "torch.Tensor") -> None:
+    def __init__(self, workload: NgramWorkload, context: torch.Tensor) -> None:
         self.w = workload
         self.context = context  # int64 (B, 2)
 
-    def draft(self, step: int, drafted: "torch.Tensor") -> "torch.Tensor":
+    def draft(self, step: int, drafted: torch.Tensor) -> torch.Tensor:
         import torch
 
         hist = torch.cat([self.context, drafted[:, :step].to(torch.int64)], dim=1)
         return _tempered(self.w.model.draft_rows(hist[:, -1]), self.w.options.temperature)
 
-    def target(self, drafted: "torch.Tensor") -> "torch.Tensor":
+    def target(self, drafted: torch.Tensor) -> torch.Tensor:
         import torch
 
         hist = torch.cat([self.context, drafted.to(torch.int64)], dim=1)

@@ -19,7 +19,8 @@ independent context: the rows do not depend on the drafted prefix (``prefix`` is
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 
@@ -75,9 +76,7 @@ class SyntheticWorkload:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stream_version": STREAM_VERSION, "options": msgspec.structs.asdict(self.options)}
 
-    def contexts(
-        self, seed: int, request_indices: list[int], position: int, with_draft: bool
-    ) -> tuple["Any", "Any"]:
+    def contexts(self, seed: int, request_indices: list[int], position: int, with_draft: bool) -> tuple[Any, Any]:
         """float32 (n, V) target rows and (n, V) draft rows (or None) for one position."""
         import numpy as np
         import torch

@@ -24,8 +24,9 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Literal, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import msgspec
 
@@ -71,7 +72,7 @@ class TraceHeader(_Struct, tag="header"):
 class ProvenanceRecord(msgspec.Struct, forbid_unknown_fields=True):
     rule: str
     temperature: float
-    sampled_from: Union[str, None]
+    sampled_from: str | None
 
 
 class DenseRecord(_Struct, tag="dense"):
@@ -107,18 +108,18 @@ class PayloadRecord(_Struct, tag="payload"):
     hidden: bytes
     hidden_dtype: str
     provenance: ProvenanceRecord
-    proposal: Union[DenseRecord, SparseRecord, None] = None
-    arm: Union[str, None] = None
-    peer: Union[str, None] = None
-    received_at: Union[float, None] = None
-    target: Union[TensorRecord, None] = None
+    proposal: DenseRecord | SparseRecord | None = None
+    arm: str | None = None
+    peer: str | None = None
+    received_at: float | None = None
+    target: TensorRecord | None = None
 
 
 class TraceEnd(_Struct, tag="end"):
     records: int
 
 
-_Record = Union[TraceHeader, PayloadRecord, TraceEnd]
+_Record = TraceHeader | PayloadRecord | TraceEnd
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(_Record)
 
@@ -135,7 +136,7 @@ class TraceEntry:
     arm: str | None = None
     peer: str | None = None
     received_at: float | None = None
-    target: "torch.Tensor | None" = None
+    target: torch.Tensor | None = None
 
 
 def _proposal_record(p: Any) -> DenseRecord | SparseRecord | None:
@@ -144,9 +145,13 @@ def _proposal_record(p: Any) -> DenseRecord | SparseRecord | None:
     if isinstance(p, DenseEncoding):
         return DenseRecord(dtype=p.dtype, data=bytes(p.data))
     return SparseRecord(
-        lengths=tuple(p.lengths), indices=bytes(p.indices), values=bytes(p.values),
-        value_dtype=p.value_dtype, tail_mass=tuple(p.tail_mass),
-        index_format=p.index_format, bucket_counts=tuple(p.bucket_counts),
+        lengths=tuple(p.lengths),
+        indices=bytes(p.indices),
+        values=bytes(p.values),
+        value_dtype=p.value_dtype,
+        tail_mass=tuple(p.tail_mass),
+        index_format=p.index_format,
+        bucket_counts=tuple(p.bucket_counts),
     )
 
 
@@ -158,13 +163,18 @@ class TraceWriter:
     call from several threads; :meth:`close` is idempotent.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, meta: dict[str, str] | None = None,
-                 mode: Literal["append", "create"] = "append") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        meta: dict[str, str] | None = None,
+        mode: Literal["append", "create"] = "append",
+    ) -> None:
         self.path = os.fspath(path)
         if mode == "append" and os.path.exists(self.path):
             _check_tail(self.path)
         try:
-            self._fh: BinaryIO | None = open(self.path, "ab" if mode == "append" else "xb")  # noqa: SIM115 - owned
+            self._fh: BinaryIO | None = open(self.path, "ab" if mode == "append" else "xb")  # noqa: SIM115  # owned by the writer; close() closes it
         except FileExistsError:
             raise TraceError("already exists and mode is 'create'", path=self.path) from None
         except OSError as exc:
@@ -180,8 +190,15 @@ class TraceWriter:
         self._fh.write(_LEN.pack(len(data)))
         self._fh.write(data)
 
-    def write(self, payload: Payload, *, target: "torch.Tensor | None" = None, arm: str | None = None,
-              peer: str | None = None, received_at: float | None = None) -> None:
+    def write(
+        self,
+        payload: Payload,
+        *,
+        target: torch.Tensor | None = None,
+        arm: str | None = None,
+        peer: str | None = None,
+        received_at: float | None = None,
+    ) -> None:
         """Append one payload (and optionally its float (S+1, V) target distribution)."""
         tgt = None
         if target is not None:
@@ -190,13 +207,21 @@ class TraceWriter:
         pv = payload.provenance
         with self._lock:
             rec = PayloadRecord(
-                seq=self.records, request_id=payload.request_id, draft_tokens=payload.draft_tokens,
-                draft_probs=tuple(float(v) for v in payload.draft_probs), vocab_size=payload.vocab_size,
-                hidden=bytes(payload.hidden), hidden_dtype=payload.hidden_dtype,
+                seq=self.records,
+                request_id=payload.request_id,
+                draft_tokens=payload.draft_tokens,
+                draft_probs=tuple(float(v) for v in payload.draft_probs),
+                vocab_size=payload.vocab_size,
+                hidden=bytes(payload.hidden),
+                hidden_dtype=payload.hidden_dtype,
                 provenance=ProvenanceRecord(
                     rule=pv.rule, temperature=float(pv.temperature), sampled_from=pv.sampled_from
                 ),
-                proposal=_proposal_record(payload.proposal), arm=arm, peer=peer, received_at=received_at, target=tgt,
+                proposal=_proposal_record(payload.proposal),
+                arm=arm,
+                peer=peer,
+                received_at=received_at,
+                target=tgt,
             )
             self._write(rec)
             self.records += 1
@@ -215,7 +240,7 @@ class TraceWriter:
             fh, self._fh = self._fh, None
             fh.close()
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -259,24 +284,38 @@ def _check_tail(path: str) -> None:
 def _payload(rec: PayloadRecord) -> Payload:
     prop: DenseEncoding | SparseEncoding | None = None
     if isinstance(rec.proposal, DenseRecord):
-        prop = DenseEncoding(dtype=rec.proposal.dtype, data=rec.proposal.data)  # type: ignore[arg-type]
+        # Trace records keep dtypes and rules as str (the trace format is older than the
+        # Literal types); the payload structs check each value and name the field.
+        prop = DenseEncoding(dtype=rec.proposal.dtype, data=rec.proposal.data)  # type: ignore[arg-type]  # checked by DenseEncoding
     elif isinstance(rec.proposal, SparseRecord):
         r = rec.proposal
-        prop = SparseEncoding(lengths=r.lengths, indices=r.indices, values=r.values,  # type: ignore[arg-type]
-                              value_dtype=r.value_dtype, tail_mass=r.tail_mass,  # type: ignore[arg-type]
-                              index_format=r.index_format, bucket_counts=r.bucket_counts)  # type: ignore[arg-type]
+        prop = SparseEncoding(
+            lengths=r.lengths,
+            indices=r.indices,
+            values=r.values,
+            value_dtype=r.value_dtype,  # type: ignore[arg-type]  # str, checked by SparseEncoding
+            tail_mass=r.tail_mass,
+            index_format=r.index_format,  # type: ignore[arg-type]  # str, checked by SparseEncoding
+            bucket_counts=r.bucket_counts,
+        )
     pv = rec.provenance
     return Payload(
-        request_id=rec.request_id, draft_tokens=rec.draft_tokens, draft_probs=rec.draft_probs,
-        vocab_size=rec.vocab_size, hidden=rec.hidden, hidden_dtype=rec.hidden_dtype,  # type: ignore[arg-type]
+        request_id=rec.request_id,
+        draft_tokens=rec.draft_tokens,
+        draft_probs=rec.draft_probs,
+        vocab_size=rec.vocab_size,
+        hidden=rec.hidden,
+        hidden_dtype=rec.hidden_dtype,  # type: ignore[arg-type]  # str, checked by Payload
         provenance=Provenance(
-            rule=pv.rule, temperature=pv.temperature, sampled_from=pv.sampled_from  # type: ignore[arg-type]
+            rule=pv.rule,  # type: ignore[arg-type]  # str, checked by Provenance
+            temperature=pv.temperature,
+            sampled_from=pv.sampled_from,
         ),
         proposal=prop,
     )
 
 
-def read_trace(path: str | os.PathLike[str], *, allow_truncated: bool = False) -> Iterator[TraceEntry]:
+def read_trace(path: str | os.PathLike[str], *, allow_truncated: bool = False) -> Generator[TraceEntry, None, None]:
     """Yield every recorded payload of every segment, in file order.
 
     A frame cut short at the end, or a segment without its ``end`` record (a writer that
@@ -303,16 +342,24 @@ def read_trace(path: str | os.PathLike[str], *, allow_truncated: bool = False) -
                 if rec.format != FORMAT:
                     raise TraceError(f"format {rec.format!r} is not {FORMAT!r}", path=p, offset=offset, field="format")
                 if rec.version != VERSION:
-                    raise TraceError(f"version {rec.version} is not supported (reader speaks {VERSION})",
-                                     path=p, offset=offset, field="version")
+                    raise TraceError(
+                        f"version {rec.version} is not supported (reader speaks {VERSION})",
+                        path=p,
+                        offset=offset,
+                        field="version",
+                    )
                 header, count = rec, 0
                 continue
             if header is None:
                 raise TraceError(f"{type(rec).__name__} record before any header", path=p, offset=offset)
             if isinstance(rec, TraceEnd):
                 if rec.records != count:
-                    raise TraceError(f"end record counts {rec.records} payloads, segment holds {count}",
-                                     path=p, offset=offset, field="records")
+                    raise TraceError(
+                        f"end record counts {rec.records} payloads, segment holds {count}",
+                        path=p,
+                        offset=offset,
+                        field="records",
+                    )
                 header = None
                 continue
             count += 1
@@ -361,7 +408,7 @@ class TraceWorkload:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "options": msgspec.structs.asdict(self.options)}
 
-    def payloads(self) -> Iterator[TraceEntry]:
+    def payloads(self) -> Generator[TraceEntry, None, None]:
         return read_trace(self.options.path, allow_truncated=self.options.allow_truncated)
 
     def batches(self, n_requests: int, batch_size: int, seed: int) -> Iterator[WorkloadBatch]:
@@ -373,16 +420,16 @@ class TraceWorkload:
         def flush(entries: list[TraceEntry]) -> WorkloadBatch:
             return WorkloadBatch(
                 request_ids=tuple(e.payload.request_id for e in entries),
-                target_probs=torch.stack([e.target for e in entries]),  # type: ignore[misc]
+                target_probs=torch.stack([e.target for e in entries]),  # type: ignore[misc]  # targets checked present before flush
                 draft_probs=torch.stack([_law(e) for e in entries]),
                 prefix=torch.tensor([e.payload.draft_tokens for e in entries], dtype=torch.int64),
             )
 
-        def _law(e: TraceEntry) -> "torch.Tensor":
+        def _law(e: TraceEntry) -> torch.Tensor:
             pl, s, v = e.payload, e.payload.num_steps, e.payload.vocab_size
             if isinstance(pl.proposal, DenseEncoding):
                 return dense_law_tensor(pl.proposal, s, v)
-            return sparse_law(pl.proposal, s, v, request_id=pl.request_id).to_dense(v)  # type: ignore[arg-type]
+            return sparse_law(pl.proposal, s, v, request_id=pl.request_id).to_dense(v)  # type: ignore[arg-type]  # proposal checked present; not dense, so sparse
 
         buf: list[TraceEntry] = []
         for i, e in enumerate(self.payloads()):
@@ -391,16 +438,25 @@ class TraceWorkload:
             pl = e.payload
             missing = "target" if e.target is None else "proposal" if pl.proposal is None else None
             if missing:
-                raise TraceError(f"record {e.seq} ({pl.request_id}) has no {missing}; only payloads() can replay it",
-                                 path=self.options.path, field=missing)
+                raise TraceError(
+                    f"record {e.seq} ({pl.request_id}) has no {missing}; only payloads() can replay it",
+                    path=self.options.path,
+                    field=missing,
+                )
             if (pl.vocab_size, pl.num_steps) != (self.vocab_size, self.num_steps):
-                raise TraceError(f"record {e.seq} has V={pl.vocab_size}, S={pl.num_steps}; the trace started "
-                                 f"with V={self.vocab_size}, S={self.num_steps}", path=self.options.path)
+                raise TraceError(
+                    f"record {e.seq} has V={pl.vocab_size}, S={pl.num_steps}; the trace started "
+                    f"with V={self.vocab_size}, S={self.num_steps}",
+                    path=self.options.path,
+                )
             want = (self.num_steps + 1, self.vocab_size)
-            got = tuple(e.target.shape)  # type: ignore[union-attr]
+            got = tuple(e.target.shape)  # type: ignore[union-attr]  # missing target raised above
             if got != want:
-                raise TraceError(f"record {e.seq} has a target of shape {got}, expected {want}",
-                                 path=self.options.path, field="target")
+                raise TraceError(
+                    f"record {e.seq} has a target of shape {got}, expected {want}",
+                    path=self.options.path,
+                    field="target",
+                )
             buf.append(e)
             if len(buf) == batch_size:
                 yield flush(buf)

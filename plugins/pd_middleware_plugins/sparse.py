@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from pd_middleware import (
+    DenseEncoding,
     EncodedBatch,
     PluginContext,
     PluginSpec,
@@ -179,7 +180,7 @@ class SparseEncoder:
             vals, idx, counts = _sort_by_id(vals, idx, lengths, v)
             count_list = counts.tolist()
         len_list = lengths.tolist()
-        proposals: list[SparseEncoding] = []
+        proposals: list[DenseEncoding | SparseEncoding | None] = []  # EncodedBatch.proposals' type
         laws: list[SparseProposal] = []
         for i in range(b):
             ls = tuple(len_list[i * s : (i + 1) * s])

@@ -39,7 +39,7 @@ class ArmTally:
     """Counts payloads per arm in :attr:`counts`."""
 
     #: The most recently built instance, so a test or a demo can read the counts.
-    latest: ClassVar["ArmTally | None"] = None
+    latest: ClassVar[ArmTally | None] = None
 
     def __init__(self, options: ArmTallyOptions, context: PluginContext) -> None:
         self.fail_every = options.fail_every

@@ -15,21 +15,29 @@ V = 64
 
 def _payload(rid: str, prob: float) -> Payload:
     return Payload(
-        request_id=rid, draft_tokens=(3,), draft_probs=(prob,), vocab_size=V, hidden=b"", hidden_dtype="bf16",
-        provenance=Provenance(rule="sampled", temperature=1.0), proposal=None,
+        request_id=rid,
+        draft_tokens=(3,),
+        draft_probs=(prob,),
+        vocab_size=V,
+        hidden=b"",
+        hidden_dtype="bf16",
+        provenance=Provenance(rule="sampled", temperature=1.0),
+        proposal=None,
     )
 
 
 def _middleware(hook_options: dict, synth_options: dict) -> DecodeMiddleware:
-    cfg = parse_config({
-        "model": {"vocab_size": V, "num_steps": 1, "hidden_size": 0},
-        "decode": {"max_batch": 4},
-        "hooks": [{"name": "ab_split"}, {"name": "arm_tally", "options": hook_options}],
-        "arms": [
-            {"name": "a", "synthesizer": {"name": "min_prob_one_hot", "options": synth_options}},
-            {"name": "b", "synthesizer": {"name": "one_hot"}},
-        ],
-    })
+    cfg = parse_config(
+        {
+            "model": {"vocab_size": V, "num_steps": 1, "hidden_size": 0},
+            "decode": {"max_batch": 4},
+            "hooks": [{"name": "ab_split"}, {"name": "arm_tally", "options": hook_options}],
+            "arms": [
+                {"name": "a", "synthesizer": {"name": "min_prob_one_hot", "options": synth_options}},
+                {"name": "b", "synthesizer": {"name": "one_hot"}},
+            ],
+        }
+    )
     return DecodeMiddleware.from_config(cfg)
 
 

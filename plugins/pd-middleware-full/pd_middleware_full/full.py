@@ -26,6 +26,7 @@ from pd_middleware import (
     PluginContext,
     PluginSpec,
     Provenance,
+    SparseEncoding,
     ValidationError,
 )
 from pd_middleware.encodings import dense_law, dense_law_tensor, encoder_input, sample_law, torch_dtype
@@ -67,7 +68,7 @@ class FullEncoder:
         if v != self.vocab_size:
             raise ValidationError(f"width {v} != vocab {self.vocab_size}", field="probs")
         wire = rows3.to(device="cpu", dtype=torch_dtype(self.options.dtype))
-        proposals: list[DenseEncoding] = []
+        proposals: list[DenseEncoding | SparseEncoding | None] = []  # EncodedBatch.proposals' type
         laws: list[torch.Tensor] = []
         for i in range(b):
             enc = DenseEncoding(dtype=self.options.dtype, data=_row_bytes(wire[i]))
