@@ -11,9 +11,11 @@ one run, with medians over repeats:
   config's ``capacity_bytes`` must hold.
 - ``ratio_vs_sglang_builder``: the decode's cost per batch of B requests, through the
   drop-in's own SGLang decode code (:class:`~pd_middleware.integrations.sglang_decode.DecodeProposer`):
-  at each request's transfer commit, read its row with
-  :func:`~pd_middleware.inband.read_row` and attach it (``on_row``: X checked against
-  the engine's, the receive pipeline with the strategy's synthesizer), then build the
+  at each request's transfer commit, read its row as SGLang's patched commit does
+  (:meth:`MetadataChannel.read <pd_middleware.integrations.sglang_metadata.MetadataChannel.read>`:
+  one copy of the row, :func:`~pd_middleware.inband.read_row`, the binding tag beside
+  X) and attach it (``on_row``: X checked against the engine's, the receive pipeline
+  with the strategy's synthesizer), then build the
   batch's fresh (B, 1, V) fp32 ``draft_probs`` (``propose``, which ends in
   :meth:`~pd_middleware.assembler.ProposalAssembler.build_fresh`), over SGLang's own
   ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
@@ -24,7 +26,7 @@ one run, with medians over repeats:
   ``ratio_vs_sglang_builder_best`` is the ratio of the fastest repeats (on a loaded
   machine, the least disturbed samples).
 - ``per_request_us``: the scheduler-thread cost of turning one row into a proposal
-  (read_row + ``on_row``: pipeline and synthesizer, every check included) at the ``sparse_floor``
+  (``MetadataChannel.read`` + ``on_row``: pipeline and synthesizer, every check included) at the ``sparse_floor``
   operating point (about 2,700 entries per request). Goal <= 50 us. Also per strategy:
   on the thread's CPU clock (``per_request_cpu_us_by_strategy``) and the fastest repeat
   (``per_request_best_us_by_strategy``).
@@ -59,8 +61,9 @@ from _common import emit
 
 from pd_middleware import Payload
 from pd_middleware.config import load_config
-from pd_middleware.inband import RowLayout, read_row, row_bytes, write_row
+from pd_middleware.inband import RowLayout, row_bytes, write_row
 from pd_middleware.integrations.sglang_decode import DecodeProposer
+from pd_middleware.integrations.sglang_metadata import BUFFER_ATTR, TAG_COLUMN, MetadataChannel, row_tag
 from pd_middleware.middleware import build_encoders
 from pd_middleware.workloads import make_workload
 
@@ -134,14 +137,23 @@ def encode_rows(strategy: str, q: torch.Tensor, seed: int) -> tuple[list[Payload
 class Req:
     """The fields of SGLang's ``Req`` the decode side reads (a stand-in; see above)."""
 
-    def __init__(self, room: int, tokens: tuple[int, ...], probs: tuple[float, ...]) -> None:
+    def __init__(self, room: int, tokens: tuple[int, ...], probs: tuple[float, ...], tag: int) -> None:
         self.bootstrap_room = room
         self.rid = str(room)
-        # SGLang's metadata rows are 16 wide; commit clones the request's row.
+        # SGLang's metadata rows are 16 wide; commit clones the request's row. The
+        # prefill's drop-in writes the row's binding tag into the spare last column.
         self.output_topk_index = torch.zeros(16, dtype=torch.int64)
         self.output_topk_index[: len(tokens)] = torch.tensor(tokens)
+        self.output_topk_index[TAG_COLUMN] = tag
         self.output_topk_p = torch.zeros(16, dtype=torch.float32)
         self.output_topk_p[: len(probs)] = torch.tensor(probs)
+
+
+class Buffers:
+    """SGLang's ``MetadataBuffers`` as the channel reads it: the proposal rows."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        setattr(self, BUFFER_ATTR, torch.from_numpy(rows))
 
 
 class Batch:
@@ -152,14 +164,14 @@ class Batch:
 
 
 def decode_batch(
-    proposer: DecodeProposer, layout: RowLayout, rows: np.ndarray, batch: Batch, topk: torch.Tensor
+    channel: MetadataChannel, proposer: DecodeProposer, bufs: Buffers, n: int, batch: Batch, topk: torch.Tensor
 ) -> torch.Tensor:
-    """What the decode does for a batch of requests: each row at its transfer commit, then the draft input."""
-    n = rows.shape[0]
+    """What the decode does for a batch: each request's row at its transfer commit
+    (request j holds slot j mod n), then the draft input."""
     for j, req in enumerate(batch.reqs):
-        room = req.bootstrap_room
-        proposer.on_row(req, read_row(rows[j % n], room, layout, request_id=req.rid))
-    return proposer.propose(batch, topk, layout.vocab_size)
+        proposer.on_row(req, channel.read(bufs, j % n, req))
+    assert channel.layout is not None
+    return proposer.propose(batch, topk, channel.layout.vocab_size)
 
 
 def side_by_side(
@@ -236,16 +248,21 @@ def main() -> None:
         mw = proposer.middleware
         x = [p.draft_tokens for p in payloads]
         # Request j of a batch carries row j mod N (its room and X).
-        reqs = [
-            Req(rooms[j % len(rooms)], x[j % len(x)], payloads[j % len(x)].draft_probs) for j in range(max(batches))
-        ]
+        n = len(payloads)
+        tags = [row_tag(rows[i]) for i in range(n)]
+        reqs = [Req(rooms[j % n], x[j % n], payloads[j % n].draft_probs, tags[j % n]) for j in range(max(batches))]
+        channel = MetadataChannel(layout.capacity_bytes)
+        assert channel.bind(v, 1) == layout
+        bufs = Buffers(rows)
         # Every row is handed over as its strategy's law, never a fallback (which would
         # time the cheap one-hot path instead).
-        everyone = Batch(reqs[: len(payloads)])
-        built = decode_batch(proposer, layout, rows, everyone, torch.tensor([t[:1] for t in x]))
+        everyone = Batch(reqs[:n])
+        built = decode_batch(channel, proposer, bufs, n, everyone, torch.tensor([t[:1] for t in x]))
         fallbacks = {k: c for k, c in proposer.counts.items() if k.startswith("fallback")}
-        if mw.metrics.fallbacks or fallbacks:
-            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(mw.metrics.fallbacks)} {fallbacks}")
+        if mw.metrics.fallbacks or fallbacks or set(channel.counts) != {"inband:read"}:
+            raise RuntimeError(
+                f"{strategy}: unexpected fallbacks {dict(mw.metrics.fallbacks)} {fallbacks} {dict(channel.counts)}"
+            )
         assert built.shape == (len(payloads), 1, v)
         ratios[strategy], ours_ms[strategy], sglang_ms[strategy] = {}, {}, {}
         ratios_best[strategy] = {}
@@ -253,8 +270,8 @@ def main() -> None:
             topk = torch.tensor([x[j % len(x)][0] for j in range(b)], dtype=torch.int64).view(b, 1)
             batch = Batch(reqs[:b])
             fns: dict[str, Callable[[], Any]] = {
-                "ours": lambda batch=batch, topk=topk, dp=proposer, lay=layout, rw=rows: decode_batch(
-                    dp, lay, rw, batch, topk
+                "ours": lambda batch=batch, topk=topk, ch=channel, dp=proposer, bf=bufs, n=n: decode_batch(
+                    ch, dp, bf, n, batch, topk
                 )
             }
             if builder is not None:
@@ -270,13 +287,14 @@ def main() -> None:
 
         # Scheduler-thread cost of one row: read, validate, synthesize (no assembly).
         def one_row(
+            channel: MetadataChannel = channel,
             proposer: DecodeProposer = proposer,
-            layout: RowLayout = layout,
-            rows: np.ndarray = rows,
+            bufs: Buffers = bufs,
+            n: int = n,
             reqs: list[Req] = reqs,
         ) -> None:
-            for i, req in enumerate(reqs[: rows.shape[0]]):
-                proposer.on_row(req, read_row(rows[i], req.bootstrap_room, layout, request_id=req.rid))
+            for i, req in enumerate(reqs[:n]):
+                proposer.on_row(req, channel.read(bufs, i, req))
 
         row_inner = 1 if args.quick else 3
         fast = {}
@@ -287,8 +305,8 @@ def main() -> None:
         # wall clock (time slices lost to them) is left out.
         med = side_by_side({"row": one_row}, repeats, row_inner, clock=time.thread_time)
         per_request_cpu[strategy] = round(1e6 * med["row"] / rows.shape[0], 2)
-        if any(k.startswith("fallback") for k in proposer.counts):
-            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(proposer.counts)}")
+        if any(k.startswith("fallback") for k in proposer.counts) or set(channel.counts) != {"inband:read"}:
+            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(proposer.counts)} {dict(channel.counts)}")
         proposer.close()
 
     head = "sparse_floor"
