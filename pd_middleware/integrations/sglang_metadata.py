@@ -196,7 +196,8 @@ class MetadataChannel:
         # One copy: the digest check and the decode read the same bytes even if a late
         # write lands in the buffer meanwhile (SGLang's TCP aux path writes from its own thread).
         row = rows[idx].copy()
-        got = read_row(row, int(room), self.layout, request_id=str(int(room)))
+        # The snapshot is this request's own: the payload's buffers may view it.
+        got = read_row(row, int(room), self.layout, request_id=str(int(room)), copy=False)
         if not isinstance(got, RowFault):
             want, have = _committed_tag(req, buffers, idx), row_tag(row)
             if want != have:
