@@ -166,16 +166,55 @@ def test_outstanding_request_id_from_the_same_peer_is_a_duplicate(zctx) -> None:
         s.send_multipart(inline_frames(make("r"), 0))
         s.send_multipart(inline_frames(make("r"), 1))  # again while the first is outstanding
         first, dup = collect_outcomes(rx, 2)
-        t.send_multipart(inline_frames(make("r"), 0))  # another peer: not this peer's duplicate
+        t.send_multipart(inline_frames(make("r"), 0))  # another peer: the id is p's, refused
         (other,) = collect_outcomes(rx, 1)
-        assert isinstance(first, Delivery) and dup.key == "wire:duplicate" and isinstance(other, Delivery)
+        assert isinstance(first, Delivery) and dup.key == "wire:duplicate" and other.key == "wire:peer"
+        # Neither refusal names the request: a store keyed by id must keep the Delivery.
+        assert dup.request_id is None and other.request_id is None and (dup.peer, other.peer) == ("p", "q")
         first.release()
-        other.release()
         time.sleep(0.1)  # the loop applies the release
         s.send_multipart(inline_frames(make("r"), 2))  # negative control: released, so it may come again
         (again,) = collect_outcomes(rx, 1)
         assert isinstance(again, Delivery)
     finally:
+        rx.stop()
+
+
+def test_request_id_owned_by_another_peer_is_refused_after_expect_was_consumed(zctx) -> None:
+    rx = receiver(zctx)
+    p = raw_peer(zctx, rx.address, "p")
+    q = raw_peer(zctx, rx.address, "q")
+    stranger = zctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(rx.address)
+    try:
+        rx.expect("r", peer="p")
+        time.sleep(0.05)
+        p.send_multipart(inline_frames(make("r"), 0))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.peer == "p"
+        d.release()  # released and the expectation consumed: the id is still p's
+        time.sleep(0.05)
+        q.send_multipart(inline_frames(make("r"), 0))
+        bad = msgspec.structs.replace(wire.INBOUND_DECODER.decode(inline_frames(make("r"), 1)[0]), draft_tokens=(500,))
+        q.send_multipart([wire.encode(bad)])  # a malformed header naming p's request
+        stranger.send_multipart(inline_frames(make("r"), 0))  # no hello: unknown peer
+        got = collect_outcomes(rx, 3)
+        assert [o.key for o in got] == ["wire:peer"] * 3  # the owner check runs before the header's
+        assert all(isinstance(o, Failure) and o.request_id is None and "'r'" in o.reason for o in got)
+        assert rx.metrics.failed["wire:peer"] == 3
+        # Negative controls: q's own id is delivered, q's own malformed header names its id,
+        # and p may send "r" again.
+        q.send_multipart(inline_frames(make("mine"), 2))
+        own_bad = msgspec.structs.replace(
+            wire.INBOUND_DECODER.decode(inline_frames(make("mine2"), 3)[0]), draft_tokens=(500,)
+        )
+        q.send_multipart([wire.encode(own_bad)])
+        p.send_multipart(inline_frames(make("r"), 1))
+        got = {(o.request_id, type(o).__name__) for o in collect_outcomes(rx, 3)}
+        assert got == {("mine", "Delivery"), ("mine2", "Failure"), ("r", "Delivery")}
+    finally:
+        stranger.close(0)
         rx.stop()
 
 

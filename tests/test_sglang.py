@@ -337,6 +337,27 @@ def test_store_bounds_capacity_and_age() -> None:
     assert store.take(None) is None and store.take("zz") is None
 
 
+def test_store_never_lets_a_failure_or_another_peer_replace_a_delivery() -> None:
+    store = ProposalStore()
+    released: list[str] = []
+    legit = _delivery("r", [1], OneHotProposal((1,)), released)._replace(peer="A")
+    store.put(legit)
+    store.put(Failure("r", "wire", "forged", field="peer", peer="B"))  # a failure: refused
+    store.put(Failure("r", "wire", "no peer named"))  # nor a peerless one
+    store.put(_delivery("r", [2], OneHotProposal((2,)), released)._replace(peer="B"))  # another peer: refused
+    assert store.refused == {"failure_over_delivery": 2, "other_peer": 1} and released == ["r"]  # B's, released
+    assert store.take("r") is legit and not store.evicted
+    # Negative controls: the same peer may replace its own Delivery (the old one is
+    # released), and a Delivery may replace a Failure from the same peer.
+    store.put(legit)
+    again = _delivery("r", [3], OneHotProposal((3,)), released)._replace(peer="A")
+    store.put(again)
+    assert store.evicted["replaced"] == 1 and released == ["r", "r"] and store.take("r") is again
+    store.put(Failure("s", "transfer", "digest", field="digest", peer="A"))
+    store.put(_delivery("s", [1], OneHotProposal((1,)), released)._replace(peer="A"))
+    assert isinstance(store.take("s"), Delivery) and store.refused["other_peer"] == 1
+
+
 def test_post_hoc_mode_for_older_sglang() -> None:
     m = fake_decode_module(proposal=False)
     with pytest.raises(PluginError, match="not a supported version"):

@@ -115,22 +115,38 @@ class ProposalStore:
         self._items: OrderedDict[str, tuple[float, Delivery | Failure]] = OrderedDict()
         self._lock = threading.Lock()
         self.evicted: Counter[str] = Counter()
+        # Outcomes put() would not let replace the one held: failure_over_delivery, other_peer.
+        self.refused: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, outcome: Delivery | Failure) -> None:
-        """Keep one outcome under its request id (a newer one replaces and releases an older)."""
+        """Keep one outcome under its request id.
+
+        A newer outcome replaces (and releases) an older one, except that a Failure never
+        replaces a Delivery, and an outcome from another peer never replaces one: those
+        are refused (counted in ``refused`` by reason; a refused Delivery is released),
+        so one peer's message can neither evict nor impersonate another's request.
+        """
         rid = outcome.request_id
         if rid is None:  # a wire failure that could not name its request: nothing to key
             return
         stamp = outcome.received_at if isinstance(outcome, Delivery) else self._clock()
+        refused = ""
         with self._lock:
-            old = self._items.pop(rid, None)
-            self._items[rid] = (stamp, outcome)
+            old = self._items.get(rid)
+            if old is not None:
+                refused = _refusal(old[1], outcome)
+            if not refused:
+                self._items.pop(rid, None)
+                self._items[rid] = (stamp, outcome)
             over = len(self._items) - self.capacity
             dropped = [self._items.popitem(last=False)[1][1] for _ in range(max(0, over))]
-        if old is not None:
+        if refused:
+            _release(outcome)
+            self.refused[refused] += 1
+        elif old is not None:
             _release(old[1])
             self.evicted["replaced"] += 1
         for o in dropped:
@@ -176,6 +192,15 @@ class ProposalStore:
         for o in dropped:
             _release(o)
             self.evicted["ttl"] += 1
+
+
+def _refusal(old: Delivery | Failure, new: Delivery | Failure) -> str:
+    """Why ``new`` may not replace ``old`` under the same request id ("" when it may)."""
+    if isinstance(old, Delivery) and not isinstance(new, Delivery):
+        return "failure_over_delivery"
+    if old.peer is not None and new.peer != old.peer:
+        return "other_peer"
+    return ""
 
 
 def _release(outcome: Delivery | Failure) -> None:

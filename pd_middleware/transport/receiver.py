@@ -58,6 +58,10 @@ from .sockets import bind_router
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
 _NO_NONCE = bytes(16)
+#: Characters of a failure reason sent back to a prefill (acks and error replies stay small).
+REASON_CAP = 256
+# Failures whose request id is another delivery's or another peer's: never named in the Failure.
+_NOT_OWNED = frozenset(("duplicate", "peer"))
 # [peer, request id, seq, slot, slot generation, delivered?] of a payload whose releaser was called
 # (by the scheduler, or by the pipeline at once when the payload failed).
 _Release = list[Any]
@@ -99,7 +103,6 @@ class DecodeReceiver:
         self._release_batch = max(1, config.slots.per_peer >> 3)
         self._held_n = 0  # releases the loop waits for: held slots, consumed acks (loop only)
         self._expects = Expectations()
-        self._expected = self._expects.expected  # read on the hot path
         self._peers = PeerTable()
         self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
         self._wake_armed = False
@@ -389,12 +392,41 @@ class DecodeReceiver:
     def _emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
         self._queue.put(outcome, nbytes)
 
-    def _reject(self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE) -> None:
-        """Count and report a message that failed before its payload could be built."""
+    def _reject(
+        self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE, peer: Peer | None = None
+    ) -> None:
+        """Count and report a message that failed before its payload could be built.
+
+        ``peer``: the authenticated sender, if any. Only then may the Failure name the
+        request id the message claimed, and only an id no other peer owns: an
+        unauthenticated or foreign message must never fail (or evict) another's request.
+        """
         self.metrics.bytes["control"] += nbytes
-        f = self.pipeline.fail(Failure(request_id=exc.request_id, stage="wire", reason=str(exc), field=exc.field))
+        rid = exc.request_id
+        if rid is not None and (peer is None or self._other_owner(rid, peer) is not None):
+            rid = None  # the claimed id stays in the reason
+        name = peer.name if peer is not None else None
+        f = self.pipeline.fail(Failure(request_id=rid, stage="wire", reason=str(exc), field=exc.field, peer=name))
         self._emit(f)
-        self._send_to(ident, wire.ErrorReply(code=code, reason=str(exc), request_id=exc.request_id), nonce)
+        reply = wire.ErrorReply(code=code, reason=str(exc)[:REASON_CAP], request_id=exc.request_id)
+        conn = self._peers.by_ident.get(ident)
+        if conn is not None and (self._signer is None or conn.nonce == nonce):
+            # A connected peer is answered on its own sequence: a wall-clock one would jump
+            # its replay window past every later ack and heartbeat (HMAC).
+            self._send(conn, reply)
+        else:
+            self._send_to(ident, reply, nonce)
+
+    def _other_owner(self, rid: str, peer: Peer) -> str | None:
+        """The identity of another peer that owns ``rid`` (expected from it, recently arrived
+        from it, or outstanding there), or None when ``peer`` may send it."""
+        owner = self._expects.owner(rid)
+        if owner is not None:
+            return owner if owner != peer.name else None
+        for p in self._peers.by_ident.values():  # outstanding for longer than the arrived window
+            if p.name != peer.name and rid in p.outstanding:
+                return p.name
+        return None
 
     def _handle(self, frames: list[bytes], user: str | None = None) -> None:
         ident = frames[0]
@@ -421,7 +453,7 @@ class DecodeReceiver:
             if peer is not None and nonce == peer.nonce:
                 if seq <= peer.rx_seq:
                     exc = WireError(f"sequence {seq} was already used on this connection", field="replay")
-                    self._reject(ident, exc, "replay", sum(map(len, body)), nonce)
+                    self._reject(ident, exc, "replay", sum(map(len, body)), nonce)  # no request id: a replay
                     return
                 peer.rx_seq = seq
             else:
@@ -431,7 +463,7 @@ class DecodeReceiver:
         try:
             msg = wire.decode_frame(body[0], limits)
         except WireError as exc:
-            self._reject(ident, exc, "wire", sum(map(len, body)), nonce)
+            self._reject(ident, exc, "wire", sum(map(len, body)), nonce, peer)
             return
         now = self._clock()
         if peer is not None:
@@ -511,11 +543,13 @@ class DecodeReceiver:
         m = self.metrics
         rid = h.request_id
         try:
+            # Neither of these failures names the request: it is another delivery's (or
+            # another peer's) id, and a keyed store must not let it replace that outcome.
             if rid in peer.outstanding:
                 raise WireError("this peer already has this request outstanding", field="duplicate", request_id=rid)
-            expected = self._expected.get(rid) if self._expected else None
-            if expected is not None and expected[0] is not None and expected[0] != peer.name:
-                raise WireError(f"expected from {expected[0]!r}, sent by {peer.name!r}", field="peer", request_id=rid)
+            other = self._other_owner(rid, peer)
+            if other is not None:
+                raise WireError(f"it belongs to {other!r}, sent by {peer.name!r}", field="peer", request_id=rid)
             payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
             gen = 0
             if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
@@ -528,7 +562,12 @@ class DecodeReceiver:
                     peer.freed.append(named)  # the sender counts it busy until told otherwise
             m.bytes["control"] += sum(map(len, body))
             stage, fld = ("transfer", "digest") if isinstance(exc, IntegrityError) else ("wire", exc.field)
-            f = self.pipeline.fail(Failure(request_id=exc.request_id, stage=stage, reason=str(exc), field=fld))
+            named_rid = exc.request_id if fld not in _NOT_OWNED else None
+            if named_rid is not None:
+                self._expects.own(rid, peer.name)  # its own request failed: no other peer may claim it now
+            f = self.pipeline.fail(
+                Failure(request_id=named_rid, stage=stage, reason=str(exc), field=fld, peer=peer.name)
+            )
             self._emit(f)
             peer.failed.append((h.seq, f.key, f.reason))
             return
@@ -544,7 +583,7 @@ class DecodeReceiver:
         elif len(body) > 2:
             inline = sum(map(len, body[1:]))
         by_plane["inline"] += inline
-        self._expects.arrived(rid)
+        self._expects.arrived(rid, peer.name)
         consumed = self._consumed_acks
         item: _Release = [peer, rid, h.seq, slot, gen, False]
         releaser = self._releaser(item)
