@@ -218,6 +218,47 @@ def test_request_id_owned_by_another_peer_is_refused_after_expect_was_consumed(z
         rx.stop()
 
 
+# ---- acks -------------------------------------------------------------------------------
+
+
+def test_split_ack_stays_under_the_frame_cap_and_loses_nothing() -> None:
+    from pd_middleware.transport.peers import REASON_CAP, split_ack
+
+    freed = list(range(300))
+    delivered = list(range(1 << 40, (1 << 40) + 700))  # 9-byte ints
+    failed = [(i, "hook:" + "k" * 200, ("é" if i % 2 else "x") * 5000) for i in range(300)]
+    for cap in (1024, 4096, 64 * 1024):
+        acks = split_ack(freed, delivered, failed, cap)
+        assert all(len(wire.encode(a)) <= cap for a in acks)
+        assert [s for a in acks for s in a.freed] == freed and [s for a in acks for s in a.delivered] == delivered
+        got = [f for a in acks for f in a.failed]
+        assert [f[0] for f in got] == [f[0] for f in failed] and max(len(f[2]) for f in got) == REASON_CAP
+    # Negative control: one ack of everything (what flush sent before) is far over the cap.
+    (one,) = split_ack(freed, delivered, failed, 1 << 30)
+    assert len(wire.encode(one)) > 64 * 1024
+
+
+def test_many_long_failure_reasons_reach_the_prefill(zctx) -> None:
+    class Loud:
+        def on_receive(self, payload, ctx):
+            raise ValueError("policy rejected this request: " + "x" * 400)
+
+    pipe = ReceivePipeline([("loud", Loud())], {"default": ("one_hot", OneHot())})
+    rx = DecodeReceiver(cfg(), pipe, context=zctx).start()
+    tx = PrefillSender(cfg(), context=zctx, name="A").connect(rx.address)
+    try:
+        for i in range(400):  # ~190 KB of reasons: one ack would pass the 64 KiB frame cap
+            tx.send(make(f"r{i}"))
+        assert tx.flush(10.0), tx.statuses()
+        st = tx.statuses()
+        assert st["failed_by_reason"] == {"hook:loud": 400} and st["connected"]
+        tx.send(make("ok"))  # negative control: the same connection still carries outcomes
+        assert tx.flush(5.0) and tx.statuses()["failed"] == 401
+    finally:
+        tx.close()
+        rx.stop()
+
+
 # ---- memory -----------------------------------------------------------------------------
 
 

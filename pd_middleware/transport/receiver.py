@@ -51,15 +51,13 @@ from .config import TransportConfig
 from .expects import Expectations
 from .mooncake import MooncakeEngine
 from .outcomes import OutcomeQueue
-from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, Peer, PeerTable
+from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, REASON_CAP, Peer, PeerTable
 from .slots import SlotPool
 from .sockets import bind_router
 
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
 _NO_NONCE = bytes(16)
-#: Characters of a failure reason sent back to a prefill (acks and error replies stay small).
-REASON_CAP = 256
 # Failures whose request id is another delivery's or another peer's: never named in the Failure.
 _NOT_OWNED = frozenset(("duplicate", "peer"))
 # [peer, request id, seq, slot, slot generation, delivered?] of a payload whose releaser was called
@@ -344,7 +342,7 @@ class DecodeReceiver:
             # (a prefill may be waiting for one); pending outcomes ride along.
             pending = self._peers.pending()
             if pending and (pending >= ACK_BATCH or now - last_flush >= ACK_INTERVAL_S or self._peers.slots_freed()):
-                self._peers.flush(self._send)
+                self._peers.flush(self._send, self._limits.max_message_bytes)
                 last_flush = now
             queue.notify()  # outcomes of expiries found by _tick
 
