@@ -10,10 +10,13 @@ or :class:`~pd_middleware.pipeline.Failure`) on a queue the scheduler reads with
 back coalesced (:mod:`.peers`); with ``ack = "consumed"`` a request is acked delivered
 only once its Delivery was released.
 
-Every inbound message ends as exactly one counted outcome: a delivery, a pipeline
-failure, a wire failure (``wire:<field>``: ``wire:hmac``, ``wire:replay``,
-``wire:nesting``, ``wire:duplicate``, ``wire:peer``...), or ``receiver:internal`` for an
-exception no check foresaw; the loop goes on after each. If the loop ends anyway, the
+Every payload header and every refused message ends as exactly one counted outcome: a
+delivery, a pipeline failure, a wire failure (``wire:<field>``: ``wire:hmac``,
+``wire:replay``, ``wire:nesting``, ``wire:duplicate``, ``wire:peer``...), or
+``receiver:internal`` for an exception no check foresaw; the loop goes on after each. A
+valid hello, heartbeat or bye produces none. A request id belongs to the peer it came
+from (or was expected from): the same id from another peer is ``wire:peer``, and a
+Failure names a request id only when its authenticated sender owns it. If the loop ends anyway, the
 application learns it at once: :meth:`get`/:meth:`drain` raise
 :class:`~pd_middleware.TransferError`, :attr:`healthy` turns False and the metric
 ``receiver_alive`` drops to 0. Requests announced with :meth:`expect` that never arrive
