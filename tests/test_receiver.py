@@ -305,7 +305,13 @@ def test_backpressure_bounds_the_queue_and_drops_nothing(zctx, limit: str) -> No
         else:
             assert held <= (1 << 16) + size
         assert queued < n  # negative control: without backpressure all n would be queued
-        got = collect_outcomes(rx, n, timeout=20)
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < n and time.monotonic() < deadline:
+            o = rx.get(timeout=0.1)
+            if o is not None:
+                got.append(o)
+                o.release()  # inline bytes count against the cap until released
         assert [o.request_id for o in got] == [f"r{i}" for i in range(n)]
         assert all(isinstance(o, Delivery) for o in got) and rx.peers == {"p": 0}  # not dropped as silent
         assert tx.flush(5) and tx.statuses()["delivered"] == n
@@ -315,6 +321,50 @@ def test_backpressure_bounds_the_queue_and_drops_nothing(zctx, limit: str) -> No
 
 
 # ---- acks -------------------------------------------------------------------------------
+
+
+def test_receive_hwm_defaults_to_the_inline_cap_over_the_tensor_cap(zctx) -> None:
+    lim = LimitsConfig(max_queued_inline_bytes=8 << 20, max_tensor_bytes=1 << 20)
+    rx = receiver(zctx, limits=lim)
+    set_rx = receiver(zctx, limits=lim, hwm=1000)  # negative control: a set hwm is kept
+    try:
+        assert rx._sock.getsockopt(zmq.RCVHWM) == 8 and rx._sock.getsockopt(zmq.SNDHWM) == 100_000
+        assert set_rx._sock.getsockopt(zmq.RCVHWM) == 1000
+        assert cfg(limits=LimitsConfig(max_queued_inline_bytes=1 << 16)).recv_hwm() == 1  # at least one
+    finally:
+        rx.stop()
+        set_rx.stop()
+
+
+def test_inline_bytes_count_until_release_not_until_take(zctx) -> None:
+    """A consumer that takes outcomes and keeps them (SGLang's ProposalStore) stays under
+    max_queued_inline_bytes: the loop stops reading until something is released."""
+    n, size, cap = 40, 16 * 1024, 1 << 16
+    rx = receiver(zctx, limits=LimitsConfig(max_queued_inline_bytes=cap), peer_timeout_s=5.0)
+    tx = PrefillSender(cfg(), context=zctx, name="p").connect(rx.address)
+    kept: list = []
+    try:
+        for i in range(n):
+            tx.send(make(f"r{i}", hidden=size))
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # take everything, release nothing
+            kept += rx.drain()
+            time.sleep(0.02)
+        held = sum(len(d.payload.hidden) for d in kept)
+        assert 0 < len(kept) < n and held <= cap + size, (len(kept), held)
+        for d in kept:  # negative control: releasing lets the rest in
+            d.release()
+        deadline = time.monotonic() + 10
+        while len(kept) < n and time.monotonic() < deadline:
+            for d in rx.drain():
+                kept.append(d)
+                d.release()
+            time.sleep(0.02)
+        assert sorted(d.request_id for d in kept) == sorted(f"r{i}" for i in range(n))
+        assert all(isinstance(d, Delivery) for d in kept)
+    finally:
+        tx.close()
+        rx.stop()
 
 
 @pytest.mark.parametrize("mode", ["queued", "consumed"])

@@ -25,8 +25,9 @@ fail with ``transfer:deadline`` or, when their peer goes silent for ``peer_timeo
 
 Memory is bounded: libzmq refuses frames over the size caps (``ZMQ_MAXMSGSIZE``), and
 the loop stops reading (backpressure, nothing dropped) while the scheduler has
-``limits.max_queued_outcomes`` outcomes or ``limits.max_queued_inline_bytes`` inline
-bytes waiting. What libzmq buffers of a multipart message before Python sees it is
+``limits.max_queued_outcomes`` outcomes waiting or holds ``limits.max_queued_inline_bytes``
+inline bytes not yet released (taken or not: a consumer that keeps outcomes stays
+under the cap). What libzmq buffers of a multipart message before Python sees it is
 bounded only by authentication: see docs/transport.md.
 
 Bulk views stay valid until :meth:`Delivery.release` is called; after that the slot
@@ -63,8 +64,8 @@ _perf_counter = time.perf_counter
 _NO_NONCE = bytes(16)
 # Failures whose request id is another delivery's or another peer's: never named in the Failure.
 _NOT_OWNED = frozenset(("duplicate", "peer"))
-# [peer, request id, seq, slot, slot generation, delivered?] of a payload whose releaser was called
-# (by the scheduler, or by the pipeline at once when the payload failed).
+# [peer, request id, seq, slot, slot generation, delivered?, inline bytes] of a payload whose
+# releaser was called (by the scheduler, or by the pipeline at once when the payload failed).
 _Release = list[Any]
 
 
@@ -102,7 +103,7 @@ class DecodeReceiver:
         self._released: deque[_Release] = deque()
         # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
-        self._held_n = 0  # releases the loop waits for: held slots, consumed acks (loop only)
+        self._held_n = 0  # releases the loop waits for: held slots, inline bytes, consumed acks (loop only)
         self._expects = Expectations()
         self._peers = PeerTable()
         self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
@@ -226,15 +227,16 @@ class DecodeReceiver:
     def _releaser(self, item: _Release) -> Callable[[], None]:
         done = False
         released = self._released
-        prompt = item[3] >= 0 or self._consumed_acks  # someone waits on this release
+        prompt = item[3] >= 0 or self._consumed_acks or item[6] > 0  # someone waits on this release
         batch = self._release_batch
+        queue = self._queue
 
         def release() -> None:
             nonlocal done
             if not done:  # idempotent: a second release must not free a reused slot
                 done = True
                 released.append(item)
-                if prompt and len(released) >= batch:
+                if prompt and (len(released) >= batch or queue.backpressure):
                     self._wake()
 
         return release
@@ -586,7 +588,7 @@ class DecodeReceiver:
         by_plane["inline"] += inline
         self._expects.arrived(rid, peer.name)
         consumed = self._consumed_acks
-        item: _Release = [peer, rid, h.seq, slot, gen, False]
+        item: _Release = [peer, rid, h.seq, slot, gen, False, inline]
         releaser = self._releaser(item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
         self._queue.put(out, inline)
@@ -596,6 +598,8 @@ class DecodeReceiver:
             held[rid] = None
             if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
                 del held[next(iter(held))]
+            if inline:  # its bytes count against max_queued_inline_bytes until released
+                self._held_n += 1
             if consumed:
                 self._held_n += 1
             else:
@@ -608,8 +612,13 @@ class DecodeReceiver:
         released = self._released
         consumed = self._consumed_acks
         peers = self._peers
+        queue = self._queue
         while released:
-            peer, rid, seq, slot, gen, delivered = released.popleft()
+            peer, rid, seq, slot, gen, delivered, inline = released.popleft()
+            if inline:
+                queue.freed(inline)
+                if delivered:
+                    self._held_n -= 1
             if delivered:
                 peer.outstanding.pop(rid, None)
             if slot >= 0:
