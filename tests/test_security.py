@@ -621,6 +621,27 @@ def test_hmac_error_reply_keeps_the_peers_sequence(zctx) -> None:
         rx.stop()
 
 
+def test_allowlist_refuses_two_keys_under_one_name_and_one_key_under_two(tmp_path) -> None:
+    from pd_middleware.transport.auth import load_allowlist, write_keypair
+
+    pub, _ = write_keypair(tmp_path / "a", "prefill-a")
+    other_pub, _ = write_keypair(tmp_path / "b", "prefill-b")
+    file_key = zmq.auth.load_certificate(pub)[0].decode()
+    other_key = zmq.auth.load_certificate(other_pub)[0].decode()
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "prefill-a.key").write_text(pathlib.Path(pub).read_text())
+    # Negative control: distinct names and keys load.
+    ok = CurveConfig(clients={"prefill-b": other_key}, clients_dir=str(allowed))
+    assert load_allowlist(ok) == {file_key: "prefill-a", other_key: "prefill-b"}
+    two_keys = CurveConfig(clients={"prefill-a": other_key}, clients_dir=str(allowed))
+    with pytest.raises(ConfigError, match="'prefill-a' is given twice") as err:
+        load_allowlist(two_keys)
+    assert err.value.path == "transport.curve.clients_dir"
+    with pytest.raises(ConfigError, match="already allowed as 'x'"):
+        load_allowlist(CurveConfig(clients={"x": other_key, "y": other_key}))
+
+
 def test_curve_keys_from_files_and_config_checks(zctx, tmp_path) -> None:
     from pd_middleware._errors import OptionValueError
     from pd_middleware.transport.auth import write_keypair
