@@ -103,13 +103,20 @@ def _defaults_note(cfg: Any, data: Any) -> list[str]:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     import msgspec
 
-    from .config import parse_config, resolve_plugins
+    from .config import parse_config, raw_plugin_issues, resolve_plugins
     from .config_loader import find_config, read_document
     from .preflight import preflight
 
     data, src = read_document(find_config(args.config))
-    cfg = parse_config(data, src)
     reg = _registry(args)
+    try:
+        cfg = parse_config(data, src)
+    except ConfigError as exc:
+        # Report plugin-option mistakes in the same run as the schema's.
+        extra = [i for i in raw_plugin_issues(data, reg, src) if i not in exc.issues]
+        if not extra:
+            raise
+        raise ConfigError.from_issues([*exc.issues, *extra], source=src) from None
     resolved = resolve_plugins(cfg, reg, source=src)
     findings = preflight(cfg, resolved, reg, probe=not args.no_probe)
     errors = [f for f in findings if f.level == "error"]

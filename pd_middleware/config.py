@@ -343,6 +343,45 @@ def _resolve_ref(registry: Any, kind: str, ref: PluginRef, key: str, source: str
     return ResolvedPlugin(key, spec, opts)
 
 
+def raw_plugin_issues(data: Any, registry: Any, source: str | None = None) -> list[ConfigIssue]:
+    """Plugin-option problems of a document whose schema failed, best effort.
+
+    :func:`parse_config` stops before plugins are resolved, so a file with a schema error
+    and a misspelled plugin option would show only the first. This checks every plugin
+    reference that is well-formed in the raw document (a string ``name``, a table of
+    ``options``) against its plugin's options type, so ``check-config`` can report both
+    kinds at once. Unknown plugins are left to the full pass.
+    """
+    if not isinstance(data, dict):
+        return []
+    refs: list[tuple[str, str, Any]] = []
+    hooks = data.get("hooks")
+    if isinstance(hooks, list):
+        refs += [("hook", f"hooks[{i}]", h) for i, h in enumerate(hooks)]
+    refs += [("synthesizer", "synthesizer", data.get("synthesizer")), ("encoder", "encoder", data.get("encoder"))]
+    arms = data.get("arms")
+    if isinstance(arms, list):
+        for i, arm in enumerate(arms):
+            if isinstance(arm, dict):
+                refs += [("synthesizer", f"arms[{i}].synthesizer", arm.get("synthesizer"))]
+                refs += [("encoder", f"arms[{i}].encoder", arm.get("encoder"))]
+    issues: list[ConfigIssue] = []
+    for kind, key, ref in refs:
+        if not isinstance(ref, dict) or not isinstance(ref.get("name"), str):
+            continue
+        options = ref.get("options", {})
+        if not isinstance(options, dict):
+            continue
+        try:
+            spec = registry.resolve(kind, ref["name"], key=f"{key}.name")
+            convert_options(spec, dict(options), f"{key}.options", source)
+        except ConfigError as exc:
+            issues.extend(exc.issues)
+        except PluginError:
+            continue
+    return issues
+
+
 def resolve_plugins(
     config: Config, registry: Any, source: str | None = None, sides: tuple[str, ...] = ("prefill", "decode")
 ) -> ResolvedConfig:

@@ -21,6 +21,8 @@ stand-in (a floor of 1e-46 is 0.0 in fp32):
 
 - ``token_outside_proposal``: q'(X_s) is not > 0, so X was not drawn from q' (and the
   verifier, which accepts X outright when q'(X) = 0, would be biased);
+- ``q_above_one``: q'(X_s) > 1 (possible only by rounding a renormalised single-entry
+  law); SGLang's kernel rejects X unless 0 < q'(X) <= 1, so that pair would be biased;
 - ``declared_q_mismatch``: the payload's declared ``draft_probs[s]`` differs from
   q'(X_s) by more than the encoding's precision (:data:`DECLARED_RTOL` plus the
   renormalisation the decode applied), so X and the proposal did not come from one
@@ -52,6 +54,7 @@ _WHY: dict[str, str] = {
     "encoding_mismatch": "this synthesizer cannot hand over the attached encoding",
     "not_sampled_from_sent": "X was not sampled from the distribution that was sent",
     "token_outside_proposal": "the sent distribution gives X zero probability, so X was not drawn from it",
+    "q_above_one": "the sent distribution gives X a probability above 1, which SGLang's kernel rejects outright",
     "declared_q_mismatch": "the declared q(X) does not match the sent distribution at X, so they come from different draws",
 }
 
@@ -142,7 +145,8 @@ class ProvenanceGuard:
         """The fallback reason the decoded ``law`` calls for at X, or ``None``.
 
         ``token_outside_proposal`` if some q'(X_s) is not > 0 in fp32 (X drawn from
-        the law cannot have probability 0 under it); ``declared_q_mismatch`` if some
+        the law cannot have probability 0 under it); ``q_above_one`` if some q'(X_s) > 1
+        (SGLang's kernel would reject X outright); ``declared_q_mismatch`` if some
         declared q(X_s) misses q'(X_s) by more than the encoding's precision. Both read
         the fp32 numbers the assembler writes (``law.values_at``): one gather per step
         for a dense law, one vectorised comparison over the listed entries for a sparse
@@ -155,6 +159,10 @@ class ProvenanceGuard:
         for v in q:
             if not v > 0.0:  # also true for NaN
                 return "token_outside_proposal"
+            if v > 1.0:
+                # SGLang's rejection kernel rejects X unless 0 < q'(X) <= 1 (rounding can put
+                # a renormalised single-entry law one ulp above 1): one-hot is exact instead.
+                return "q_above_one"
         enc = payload.proposal
         scale: Sequence[float]
         if isinstance(law, DenseProposal):

@@ -59,6 +59,20 @@ def test_check_config_inline_json_reports_every_error_at_its_full_path(tmp_path)
     )
 
 
+def test_schema_and_plugin_option_errors_are_reported_in_one_run(tmp_path):
+    # A schema error stops the typed parse before plugins resolve; the plugin's options
+    # are still checked from the raw document, so both come out at once.
+    doc = '{"model": {"vocab_sise": 5}, "encoder": {"name": "sparse", "options": {"mode": "topk", "kk": 3}}}'
+    p = run(["check-config", doc], tmp_path)
+    assert p.returncode == 2
+    assert "2 problems:" in p.stderr
+    assert "at model.vocab_sise: unknown field `vocab_sise`; did you mean `vocab_size`?" in p.stderr
+    assert "at encoder.options.kk: unknown field `kk`; did you mean `k`?" in p.stderr
+    # Control: with the schema fixed, the plugin error alone remains.
+    p = run(["check-config", doc.replace("vocab_sise", "vocab_size")], tmp_path)
+    assert p.returncode == 2 and "problems" not in p.stderr and "encoder.options.kk" in p.stderr
+
+
 def test_empty_config_says_which_defaults_apply_and_show_prints_them(tmp_path):
     (tmp_path / "empty.toml").write_text("")
     p = run(["check-config", "empty.toml", "--show"], tmp_path)

@@ -235,3 +235,26 @@ def test_values_at_is_what_the_assembler_writes():
         row = ProposalAssembler(DV, 1, max_batch=1).build([law])[0]
         assert [law.values_at((t,))[0] for t in range(DV)] == row.tolist(), (kind, dtype)
         assert torch.equal(row, law.to_dense(DV)[0]), (kind, dtype)
+
+
+def test_q_above_one_at_x_falls_back():
+    """SGLang's kernel rejects X unless 0 < q'(X) <= 1: a law one ulp above 1 at X is not handed over."""
+    import numpy as np
+    import torch
+
+    from pd_middleware import SparseProposal
+
+    g = ProvenanceGuard("sparse", SPARSE)
+    above = float(np.nextafter(np.float32(1.0), np.float32(2.0)))
+    p = payload(sparse(), sampled_from="sparse-fp16", tokens=(3,), probs=(1.0,))
+
+    def law(v: float) -> SparseProposal:
+        return SparseProposal(
+            lengths=(1,),
+            indices=torch.tensor([3], dtype=torch.int64),
+            values=torch.tensor([v], dtype=torch.float32),
+            floor=(0.0,),
+        )
+
+    assert g.check_law(p, law(above)) == "q_above_one"
+    assert g.check_law(p, law(1.0)) is None  # control: exactly 1 is the kernel's accepted edge

@@ -763,3 +763,22 @@ def test_misconfigured_scheduler_stops_at_startup(sg, over, message) -> None:
     with runtime(**over), pytest.raises(ConfigError, match=message):
         sched.init_disaggregation()
     assert not hasattr(sched, "disagg_metadata_buffers")  # before SGLang allocated anything
+
+
+def test_prefill_start_warns_when_the_encoders_largest_row_exceeds_capacity(sg, caplog) -> None:
+    """A full-distribution encoder behind a too-small row would send X-only every time: say so at start."""
+    from pd_middleware.inband import row_bytes
+
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        inst = activate(config(capacity=256, encoder={"name": "full", "options": {"dtype": "fp32"}}), role="prefill")
+    msg = [r.getMessage() for r in caplog.records if "largest row" in r.getMessage()]
+    _, (flat,) = inst.publisher.encode([0], torch.full((1, V), 1.0 / V))
+    need = row_bytes(flat)
+    assert need > 256 and len(msg) == 1
+    assert f"largest row is {need} bytes" in msg[0] and "capacity_bytes is 256" in msg[0]
+    S.uninstall()
+    caplog.clear()
+    # Control: a top-5 sparse row fits in 256 bytes, nothing is said.
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        activate(config(capacity=256), role="prefill")
+    assert not [r for r in caplog.records if "largest row" in r.getMessage()]

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from .._errors import ConfigError, PluginError
 from .sglang_decode import DecodeProposer, ProposalStore
 from .sglang_metadata import MetadataChannel
@@ -149,6 +151,8 @@ class Installation:
                 logger.info("pd-middleware decode receiver listening on %s", self.receiver.address)
         elif self.publisher is None:
             self._make_publisher(facts)
+            if self.channel is not None:
+                self._warn_capacity(facts)
         if facts.role == "prefill" and facts.num_steps > 1:
             self._patch_chain()
         logger.info(
@@ -178,6 +182,35 @@ class Installation:
         for owner, attr, _, fn in new:
             setattr(owner, attr, fn)
         self.patches.extend(new)
+
+    def _warn_capacity(self, facts: EngineFacts) -> None:
+        """Prefill start: say once if the encoder's largest row exceeds ``capacity_bytes``.
+
+        The largest row comes from a flat draft (uniform over V): it makes a dense row
+        V wide and a sparse encoder keep its most entries (``k_max``/``k``). Such requests
+        would be sent X-only (exact one-hot, counted ``inband:overflow``) on every batch.
+        """
+        assert self.channel is not None and self.publisher is not None
+        from ..inband import row_bytes
+
+        shape = (1, facts.vocab_size) if facts.num_steps == 1 else (1, facts.num_steps, facts.vocab_size)
+        flat = torch.full(shape, 1.0 / facts.vocab_size)
+        try:
+            _, payloads = self.publisher.encode([0], flat)
+            need = row_bytes(payloads[0])
+        except Exception as exc:  # a probe, not a gate: the first real batch reports encoder errors
+            logger.warning("pd-middleware could not size the encoder's largest row (%s)", exc)
+            return
+        cap = self.channel.capacity_bytes
+        if need > cap:
+            logger.warning(
+                "pd-middleware: the encoder's largest row is %d bytes (a flat draft), [sglang].capacity_bytes is %d: "
+                "requests whose draft is that flat are sent X-only (exact one-hot, counted inband:overflow); "
+                "raise capacity_bytes to %d to carry every proposal",
+                need,
+                cap,
+                -(-need // 64) * 64,
+            )
 
     def _make_publisher(self, facts: EngineFacts) -> None:
         """The prefill's encoder, fed to the metadata channel or the side channel."""
