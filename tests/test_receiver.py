@@ -3,11 +3,15 @@
 - No message stops the loop: a 1 KB frame nested 1000 deep is ``wire:nesting``, an
   exception no check foresaw is ``receiver:internal``, and the next payload is delivered.
 - If the loop dies anyway, ``get``/``drain`` raise, ``healthy`` and the metric say so.
-- Identity: ``expect(rid, peer)`` is enforced (``wire:peer``), a request id the same peer
-  has outstanding is ``wire:duplicate``, ``Delivery.peer`` names the sender.
-- Memory: the outcome queue and queued inline bytes are bounded by backpressure, with
-  nothing dropped; the hidden state's width and dtype are checked against the config.
-- Acks: ``ack = "consumed"`` acks a delivery only once it was released.
+- Identity: ``expect(rid, peer)`` is enforced (``wire:peer``), and a request id stays its
+  sender's after the expectation was consumed; a request id the same peer has
+  outstanding is ``wire:duplicate``; neither refusal names the request id, and
+  ``Delivery.peer`` names the sender.
+- Memory: the outcome queue and inline bytes held until release are bounded by
+  backpressure, with nothing dropped; RCVHWM defaults to the inline cap over the tensor
+  cap; the hidden state's width and dtype are checked against the config.
+- Acks: split under ``max_message_bytes``; ``ack = "consumed"`` acks a delivery only
+  once it was released.
 Every test has a negative control showing it can fail.
 """
 

@@ -197,7 +197,8 @@ class DecodeReceiver:
 
         With ``peer`` (the prefill's identity: its CURVE allowlist name, or its hello
         name without CURVE) only that peer may deliver it: the same id from another peer
-        fails as ``wire:peer``. It fails with ``transfer:deadline`` if it has not arrived
+        fails as ``wire:peer`` (so does an id that arrived from another peer, expected or
+        not, within the last 65,536 arrivals or while outstanding there). It fails with ``transfer:deadline`` if it has not arrived
         by ``deadline`` (this receiver's clock, ``time.monotonic`` by default), or with
         ``transfer:peer_lost`` when ``peer`` goes silent.
         """
