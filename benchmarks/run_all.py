@@ -138,15 +138,15 @@ def scripts(only: list[str] | None) -> list[tuple[str, Path, list[str]]]:
 
 
 def run_script(
-    path: Path, quick: bool, timeout: float, extra: list[str] | None = None
+    path: Path, quick: bool, timeout: float, script_args: list[str] | None = None
 ) -> tuple[dict[str, Any] | None, str, float]:
-    """Run one script (with ``extra`` arguments); returns (parsed last JSON line or None, error text, seconds)."""
+    """Run one script (with ``script_args``); returns (parsed last JSON line or None, error text, seconds)."""
     env = dict(os.environ)
     extra = [str(ROOT), str(ROOT / "plugins")]
     env["PYTHONPATH"] = os.pathsep.join(extra + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # Only scripts that define --quick get it (the others run at their defaults).
     quick = quick and "--quick" in path.read_text()
-    cmd = [sys.executable, str(path), *(extra or [])] + (["--quick"] if quick else [])
+    cmd = [sys.executable, str(path), *(script_args or [])] + (["--quick"] if quick else [])
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
