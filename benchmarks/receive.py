@@ -93,11 +93,31 @@ def produce(kind: str, address: str, n: int, hidden: int, keys: dict[str, str] |
         sock.recv_multipart()
     for frames in messages:
         sock.send_multipart(frames, copy=True)
-    time.sleep(1.0)  # let the queue drain before the context closes
-    # Every message must get out before the context closes: with CURVE the I/O thread still
-    # encrypts long after the last send() returned (a 5 s linger lost messages on 2 loaded cores).
+    if kind == "raw":
+        time.sleep(1.0)  # let the queue drain before the context closes
+    else:
+        _await_acks(sock, n)
+        sock.send_multipart([wire.encode(wire.Bye(reason="benchmark done"))])
     sock.close(linger=120_000)
     ctx.term()
+
+
+def _await_acks(sock: zmq.Socket, n: int, timeout: float = 120.0) -> None:
+    """Read the decode's acks until all ``n`` requests have an outcome (like
+    ``PrefillSender.flush``). A producer that closes while acks wait unread in its socket
+    makes the kernel reset the TCP connection, which discards the payloads it has not yet
+    sent: the receiver then misses the tail of the run, with or without CURVE (a raw
+    ROUTER that acks loses it the same way; one that never acks does not)."""
+    done = 0
+    deadline = time.monotonic() + timeout
+    while done < n and time.monotonic() < deadline:
+        if not sock.poll(1000):
+            continue
+        msg = wire.OUTBOUND_DECODER.decode(sock.recv_multipart()[0])
+        if isinstance(msg, wire.Ack):
+            done += len(msg.delivered) + len(msg.failed)
+    if done < n:
+        raise SystemExit(f"producer: {done} of {n} requests acked within {timeout:g} s")
 
 
 def run_raw(n: int, hidden: int) -> float:

@@ -25,6 +25,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SKIP = {"_common", "run_all"}
+#: Extra runs of a script with arguments, reported under their own name: the receive
+#: target must hold with CURVE on (issue 13), measured in the same run as the plain one.
+VARIANTS: dict[str, tuple[str, list[str]]] = {"receive_curve": ("receive", ["--curve"])}
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ FIGURES: dict[str, list[Figure]] = {
         Figure("ratio_vs_raw_zmq", ">= 0.5", "raw pyzmq PUSH/PULL of the same frames", lambda x: x >= 0.5),
         Figure("ours_payloads_per_s", "-", "decode receive path, payloads/s"),
     ],
+    "receive_curve": [
+        Figure(
+            "ratio_vs_raw_zmq",
+            ">= 0.5",
+            "raw pyzmq PUSH/PULL (plain) vs our receive path with CURVE + ZAP allowlist on",
+            lambda x: x >= 0.5,
+        ),
+        Figure("ours_payloads_per_s", "-", "decode receive path with CURVE, payloads/s"),
+    ],
     "bulk": [
         Figure(
             "ratio_vs_raw_mooncake", ">= 0.8", "raw Mooncake transfer_sync_write of the same bytes", lambda x: x >= 0.8
@@ -108,27 +120,33 @@ FIGURES: dict[str, list[Figure]] = {
 }
 
 
-def scripts(only: list[str] | None) -> list[Path]:
-    found = sorted(p for p in HERE.glob("*.py") if p.stem not in SKIP)
+def scripts(only: list[str] | None) -> list[tuple[str, Path, list[str]]]:
+    """(name, script, extra arguments) for every run, variants right after their script."""
+    runs: list[tuple[str, Path, list[str]]] = []
+    for p in sorted(p for p in HERE.glob("*.py") if p.stem not in SKIP):
+        runs.append((p.stem, p, []))
+        runs += [(name, p, extra) for name, (base, extra) in VARIANTS.items() if base == p.stem]
     if only:
         names = {n.removesuffix(".py") for n in only}
-        unknown = names - {p.stem for p in found}
+        unknown = names - {name for name, _, _ in runs}
         if unknown:
             raise SystemExit(
-                f"unknown benchmark(s): {', '.join(sorted(unknown))}; have {', '.join(p.stem for p in found)}"
+                f"unknown benchmark(s): {', '.join(sorted(unknown))}; have {', '.join(n for n, _, _ in runs)}"
             )
-        found = [p for p in found if p.stem in names]
-    return found
+        runs = [r for r in runs if r[0] in names]
+    return runs
 
 
-def run_script(path: Path, quick: bool, timeout: float) -> tuple[dict[str, Any] | None, str, float]:
-    """Run one script; returns (parsed last JSON line or None, error text, seconds)."""
+def run_script(
+    path: Path, quick: bool, timeout: float, script_args: list[str] | None = None
+) -> tuple[dict[str, Any] | None, str, float]:
+    """Run one script (with ``script_args``); returns (parsed last JSON line or None, error text, seconds)."""
     env = dict(os.environ)
     extra = [str(ROOT), str(ROOT / "plugins")]
     env["PYTHONPATH"] = os.pathsep.join(extra + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # Only scripts that define --quick get it (the others run at their defaults).
     quick = quick and "--quick" in path.read_text()
-    cmd = [sys.executable, str(path)] + (["--quick"] if quick else [])
+    cmd = [sys.executable, str(path), *(script_args or [])] + (["--quick"] if quick else [])
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -267,17 +285,17 @@ def main() -> int:
     rows: list[tuple[str, str, str, str, str]] = []
     results: dict[str, Any] = {}
     crashed = []
-    for path in scripts(args.only):
-        print(f"=== {path.stem} ===", flush=True)
-        res, err, dt = run_script(path, args.quick, args.timeout)
-        print(f"--- {path.stem}: {dt:.1f} s{'; ' + err if err else ''}", flush=True)
+    for name, path, extra in scripts(args.only):
+        print(f"=== {name} ===", flush=True)
+        res, err, dt = run_script(path, args.quick, args.timeout, extra)
+        print(f"--- {name}: {dt:.1f} s{'; ' + err if err else ''}", flush=True)
         if err:
-            crashed.append(path.stem)
-            rows.append((path.stem, "ERROR", "-", err[:70], "ERROR"))
+            crashed.append(name)
+            rows.append((name, "ERROR", "-", err[:70], "ERROR"))
             continue
         assert res is not None
-        results[path.stem] = res
-        rows.extend(_rows(path.stem, res))
+        results[name] = res
+        rows.extend(_rows(name, res))
     print()
     print_table(rows)
     misses = [r[0] for r in rows if r[4] == "MISS"]

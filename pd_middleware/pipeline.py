@@ -54,7 +54,12 @@ class Failure:
     """A payload that will not reach the scheduler, and why.
 
     ``stage`` is where it failed (``wire``, ``transfer``, ``hook:<name>``,
-    ``synthesizer:<name>``), ``field`` the offending field when known.
+    ``synthesizer:<name>``), ``field`` the offending field when known. ``request_id``
+    is set only when the failing message came from the authenticated peer that owns that
+    id: a message refused before authentication, or for another peer's id (``wire:peer``),
+    a duplicate or a replay, leaves it None (the id it claimed is in ``reason``), so a
+    store keyed by request id never lets one peer's message fail another's request.
+    ``peer``: the sending prefill's identity when known.
     """
 
     request_id: str | None
@@ -62,6 +67,7 @@ class Failure:
     reason: str
     field: str | None = None
     arm: str | None = None
+    peer: str | None = None
 
     @property
     def key(self) -> str:
@@ -143,6 +149,7 @@ class ReceivePipeline:
                 reason=f"{type(exc).__name__}: {exc}",
                 field=getattr(exc, "field", None),
                 arm=ctx.arm,
+                peer=ctx.peer,
             )
             m.record_failure(f.key, ctx.arm)
             return f

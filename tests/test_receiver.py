@@ -3,11 +3,15 @@
 - No message stops the loop: a 1 KB frame nested 1000 deep is ``wire:nesting``, an
   exception no check foresaw is ``receiver:internal``, and the next payload is delivered.
 - If the loop dies anyway, ``get``/``drain`` raise, ``healthy`` and the metric say so.
-- Identity: ``expect(rid, peer)`` is enforced (``wire:peer``), a request id the same peer
-  has outstanding is ``wire:duplicate``, ``Delivery.peer`` names the sender.
-- Memory: the outcome queue and queued inline bytes are bounded by backpressure, with
-  nothing dropped; the hidden state's width and dtype are checked against the config.
-- Acks: ``ack = "consumed"`` acks a delivery only once it was released.
+- Identity: ``expect(rid, peer)`` is enforced (``wire:peer``), and a request id stays its
+  sender's after the expectation was consumed; a request id the same peer has
+  outstanding is ``wire:duplicate``; neither refusal names the request id, and
+  ``Delivery.peer`` names the sender.
+- Memory: the outcome queue and inline bytes held until release are bounded by
+  backpressure, with nothing dropped; RCVHWM defaults to the inline cap over the tensor
+  cap; the hidden state's width and dtype are checked against the config.
+- Acks: split under ``max_message_bytes``; ``ack = "consumed"`` acks a delivery only
+  once it was released.
 Every test has a negative control showing it can fail.
 """
 
@@ -166,16 +170,96 @@ def test_outstanding_request_id_from_the_same_peer_is_a_duplicate(zctx) -> None:
         s.send_multipart(inline_frames(make("r"), 0))
         s.send_multipart(inline_frames(make("r"), 1))  # again while the first is outstanding
         first, dup = collect_outcomes(rx, 2)
-        t.send_multipart(inline_frames(make("r"), 0))  # another peer: not this peer's duplicate
+        t.send_multipart(inline_frames(make("r"), 0))  # another peer: the id is p's, refused
         (other,) = collect_outcomes(rx, 1)
-        assert isinstance(first, Delivery) and dup.key == "wire:duplicate" and isinstance(other, Delivery)
+        assert isinstance(first, Delivery) and dup.key == "wire:duplicate" and other.key == "wire:peer"
+        # Neither refusal names the request: a store keyed by id must keep the Delivery.
+        assert dup.request_id is None and other.request_id is None and (dup.peer, other.peer) == ("p", "q")
         first.release()
-        other.release()
         time.sleep(0.1)  # the loop applies the release
         s.send_multipart(inline_frames(make("r"), 2))  # negative control: released, so it may come again
         (again,) = collect_outcomes(rx, 1)
         assert isinstance(again, Delivery)
     finally:
+        rx.stop()
+
+
+def test_request_id_owned_by_another_peer_is_refused_after_expect_was_consumed(zctx) -> None:
+    rx = receiver(zctx)
+    p = raw_peer(zctx, rx.address, "p")
+    q = raw_peer(zctx, rx.address, "q")
+    stranger = zctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(rx.address)
+    try:
+        rx.expect("r", peer="p")
+        time.sleep(0.05)
+        p.send_multipart(inline_frames(make("r"), 0))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.peer == "p"
+        d.release()  # released and the expectation consumed: the id is still p's
+        time.sleep(0.05)
+        q.send_multipart(inline_frames(make("r"), 0))
+        bad = msgspec.structs.replace(wire.INBOUND_DECODER.decode(inline_frames(make("r"), 1)[0]), draft_tokens=(500,))
+        q.send_multipart([wire.encode(bad)])  # a malformed header naming p's request
+        stranger.send_multipart(inline_frames(make("r"), 0))  # no hello: unknown peer
+        got = collect_outcomes(rx, 3)
+        assert [o.key for o in got] == ["wire:peer"] * 3  # the owner check runs before the header's
+        assert all(isinstance(o, Failure) and o.request_id is None and "'r'" in o.reason for o in got)
+        assert rx.metrics.failed["wire:peer"] == 3
+        # Negative controls: q's own id is delivered, q's own malformed header names its id,
+        # and p may send "r" again.
+        q.send_multipart(inline_frames(make("mine"), 2))
+        own_bad = msgspec.structs.replace(
+            wire.INBOUND_DECODER.decode(inline_frames(make("mine2"), 3)[0]), draft_tokens=(500,)
+        )
+        q.send_multipart([wire.encode(own_bad)])
+        p.send_multipart(inline_frames(make("r"), 1))
+        got = {(o.request_id, type(o).__name__) for o in collect_outcomes(rx, 3)}
+        assert got == {("mine", "Delivery"), ("mine2", "Failure"), ("r", "Delivery")}
+    finally:
+        stranger.close(0)
+        rx.stop()
+
+
+# ---- acks -------------------------------------------------------------------------------
+
+
+def test_split_ack_stays_under_the_frame_cap_and_loses_nothing() -> None:
+    from pd_middleware.transport.peers import REASON_CAP, split_ack
+
+    freed = list(range(300))
+    delivered = list(range(1 << 40, (1 << 40) + 700))  # 9-byte ints
+    failed = [(i, "hook:" + "k" * 200, ("é" if i % 2 else "x") * 5000) for i in range(300)]
+    for cap in (1024, 4096, 64 * 1024):
+        acks = split_ack(freed, delivered, failed, cap)
+        assert all(len(wire.encode(a)) <= cap for a in acks)
+        assert [s for a in acks for s in a.freed] == freed and [s for a in acks for s in a.delivered] == delivered
+        got = [f for a in acks for f in a.failed]
+        assert [f[0] for f in got] == [f[0] for f in failed] and max(len(f[2]) for f in got) == REASON_CAP
+    # Negative control: one ack of everything (what flush sent before) is far over the cap.
+    (one,) = split_ack(freed, delivered, failed, 1 << 30)
+    assert len(wire.encode(one)) > 64 * 1024
+
+
+def test_many_long_failure_reasons_reach_the_prefill(zctx) -> None:
+    class Loud:
+        def on_receive(self, payload, ctx):
+            raise ValueError("policy rejected this request: " + "x" * 400)
+
+    pipe = ReceivePipeline([("loud", Loud())], {"default": ("one_hot", OneHot())})
+    rx = DecodeReceiver(cfg(), pipe, context=zctx).start()
+    tx = PrefillSender(cfg(), context=zctx, name="A").connect(rx.address)
+    try:
+        for i in range(400):  # ~190 KB of reasons: one ack would pass the 64 KiB frame cap
+            tx.send(make(f"r{i}"))
+        assert tx.flush(10.0), tx.statuses()
+        st = tx.statuses()
+        assert st["failed_by_reason"] == {"hook:loud": 400} and st["connected"]
+        tx.send(make("ok"))  # negative control: the same connection still carries outcomes
+        assert tx.flush(5.0) and tx.statuses()["failed"] == 401
+    finally:
+        tx.close()
         rx.stop()
 
 
@@ -225,7 +309,13 @@ def test_backpressure_bounds_the_queue_and_drops_nothing(zctx, limit: str) -> No
         else:
             assert held <= (1 << 16) + size
         assert queued < n  # negative control: without backpressure all n would be queued
-        got = collect_outcomes(rx, n, timeout=20)
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < n and time.monotonic() < deadline:
+            o = rx.get(timeout=0.1)
+            if o is not None:
+                got.append(o)
+                o.release()  # inline bytes count against the cap until released
         assert [o.request_id for o in got] == [f"r{i}" for i in range(n)]
         assert all(isinstance(o, Delivery) for o in got) and rx.peers == {"p": 0}  # not dropped as silent
         assert tx.flush(5) and tx.statuses()["delivered"] == n
@@ -235,6 +325,50 @@ def test_backpressure_bounds_the_queue_and_drops_nothing(zctx, limit: str) -> No
 
 
 # ---- acks -------------------------------------------------------------------------------
+
+
+def test_receive_hwm_defaults_to_the_inline_cap_over_the_tensor_cap(zctx) -> None:
+    lim = LimitsConfig(max_queued_inline_bytes=8 << 20, max_tensor_bytes=1 << 20)
+    rx = receiver(zctx, limits=lim)
+    set_rx = receiver(zctx, limits=lim, hwm=1000)  # negative control: a set hwm is kept
+    try:
+        assert rx._sock.getsockopt(zmq.RCVHWM) == 8 and rx._sock.getsockopt(zmq.SNDHWM) == 100_000
+        assert set_rx._sock.getsockopt(zmq.RCVHWM) == 1000
+        assert cfg(limits=LimitsConfig(max_queued_inline_bytes=1 << 16)).recv_hwm() == 1  # at least one
+    finally:
+        rx.stop()
+        set_rx.stop()
+
+
+def test_inline_bytes_count_until_release_not_until_take(zctx) -> None:
+    """A consumer that takes outcomes and keeps them (SGLang's ProposalStore) stays under
+    max_queued_inline_bytes: the loop stops reading until something is released."""
+    n, size, cap = 40, 16 * 1024, 1 << 16
+    rx = receiver(zctx, limits=LimitsConfig(max_queued_inline_bytes=cap), peer_timeout_s=5.0)
+    tx = PrefillSender(cfg(), context=zctx, name="p").connect(rx.address)
+    kept: list = []
+    try:
+        for i in range(n):
+            tx.send(make(f"r{i}", hidden=size))
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # take everything, release nothing
+            kept += rx.drain()
+            time.sleep(0.02)
+        held = sum(len(d.payload.hidden) for d in kept)
+        assert 0 < len(kept) < n and held <= cap + size, (len(kept), held)
+        for d in kept:  # negative control: releasing lets the rest in
+            d.release()
+        deadline = time.monotonic() + 10
+        while len(kept) < n and time.monotonic() < deadline:
+            for d in rx.drain():
+                kept.append(d)
+                d.release()
+            time.sleep(0.02)
+        assert sorted(d.request_id for d in kept) == sorted(f"r{i}" for i in range(n))
+        assert all(isinstance(d, Delivery) for d in kept)
+    finally:
+        tx.close()
+        rx.stop()
 
 
 @pytest.mark.parametrize("mode", ["queued", "consumed"])

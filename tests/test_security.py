@@ -573,6 +573,8 @@ def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
         thief.send_multipart(captured)
         r2, r3 = collect_outcomes(rx, 2)
         assert r2.key == "wire:replay" and r3.key == "wire:peer"  # refused hello, then "unknown peer"
+        # Unauthenticated: the refusal must not name (and so evict) the victim's request.
+        assert r3.request_id is None and "'once'" in r3.reason
         assert rx.peers == {"legit": 0}  # the legit peer was not dropped
         # A stale hello (outside the freshness window) is refused too.
         old = [wire.encode(wire.Hello(name="late", want_slots=0, ts=time.time() - 3600))]
@@ -588,6 +590,56 @@ def test_hmac_replayed_payload_and_hello_are_refused(zctx) -> None:
         thief.close(0)
     finally:
         rx.stop()
+
+
+def test_hmac_error_reply_keeps_the_peers_sequence(zctx) -> None:
+    """One signed frame the decode cannot decode is answered on the peer's own sequence: a
+    wall-clock one jumped the prefill's replay window past every later ack and heartbeat."""
+    c = cfg(hmac_key=KEY, heartbeat_s=0.2, peer_timeout_s=3.0)
+    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=zctx).start()
+    tx = PrefillSender(c, context=zctx, name="A").connect(rx.address)
+    try:
+        tx.send(make(rid="before"))
+        assert tx.flush(5.0)
+        with tx._lock:  # a signed frame of a message kind this decode does not know
+            frames = [b"\x82\xa4kind\xa4ping\xa5extra\x01"]
+            frames += tx._signer.sign(frames, tx._nonce, tx._tx_seq, TO_DECODE)
+            tx._tx_seq += 1
+            tx._sock.send_multipart(frames)
+        time.sleep(0.3)
+        for i in range(5):
+            tx.send(make(rid=f"after{i}"))
+        assert tx.flush(5.0), tx.statuses()
+        st = tx.statuses()
+        # The control: the odd frame was refused (the reply arrived); no ack was taken for a replay.
+        assert st["rejected_by_decode"] == {"wire": 1} and st["delivered"] == 6
+        time.sleep(0.6)  # heartbeats after the reply are heard too
+        tx.send(make(rid="later"))
+        assert tx.flush(5.0)
+    finally:
+        tx.close()
+        rx.stop()
+
+
+def test_allowlist_refuses_two_keys_under_one_name_and_one_key_under_two(tmp_path) -> None:
+    from pd_middleware.transport.auth import load_allowlist, write_keypair
+
+    pub, _ = write_keypair(tmp_path / "a", "prefill-a")
+    other_pub, _ = write_keypair(tmp_path / "b", "prefill-b")
+    file_key = zmq.auth.load_certificate(pub)[0].decode()
+    other_key = zmq.auth.load_certificate(other_pub)[0].decode()
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "prefill-a.key").write_text(pathlib.Path(pub).read_text())
+    # Negative control: distinct names and keys load.
+    ok = CurveConfig(clients={"prefill-b": other_key}, clients_dir=str(allowed))
+    assert load_allowlist(ok) == {file_key: "prefill-a", other_key: "prefill-b"}
+    two_keys = CurveConfig(clients={"prefill-a": other_key}, clients_dir=str(allowed))
+    with pytest.raises(ConfigError, match="'prefill-a' is given twice") as err:
+        load_allowlist(two_keys)
+    assert err.value.path == "transport.curve.clients_dir"
+    with pytest.raises(ConfigError, match="already allowed as 'x'"):
+        load_allowlist(CurveConfig(clients={"x": other_key, "y": other_key}))
 
 
 def test_curve_keys_from_files_and_config_checks(zctx, tmp_path) -> None:

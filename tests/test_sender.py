@@ -4,6 +4,7 @@ A raw ROUTER plays the decode: it grants, then sends what a real decode never wo
 - A 1 KB frame nested 1000 deep is counted (``wire:nesting``) and the sender stays up.
 - If the background thread dies anyway, ``connected`` reads False at once and ``send``
   raises, instead of a sender that looks connected and never heartbeats again.
+- ``close()`` waits (bounded) for the acks of what the decode received before its bye.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_nested_frame_from_the_decode_is_counted_and_the_sender_stays_up(zctx) -
         tx.send(make("after"))  # negative control: it still sends (the fake decode gets it)
         assert router.poll(2000)
     finally:
-        tx.close()
+        tx.close(timeout=0)  # the fake decode never acks: do not wait for it
         router.close(0)
 
 
@@ -93,4 +94,42 @@ def test_a_dead_background_thread_reads_disconnected(zctx, monkeypatch) -> None:
             tx.send(make("x"))
     finally:
         tx.close()
+        router.close(0)
+
+
+def _ack_later(router: zmq.Socket, ident: bytes, n: int, delay: float) -> None:
+    """The fake decode receives ``n`` payloads, then acks them all after ``delay`` seconds."""
+    seqs = []
+    deadline = time.monotonic() + 5
+    while len(seqs) < n and time.monotonic() < deadline:
+        if router.poll(100):
+            frames = router.recv_multipart()
+            msg = wire.INBOUND_DECODER.decode(frames[1])
+            if isinstance(msg, wire.PayloadHeader):
+                seqs.append(msg.seq)
+    time.sleep(delay)
+    router.send_multipart([ident, wire.encode(wire.Ack(delivered=tuple(seqs)))])
+
+
+@pytest.mark.parametrize("timeout", [5.0, 0.0])
+def test_close_waits_for_the_acks_of_what_was_sent(zctx, timeout) -> None:
+    import threading
+
+    router, address = fake_decode(zctx)
+    tx, ident = connect(zctx, router, address)
+    try:
+        t = threading.Thread(target=_ack_later, args=(router, ident, 10, 0.3))
+        t.start()
+        for i in range(10):
+            tx.send(make(f"r{i}"))
+        time.sleep(0.1)  # the fake decode has them all; its acks come 0.3 s later
+        tx.close(timeout=timeout)
+        t.join(5)
+        st = tx.statuses()
+        if timeout:
+            assert st["delivered"] == 10 and not st["failed_by_reason"]
+        else:  # negative control: closing at once loses the outcomes the decode reached
+            assert st["delivered"] == 0 and st["failed_by_reason"] == {"transfer:decode_lost": 10}
+    finally:
+        tx.close(timeout=0)
         router.close(0)

@@ -337,6 +337,52 @@ def test_store_bounds_capacity_and_age() -> None:
     assert store.take(None) is None and store.take("zz") is None
 
 
+def test_store_never_lets_a_failure_or_another_peer_replace_a_delivery() -> None:
+    store = ProposalStore()
+    released: list[str] = []
+    legit = _delivery("r", [1], OneHotProposal((1,)), released)._replace(peer="A")
+    store.put(legit)
+    store.put(Failure("r", "wire", "forged", field="peer", peer="B"))  # a failure: refused
+    store.put(Failure("r", "wire", "no peer named"))  # nor a peerless one
+    store.put(_delivery("r", [2], OneHotProposal((2,)), released)._replace(peer="B"))  # another peer: refused
+    assert store.refused == {"failure_over_delivery": 2, "other_peer": 1} and released == ["r"]  # B's, released
+    assert store.take("r") is legit and not store.evicted
+    # Negative controls: the same peer may replace its own Delivery (the old one is
+    # released), and a Delivery may replace a Failure from the same peer.
+    store.put(legit)
+    again = _delivery("r", [3], OneHotProposal((3,)), released)._replace(peer="A")
+    store.put(again)
+    assert store.evicted["replaced"] == 1 and released == ["r", "r"] and store.take("r") is again
+    store.put(Failure("s", "transfer", "digest", field="digest", peer="A"))
+    store.put(_delivery("s", [1], OneHotProposal((1,)), released)._replace(peer="A"))
+    assert isinstance(store.take("s"), Delivery) and store.refused["other_peer"] == 1
+
+
+def test_store_byte_budget_fails_with_a_reason_never_silently() -> None:
+    from pd_middleware import Payload, Provenance
+
+    released: list[str] = []
+
+    def big(rid: str) -> Delivery:
+        p = Payload(rid, (1,), (0.5,), V, hidden=bytes(1000), provenance=Provenance(sampled_from="sparse-fp32"))
+        return Delivery(p, OneHotProposal((1,)), "default", time.perf_counter(), lambda: released.append(rid), "A")
+
+    store = ProposalStore(max_bytes=2500)
+    for rid in ("a", "b", "c"):
+        store.put(big(rid))
+    assert store.bytes == 2000 and store.refused["bytes"] == 1 and released == ["c"]
+    c = store.take("c")
+    assert isinstance(c, Failure) and c.key == "store:bytes" and "max_bytes=2500" in c.reason and c.peer == "A"
+    assert isinstance(store.take("a"), Delivery) and store.bytes == 1000
+    # Negative control: with room again the same delivery is kept, and replacing one
+    # counts only the difference.
+    store.put(big("c"))
+    store.put(big("c"))
+    assert isinstance(store.take("c"), Delivery) and store.refused["bytes"] == 1 and store.bytes == 1000
+    store.clear()
+    assert store.bytes == 0 and len(store) == 0
+
+
 def test_post_hoc_mode_for_older_sglang() -> None:
     m = fake_decode_module(proposal=False)
     with pytest.raises(PluginError, match="not a supported version"):

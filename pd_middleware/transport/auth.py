@@ -180,8 +180,24 @@ def load_secret_key(curve: object) -> tuple[bytes, bytes]:
 
 
 def load_allowlist(curve: object) -> dict[str, str]:
-    """Allowed client keys as Z85 public key -> peer name (``clients`` plus ``clients_dir``)."""
-    allowed = {key: name for name, key in getattr(curve, "clients", {}).items()}
+    """Allowed client keys as Z85 public key -> peer name (``clients`` plus ``clients_dir``).
+
+    A name is an identity: two keys under one name (``clients`` and a same-name file in
+    ``clients_dir``), or one key under two names, raise :class:`ConfigError`.
+    """
+    allowed: dict[str, str] = {}
+    where: dict[str, str] = {}  # name -> where it was defined
+
+    def add(key: str, name: str, origin: str, path: str) -> None:
+        if name in where:
+            raise ConfigError(f"peer name {name!r} is given twice: {where[name]} and {origin}", path=path)
+        if key in allowed:
+            raise ConfigError(f"{origin}: the key of {name!r} is already allowed as {allowed[key]!r}", path=path)
+        allowed[key] = name
+        where[name] = origin
+
+    for name, key in getattr(curve, "clients", {}).items():
+        add(key, name, f"clients.{name}", "transport.curve.clients")
     directory = getattr(curve, "clients_dir", None)
     if directory is not None:
         root = pathlib.Path(directory)
@@ -192,7 +208,7 @@ def load_allowlist(curve: object) -> dict[str, str]:
                 pub, _ = zmq.auth.load_certificate(str(f))
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"{f.name}: {exc}", path="transport.curve.clients_dir") from None
-            allowed[pub.decode()] = f.stem
+            add(pub.decode(), f.stem, f"clients_dir/{f.name}", "transport.curve.clients_dir")
     return allowed
 
 

@@ -37,6 +37,10 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise OptionValueError(field, message)
 
 
+#: ZMQ high-water mark, in messages, where ``hwm`` is not set (see TransportConfig.recv_hwm).
+DEFAULT_HWM = 100_000
+
+
 class LimitsConfig(msgspec.Struct, **_STRUCT):
     """Size caps the decode enforces on every inbound message before allocating."""
 
@@ -195,8 +199,11 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
     hmac_key: str | None = None
     # Name of an environment variable holding the secret (keeps it out of config files).
     hmac_key_env: str | None = None
-    # ZMQ send/receive high-water mark per socket, in messages.
-    hwm: int = 100_000
+    # ZMQ send/receive high-water mark per socket, in messages. None (default): 100,000,
+    # except the decode's receive side, which gets max_queued_inline_bytes // max_tensor_bytes
+    # (at least 1), so what libzmq holds for a connection the loop stopped reading stays
+    # within about the inline cap (see recv_hwm).
+    hwm: int | None = None
     # Most inbound messages the receiver handles before flushing acks.
     recv_batch: int = 256
     # What a "delivered" ack means: "queued" = on the scheduler's queue; "consumed" = the
@@ -229,13 +236,25 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
             "hmac_key_env",
             "set hmac_key or hmac_key_env, not both",
         )
-        _check(1 <= self.hwm <= 10_000_000, "hwm", "must be in [1, 10000000]")
+        _check(self.hwm is None or 1 <= self.hwm <= 10_000_000, "hwm", "must be in [1, 10000000]")
         _check(1 <= self.recv_batch <= 1 << 16, "recv_batch", "must be in [1, 65536]")
         _check(
             not (self.curve.enabled and (self.hmac_key is not None or self.hmac_key_env is not None)),
             "hmac_key",
             "CURVE already authenticates every message: set hmac_key or curve.enabled, not both",
         )
+
+    def send_hwm(self) -> int:
+        """ZMQ_SNDHWM of either side, and ZMQ_RCVHWM of the prefill's socket."""
+        return self.hwm if self.hwm is not None else DEFAULT_HWM
+
+    def recv_hwm(self) -> int:
+        """ZMQ_RCVHWM of the decode's ROUTER: ``hwm`` when set, else derived from the inline
+        cap, so a stalled scheduler's backlog in libzmq is bounded by about
+        ``max_queued_inline_bytes`` (plus one message) instead of ``hwm`` full-size tensors."""
+        if self.hwm is not None:
+            return self.hwm
+        return max(1, self.limits.max_queued_inline_bytes // self.limits.max_tensor_bytes)
 
     def secret(self) -> bytes | None:
         """The HMAC key as bytes, read from ``hmac_key`` or the ``hmac_key_env`` variable.

@@ -2,8 +2,9 @@
 
 Announcements come from any thread (a deque); the receive loop moves them into the
 table, matches arrivals against it and fails what is overdue or whose peer was lost.
-A request that arrived before its announcement is remembered (a bounded window of ids),
-so a late ``expect()`` does not fail it.
+A request that arrived is remembered with the peer that sent it (a bounded window of
+ids): a late ``expect()`` does not fail it, and the receiver refuses the same id from
+any other peer (``wire:peer``) even after the expectation was consumed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-#: Request ids remembered as arrived, so a late expect() does not fail an arrived request.
+#: Request ids remembered as arrived (with their owner), so a late expect() does not fail
+#: an arrived request and another peer cannot claim it.
 ARRIVED_CAP = 1 << 16
 
 
@@ -23,7 +25,7 @@ class Expectations:
         # request id -> (peer identity or None, deadline or None)
         self.expected: dict[str, tuple[str | None, float | None]] = {}
         self._deadlines: list[tuple[float, str]] = []
-        self._arrived: dict[str, None] = {}
+        self._arrived: dict[str, str] = {}  # request id -> identity of the peer it came from
 
     def announce(self, rid: str, peer: str | None, deadline: float | None) -> None:
         """Queue an announcement (any thread)."""
@@ -40,14 +42,27 @@ class Expectations:
             if deadline is not None:
                 heapq.heappush(self._deadlines, (deadline, rid))
 
-    def arrived(self, rid: str) -> None:
-        """``rid`` was delivered or failed in the pipeline: no longer awaited."""
+    def arrived(self, rid: str, peer: str) -> None:
+        """``rid`` came from ``peer`` and was delivered or failed in the pipeline: no longer awaited."""
         if self.expected:
             self.expected.pop(rid, None)
+        self.own(rid, peer)
+
+    def own(self, rid: str, peer: str) -> None:
+        """Remember ``peer`` as the owner of ``rid`` (bounded: the oldest id is forgotten)."""
         arrived = self._arrived
-        arrived[rid] = None
+        if arrived.setdefault(rid, peer) == peer:
+            arrived[rid] = arrived.pop(rid)  # most recent last
         if len(arrived) > ARRIVED_CAP:
             del arrived[next(iter(arrived))]
+
+    def owner(self, rid: str) -> str | None:
+        """The peer ``rid`` arrived from (within the window), or that :meth:`announce` named."""
+        got = self._arrived.get(rid)
+        if got is None:
+            entry = self.expected.get(rid)
+            got = entry[0] if entry is not None else None
+        return got
 
     def overdue(self, now: float) -> list[str]:
         """Remove and return the requests whose deadline has passed."""

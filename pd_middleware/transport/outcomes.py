@@ -5,10 +5,12 @@ One producer (the receive loop) and any consumers (:meth:`OutcomeQueue.get` /
 batch, not a queue woken per item: waking the scheduler thread for every payload made
 the two threads trade the GIL on every message (benchmarks/receive.py).
 
-Beside each outcome runs the number of inline bytes it holds (appended first, so an
-outcome's entry is always there when a consumer pops it); the loop compares what was
-queued with what was taken and stops reading the socket while either the count or the
-bytes are at their limit. Nothing is ever dropped: libzmq, then TCP, hold the rest.
+The loop counts the inline bytes of each outcome it puts (``bytes_in``) and of each
+payload released (``bytes_out``: a Delivery's ``release()``, or at once for a failure),
+and stops reading the socket while the outcomes queued or the inline bytes not yet
+released are at their limit. Counting until release, not until a consumer takes the
+outcome, keeps the cap through a consumer that holds what it took (SGLang's
+``ProposalStore``). Nothing is ever dropped: libzmq, then TCP, hold the rest.
 Once the loop has died (``dead`` set), a consumer that finds the queue empty gets a
 :class:`~pd_middleware.TransferError` at once instead of waiting forever.
 """
@@ -29,9 +31,8 @@ class OutcomeQueue:
 
     def __init__(self, wake_loop: Callable[[], None], where: str = "") -> None:
         self.items: deque[Any] = deque()
-        self.sizes: deque[int] = deque()
-        self.bytes_in = 0  # inline bytes queued, ever (loop thread)
-        self.bytes_out = 0  # inline bytes taken, ever (consumer threads)
+        self.bytes_in = 0  # inline bytes of the payloads queued, ever (loop thread)
+        self.bytes_out = 0  # inline bytes of the payloads released, ever (loop thread)
         self.backpressure = False  # set by the loop while it is not reading
         self.dead: str | None = None  # why the loop ended on its own
         self.pending_wake = False
@@ -42,10 +43,14 @@ class OutcomeQueue:
     # -- loop side ----------------------------------------------------------------------
 
     def put(self, outcome: Any, nbytes: int = 0) -> None:
-        self.sizes.append(nbytes)  # first: a consumer pops both
+        """Queue ``outcome``, whose payload holds ``nbytes`` inline bytes until :meth:`freed`."""
         self.items.append(outcome)
         self.bytes_in += nbytes
         self.pending_wake = True
+
+    def freed(self, nbytes: int) -> None:
+        """A payload holding ``nbytes`` inline bytes was released."""
+        self.bytes_out += nbytes
 
     def notify(self) -> None:
         """Wake a waiting consumer once for everything put since the last call."""
@@ -62,7 +67,6 @@ class OutcomeQueue:
         raise TransferError(f"the decode receive loop stopped: {self.dead}", op="receive", peer=self.where)
 
     def _took(self, item: Any) -> Any:
-        self.bytes_out += self.sizes.popleft()
         if self.backpressure:
             self._wake_loop()
         return item
@@ -92,16 +96,11 @@ class OutcomeQueue:
         """Every outcome ready now, at most ``max_items``; raises once dead and empty."""
         out: list[Any] = []
         pop = self.items.popleft
-        pop_size = self.sizes.popleft
-        taken = 0
         try:
             while len(out) < max_items:
                 out.append(pop())
-                taken += pop_size()
         except IndexError:
             pass
-        if taken:
-            self.bytes_out += taken
         if self.backpressure and out:
             self._wake_loop()
         if not out and self.dead is not None:

@@ -10,10 +10,13 @@ or :class:`~pd_middleware.pipeline.Failure`) on a queue the scheduler reads with
 back coalesced (:mod:`.peers`); with ``ack = "consumed"`` a request is acked delivered
 only once its Delivery was released.
 
-Every inbound message ends as exactly one counted outcome: a delivery, a pipeline
-failure, a wire failure (``wire:<field>``: ``wire:hmac``, ``wire:replay``,
-``wire:nesting``, ``wire:duplicate``, ``wire:peer``...), or ``receiver:internal`` for an
-exception no check foresaw; the loop goes on after each. If the loop ends anyway, the
+Every payload header and every refused message ends as exactly one counted outcome: a
+delivery, a pipeline failure, a wire failure (``wire:<field>``: ``wire:hmac``,
+``wire:replay``, ``wire:nesting``, ``wire:duplicate``, ``wire:peer``...), or
+``receiver:internal`` for an exception no check foresaw; the loop goes on after each. A
+valid hello, heartbeat or bye produces none. A request id belongs to the peer it came
+from (or was expected from): the same id from another peer is ``wire:peer``, and a
+Failure names a request id only when its authenticated sender owns it. If the loop ends anyway, the
 application learns it at once: :meth:`get`/:meth:`drain` raise
 :class:`~pd_middleware.TransferError`, :attr:`healthy` turns False and the metric
 ``receiver_alive`` drops to 0. Requests announced with :meth:`expect` that never arrive
@@ -22,8 +25,9 @@ fail with ``transfer:deadline`` or, when their peer goes silent for ``peer_timeo
 
 Memory is bounded: libzmq refuses frames over the size caps (``ZMQ_MAXMSGSIZE``), and
 the loop stops reading (backpressure, nothing dropped) while the scheduler has
-``limits.max_queued_outcomes`` outcomes or ``limits.max_queued_inline_bytes`` inline
-bytes waiting. What libzmq buffers of a multipart message before Python sees it is
+``limits.max_queued_outcomes`` outcomes waiting or holds ``limits.max_queued_inline_bytes``
+inline bytes not yet released (taken or not: a consumer that keeps outcomes stays
+under the cap). What libzmq buffers of a multipart message before Python sees it is
 bounded only by authentication: see docs/transport.md.
 
 Bulk views stay valid until :meth:`Delivery.release` is called; after that the slot
@@ -51,15 +55,17 @@ from .config import TransportConfig
 from .expects import Expectations
 from .mooncake import MooncakeEngine
 from .outcomes import OutcomeQueue
-from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, Peer, PeerTable
+from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, REASON_CAP, Peer, PeerTable
 from .slots import SlotPool
 from .sockets import bind_router
 
 _PayloadHeader = wire.PayloadHeader
 _perf_counter = time.perf_counter
 _NO_NONCE = bytes(16)
-# [peer, request id, seq, slot, slot generation, delivered?] of a payload whose releaser was called
-# (by the scheduler, or by the pipeline at once when the payload failed).
+# Failures whose request id is another delivery's or another peer's: never named in the Failure.
+_NOT_OWNED = frozenset(("duplicate", "peer"))
+# [peer, request id, seq, slot, slot generation, delivered?, inline bytes] of a payload whose
+# releaser was called (by the scheduler, or by the pipeline at once when the payload failed).
 _Release = list[Any]
 
 
@@ -97,9 +103,8 @@ class DecodeReceiver:
         self._released: deque[_Release] = deque()
         # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
-        self._held_n = 0  # releases the loop waits for: held slots, consumed acks (loop only)
+        self._held_n = 0  # releases the loop waits for: held slots, inline bytes, consumed acks (loop only)
         self._expects = Expectations()
-        self._expected = self._expects.expected  # read on the hot path
         self._peers = PeerTable()
         self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
         self._wake_armed = False
@@ -192,7 +197,8 @@ class DecodeReceiver:
 
         With ``peer`` (the prefill's identity: its CURVE allowlist name, or its hello
         name without CURVE) only that peer may deliver it: the same id from another peer
-        fails as ``wire:peer``. It fails with ``transfer:deadline`` if it has not arrived
+        fails as ``wire:peer`` (so does an id that arrived from another peer, expected or
+        not, within the last 65,536 arrivals or while outstanding there). It fails with ``transfer:deadline`` if it has not arrived
         by ``deadline`` (this receiver's clock, ``time.monotonic`` by default), or with
         ``transfer:peer_lost`` when ``peer`` goes silent.
         """
@@ -222,15 +228,16 @@ class DecodeReceiver:
     def _releaser(self, item: _Release) -> Callable[[], None]:
         done = False
         released = self._released
-        prompt = item[3] >= 0 or self._consumed_acks  # someone waits on this release
+        prompt = item[3] >= 0 or self._consumed_acks or item[6] > 0  # someone waits on this release
         batch = self._release_batch
+        queue = self._queue
 
         def release() -> None:
             nonlocal done
             if not done:  # idempotent: a second release must not free a reused slot
                 done = True
                 released.append(item)
-                if prompt and len(released) >= batch:
+                if prompt and (len(released) >= batch or queue.backpressure):
                     self._wake()
 
         return release
@@ -341,7 +348,7 @@ class DecodeReceiver:
             # (a prefill may be waiting for one); pending outcomes ride along.
             pending = self._peers.pending()
             if pending and (pending >= ACK_BATCH or now - last_flush >= ACK_INTERVAL_S or self._peers.slots_freed()):
-                self._peers.flush(self._send)
+                self._peers.flush(self._send, self._limits.max_message_bytes)
                 last_flush = now
             queue.notify()  # outcomes of expiries found by _tick
 
@@ -389,12 +396,41 @@ class DecodeReceiver:
     def _emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
         self._queue.put(outcome, nbytes)
 
-    def _reject(self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE) -> None:
-        """Count and report a message that failed before its payload could be built."""
+    def _reject(
+        self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE, peer: Peer | None = None
+    ) -> None:
+        """Count and report a message that failed before its payload could be built.
+
+        ``peer``: the authenticated sender, if any. Only then may the Failure name the
+        request id the message claimed, and only an id no other peer owns: an
+        unauthenticated or foreign message must never fail (or evict) another's request.
+        """
         self.metrics.bytes["control"] += nbytes
-        f = self.pipeline.fail(Failure(request_id=exc.request_id, stage="wire", reason=str(exc), field=exc.field))
+        rid = exc.request_id
+        if rid is not None and (peer is None or self._other_owner(rid, peer) is not None):
+            rid = None  # the claimed id stays in the reason
+        name = peer.name if peer is not None else None
+        f = self.pipeline.fail(Failure(request_id=rid, stage="wire", reason=str(exc), field=exc.field, peer=name))
         self._emit(f)
-        self._send_to(ident, wire.ErrorReply(code=code, reason=str(exc), request_id=exc.request_id), nonce)
+        reply = wire.ErrorReply(code=code, reason=str(exc)[:REASON_CAP], request_id=exc.request_id)
+        conn = self._peers.by_ident.get(ident)
+        if conn is not None and (self._signer is None or conn.nonce == nonce):
+            # A connected peer is answered on its own sequence: a wall-clock one would jump
+            # its replay window past every later ack and heartbeat (HMAC).
+            self._send(conn, reply)
+        else:
+            self._send_to(ident, reply, nonce)
+
+    def _other_owner(self, rid: str, peer: Peer) -> str | None:
+        """The identity of another peer that owns ``rid`` (expected from it, recently arrived
+        from it, or outstanding there), or None when ``peer`` may send it."""
+        owner = self._expects.owner(rid)
+        if owner is not None:
+            return owner if owner != peer.name else None
+        for p in self._peers.by_ident.values():  # outstanding for longer than the arrived window
+            if p.name != peer.name and rid in p.outstanding:
+                return p.name
+        return None
 
     def _handle(self, frames: list[bytes], user: str | None = None) -> None:
         ident = frames[0]
@@ -421,7 +457,7 @@ class DecodeReceiver:
             if peer is not None and nonce == peer.nonce:
                 if seq <= peer.rx_seq:
                     exc = WireError(f"sequence {seq} was already used on this connection", field="replay")
-                    self._reject(ident, exc, "replay", sum(map(len, body)), nonce)
+                    self._reject(ident, exc, "replay", sum(map(len, body)), nonce)  # no request id: a replay
                     return
                 peer.rx_seq = seq
             else:
@@ -431,7 +467,7 @@ class DecodeReceiver:
         try:
             msg = wire.decode_frame(body[0], limits)
         except WireError as exc:
-            self._reject(ident, exc, "wire", sum(map(len, body)), nonce)
+            self._reject(ident, exc, "wire", sum(map(len, body)), nonce, peer)
             return
         now = self._clock()
         if peer is not None:
@@ -511,11 +547,13 @@ class DecodeReceiver:
         m = self.metrics
         rid = h.request_id
         try:
+            # Neither of these failures names the request: it is another delivery's (or
+            # another peer's) id, and a keyed store must not let it replace that outcome.
             if rid in peer.outstanding:
                 raise WireError("this peer already has this request outstanding", field="duplicate", request_id=rid)
-            expected = self._expected.get(rid) if self._expected else None
-            if expected is not None and expected[0] is not None and expected[0] != peer.name:
-                raise WireError(f"expected from {expected[0]!r}, sent by {peer.name!r}", field="peer", request_id=rid)
+            other = self._other_owner(rid, peer)
+            if other is not None:
+                raise WireError(f"it belongs to {other!r}, sent by {peer.name!r}", field="peer", request_id=rid)
             payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
             gen = 0
             if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
@@ -528,7 +566,12 @@ class DecodeReceiver:
                     peer.freed.append(named)  # the sender counts it busy until told otherwise
             m.bytes["control"] += sum(map(len, body))
             stage, fld = ("transfer", "digest") if isinstance(exc, IntegrityError) else ("wire", exc.field)
-            f = self.pipeline.fail(Failure(request_id=exc.request_id, stage=stage, reason=str(exc), field=fld))
+            named_rid = exc.request_id if fld not in _NOT_OWNED else None
+            if named_rid is not None:
+                self._expects.own(rid, peer.name)  # its own request failed: no other peer may claim it now
+            f = self.pipeline.fail(
+                Failure(request_id=named_rid, stage=stage, reason=str(exc), field=fld, peer=peer.name)
+            )
             self._emit(f)
             peer.failed.append((h.seq, f.key, f.reason))
             return
@@ -544,9 +587,9 @@ class DecodeReceiver:
         elif len(body) > 2:
             inline = sum(map(len, body[1:]))
         by_plane["inline"] += inline
-        self._expects.arrived(rid)
+        self._expects.arrived(rid, peer.name)
         consumed = self._consumed_acks
-        item: _Release = [peer, rid, h.seq, slot, gen, False]
+        item: _Release = [peer, rid, h.seq, slot, gen, False, inline]
         releaser = self._releaser(item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
         self._queue.put(out, inline)
@@ -556,6 +599,8 @@ class DecodeReceiver:
             held[rid] = None
             if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
                 del held[next(iter(held))]
+            if inline:  # its bytes count against max_queued_inline_bytes until released
+                self._held_n += 1
             if consumed:
                 self._held_n += 1
             else:
@@ -568,8 +613,13 @@ class DecodeReceiver:
         released = self._released
         consumed = self._consumed_acks
         peers = self._peers
+        queue = self._queue
         while released:
-            peer, rid, seq, slot, gen, delivered = released.popleft()
+            peer, rid, seq, slot, gen, delivered, inline = released.popleft()
+            if inline:
+                queue.freed(inline)
+                if delivered:
+                    self._held_n -= 1
             if delivered:
                 peer.outstanding.pop(rid, None)
             if slot >= 0:

@@ -134,8 +134,16 @@ class PrefillSender:
             self._reset("transfer:decode_lost", "reconnecting")
         return self.connect(address, timeout)
 
-    def close(self) -> None:
-        """Finish writes in flight, say bye, stop the background thread and close. Idempotent."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` seconds for the outcome of every request sent (:meth:`flush`),
+        then finish writes in flight, say bye, stop the background thread and close.
+
+        What has no outcome by then counts as ``transfer:decode_lost``: closing at once
+        dropped the acks the decode was still sending for requests it had received.
+        Idempotent.
+        """
+        if self._sock is not None and self._lost is None and timeout > 0:
+            self.flush(timeout)
         self._hb_stop.set()
         self._work.set()
         if self._hb_thread is not None:

@@ -18,11 +18,11 @@ from .auth import CurveGate, curve_client, curve_server
 from .config import TransportConfig
 
 
-def _base(ctx: zmq.Context[Any], kind: int, cfg: TransportConfig, max_frame: int) -> zmq.Socket[Any]:
+def _base(ctx: zmq.Context[Any], kind: int, cfg: TransportConfig, max_frame: int, rcvhwm: int) -> zmq.Socket[Any]:
     sock: zmq.Socket[Any] = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, cfg.hwm)
-    sock.setsockopt(zmq.SNDHWM, cfg.hwm)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.SNDHWM, cfg.send_hwm())
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     return sock
 
@@ -34,7 +34,7 @@ def bind_router(
 
     Raises :class:`TransferError` (op ``bind``) when the address cannot be bound.
     """
-    sock = _base(ctx, zmq.ROUTER, cfg, max(cfg.limits.max_message_bytes, cfg.limits.max_tensor_bytes))
+    sock = _base(ctx, zmq.ROUTER, cfg, max(cfg.limits.max_message_bytes, cfg.limits.max_tensor_bytes), cfg.recv_hwm())
     gate = None
     try:
         if cfg.curve.enabled:
@@ -64,7 +64,7 @@ def bind_router(
 
 def connect_dealer(ctx: zmq.Context[Any], cfg: TransportConfig, address: str) -> zmq.Socket[Any]:
     """A prefill's DEALER connected (asynchronously, as ZMQ does) to ``address``."""
-    sock = _base(ctx, zmq.DEALER, cfg, cfg.limits.max_message_bytes)
+    sock = _base(ctx, zmq.DEALER, cfg, cfg.limits.max_message_bytes, cfg.send_hwm())
     try:
         if cfg.curve.enabled:
             curve_client(sock, cfg.curve)
