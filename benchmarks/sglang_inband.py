@@ -9,11 +9,16 @@ one run, with medians over repeats:
 - ``aux_bytes_per_request``: bytes of each strategy's row (header + X + q(X) + proposal),
   mean over the requests; ``aux_capacity_needed``: the largest row, the capacity the
   config's ``capacity_bytes`` must hold.
-- ``ratio_vs_sglang_builder``: the decode's cost per batch of B requests (read each row
-  with :func:`~pd_middleware.inband.read_row`, check X against the engine's, run the
-  receive pipeline with the strategy's synthesizer, and build a fresh (B, V) fp32
-  ``draft_probs`` with :meth:`~pd_middleware.assembler.ProposalAssembler.build_fresh`)
-  over SGLang's own ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
+- ``ratio_vs_sglang_builder``: the decode's cost per batch of B requests, through the
+  drop-in's own SGLang decode code (:class:`~pd_middleware.integrations.sglang_decode.DecodeProposer`):
+  at each request's transfer commit, read its row as SGLang's patched commit does
+  (:meth:`MetadataChannel.read <pd_middleware.integrations.sglang_metadata.MetadataChannel.read>`:
+  one copy of the row, :func:`~pd_middleware.inband.read_row`, the binding tag beside
+  X) and attach it (``on_row``: X checked against the engine's, the receive pipeline
+  with the strategy's synthesizer), then build the
+  batch's fresh (B, 1, V) fp32 ``draft_probs`` (``propose``, which ends in
+  :meth:`~pd_middleware.assembler.ProposalAssembler.build_fresh`), over SGLang's own
+  ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
   at B = 1, 16, 256. Goal <= 1.5 on CPU. SGLang's function is taken from the installed
   package: imported when it imports, else its source compiled from the installed file
   (importing the module pulls every model config, two of which need torchvision; the
@@ -21,7 +26,7 @@ one run, with medians over repeats:
   ``ratio_vs_sglang_builder_best`` is the ratio of the fastest repeats (on a loaded
   machine, the least disturbed samples).
 - ``per_request_us``: the scheduler-thread cost of turning one row into a proposal
-  (read_row + pipeline + synthesizer, every check included) at the ``sparse_floor``
+  (``MetadataChannel.read`` + ``on_row``: pipeline and synthesizer, every check included) at the ``sparse_floor``
   operating point (about 2,700 entries per request). Goal <= 50 us. Also per strategy:
   on the thread's CPU clock (``per_request_cpu_us_by_strategy``) and the fastest repeat
   (``per_request_best_us_by_strategy``).
@@ -29,7 +34,11 @@ one run, with medians over repeats:
     python benchmarks/sglang_inband.py [--quick] [--requests 32] [--seed 0] [--repeats 9]
                                        [--strategies one_hot sparse_floor ...]
 
-The last stdout line is one JSON object. Figures taken on a loaded machine are inflated.
+The requests are stand-ins for SGLang's ``Req`` (a real one needs a scheduler) holding
+the fields the decode reads, of SGLang's types: ``bootstrap_room``, and
+``output_topk_index``/``output_topk_p`` as the int64/fp32 (16,) CPU rows SGLang clones
+out of its metadata buffers at commit. The last stdout line is one JSON object. Figures
+taken on a loaded machine are inflated.
 """
 
 from __future__ import annotations
@@ -51,9 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit
 
 from pd_middleware import Payload
-from pd_middleware.inband import RowLayout, read_row, row_bytes, write_row
-from pd_middleware.middleware import DecodeMiddleware, build_encoders
-from pd_middleware.pipeline import Delivery
+from pd_middleware.config import load_config
+from pd_middleware.inband import RowLayout, row_bytes, write_row
+from pd_middleware.integrations.sglang_decode import DecodeProposer
+from pd_middleware.integrations.sglang_metadata import BUFFER_ATTR, TAG_COLUMN, MetadataChannel, row_tag
+from pd_middleware.middleware import build_encoders
 from pd_middleware.workloads import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,22 +134,44 @@ def encode_rows(strategy: str, q: torch.Tensor, seed: int) -> tuple[list[Payload
     return payloads, layout, rows, rooms
 
 
+class Req:
+    """The fields of SGLang's ``Req`` the decode side reads (a stand-in; see above)."""
+
+    def __init__(self, room: int, tokens: tuple[int, ...], probs: tuple[float, ...], tag: int) -> None:
+        self.bootstrap_room = room
+        self.rid = str(room)
+        # SGLang's metadata rows are 16 wide; commit clones the request's row. The
+        # prefill's drop-in writes the row's binding tag into the spare last column.
+        self.output_topk_index = torch.zeros(16, dtype=torch.int64)
+        self.output_topk_index[: len(tokens)] = torch.tensor(tokens)
+        self.output_topk_index[TAG_COLUMN] = tag
+        self.output_topk_p = torch.zeros(16, dtype=torch.float32)
+        self.output_topk_p[: len(probs)] = torch.tensor(probs)
+
+
+class Buffers:
+    """SGLang's ``MetadataBuffers`` as the channel reads it: the proposal rows."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        setattr(self, BUFFER_ATTR, torch.from_numpy(rows))
+
+
+class Batch:
+    """SGLang's ``ScheduleBatch`` as the builder sees it: its requests."""
+
+    def __init__(self, reqs: list[Req]) -> None:
+        self.reqs = reqs
+
+
 def decode_batch(
-    mw: DecodeMiddleware, layout: RowLayout, rows: np.ndarray, rooms: list[int], x: list[tuple[int, ...]], b: int
+    channel: MetadataChannel, proposer: DecodeProposer, bufs: Buffers, n: int, batch: Batch, topk: torch.Tensor
 ) -> torch.Tensor:
-    """What the decode's draft-input wrapper does per batch of ``b`` requests."""
-    n = rows.shape[0]
-    props = []
-    for j in range(b):
-        i = j % n
-        pl = read_row(rows[i], rooms[i], layout)
-        if not isinstance(pl, Payload) or pl.draft_tokens != x[i]:
-            raise RuntimeError(f"row {i} did not decode: {pl}")
-        out = mw.receive(pl)
-        if not isinstance(out, Delivery):
-            raise RuntimeError(f"row {i} failed: {out}")
-        props.append(out.proposal)
-    return mw.assembler.build_fresh(props)
+    """What the decode does for a batch: each request's row at its transfer commit
+    (request j holds slot j mod n), then the draft input."""
+    for j, req in enumerate(batch.reqs):
+        proposer.on_row(req, channel.read(bufs, j % n, req))
+    assert channel.layout is not None
+    return proposer.propose(batch, topk, channel.layout.vocab_size)
 
 
 def side_by_side(
@@ -210,20 +243,36 @@ def main() -> None:
             ),
             1,
         )
-        mw = DecodeMiddleware.from_config(ROOT / "configs" / f"{strategy}.toml")
+        proposer = DecodeProposer(load_config(ROOT / "configs" / f"{strategy}.toml"))
+        proposer.bind(v, 1)
+        mw = proposer.middleware
         x = [p.draft_tokens for p in payloads]
+        # Request j of a batch carries row j mod N (its room and X).
+        n = len(payloads)
+        tags = [row_tag(rows[i]) for i in range(n)]
+        reqs = [Req(rooms[j % n], x[j % n], payloads[j % n].draft_probs, tags[j % n]) for j in range(max(batches))]
+        channel = MetadataChannel(layout.capacity_bytes)
+        assert channel.bind(v, 1) == layout
+        bufs = Buffers(rows)
         # Every row is handed over as its strategy's law, never a fallback (which would
         # time the cheap one-hot path instead).
-        built = decode_batch(mw, layout, rows, rooms, x, len(payloads))
-        if mw.metrics.fallbacks:
-            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(mw.metrics.fallbacks)}")
-        assert built.shape == (len(payloads), v)
+        everyone = Batch(reqs[:n])
+        built = decode_batch(channel, proposer, bufs, n, everyone, torch.tensor([t[:1] for t in x]))
+        fallbacks = {k: c for k, c in proposer.counts.items() if k.startswith("fallback")}
+        if mw.metrics.fallbacks or fallbacks or set(channel.counts) != {"inband:read"}:
+            raise RuntimeError(
+                f"{strategy}: unexpected fallbacks {dict(mw.metrics.fallbacks)} {fallbacks} {dict(channel.counts)}"
+            )
+        assert built.shape == (len(payloads), 1, v)
         ratios[strategy], ours_ms[strategy], sglang_ms[strategy] = {}, {}, {}
         ratios_best[strategy] = {}
         for b in batches:
             topk = torch.tensor([x[j % len(x)][0] for j in range(b)], dtype=torch.int64).view(b, 1)
+            batch = Batch(reqs[:b])
             fns: dict[str, Callable[[], Any]] = {
-                "ours": lambda b=b: decode_batch(mw, layout, rows, rooms, x, b)  # noqa: B023  # timed in this iteration
+                "ours": lambda batch=batch, topk=topk, ch=channel, dp=proposer, bf=bufs, n=n: decode_batch(
+                    ch, dp, bf, n, batch, topk
+                )
             }
             if builder is not None:
                 fns["sglang"] = lambda topk=topk: builder(topk, v)
@@ -237,9 +286,15 @@ def main() -> None:
                 ratios_best[strategy][f"B{b}"] = round(fast["ours"] / fast["sglang"], 3)
 
         # Scheduler-thread cost of one row: read, validate, synthesize (no assembly).
-        def one_row(mw: DecodeMiddleware = mw, layout: RowLayout = layout, rows: np.ndarray = rows) -> None:
-            for i in range(rows.shape[0]):
-                mw.receive(read_row(rows[i], rooms[i], layout))  # type: ignore[arg-type]  # noqa: B023  # timed in this iteration
+        def one_row(
+            channel: MetadataChannel = channel,
+            proposer: DecodeProposer = proposer,
+            bufs: Buffers = bufs,
+            n: int = n,
+            reqs: list[Req] = reqs,
+        ) -> None:
+            for i, req in enumerate(reqs[:n]):
+                proposer.on_row(req, channel.read(bufs, i, req))
 
         row_inner = 1 if args.quick else 3
         fast = {}
@@ -250,7 +305,9 @@ def main() -> None:
         # wall clock (time slices lost to them) is left out.
         med = side_by_side({"row": one_row}, repeats, row_inner, clock=time.thread_time)
         per_request_cpu[strategy] = round(1e6 * med["row"] / rows.shape[0], 2)
-        mw.close()
+        if any(k.startswith("fallback") for k in proposer.counts) or set(channel.counts) != {"inband:read"}:
+            raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(proposer.counts)} {dict(channel.counts)}")
+        proposer.close()
 
     head = "sparse_floor"
     result: dict[str, Any] = {

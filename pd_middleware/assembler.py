@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 _TOKENS = attrgetter("tokens")
 _ONE_HOT_ONLY = {OneHotProposal}
+_INT_ONLY = {int}
+# Up to this many one-hot entries, indices stay Python ints and are written one by one
+# (numpy's scalar store is ~0.1 us; building an index array costs more at that size).
+_SMALL_BATCH = 32
 
 
 class _BufferState:
@@ -114,12 +118,15 @@ class ProposalAssembler:
 
         For callers that keep the result past the next build (SGLang holds
         ``draft_probs`` across its overlap relay). Every row is written exactly once:
-        zeroed, filled with its floor, or copied from a dense law; then one scatter of
-        the entries. So the cost is that of ``torch.zeros`` of the same shape (SGLang's
-        own builder; on CPU a fresh tensor's cost is mostly its first write) plus the
-        scatter, and there is no copy out of a persistent buffer. Any batch size is
-        accepted; the persistent buffers are not touched.
+        zeroed, filled with its floor, or copied from a dense law; then the entries. So
+        the cost is that of ``torch.zeros`` of the same shape (SGLang's own builder; on
+        CPU a fresh tensor's cost is mostly its first write) plus the entries, and there
+        is no copy out of a persistent buffer. Any batch size is accepted; the
+        persistent buffers are not touched. Raises ValueError as :meth:`build` does,
+        before anything is allocated.
         """
+        if self.device.type == "cpu":
+            return self._fresh_cpu(proposals)
         flat = self._flatten(proposals, limit=False)
         if flat is None:
             return None
@@ -149,6 +156,93 @@ class ProposalAssembler:
                 flat_out.index_fill_(0, idx, 1.0)
             else:
                 flat_out.index_copy_(0, idx, self._host_to_device(val))
+        return out.view(b, v) if s_steps == 1 else out
+
+    def _fresh_cpu(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
+        """:meth:`build_fresh` on CPU: the same checks and the same bytes, with the
+        entries written through the tensor's numpy view.
+
+        Each torch call on CPU costs microseconds of dispatch, numpy's a fraction of
+        one, and at B = 1 SGLang's whole builder is about 10 us; so the tensor work is
+        the fresh tensor (``torch.zeros``, SGLang's own allocation, or one broadcast
+        copy of each row's floor) and, for dense rows, their copy. An all-one-hot
+        batch is exactly SGLang's builder: one ``torch.zeros`` and B * S ones.
+        """
+        b, s_steps, v = len(proposals), self.num_steps, self.vocab_size
+        stride = self._row_stride
+        fast = self._one_hot_flat(proposals)
+        if fast is not None:
+            out = torch.zeros(b, s_steps, v, dtype=torch.float32)
+            _put_ones(out, fast)
+            return out.view(b, v) if s_steps == 1 else out
+        n_none = sum(1 for p in proposals if p is None)
+        if n_none == b:
+            return None
+        if n_none:
+            raise ValueError(f"{n_none} of {b} requests have no proposal; a batch needs all or none")
+
+        # Validate every descriptor before allocating (messages as in _flatten).
+        oh_idx: list[int] = []
+        sparse: list[tuple[int, np.ndarray, np.ndarray]] = []
+        floors: list[tuple[int, float]] = []
+        dense: list[tuple[int, DenseProposal]] = []
+        steps_cache: dict[tuple[int, ...], np.ndarray] = {}
+        for i, p in enumerate(proposals):
+            if type(p) is OneHotProposal:
+                toks = p.tokens
+                if len(toks) != s_steps:
+                    raise ValueError(f"request {i}: one-hot proposal has {len(toks)} steps, expected {s_steps}")
+                base = i * stride
+                for s, t in enumerate(toks):
+                    if type(t) is not int or not 0 <= t < v:  # a bool or float is no token id
+                        raise ValueError(f"request {i}: token {t!r} outside [0, {v})")
+                    oh_idx.append(base + s * v + t)
+            elif type(p) is SparseProposal:
+                lengths = p.lengths
+                if len(lengths) != s_steps:
+                    raise ValueError(f"request {i}: sparse proposal has {len(lengths)} steps, expected {s_steps}")
+                ix, vals = _sparse_arrays(i, p, v)
+                if s_steps > 1:  # entry j of step s lands in row s of the request's block
+                    steps = steps_cache.get(lengths)
+                    if steps is None:
+                        steps = np.repeat(np.arange(s_steps, dtype=np.int64) * v, lengths)
+                        steps_cache[lengths] = steps
+                    ix = ix + steps
+                sparse.append((i * stride, ix, vals))
+                for s, f in enumerate(p.floor):
+                    if f != 0.0:
+                        floors.append((i * s_steps + s, f))
+            elif type(p) is DenseProposal:
+                if tuple(p.probs.shape) != (s_steps, v):
+                    raise ValueError(
+                        f"request {i}: dense proposal has shape {tuple(p.probs.shape)}, expected ({s_steps}, {v})"
+                    )
+                dense.append((i, p))
+            else:
+                raise ValueError(f"request {i}: unknown proposal type {type(p).__name__}")
+
+        # 1. Every row once: zeros, or each row's floor (0 for the others) by one
+        #    broadcast copy (per-row fill_ calls cost 2-3x more on CPU); dense rows then
+        #    overwrite theirs.
+        if floors:
+            out = torch.empty(b, s_steps, v, dtype=torch.float32)
+            col = np.zeros((b * s_steps, 1), dtype=np.float32)
+            for r, f in floors:
+                col[r, 0] = f
+            out.view(b * s_steps, v).copy_(torch.from_numpy(col).expand(b * s_steps, v))
+        else:
+            out = torch.zeros(b, s_steps, v, dtype=torch.float32)
+        for i, p in dense:
+            dst = out[i]
+            dst.copy_(p.probs)
+            dst.mul_(p.scale.view(-1, 1))
+        # 2. The entries, per request (no concatenated index tensor): a listed value
+        #    overrides the floor, as in build().
+        flat = out.numpy().reshape(-1)
+        for base, ix, vals in sparse:
+            flat[base : base + stride][ix] = vals
+        if oh_idx:
+            _put_ones(out, oh_idx)
         return out.view(b, v) if s_steps == 1 else out
 
     def _flatten(
@@ -191,8 +285,8 @@ class ProposalAssembler:
                     raise ValueError(f"request {i}: one-hot proposal has {len(toks)} steps, expected {s_steps}")
                 base = i * stride
                 for s, t in enumerate(toks):
-                    if not 0 <= t < v:
-                        raise ValueError(f"request {i}: token {t} outside [0, {v})")
+                    if type(t) is not int or not 0 <= t < v:  # a bool or float is no token id
+                        raise ValueError(f"request {i}: token {t!r} outside [0, {v})")
                     oh_idx.append(base + s * v + t)
             elif type(p) is SparseProposal:
                 lengths = p.lengths
@@ -242,16 +336,24 @@ class ProposalAssembler:
         return idx, val, dense, floor_rows, floor_vals
 
     def _one_hot_indices(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
-        """Flat buffer indices of an all-one-hot batch, or ``None`` for the general path.
+        """Flat buffer indices of an all-one-hot batch (int64 tensor), or ``None`` for
+        the general path; see :meth:`_one_hot_flat`."""
+        flat = self._one_hot_flat(proposals)
+        return None if flat is None else torch.from_numpy(np.asarray(flat, dtype=np.int64))
 
-        The common batch (every request one-hot) is converted with C-level maps and one
-        numpy array instead of a Python loop per token. Anything unusual (another kind,
-        a wrong step count, a token out of range) returns ``None``: the general path
+    def _one_hot_flat(self, proposals: Sequence[Proposal | None]) -> np.ndarray | list[int] | None:
+        """Flat indices, in a contiguous (B, S, V) layout, of an all-one-hot batch, or
+        ``None`` for the general path.
+
+        The common batch (every request one-hot) is converted with C-level maps instead
+        of a Python loop per token; a small one stays a list of ints (a numpy array
+        costs more than it saves there). Anything unusual (another kind, a wrong step
+        count, a token out of range or not an int) returns ``None``: the general path
         then validates again and raises its precise error.
         """
         if set(map(type, proposals)) != _ONE_HOT_ONLY:
             return None
-        b, s_steps = len(proposals), self.num_steps
+        b, s_steps, v = len(proposals), self.num_steps, self.vocab_size
         per_request = list(map(_TOKENS, proposals))
         try:
             if s_steps == 1:
@@ -260,16 +362,19 @@ class ProposalAssembler:
                 flat = list(chain.from_iterable(per_request))
             else:
                 return None
-            toks = np.array(flat, dtype=np.int64)
-        except (ValueError, TypeError, OverflowError):
+            if set(map(type, flat)) != _INT_ONLY or min(flat) < 0 or max(flat) >= v:
+                return None
+        except (ValueError, TypeError):
             return None
-        if toks.ndim != 1 or int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size:
-            return None
+        n = b * s_steps
+        if n <= _SMALL_BATCH:  # entry k = (request i, step s) = i * S + s starts row k
+            return [k * v + t for k, t in enumerate(flat)]
+        toks = np.array(flat, dtype=np.int64)
         if b <= self.max_batch:
             toks += self._one_hot_base[:b].reshape(-1)
         else:  # build_fresh takes any batch size
-            toks += np.arange(b * s_steps, dtype=np.int64) * self.vocab_size
-        return torch.from_numpy(toks)
+            toks += np.arange(n, dtype=np.int64) * v
+        return toks
 
     def _host_to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self._pin:
@@ -340,3 +445,34 @@ def _fill_rows(rows2d: torch.Tensor, rows: list[int], values: list[float]) -> No
     v = rows2d.shape[1]
     fv = torch.tensor(values, dtype=torch.float32, device=rows2d.device).view(-1, 1).expand(-1, v)
     rows2d.index_copy_(0, torch.tensor(rows, device=rows2d.device), fv)
+
+
+def _put_ones(out: torch.Tensor, flat: np.ndarray | list[int]) -> None:
+    """Write 1.0 at the flat positions ``flat`` of the contiguous CPU tensor ``out``."""
+    arr = out.numpy().reshape(-1)
+    if type(flat) is list:
+        for k in flat:
+            arr[k] = 1.0
+    else:
+        arr[flat] = 1.0
+
+
+def _sparse_arrays(i: int, p: SparseProposal, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """Request ``i``'s sparse entries as numpy (int64 ids, float32 values), checked:
+    integer ids in [0, V) (per step: flat indices cannot see row boundaries), one value
+    per id. Raises ValueError naming the request."""
+    ix = p.indices.numpy()
+    if ix.dtype != np.int64:
+        if ix.dtype.kind not in "iu":
+            raise ValueError(f"request {i}: sparse proposal indices must be integers, got {ix.dtype}")
+        ix = ix.astype(np.int64)
+    vals_t = p.values if p.values.dtype == torch.float32 else p.values.float()
+    vals = vals_t.numpy()
+    if ix.ndim != 1 or vals.shape != ix.shape or ix.size != sum(p.lengths):
+        raise ValueError(
+            f"request {i}: sparse proposal has {ix.size} indices and {vals.size} values for {sum(p.lengths)} entries"
+        )
+    # As unsigned, a negative id is >= 2^63: one reduction checks both bounds.
+    if ix.size and int(ix.view(np.uint64).max()) >= v:
+        raise ValueError("sparse proposal index outside [0, vocab_size)")
+    return ix, vals

@@ -48,6 +48,7 @@ import functools
 import hashlib
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -269,13 +270,17 @@ def clear_row(row: np.ndarray) -> None:
     row[:HEADER_BYTES] = 0
 
 
-def read_row(row: np.ndarray, room: int, layout: RowLayout, request_id: str | None = None) -> Payload | RowFault:
+def read_row(
+    row: np.ndarray, room: int, layout: RowLayout, request_id: str | None = None, *, copy: bool = True
+) -> Payload | RowFault:
     """Turn ``row`` back into a :class:`Payload` for ``room``, or say why not.
 
     Checks, in order: magic and room (``not_sent``), ``version``, ``layout`` signature,
     body ``length``, ``digest``, ``vocab``/steps, ``overflow`` flag, then the body's
     own structure (``decode:<field>``); the Payload's constructor validates the rest.
     The payload's buffers are copies: the engine reuses the row once it returns.
+    ``copy=False`` is for a caller whose ``row`` is already its own snapshot (the SGLang
+    channel copies each row once): the proposal's buffers are then views of ``row``.
     Never raises for a bad row. ``request_id``: the payload's id (default: the room).
     """
     rid = request_id if request_id is not None else str(room)
@@ -307,7 +312,7 @@ def read_row(row: np.ndarray, room: int, layout: RowLayout, request_id: str | No
     if flags & FLAG_OVERFLOW:
         return RowFault("overflow", "the proposal did not fit the row; the prefill sent X only")
     try:
-        return _body(view, end, flags, steps, vocab, kind, dtype, fmt, temp, rid)
+        return _body(view, end, flags, steps, vocab, kind, dtype, fmt, temp, rid, bytes if copy else _view)
     except ValidationError as exc:
         return RowFault(f"decode:{exc.field}", exc.detail)
 
@@ -317,8 +322,22 @@ def _fmt(code: str, n: int) -> struct.Struct:
     return struct.Struct(f"<{n}{code}")
 
 
+def _view(view: memoryview) -> memoryview:
+    return view
+
+
 def _body(
-    view: memoryview, end: int, flags: int, s: int, vocab: int, kind: int, dtype: int, fmt: int, temp: float, rid: str
+    view: memoryview,
+    end: int,
+    flags: int,
+    s: int,
+    vocab: int,
+    kind: int,
+    dtype: int,
+    fmt: int,
+    temp: float,
+    rid: str,
+    take_bytes: Callable[[memoryview], bytes | memoryview],
 ) -> Payload:
     def take(off: int, n: int, field: str) -> int:
         if off + n > end:
@@ -347,7 +366,7 @@ def _body(
         name = _DTYPES[dtype]
         n = s * vocab * ITEMSIZE[name]
         start, off = off, take(off, n, "proposal.data")
-        proposal = DenseEncoding(dtype=name, data=bytes(view[start:off]))
+        proposal = DenseEncoding(dtype=name, data=take_bytes(view[start:off]))
     elif kind == _KIND_SPARSE:
         if dtype >= len(_DTYPES) or _DTYPES[dtype] == "bf16":
             raise ValidationError(f"unknown value dtype code {dtype}", field="proposal.value_dtype", request_id=rid)
@@ -369,12 +388,12 @@ def _body(
                 f"{total} entries for {s} steps of V={vocab}", field="proposal.lengths", request_id=rid
             )
         start, off = off, take(off, total * (2 if iname == "u16" else 4), "proposal.indices")
-        indices = bytes(view[start:off])
+        indices = take_bytes(view[start:off])
         start, off = off, take(off, total * ITEMSIZE[vname], "proposal.values")
         proposal = SparseEncoding(
             lengths=lengths,
             indices=indices,
-            values=bytes(view[start:off]),
+            values=take_bytes(view[start:off]),
             value_dtype=vname,  # type: ignore[arg-type]  # checked against _DTYPES above
             tail_mass=tail if any(tail) else (),
             index_format=iname,  # type: ignore[arg-type]  # checked against _INDEX_FORMATS above

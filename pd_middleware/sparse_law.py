@@ -108,8 +108,13 @@ def sparse_law(
     idx = _u16_ids(enc, lengths, vocab_size, rid) if u16 else _int32_ids(enc, lengths, vocab_size, rid)
 
     # One widening copy: the law's values, scaled in place below. torch widens fp16
-    # with the CPU's vector conversions, several times faster than numpy's astype.
-    vals_t = tensor_from_buffer(enc.values, vdt).float() if vdt == "fp16" else tensor_from_buffer(enc.values, vdt)
+    # with the CPU's vector conversions, several times faster than numpy's astype. The
+    # widening makes a new tensor, so a writable fp16 buffer is read in place; fp32
+    # values are copied (the scaling below must never write into the encoding).
+    if vdt == "fp16":
+        vals_t = tensor_from_buffer(enc.values, vdt, copy=False).float()
+    else:
+        vals_t = tensor_from_buffer(enc.values, vdt)
     vals = vals_t.numpy()
     if num_steps == 1:
         sums = [float(vals.sum(dtype=np.float64))]

@@ -173,3 +173,33 @@ def test_build_fresh_equals_the_reference_and_leaves_the_buffers_alone(num_steps
     assert asm.build_fresh([None, None]) is None
     with pytest.raises(ValueError, match="1 of 2 requests have no proposal"):
         asm.build_fresh([None, OneHotProposal((0,) * num_steps)])
+
+
+def test_build_fresh_refuses_what_build_refuses():
+    """The CPU build_fresh path checks every descriptor itself (it writes through numpy,
+    which wraps negative indices): the same errors as build, naming the request."""
+    asm = ProposalAssembler(11, 1, 4)
+    with pytest.raises(ValueError, match=r"request 1: token 11 outside \[0, 11\)"):
+        asm.build_fresh([OneHotProposal((1,)), OneHotProposal((11,))])
+    with pytest.raises(ValueError, match=r"request 0: token True outside \[0, 11\)"):
+        asm.build_fresh([OneHotProposal((True,))])
+    for bad in (-1, 11):
+        sp = SparseProposal(lengths=(1,), indices=torch.tensor([bad]), values=torch.tensor([1.0]), floor=(0.0,))
+        with pytest.raises(ValueError, match=r"index outside \[0, vocab_size\)"):
+            asm.build_fresh([OneHotProposal((1,)), sp])
+    short = SparseProposal(lengths=(2,), indices=torch.tensor([1]), values=torch.tensor([1.0]), floor=(0.0,))
+    with pytest.raises(ValueError, match="request 0: sparse proposal has 1 indices and 1 values for 2 entries"):
+        asm.build_fresh([short])
+    floats = SparseProposal(lengths=(1,), indices=torch.tensor([1.0]), values=torch.tensor([1.0]), floor=(0.0,))
+    with pytest.raises(ValueError, match="request 0: sparse proposal indices must be integers"):
+        asm.build_fresh([floats])
+    # A listed value overrides its step's floor; int32 ids are widened, bf16 values too.
+    sp = SparseProposal(
+        lengths=(2,),
+        indices=torch.tensor([3, 0], dtype=torch.int32),
+        values=torch.tensor([0.5, 0.25], dtype=torch.bfloat16),
+        floor=(0.03125,),
+    )
+    out = asm.build_fresh([sp, OneHotProposal((10,))])
+    assert out[0].tolist() == [0.25, 0.03125, 0.03125, 0.5] + [0.03125] * 7
+    assert out[1].tolist() == [0.0] * 10 + [1.0]

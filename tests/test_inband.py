@@ -97,6 +97,27 @@ def test_row_is_a_copy_the_engine_may_reuse() -> None:
     assert torch.equal(_law(got, 1), _law(p, 1))
 
 
+@pytest.mark.parametrize("name", ["sparse_floor_u16", "full_bf16"])
+def test_snapshot_read_views_the_row_and_decodes_the_same_law(name: str) -> None:
+    """copy=False (a caller's own snapshot): same payload and law, buffers are views of the
+    row; the default copies (negative control: a write into the row then shows or not)."""
+    (p,) = _payloads(ENCODERS[name], 1, n=1)
+    layout = RowLayout(1 << 16, V, 1)
+    row = np.zeros(layout.capacity_bytes, np.uint8)
+    write_row(row, 9, p, layout)
+    copied, viewed = read_row(row, 9, layout), read_row(row, 9, layout, copy=False)
+    assert isinstance(copied, Payload) and isinstance(viewed, Payload)
+    assert viewed == copied and torch.equal(_law(viewed, 1), _law(p, 1))
+    bufs = [viewed.proposal.data] if name == "full_bf16" else [viewed.proposal.indices, viewed.proposal.values]
+    assert all(isinstance(b, memoryview) and np.shares_memory(np.frombuffer(b, np.uint8), row) for b in bufs)
+    cbufs = [copied.proposal.data] if name == "full_bf16" else [copied.proposal.indices, copied.proposal.values]
+    before = [bytes(b) for b in cbufs]
+    assert [bytes(b) for b in bufs] == before and any(any(b) for b in before)
+    row[48:] = 0
+    assert [bytes(b) for b in cbufs] == before
+    assert not any(any(bytes(b)) for b in bufs)
+
+
 def test_identical_bytes_for_identical_input() -> None:
     # Two prefill ranks writing the same request must produce the same row.
     (p,) = _payloads(ENCODERS["sparse_floor_u16"], 1, n=1)

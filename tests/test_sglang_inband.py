@@ -301,10 +301,11 @@ def test_late_write_after_the_digest_check_is_not_read(sg) -> None:
     live = inst.channel.rows(dbuf)[0]
     shared: list[bool] = []
 
-    def read_watching(row, room, layout, request_id=None):
-        # read_row checks the digest, then decodes: both must see one snapshot, not the live row.
+    def read_watching(row, room, layout, request_id=None, *, copy=True):
+        # read_row checks the digest, then decodes: both must see one snapshot, not the live row
+        # (copy=False: the payload's buffers are views of that snapshot, never of the live row).
         shared.append(bool(np.shares_memory(row, live)))
-        return read_row(row, room, layout, request_id)
+        return read_row(row, room, layout, request_id, copy=copy)
 
     with patch.object(sglang_metadata, "read_row", read_watching):
         dreq = commit(sg, dbuf, 0, 41)

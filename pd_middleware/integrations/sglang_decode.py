@@ -447,4 +447,9 @@ class DecodeProposer:
 
 def _tokens(req: Any, n: int) -> tuple[int, ...]:
     # SGLang's own CPU rows (16-wide metadata rows on a real decode): no device sync.
-    return tuple(int(t) for t in torch.as_tensor(req.output_topk_index[:n]).tolist())
+    row = req.output_topk_index
+    if type(row) is torch.Tensor and row.dtype is torch.int64 and row.ndim == 1:
+        # The whole 16-wide row as Python ints, then the first n: slicing the tensor
+        # first costs more than the list (about 1.5 us a request on CPU, twice a request).
+        return tuple(row.tolist()[:n])
+    return tuple(int(t) for t in torch.as_tensor(row[:n]).tolist())
