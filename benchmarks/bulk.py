@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
 from pd_middleware import DenseEncoding, OneHotProposal, Payload
-from pd_middleware.pipeline import ReceivePipeline
+from pd_middleware.pipeline import Delivery, ReceivePipeline
 from pd_middleware.transport import (
     DecodeReceiver,
     MooncakeConfig,
@@ -84,9 +84,9 @@ def decode_process(mode: str, threshold: int, conn: mp.connection.Connection, di
     while not conn.poll(0):
         item = rx.get(timeout=0.05)  # the scheduler blocks for work rather than spinning
         if item is not None:
-            item.release()
-            for item in rx.drain():
-                item.release()
+            for it in (item, *rx.drain()):
+                if isinstance(it, Delivery):  # a Failure holds nothing (the run then reports it)
+                    it.release()
     rx.stop()
 
 
@@ -151,22 +151,30 @@ def run_raw(engine: MooncakeEngine, n: int, nbytes: int, depth: int = 0) -> floa
     return n / dt
 
 
-def _payloads(nbytes: int, source: mmap.mmap | None, count: int = 8) -> list[Payload]:
-    """``count`` dense payloads; their data are views of ``source`` when given (no staging copy)."""
+def _payloads(nbytes: int, source: mmap.mmap | None, count: int = 8, ids: int = 8) -> list[Payload]:
+    """``ids`` dense payloads over ``count`` distinct data buffers (views of ``source`` when
+    given: no staging copy). Every payload has its own request id: the receiver refuses an
+    id its peer already has outstanding (``wire:duplicate``)."""
     values = nbytes // 4
     row = bytes(ctypes.c_float(1.0 / values)) * values
-    out = []
+    datas: list[bytes | memoryview] = []
     for i in range(count):
         data: bytes | memoryview = row
         if source is not None:
             source[i * nbytes : (i + 1) * nbytes] = row
             data = memoryview(source)[i * nbytes : (i + 1) * nbytes]
-        out.append(
-            Payload(
-                f"bulk-{i}", (i % values,), (1.0 / values,), values, hidden=b"", proposal=DenseEncoding("fp32", data)
-            )
+        datas.append(data)
+    return [
+        Payload(
+            f"bulk-{i}",
+            (i % values,),
+            (1.0 / values,),
+            values,
+            hidden=b"",
+            proposal=DenseEncoding("fp32", datas[i % count]),
         )
-    return out
+        for i in range(ids)
+    ]
 
 
 def run_ours(
@@ -188,13 +196,13 @@ def run_ours(
         source = mmap.mmap(-1, 8 * nbytes) if registered and threshold < nbytes else None
         if source is not None:
             tx.register_source(source)
-        payloads = _payloads(nbytes, source)
-        tx.send(payloads[0])
+        payloads = _payloads(nbytes, source, ids=n + 1)  # built before the clock starts
+        tx.send(payloads[n])
         if not tx.flush(30):
             raise SystemExit("warm-up payload was not acknowledged")
         t0 = time.perf_counter()
         for i in range(n):
-            tx.send(payloads[i % len(payloads)])
+            tx.send(payloads[i])
         if not tx.flush(60):
             raise SystemExit(f"not all payloads acknowledged: {tx.statuses()}")
         dt = time.perf_counter() - t0
