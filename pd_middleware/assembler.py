@@ -189,14 +189,7 @@ class ProposalAssembler:
         steps_cache: dict[tuple[int, ...], np.ndarray] = {}
         for i, p in enumerate(proposals):
             if type(p) is OneHotProposal:
-                toks = p.tokens
-                if len(toks) != s_steps:
-                    raise ValueError(f"request {i}: one-hot proposal has {len(toks)} steps, expected {s_steps}")
-                base = i * stride
-                for s, t in enumerate(toks):
-                    if type(t) is not int or not 0 <= t < v:  # a bool or float is no token id
-                        raise ValueError(f"request {i}: token {t!r} outside [0, {v})")
-                    oh_idx.append(base + s * v + t)
+                _one_hot_flat(i, p.tokens, s_steps, i * stride, v, oh_idx)
             elif type(p) is SparseProposal:
                 lengths = p.lengths
                 if len(lengths) != s_steps:
@@ -280,14 +273,7 @@ class ProposalAssembler:
         # Validate and flatten every descriptor before touching the buffer.
         for i, p in enumerate(proposals):
             if type(p) is OneHotProposal:
-                toks = p.tokens
-                if len(toks) != s_steps:
-                    raise ValueError(f"request {i}: one-hot proposal has {len(toks)} steps, expected {s_steps}")
-                base = i * stride
-                for s, t in enumerate(toks):
-                    if type(t) is not int or not 0 <= t < v:  # a bool or float is no token id
-                        raise ValueError(f"request {i}: token {t!r} outside [0, {v})")
-                    oh_idx.append(base + s * v + t)
+                _one_hot_flat(i, p.tokens, s_steps, i * stride, v, oh_idx)
             elif type(p) is SparseProposal:
                 lengths = p.lengths
                 if len(lengths) != s_steps:
@@ -455,6 +441,20 @@ def _put_ones(out: torch.Tensor, flat: np.ndarray | list[int]) -> None:
             arr[k] = 1.0
     else:
         arr[flat] = 1.0
+
+
+def _one_hot_flat(i: int, toks: tuple[int, ...], s_steps: int, base: int, v: int, out: list[int]) -> None:
+    """Append request ``i``'s one-hot positions (flat offsets from ``base``) to ``out``, or raise.
+
+    ValueError when the step count is not ``s_steps`` or a token is not an int in [0, v)
+    (a bool or float is no token id).
+    """
+    if len(toks) != s_steps:
+        raise ValueError(f"request {i}: one-hot proposal has {len(toks)} steps, expected {s_steps}")
+    for s, t in enumerate(toks):
+        if type(t) is not int or not 0 <= t < v:
+            raise ValueError(f"request {i}: token {t!r} outside [0, {v})")
+        out.append(base + s * v + t)
 
 
 def _sparse_arrays(i: int, p: SparseProposal, v: int) -> tuple[np.ndarray, np.ndarray]:
