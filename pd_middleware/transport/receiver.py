@@ -1,10 +1,11 @@
 """Decode side of the transport: a ZMQ ROUTER loop feeding the receive pipeline.
 
 One thread (:meth:`DecodeReceiver.start`) owns the socket and the slot pool. Per
-inbound message it checks authentication (CURVE's key from ZAP, or the HMAC and its
-replay window: :mod:`.auth`), decodes and validates the header (:mod:`.wire`), resolves
-inline frames or slot ranges as zero-copy views, runs ``pipeline.process`` (hooks, then
-the arm's synthesizer) and puts the outcome (:class:`~pd_middleware.pipeline.Delivery`
+inbound message (dispatch: :mod:`.handshake`; payloads and releases: :mod:`.admission`)
+it checks authentication (CURVE's key from ZAP, or the HMAC and its replay window:
+:mod:`.auth`), decodes and validates the header (:mod:`.wire`), resolves inline frames
+or slot ranges as zero-copy views, runs ``pipeline.process`` (hooks, then the arm's
+synthesizer) and puts the outcome (:class:`~pd_middleware.pipeline.Delivery`
 or :class:`~pd_middleware.pipeline.Failure`) on a queue the scheduler reads with
 :meth:`get`/:meth:`drain` (a waiting scheduler is woken once per receive batch). Acks go
 back coalesced (:mod:`.peers`); with ``ack = "consumed"`` a request is acked delivered
@@ -46,30 +47,22 @@ from typing import Any
 
 import zmq
 
-from .._errors import IntegrityError, TransferError, WireError
-from ..contracts import ReceiveContext
+from .._errors import TransferError, WireError
 from ..pipeline import Delivery, Failure, ReceivePipeline
 from . import integrity, wire
-from .auth import TO_DECODE, TO_PREFILL, CurveGate, HelloGuard, Signer
+from .admission import _Release
+from .auth import CurveGate, HelloGuard, Signer
 from .config import TransportConfig
 from .expects import Expectations
+from .handshake import Handshake
 from .mooncake import MooncakeEngine
 from .outcomes import OutcomeQueue
-from .peers import ACK_BATCH, ACK_INTERVAL_S, OUTSTANDING_CAP, REASON_CAP, Peer, PeerTable
+from .peers import ACK_BATCH, ACK_INTERVAL_S, PeerTable
 from .slots import SlotPool
 from .sockets import bind_router
 
-_PayloadHeader = wire.PayloadHeader
-_perf_counter = time.perf_counter
-_NO_NONCE = bytes(16)
-# Failures whose request id is another delivery's or another peer's: never named in the Failure.
-_NOT_OWNED = frozenset(("duplicate", "peer"))
-# [peer, request id, seq, slot, slot generation, delivered?, inline bytes] of a payload whose
-# releaser was called (by the scheduler, or by the pipeline at once when the payload failed).
-_Release = list[Any]
 
-
-class DecodeReceiver:
+class DecodeReceiver(Handshake):
     """Binds the control socket and delivers validated payloads to the scheduler.
 
     ``engine``: an open :class:`MooncakeEngine` to register the slots with (None:
@@ -217,31 +210,6 @@ class DecodeReceiver:
 
     # -- internals --------------------------------------------------------------
 
-    def _wake(self) -> None:
-        if not self._wake_armed and self._pipe is not None:
-            self._wake_armed = True
-            try:
-                os.write(self._pipe[1], b"\0")
-            except (BlockingIOError, OSError):
-                pass  # a full pipe already wakes the loop; a closed one means stopped
-
-    def _releaser(self, item: _Release) -> Callable[[], None]:
-        done = False
-        released = self._released
-        prompt = item[3] >= 0 or self._consumed_acks or item[6] > 0  # someone waits on this release
-        batch = self._release_batch
-        queue = self._queue
-
-        def release() -> None:
-            nonlocal done
-            if not done:  # idempotent: a second release must not free a reused slot
-                done = True
-                released.append(item)
-                if prompt and (len(released) >= batch or queue.backpressure):
-                    self._wake()
-
-        return release
-
     def _run(self) -> None:
         try:
             self._loop()
@@ -374,296 +342,6 @@ class DecodeReceiver:
                 pass
             self._sock.close(linger=100)  # let the byes out
             self._sock = None
-
-    def _send(self, peer: Peer, msg: wire.Message) -> None:
-        self._send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
-        peer.tx_seq += 1
-        peer.last_sent = self._clock()
-
-    def _send_to(self, ident: bytes, msg: wire.Message, nonce: bytes = _NO_NONCE, seq: int | None = None) -> None:
-        """The one (signed) send path. With HMAC, a connection with no peer is answered under
-        the nonce its verified message carried, and a clock-based sequence that grows
-        across decode restarts (a prefill refuses a sequence it has seen)."""
-        assert self._sock is not None
-        body = [wire.encode(msg)]
-        if self._signer is not None:
-            body += self._signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
-        try:
-            self._sock.send_multipart([ident, *body], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.unsent += 1  # peer gone or its queue full: it will time out and resync
-
-    def _emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
-        self._queue.put(outcome, nbytes)
-
-    def _reject(
-        self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE, peer: Peer | None = None
-    ) -> None:
-        """Count and report a message that failed before its payload could be built.
-
-        ``peer``: the authenticated sender, if any. Only then may the Failure name the
-        request id the message claimed, and only an id no other peer owns: an
-        unauthenticated or foreign message must never fail (or evict) another's request.
-        """
-        self.metrics.bytes["control"] += nbytes
-        rid = exc.request_id
-        if rid is not None and (peer is None or self._other_owner(rid, peer) is not None):
-            rid = None  # the claimed id stays in the reason
-        name = peer.name if peer is not None else None
-        f = self.pipeline.fail(Failure(request_id=rid, stage="wire", reason=str(exc), field=exc.field, peer=name))
-        self._emit(f)
-        reply = wire.ErrorReply(code=code, reason=str(exc)[:REASON_CAP], request_id=exc.request_id)
-        conn = self._peers.by_ident.get(ident)
-        if conn is not None and (self._signer is None or conn.nonce == nonce):
-            # A connected peer is answered on its own sequence: a wall-clock one would jump
-            # its replay window past every later ack and heartbeat (HMAC).
-            self._send(conn, reply)
-        else:
-            self._send_to(ident, reply, nonce)
-
-    def _other_owner(self, rid: str, peer: Peer) -> str | None:
-        """The identity of another peer that owns ``rid`` (expected from it, recently arrived
-        from it, or outstanding there), or None when ``peer`` may send it."""
-        owner = self._expects.owner(rid)
-        if owner is not None:
-            return owner if owner != peer.name else None
-        for p in self._peers.by_ident.values():  # outstanding for longer than the arrived window
-            if p.name != peer.name and rid in p.outstanding:
-                return p.name
-        return None
-
-    def _handle(self, frames: list[bytes], user: str | None = None) -> None:
-        ident = frames[0]
-        body = frames[1:]
-        limits = self._limits
-        signed = self._signer is not None
-        if not body or len(body) > limits.max_frames + 2 * signed:
-            n = sum(map(len, body))
-            self._reject(
-                ident, WireError(f"{len(body)} frames is not in [1, {limits.max_frames}]", field="frames"), "wire", n
-            )
-            return
-        peer = self._peers.by_ident.get(ident)
-        nonce, seq = _NO_NONCE, 0
-        if signed:
-            opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]  # set whenever `signed`
-            if opened is None:
-                self._reject(
-                    ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", sum(map(len, body))
-                )
-                return
-            nonce, seq = opened
-            body = body[:-2]
-            if peer is not None and nonce == peer.nonce:
-                if seq <= peer.rx_seq:
-                    exc = WireError(f"sequence {seq} was already used on this connection", field="replay")
-                    self._reject(ident, exc, "replay", sum(map(len, body)), nonce)  # no request id: a replay
-                    return
-                peer.rx_seq = seq
-            else:
-                peer = None  # only a fresh hello may open (or reopen) a connection
-        if user is not None and peer is not None and peer.key != user:
-            peer = None  # never expected (libzmq keeps one key per connection): a reused routing id
-        try:
-            msg = wire.decode_frame(body[0], limits)
-        except WireError as exc:
-            self._reject(ident, exc, "wire", sum(map(len, body)), nonce, peer)
-            return
-        now = self._clock()
-        if peer is not None:
-            peer.last_seen = now
-        kind = type(msg)
-        if kind is _PayloadHeader:
-            if peer is None:
-                err = WireError(
-                    "unknown peer: send hello first (decode restarted?)",
-                    field="peer",
-                    request_id=msg.request_id,  # type: ignore[attr-defined]  # kind is PayloadHeader (checked above)
-                )
-                self._reject(ident, err, "hello", sum(map(len, body)), nonce)
-            else:
-                self._on_payload(peer, msg, body)  # type: ignore[arg-type]  # `kind is` dispatch: a PayloadHeader
-            return
-        self.metrics.bytes["control"] += len(body[0])
-        if kind is wire.Hello:
-            self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]  # `kind is` dispatch: a Hello
-        elif kind is wire.Heartbeat:
-            if peer is None:
-                self._send_to(ident, wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"), nonce)
-        elif kind is wire.Bye and peer is not None:
-            self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]  # `kind is` dispatch: a Bye
-
-    def _on_hello(self, ident: bytes, msg: wire.Hello, now: float, user: str | None, nonce: bytes, seq: int) -> None:
-        name = msg.name
-        if self._curve:
-            if self._gate is None or user not in self._gate.allowed:
-                self._reject(ident, WireError("CURVE key not on the allowlist", field="peer"), "hello", 0)
-                return
-            name = self._gate.allowed[user]  # the authenticated identity, whatever the hello says
-        if self._signer is not None:
-            why = self._hellos.check(msg.ts, nonce, seq)
-            if why:
-                self._reject(ident, WireError(why, field="replay"), "replay", 0, nonce)
-                return
-        for other in self._peers.same_identity(ident, name, user):
-            # The same prefill reconnected: it stays responsible for its expected requests.
-            self._drop(other, None, "")
-        peer = Peer(
-            ident=ident,
-            name=name,
-            last_seen=now,
-            last_sent=now,
-            key=user,
-            nonce=nonce,
-            rx_seq=seq,
-            tx_seq=time.time_ns(),
-        )
-        slots: list[int] = []
-        pool = self._pool
-        if pool is not None:
-            slots = pool.grant(ident, min(msg.want_slots, self.config.slots.per_peer))
-
-            def resolve(slot: int, offset: int, nbytes: int, fld: str, rid: str) -> memoryview:
-                return pool.view_of(ident, slot, offset, nbytes, fld, rid)
-
-            peer.resolver = resolve
-        peer.slots = tuple(slots)
-        self._peers.add(peer)
-        size = self.config.slots.size_bytes
-        self._send(
-            peer,
-            wire.Grant(
-                session=self.session,
-                mooncake=self.engine.peer_name if self.engine is not None else None,
-                slot_size=size if pool is not None else 0,
-                slots=peer.slots,
-                addrs=tuple(self._pool_addr + s * size for s in slots),
-                heartbeat_s=self.config.heartbeat_s,
-                gens=tuple(pool.gen[s] for s in slots) if pool is not None else (),
-            ),
-        )
-
-    def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[bytes]) -> None:
-        m = self.metrics
-        rid = h.request_id
-        try:
-            # Neither of these failures names the request: it is another delivery's (or
-            # another peer's) id, and a keyed store must not let it replace that outcome.
-            if rid in peer.outstanding:
-                raise WireError("this peer already has this request outstanding", field="duplicate", request_id=rid)
-            other = self._other_owner(rid, peer)
-            if other is not None:
-                raise WireError(f"it belongs to {other!r}, sent by {peer.name!r}", field="peer", request_id=rid)
-            payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
-            gen = 0
-            if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
-                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]  # slot >= 0 only with a pool
-        except (WireError, IntegrityError) as exc:
-            named = wire.named_slot(h)
-            if named >= 0 and self._pool is not None and named < self._pool.count:
-                pool = self._pool
-                if pool.owner[named] == peer.ident and not pool.held[named]:
-                    peer.freed.append(named)  # the sender counts it busy until told otherwise
-            m.bytes["control"] += sum(map(len, body))
-            stage, fld = ("transfer", "digest") if isinstance(exc, IntegrityError) else ("wire", exc.field)
-            named_rid = exc.request_id if fld not in _NOT_OWNED else None
-            if named_rid is not None:
-                self._expects.own(rid, peer.name)  # its own request failed: no other peer may claim it now
-            f = self.pipeline.fail(
-                Failure(request_id=named_rid, stage=stage, reason=str(exc), field=fld, peer=peer.name)
-            )
-            self._emit(f)
-            peer.failed.append((h.seq, f.key, f.reason))
-            return
-        by_plane = m.bytes
-        by_plane["control"] += len(body[0])
-        inline = 0
-        if slot >= 0:
-            self._pool.hold(slot)  # type: ignore[union-attr]  # slot >= 0 only with a pool
-            self._held_n += 1
-            by_plane["bulk"] += wire.bulk_bytes(payload)
-        elif len(body) == 2:
-            inline = len(body[1])
-        elif len(body) > 2:
-            inline = sum(map(len, body[1:]))
-        by_plane["inline"] += inline
-        self._expects.arrived(rid, peer.name)
-        consumed = self._consumed_acks
-        item: _Release = [peer, rid, h.seq, slot, gen, False, inline]
-        releaser = self._releaser(item)
-        out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
-        self._queue.put(out, inline)
-        if type(out) is Delivery:
-            item[5] = True
-            held = peer.outstanding
-            held[rid] = None
-            if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
-                del held[next(iter(held))]
-            if inline:  # its bytes count against max_queued_inline_bytes until released
-                self._held_n += 1
-            if consumed:
-                self._held_n += 1
-            else:
-                peer.delivered.append(h.seq)
-        else:
-            peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]  # a Failure here
-
-    def _apply_releases(self) -> None:
-        pool = self._pool
-        released = self._released
-        consumed = self._consumed_acks
-        peers = self._peers
-        queue = self._queue
-        while released:
-            peer, rid, seq, slot, gen, delivered, inline = released.popleft()
-            if inline:
-                queue.freed(inline)
-                if delivered:
-                    self._held_n -= 1
-            if delivered:
-                peer.outstanding.pop(rid, None)
-            if slot >= 0:
-                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]  # slot >= 0 only with a pool
-                if done:  # else stale: the slot was freed or reused since; never free a later use
-                    self._held_n -= 1
-                if done and owner is not None:
-                    holder = peers.get(owner)  # type: ignore[arg-type]  # slot owners are peer idents
-                    if holder is not None:
-                        holder.freed.append(slot)
-            if consumed and delivered:
-                self._held_n -= 1
-                if peers.get(peer.ident) is peer:  # still connected: ack it now it was used
-                    peer.delivered.append(seq)  # type: ignore[union-attr]  # `is` narrowed it to get()'s Optional
-
-    def _fail_expected(self, rid: str, why: str, reason: str) -> None:
-        self._emit(self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field=why)))
-
-    def _tick(self, now: float) -> None:
-        for rid in self._expects.overdue(now):
-            self._fail_expected(rid, "deadline", f"request {rid!r} did not arrive by its deadline")
-        timeout = self.config.peer_timeout_s
-        hb = self.config.heartbeat_s
-        for peer in self._peers:
-            if self._queue.backpressure:
-                peer.last_seen = now  # not reading: their heartbeats wait in libzmq, unheard
-            silent = now - peer.last_seen
-            if silent > timeout:
-                self._drop(
-                    peer,
-                    "peer_lost",
-                    f"prefill {peer.name!r} lost: silent for {silent:.1f} s (peer_timeout_s={timeout:g})",
-                )
-            elif now - peer.last_sent >= hb:
-                self._send(peer, wire.Heartbeat(session=self.session))
-
-    def _drop(self, peer: Peer, why: str | None, reason: str) -> None:
-        """Forget ``peer``, reclaim its slots and (if ``why``) fail the requests expected from it."""
-        self._peers.remove(peer)
-        if self._pool is not None:
-            self._pool.reclaim(peer.ident)
-        if why is not None:
-            for rid in self._expects.take(peer.name):
-                self._fail_expected(rid, why, reason)
 
 
 def open_receiver(

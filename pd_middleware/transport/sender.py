@@ -16,10 +16,10 @@ write, as a plain synchronous sender would. A write that fails after ``send`` re
 fails its request with ``transfer:write`` (the reason names op, code and peer), and the
 next ``send`` raises that error: the sender must ``reconnect()``.
 
-The decode answers with batched acks: per-request status (delivered, or failed with a
-reason) and slot-free notices. A slot is reused only after the decode freed it; with no
-free slot, ``send`` waits up to ``slots.wait_s`` and then raises
-:class:`~pd_middleware.NoSlotError`.
+The decode answers with batched acks (applied by :mod:`.control`; the bulk path is
+:mod:`.bulk_send`): per-request status (delivered, or failed with a reason) and
+slot-free notices. A slot is reused only after the decode freed it; with no free slot,
+``send`` waits up to ``slots.wait_s`` and then raises :class:`~pd_middleware.NoSlotError`.
 
 Counters reconcile: ``sent == delivered + failed + outstanding``; requests in flight
 when the decode is lost are moved to ``failed['transfer:decode_lost']`` by
@@ -40,12 +40,13 @@ from typing import Any
 
 import zmq
 
-from .._errors import NoSlotError, TransferAbandoned, TransferError, WireError
+from .._errors import TransferError
 from ..payload import Payload
 from . import integrity, wire
-from .auth import TO_DECODE, TO_PREFILL, Signer, new_nonce
-from .backoff import POLL_MAX_S, Backoff
-from .bulk import BulkWriter, InFlight
+from .auth import Signer, new_nonce
+from .backoff import Backoff
+from .bulk import BulkWriter
+from .bulk_send import BulkPath
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
 from .sockets import connect_dealer
@@ -53,7 +54,7 @@ from .sockets import connect_dealer
 _FAILURE_LOG = 1024  # most recent failures kept for failures()
 
 
-class PrefillSender:
+class PrefillSender(BulkPath):
     """Sends payloads to one decode receiver.
 
     ``engine``: an open :class:`MooncakeEngine` for the bulk path (None: inline only);
@@ -212,96 +213,7 @@ class PrefillSender:
             self._bulk.prepare(msg.slot_size, msg.slots, msg.gens)  # staging regions; slot generations
             self._bulk.engine.probe(msg.mooncake, force=True)
 
-    # -- inbound ----------------------------------------------------------------
-
-    def _recv_one(self) -> wire.Message | None:
-        """Receive and apply one message (the socket must be readable)."""
-        assert self._sock is not None
-        frames = self._sock.recv_multipart()
-        if self._signer is not None:
-            opened = self._signer.open(frames, TO_PREFILL)
-            if opened is None:
-                self.rejected["hmac"] += 1
-                return None
-            if opened[0] != self._nonce or opened[1] <= self._rx_seq:
-                self.rejected["replay"] += 1  # another connection's message, or one seen already
-                return None
-            self._rx_seq = opened[1]
-            frames = frames[:-2]
-        try:
-            msg = wire.decode_frame(frames[0], self.config.limits, wire.OUTBOUND_DECODER)
-        except WireError as exc:
-            self.rejected[f"wire:{exc.field}"] += 1
-            return None
-        except Exception as exc:
-            self.rejected[f"internal:{type(exc).__name__}"] += 1
-            return None
-        self._last_heard = self._clock()
-        kind = type(msg)
-        if kind is wire.Ack:
-            self._on_ack(msg)  # type: ignore[arg-type]  # `kind is` dispatch: an Ack
-        elif kind is wire.ErrorReply:
-            self.rejected[msg.code] += 1  # type: ignore[attr-defined]  # `kind is` dispatch: an ErrorReply
-            if msg.code == "hello":  # type: ignore[attr-defined]  # an ErrorReply
-                self._lost = f"the decode does not know this prefill (restarted?): {msg.reason}"  # type: ignore[attr-defined]  # an ErrorReply
-        elif kind is wire.Heartbeat:
-            if self._session and msg.session != self._session:  # type: ignore[attr-defined]  # a Heartbeat
-                self._lost = "the decode restarted (new session)"
-        elif kind is wire.Bye:
-            self._lost = f"the decode closed the connection: {msg.reason}"  # type: ignore[attr-defined]  # a Bye
-        return msg
-
-    def _on_ack(self, ack: wire.Ack) -> None:
-        slots = self._slot_addr
-        for s in ack.freed:
-            if s in slots:
-                self._free.append(s)
-        out = self._outstanding
-        for seq in ack.delivered:
-            if out.pop(seq, None) is not None:
-                self.delivered += 1
-        for seq, key, reason in ack.failed:
-            rid = out.pop(seq, None)
-            if rid is not None:
-                self.failed[key] += 1
-                self._failures.append((rid, key, reason))
-
-    def _drain(self) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        while sock.poll(0):
-            self._recv_one()
-
-    def _note_silence(self) -> None:
-        """Mark the decode lost once it has been silent for more than ``peer_timeout_s``."""
-        if self._lost is None and self._clock() - self._last_heard > self.config.peer_timeout_s:
-            self._lost = f"the decode was silent for more than {self.config.peer_timeout_s:g} s"
-
-    def _check_alive(self, op: str) -> None:
-        self._note_silence()
-        if self._lost is not None:
-            err = self._lost_error
-            if err is not None:  # a failed write: report its op, code and Mooncake peer
-                raise TransferError(f"{self._lost}; call reconnect()", op=err.op, code=err.code, peer=err.peer)
-            raise TransferError(f"{self._lost}; call reconnect()", op=op, peer=self._address)
-
     # -- outbound ---------------------------------------------------------------
-
-    def _send_msg(self, msg: wire.Message, extra: list[Any] | None = None) -> None:
-        frames: list[Any] = [wire.encode(msg)]
-        if extra:
-            frames += extra
-        if self._signer is not None:
-            frames += self._signer.sign(frames, self._nonce, self._tx_seq, TO_DECODE)
-            self._tx_seq += 1
-        assert self._sock is not None
-        try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise TransferError("control queue to the decode is full", op="send", peer=self._address) from None
-        self._last_sent = self._clock()
-        self.bytes["control"] += len(frames[0])
 
     def send(self, payload: Payload) -> None:
         """Send one payload. Inline: returns once it is queued on the control socket. Bulk:
@@ -348,133 +260,6 @@ class PrefillSender:
                 self._settle(self._max_inflight - 1)
                 if self._inflight:
                     self._work.set()
-
-    def _send_bulk(self, payload: Payload, seq: int, size: int) -> None:
-        """Write the tensors into a slot; send the header now (synchronous) or once landed."""
-        bulk, mc = self._bulk, self._decode_mc
-        assert bulk is not None and mc is not None
-        engine = bulk.engine
-        slot = self._acquire_slot()
-        region = -1
-        try:
-            header, parts = bulk.header(payload, seq, slot)  # stamps generation and digests
-            ranges, region = bulk.ranges(self._slot_addr[slot], parts)
-            bids = engine.start_write(mc, ranges)
-            if self._max_inflight > 1:
-                bulk.inflight.append(InFlight(seq, slot, header, bids, region, self._clock()))
-                # Counted when submitted, like inline bytes when queued: a caller that diffs
-                # statuses() around its sends (per-arm accounting) sees its own bytes.
-                self.bytes["bulk"] += size
-                return
-            engine.finish_write(mc, bids)
-            self._send_msg(header)
-        except BaseException as exc:
-            bulk.free_region(region)  # only read by the write: safe to reuse
-            if isinstance(exc, TransferAbandoned):
-                # Given up on, not failed: the write may still land in the slot. Retire the
-                # slot and lose the decode, so nothing is written there before a reconnect.
-                self._lose(exc)
-            else:
-                self._free.appendleft(slot)  # the decode never heard of it: still ours
-            raise
-        bulk.free_region(region)
-        self.bytes["bulk"] += size
-
-    # -- writes in flight (all under self._lock) ------------------------------------
-
-    def _poll_inflight(self) -> None:
-        """One non-blocking pass: send the header of each write that landed, fail the failed."""
-        assert self._bulk is not None and self._decode_mc is not None
-        self._bulk.poll(self._decode_mc, self._end_write)
-
-    def _end_write(self, w: InFlight, retire_slot: bool) -> None:
-        """A write ended: send its header, or fail its request (and lose the decode)."""
-        assert self._bulk is not None
-        self._bulk.free_region(w.region)
-        if w.error is None:
-            try:
-                self._send_msg(w.header)
-                return
-            except TransferError as exc:
-                w.error = exc
-        if not retire_slot:
-            self._free.appendleft(w.slot)  # the decode never heard of it
-        rid = self._outstanding.pop(w.seq, None)
-        key = "transfer:write" if w.error.op != "send" else "transfer:control_full"
-        if rid is not None:
-            self.failed[key] += 1
-            self._failures.append((rid, key, str(w.error)))
-        if key == "transfer:write":
-            self._lose(w.error)
-
-    def _lose(self, err: TransferError) -> None:
-        """A write failed or was given up on: the decode is lost until reconnect()."""
-        if self._lost is None:
-            self._lost = f"a Mooncake write to the decode failed ({err})"
-            self._lost_error = err
-
-    def _settle(self, limit: int) -> None:
-        """Poll writes in flight until at most ``limit`` remain (each one is bounded by write_timeout_s)."""
-        backoff = Backoff(self._clock)
-        while len(self._inflight) > limit:
-            self._poll_inflight()
-            if len(self._inflight) <= limit:
-                return
-            backoff.sleep()
-
-    def _drop_inflight(self) -> None:
-        """On reset: wait for running writes to end (bulk.py), no header goes out."""
-        if self._bulk is not None and self._bulk.inflight:
-            self._bulk.drop(self._decode_mc)
-
-    @property
-    def _inflight(self) -> deque[InFlight] | tuple[()]:
-        """The writes in flight (an empty tuple without an engine)."""
-        return self._bulk.inflight if self._bulk is not None else ()
-
-    @property
-    def writes_in_flight(self) -> int:
-        """Bulk writes submitted whose header has not gone out yet."""
-        return len(self._inflight)
-
-    def _acquire_slot(self) -> int:
-        if self._free:
-            return self._free.popleft()
-        wait = self.config.slots.wait_s
-        deadline = self._clock() + wait
-        sock = self._sock
-        assert sock is not None
-        while not self._free:
-            if self._inflight:
-                # Writes of ours may hold slots: their headers must go out for the decode
-                # to consume and free them (the background thread waits for this lock).
-                self._poll_inflight()
-                self._check_alive("send")  # a write that failed just now loses the decode
-                if self._free:
-                    break
-            left = deadline - self._clock()
-            if left <= 0:
-                raise NoSlotError(
-                    f"all {len(self._slot_addr)} slots stayed in use for {wait:g} s", op="send", peer=self._address
-                )
-            if sock.poll(min(left, POLL_MAX_S if self._inflight else 0.05) * 1000.0):  # type: ignore[arg-type]  # pyzmq takes float ms
-                self._drain()
-            self._check_alive("send")
-        return self._free.popleft()
-
-    def register_source(self, buf: Any) -> None:
-        """Register a prefill-side output buffer (writable, e.g. an mmap or bytearray).
-
-        Payload tensors that are views into it are then written straight from it, with no
-        staging copy, like SGLang's pre-registered metadata buffers. The caller must not
-        modify the viewed bytes until their write has landed: until :meth:`send` returned
-        when ``mooncake.max_inflight_writes`` is 1, else until :attr:`writes_in_flight`
-        is 0 (for example after :meth:`flush`). Tensors outside registered buffers are
-        copied before :meth:`send` returns and may be reused at once.
-        """
-        if self._bulk is None:
-            raise TransferError("no Mooncake engine: nothing to register with", op="register_memory")
-        self._bulk.register_source(buf)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every sent request has a status; False on timeout (or if the decode is gone)."""

@@ -1,0 +1,246 @@
+"""The decode's payload admission: what becomes of each message's payload, and its release.
+
+A payload header from a connected peer is admitted (:meth:`Admission._on_payload`): a
+request id the peer already has outstanding is ``wire:duplicate``, one another peer owns
+``wire:peer``; else its frames or slot ranges are resolved (:mod:`.wire`), bulk integrity
+is checked (:mod:`.integrity`), and the pipeline's outcome is queued for the scheduler.
+A message refused before that is counted and answered by :meth:`Admission._reject`,
+naming a request id only for the authenticated peer that owns it. A delivery's releaser
+records the release for the loop, which frees the slot, the inline bytes and (with
+``ack = "consumed"``) acks it (:meth:`Admission._apply_releases`).
+
+A mixin of :class:`~.receiver.DecodeReceiver`: it owns the state declared below and runs
+only on the receive thread (the releaser excepted: it only appends and wakes).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from .._errors import IntegrityError, WireError
+from ..contracts import ReceiveContext
+from ..pipeline import Delivery, Failure, ReceivePipeline
+from . import wire
+from .auth import TO_PREFILL, Signer
+from .config import LimitsConfig
+from .expects import Expectations
+from .outcomes import OutcomeQueue
+from .peers import OUTSTANDING_CAP, REASON_CAP, Peer, PeerTable
+from .slots import SlotPool
+
+if TYPE_CHECKING:  # annotation only: the pipeline owns (and imports) its metrics
+    from ..metrics import Metrics
+
+_perf_counter = time.perf_counter
+_NO_NONCE = bytes(16)
+# Failures whose request id is another delivery's or another peer's: never named in the Failure.
+_NOT_OWNED = frozenset(("duplicate", "peer"))
+# [peer, request id, seq, slot, slot generation, delivered?, inline bytes] of a payload whose
+# releaser was called (by the scheduler, or by the pipeline at once when the payload failed).
+_Release = list[Any]
+
+
+class Admission:
+    """Payload admission, refusals, replies and release bookkeeping of the receive loop."""
+
+    # Set by DecodeReceiver.__init__/start (see there).
+    pipeline: ReceivePipeline
+    metrics: Metrics
+    unsent: int
+    _clock: Callable[[], float]
+    _signer: Signer | None
+    _limits: LimitsConfig
+    _consumed_acks: bool
+    _queue: OutcomeQueue
+    _released: deque[_Release]
+    _release_batch: int
+    _held_n: int
+    _expects: Expectations
+    _peers: PeerTable
+    _wake_armed: bool
+    _sock: zmq.Socket[Any] | None
+    _pool: SlotPool | None
+    _pipe: tuple[int, int] | None
+
+    def _wake(self) -> None:
+        if not self._wake_armed and self._pipe is not None:
+            self._wake_armed = True
+            try:
+                os.write(self._pipe[1], b"\0")
+            except (BlockingIOError, OSError):
+                pass  # a full pipe already wakes the loop; a closed one means stopped
+
+    def _releaser(self, item: _Release) -> Callable[[], None]:
+        done = False
+        released = self._released
+        prompt = item[3] >= 0 or self._consumed_acks or item[6] > 0  # someone waits on this release
+        batch = self._release_batch
+        queue = self._queue
+
+        def release() -> None:
+            nonlocal done
+            if not done:  # idempotent: a second release must not free a reused slot
+                done = True
+                released.append(item)
+                if prompt and (len(released) >= batch or queue.backpressure):
+                    self._wake()
+
+        return release
+
+    def _send(self, peer: Peer, msg: wire.Message) -> None:
+        self._send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
+        peer.tx_seq += 1
+        peer.last_sent = self._clock()
+
+    def _send_to(self, ident: bytes, msg: wire.Message, nonce: bytes = _NO_NONCE, seq: int | None = None) -> None:
+        """The one (signed) send path. With HMAC, a connection with no peer is answered under
+        the nonce its verified message carried, and a clock-based sequence that grows
+        across decode restarts (a prefill refuses a sequence it has seen)."""
+        assert self._sock is not None
+        body = [wire.encode(msg)]
+        if self._signer is not None:
+            body += self._signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
+        try:
+            self._sock.send_multipart([ident, *body], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.unsent += 1  # peer gone or its queue full: it will time out and resync
+
+    def _emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
+        self._queue.put(outcome, nbytes)
+
+    def _reject(
+        self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE, peer: Peer | None = None
+    ) -> None:
+        """Count and report a message that failed before its payload could be built.
+
+        ``peer``: the authenticated sender, if any. Only then may the Failure name the
+        request id the message claimed, and only an id no other peer owns: an
+        unauthenticated or foreign message must never fail (or evict) another's request.
+        """
+        self.metrics.bytes["control"] += nbytes
+        rid = exc.request_id
+        if rid is not None and (peer is None or self._other_owner(rid, peer) is not None):
+            rid = None  # the claimed id stays in the reason
+        name = peer.name if peer is not None else None
+        f = self.pipeline.fail(Failure(request_id=rid, stage="wire", reason=str(exc), field=exc.field, peer=name))
+        self._emit(f)
+        reply = wire.ErrorReply(code=code, reason=str(exc)[:REASON_CAP], request_id=exc.request_id)
+        conn = self._peers.by_ident.get(ident)
+        if conn is not None and (self._signer is None or conn.nonce == nonce):
+            # A connected peer is answered on its own sequence: a wall-clock one would jump
+            # its replay window past every later ack and heartbeat (HMAC).
+            self._send(conn, reply)
+        else:
+            self._send_to(ident, reply, nonce)
+
+    def _other_owner(self, rid: str, peer: Peer) -> str | None:
+        """The identity of another peer that owns ``rid`` (expected from it, recently arrived
+        from it, or outstanding there), or None when ``peer`` may send it."""
+        owner = self._expects.owner(rid)
+        if owner is not None:
+            return owner if owner != peer.name else None
+        for p in self._peers.by_ident.values():  # outstanding for longer than the arrived window
+            if p.name != peer.name and rid in p.outstanding:
+                return p.name
+        return None
+
+    def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[bytes]) -> None:
+        m = self.metrics
+        rid = h.request_id
+        try:
+            # Neither of these failures names the request: it is another delivery's (or
+            # another peer's) id, and a keyed store must not let it replace that outcome.
+            if rid in peer.outstanding:
+                raise WireError("this peer already has this request outstanding", field="duplicate", request_id=rid)
+            other = self._other_owner(rid, peer)
+            if other is not None:
+                raise WireError(f"it belongs to {other!r}, sent by {peer.name!r}", field="peer", request_id=rid)
+            payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
+            gen = 0
+            if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
+                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]  # slot >= 0 only with a pool
+        except (WireError, IntegrityError) as exc:
+            named = wire.named_slot(h)
+            if named >= 0 and self._pool is not None and named < self._pool.count:
+                pool = self._pool
+                if pool.owner[named] == peer.ident and not pool.held[named]:
+                    peer.freed.append(named)  # the sender counts it busy until told otherwise
+            m.bytes["control"] += sum(map(len, body))
+            stage, fld = ("transfer", "digest") if isinstance(exc, IntegrityError) else ("wire", exc.field)
+            named_rid = exc.request_id if fld not in _NOT_OWNED else None
+            if named_rid is not None:
+                self._expects.own(rid, peer.name)  # its own request failed: no other peer may claim it now
+            f = self.pipeline.fail(
+                Failure(request_id=named_rid, stage=stage, reason=str(exc), field=fld, peer=peer.name)
+            )
+            self._emit(f)
+            peer.failed.append((h.seq, f.key, f.reason))
+            return
+        by_plane = m.bytes
+        by_plane["control"] += len(body[0])
+        inline = 0
+        if slot >= 0:
+            self._pool.hold(slot)  # type: ignore[union-attr]  # slot >= 0 only with a pool
+            self._held_n += 1
+            by_plane["bulk"] += wire.bulk_bytes(payload)
+        elif len(body) == 2:
+            inline = len(body[1])
+        elif len(body) > 2:
+            inline = sum(map(len, body[1:]))
+        by_plane["inline"] += inline
+        self._expects.arrived(rid, peer.name)
+        consumed = self._consumed_acks
+        item: _Release = [peer, rid, h.seq, slot, gen, False, inline]
+        releaser = self._releaser(item)
+        out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
+        self._queue.put(out, inline)
+        if type(out) is Delivery:
+            item[5] = True
+            held = peer.outstanding
+            held[rid] = None
+            if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
+                del held[next(iter(held))]
+            if inline:  # its bytes count against max_queued_inline_bytes until released
+                self._held_n += 1
+            if consumed:
+                self._held_n += 1
+            else:
+                peer.delivered.append(h.seq)
+        else:
+            peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]  # a Failure here
+
+    def _apply_releases(self) -> None:
+        pool = self._pool
+        released = self._released
+        consumed = self._consumed_acks
+        peers = self._peers
+        queue = self._queue
+        while released:
+            peer, rid, seq, slot, gen, delivered, inline = released.popleft()
+            if inline:
+                queue.freed(inline)
+                if delivered:
+                    self._held_n -= 1
+            if delivered:
+                peer.outstanding.pop(rid, None)
+            if slot >= 0:
+                done, owner = pool.release(slot, gen)  # type: ignore[union-attr]  # slot >= 0 only with a pool
+                if done:  # else stale: the slot was freed or reused since; never free a later use
+                    self._held_n -= 1
+                if done and owner is not None:
+                    holder = peers.get(owner)  # type: ignore[arg-type]  # slot owners are peer idents
+                    if holder is not None:
+                        holder.freed.append(slot)
+            if consumed and delivered:
+                self._held_n -= 1
+                if peers.get(peer.ident) is peer:  # still connected: ack it now it was used
+                    peer.delivered.append(seq)  # type: ignore[union-attr]  # `is` narrowed it to get()'s Optional
+
+    def _fail_expected(self, rid: str, why: str, reason: str) -> None:
+        self._emit(self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field=why)))
