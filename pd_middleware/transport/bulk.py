@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -25,13 +24,8 @@ from typing import Any
 from .._errors import TransferAbandoned, TransferError
 from ..payload import Payload
 from . import integrity, wire
+from .backoff import Backoff
 from .mooncake import MooncakeEngine, Range
-
-# Writes in flight are polled every 20 us (about 70 us with timer slack) for their first
-# 2 ms, then less often, up to every 1 ms (a long transfer costs few wake-ups).
-POLL_MIN_S = 20e-6
-POLL_FAST_S = 2e-3
-POLL_MAX_S = 1e-3
 
 
 def _flat(buf: Any) -> memoryview:
@@ -220,7 +214,7 @@ class BulkWriter:
         that outlives that is abandoned.
         """
         engine = self.engine
-        delay = POLL_MIN_S
+        backoff = Backoff(self._clock)
         while self.inflight and not engine.closed and peer is not None:
             still: deque[InFlight] = deque()
             now = self._clock()
@@ -237,8 +231,7 @@ class BulkWriter:
             self.inflight = still
             if not still:
                 break
-            time.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
+            backoff.sleep()
         for w in self.inflight:
             engine.abandon(w.bids)
         self.inflight.clear()

@@ -42,16 +42,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._errors import TransferAbandoned, TransferError
+from .backoff import Backoff
 from .config import MooncakeConfig
 
 Range = tuple[int, int, int]
 """(local source address, remote destination address, length in bytes)."""
 
-# finish_write's status polls: 20 us sleeps for the first 2 ms (a 600 KB write over
-# loopback TCP takes about 300 us), then doubling up to 1 ms for long transfers.
-_POLL_MIN_S = 20e-6
-_POLL_FAST_S = 2e-3
-_POLL_MAX_S = 1e-3
 # Batch ids are addresses; a failed submit returns 0 or -1 seen as an unsigned 64-bit id.
 _ID_LIMIT = 1 << 63
 
@@ -291,13 +287,13 @@ class MooncakeEngine:
         """Wait for ``batch_ids`` from :meth:`start_write`; raise the first failure.
 
         Sleeps between status polls rather than spinning: 20 us (about 70 us with the
-        kernel's timer slack) for the first _POLL_FAST_S, so a write is seen done soon
+        kernel's timer slack) for the first 2 ms (:mod:`.backoff`), so a write is seen done soon
         after it lands, then doubling up to 1 ms. Past ``write_timeout_s`` the remaining
         ids are abandoned and :class:`TransferAbandoned` (op ``transfer_check_status``) raised:
         those writes may still land, so their slot must not be written again.
         """
         error: TransferError | None = None
-        delay = _POLL_MIN_S
+        backoff = Backoff()
         start = time.monotonic()
         while batch_ids:
             batch_ids, failed = self.poll_write(peer, batch_ids)
@@ -313,9 +309,7 @@ class MooncakeEngine:
                     op="transfer_check_status",
                     peer=peer,
                 )
-            time.sleep(delay)
-            if now - start > _POLL_FAST_S:
-                delay = min(delay * 2, _POLL_MAX_S)
+            backoff.sleep()
         if error is not None:
             raise error
 
