@@ -40,6 +40,7 @@ from pd_middleware.pipeline import ReceivePipeline
 from pd_middleware.transport import (
     DecodeReceiver,
     TransportConfig,
+    payload_codec,
     wire,
 )
 from pd_middleware.transport.config import CurveConfig
@@ -53,7 +54,7 @@ def messages_for(n: int, hidden: int) -> list[list[bytes]]:
     out = []
     for i in range(n):
         payload = Payload(f"bench-{i}", (17,), (0.5,), VOCAB, hidden=data, hidden_dtype="bf16")
-        header, _ = wire.build_header(payload, i)
+        header, _ = payload_codec.build_header(payload, i)
         out.append([wire.encode(header), data])
     return out
 

@@ -38,7 +38,7 @@ from _common import emit
 
 from pd_middleware import Payload, PluginContext
 from pd_middleware.encodings import dense_law_tensor, sparse_law, sparse_law_tensor
-from pd_middleware.transport import wire
+from pd_middleware.transport import payload_codec, wire
 from pd_middleware.workloads import make_workload
 from pd_middleware_full.full import FullEncoder, FullEncoderOptions
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
@@ -95,15 +95,15 @@ def arms() -> list[tuple[str, str, Callable[[PluginContext], Any]]]:
 
 def control_bytes(payload: Payload) -> int:
     """msgpack header bytes of ``payload`` on the bulk path (tensors in a slot)."""
-    header, _ = wire.build_header(payload, seq=0, slot=0)
+    header, _ = payload_codec.build_header(payload, seq=0, slot=0)
     return len(wire.encode(header))
 
 
 def slot_bytes(payload: Payload) -> int:
     """Bytes ``payload``'s tensors occupy in a receive slot, each padded to SLOT_ALIGN:
     the range one Mooncake transfer moves."""
-    _, parts = wire.build_header(payload, seq=0, slot=0)
-    return wire.bulk_bytes(payload) if parts else 0
+    _, parts = payload_codec.build_header(payload, seq=0, slot=0)
+    return payload_codec.bulk_bytes(payload) if parts else 0
 
 
 def main() -> None:

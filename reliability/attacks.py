@@ -40,7 +40,7 @@ from _zmtp import RawZmtp
 
 from pd_middleware import OneHotProposal, Payload, Provenance
 from pd_middleware.pipeline import Delivery, ReceivePipeline
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, payload_codec, wire
 from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
 from pd_middleware.transport.config import CurveConfig
 
@@ -70,7 +70,7 @@ def make(rid: str, hidden: int = 64) -> Payload:
 
 
 def frames_of(p: Payload, seq: int = 0) -> list[bytes]:
-    header, parts = wire.build_header(p, seq)
+    header, parts = payload_codec.build_header(p, seq)
     return [wire.encode(header), *(bytes(b) for b, _ in parts)]
 
 
@@ -228,7 +228,7 @@ def case_type_confusion(ctx: zmq.Context, scale: float) -> dict[str, Any]:
             # the oracle is the wire schema itself, applied here, outside the receiver.
             try:
                 h = wire.decode_frame(frame, LimitsConfig())
-                expect, _ = wire.payload_from_header(h, [frame, hidden], LimitsConfig())  # type: ignore[arg-type]
+                expect, _ = payload_codec.payload_from_header(h, [frame, hidden], LimitsConfig())  # type: ignore[arg-type]
                 valid[expect.request_id] = expect
             except Exception:
                 t.r["attacks"] += 1
@@ -355,7 +355,7 @@ def _flood(address: str, n: int, big: int) -> None:
         p = Payload(
             f"f-{i}", (5,), (0.5,), 100, hidden=data, hidden_dtype="bf16", provenance=Provenance("sampled", 1.0, None)
         )
-        header, _ = wire.build_header(p, i)
+        header, _ = payload_codec.build_header(p, i)
         try:
             s.send_multipart([wire.encode(header), data], flags=zmq.NOBLOCK, copy=False)
             print(p.request_id, flush=True)  # sent (queued at the attacker)

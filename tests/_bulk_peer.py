@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 from pd_middleware import Payload
-from pd_middleware.transport import LimitsConfig, MooncakeEngine, integrity, wire
+from pd_middleware.transport import LimitsConfig, MooncakeEngine, integrity, payload_codec, wire
 from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
 
 
@@ -103,7 +103,7 @@ class RawPrefill:
         if gen is None:
             gen = self.gens[slot] = self.gens[slot] + 1
         self.seq += 1
-        return wire.build_header(payload, self.seq, slot, gen=gen, digest=integrity.DIGESTS[algorithm])
+        return payload_codec.build_header(payload, self.seq, slot, gen=gen, digest=integrity.DIGESTS[algorithm])
 
     def write(self, slot: int, parts: list[tuple[Any, int]], engine: MooncakeEngine | None = None) -> None:
         """Write ``parts`` at their offsets of ``slot`` (with ``engine``: another process's engine)."""

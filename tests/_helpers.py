@@ -15,7 +15,7 @@ import struct
 import msgspec
 
 from pd_middleware import DenseEncoding, OneHotProposal, Payload, Provenance, SparseEncoding
-from pd_middleware.transport import LimitsConfig, wire
+from pd_middleware.transport import LimitsConfig, payload_codec, wire
 
 
 class OneHot:
@@ -90,7 +90,7 @@ def make(steps: int = 1, hidden_dtype: str = "bf16", proposal: str | None = None
 
 
 def inline_frames(p: Payload, seq: int = 0) -> list[bytes]:
-    header, parts = wire.build_header(p, seq)
+    header, parts = payload_codec.build_header(p, seq)
     return [wire.encode(header), *(bytes(b) for b, _ in parts)]
 
 

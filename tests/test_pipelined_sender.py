@@ -58,7 +58,7 @@ def test_idle_sender_still_delivers(zctx, mooncake_pair) -> None:
 def test_bulk_bytes_are_counted_when_sent(zctx, mooncake_pair) -> None:
     """Per-caller accounting (the A/B job diffs statuses() around each arm's sends) must
     see a payload's bulk bytes when send returns, not when its write lands later."""
-    from pd_middleware.transport import wire
+    from pd_middleware.transport import payload_codec
 
     rx, tx = _pair(8, zctx, mooncake_pair)
     try:
@@ -66,7 +66,7 @@ def test_bulk_bytes_are_counted_when_sent(zctx, mooncake_pair) -> None:
             p = make_payload("bytes", i)
             before = tx.statuses()["bytes_by_plane"]["bulk"]
             tx.send(p)
-            assert tx.statuses()["bytes_by_plane"]["bulk"] - before == wire.bulk_bytes(p)
+            assert tx.statuses()["bytes_by_plane"]["bulk"] - before == payload_codec.bulk_bytes(p)
         assert tx.flush(5.0)
         for o in collect_outcomes(rx, 6, timeout=5.0):
             o.release()

@@ -27,7 +27,7 @@ from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init
 
 from pd_middleware import Payload, Provenance, TransferError
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, payload_codec, wire
 from pd_middleware.transport.nesting import MAX_DEPTH, nesting_depth
 
 NESTED = b"\x91" * 1000 + b"\x01"  # [[[...1...]]], 1001 bytes
@@ -84,7 +84,7 @@ def test_nested_frame_is_a_counted_wire_nesting_failure(zctx) -> None:
 
 def test_unforeseen_exception_fails_one_message_not_the_loop(zctx, monkeypatch) -> None:
     rx = receiver(zctx)
-    real = wire.payload_from_header
+    real = payload_codec.payload_from_header
     calls = {"n": 0}
 
     def flaky(h, *a, **kw):
@@ -93,7 +93,7 @@ def test_unforeseen_exception_fails_one_message_not_the_loop(zctx, monkeypatch) 
             raise RuntimeError("a bug no check foresaw")
         return real(h, *a, **kw)
 
-    monkeypatch.setattr(wire, "payload_from_header", flaky)
+    monkeypatch.setattr(payload_codec, "payload_from_header", flaky)
     try:
         s = raw_peer(zctx, rx.address)
         s.send_multipart(inline_frames(make("boom")))

@@ -32,7 +32,7 @@ from pd_middleware.config import load_config, parse_config, resolve_plugins
 from pd_middleware.metrics import MAX_REASON_CHARS, MAX_REASONS, Metrics
 from pd_middleware.pipeline import Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, TransportConfig, wire
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, TransportConfig, payload_codec, wire
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -103,7 +103,7 @@ def test_unnamed_inline_frames_are_rejected(change, message) -> None:
     assert len(frames) == 3
     with pytest.raises(WireError) as info:
         msg = wire.decode_frame(frames[0], LimitsConfig())
-        wire.payload_from_header(msg, change(frames), LimitsConfig())
+        payload_codec.payload_from_header(msg, change(frames), LimitsConfig())
     assert info.value.field == "frames" and info.value.request_id == "extra" and message in str(info.value)
     # A frame named twice (hidden and proposal both frame 1) is refused too.
     raw = msgspec.msgpack.decode(frames[0])
@@ -111,11 +111,11 @@ def test_unnamed_inline_frames_are_rejected(change, message) -> None:
     raw["proposal"]["data"]["nbytes"] = raw["hidden"]["nbytes"]
     with pytest.raises(WireError) as info:
         msg = wire.decode_frame(msgspec.msgpack.encode(raw), LimitsConfig())
-        wire.payload_from_header(msg, frames[:2], LimitsConfig())
+        payload_codec.payload_from_header(msg, frames[:2], LimitsConfig())
     assert info.value.field in ("frames", "proposal.data.shape", "proposal.data.nbytes")
     # Negative control: the untouched message decodes.
     msg = wire.decode_frame(frames[0], LimitsConfig())
-    assert wire.payload_from_header(msg, frames, LimitsConfig())[0].request_id == "extra"
+    assert payload_codec.payload_from_header(msg, frames, LimitsConfig())[0].request_id == "extra"
 
 
 # ---- 3.-5. config ------------------------------------------------------------------------------

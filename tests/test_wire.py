@@ -19,7 +19,7 @@ from _helpers import (  # tests/ is on sys.path
 )
 
 from pd_middleware import Payload, WireError
-from pd_middleware.transport import LimitsConfig, wire
+from pd_middleware.transport import LimitsConfig, payload_codec, wire
 from pd_middleware.transport.auth import Signer
 from pd_middleware.transport.slots import SlotPool
 
@@ -27,7 +27,7 @@ from pd_middleware.transport.slots import SlotPool
 def decode(frames: list[bytes], resolver=None) -> Payload:
     msg = wire.decode_frame(frames[0], LIMITS)
     assert isinstance(msg, wire.PayloadHeader)
-    return wire.payload_from_header(msg, frames, LIMITS, resolver)[0]
+    return payload_codec.payload_from_header(msg, frames, LIMITS, resolver)[0]
 
 
 @pytest.mark.parametrize("steps", [1, 4])
@@ -43,12 +43,12 @@ def test_slot_round_trip_is_zero_copy_and_aligned(proposal: str) -> None:
     pool = SlotPool(2, 4096)
     (slot,) = pool.grant("peer", 1)
     p = make(2, "fp32", proposal)
-    header, parts = wire.build_header(p, 7, slot)
+    header, parts = payload_codec.build_header(p, 7, slot)
     for buf, off in parts:
         assert off % wire.SLOT_ALIGN == 0
         pool.view[slot * 4096 + off : slot * 4096 + off + len(buf)] = buf
     msg = wire.decode_frame(wire.encode(header), LIMITS)
-    got, s = wire.payload_from_header(msg, [b""], LIMITS, lambda *a: pool.view_of("peer", *a))
+    got, s = payload_codec.payload_from_header(msg, [b""], LIMITS, lambda *a: pool.view_of("peer", *a))
     assert s == slot
     same(p, got)
     assert isinstance(got.hidden, memoryview) and not got.hidden.readonly  # a view of the slot, no copy
@@ -57,7 +57,7 @@ def test_slot_round_trip_is_zero_copy_and_aligned(proposal: str) -> None:
 def reject(frames: list[bytes], field: str, resolver=None, limits: LimitsConfig = LIMITS) -> WireError:
     with pytest.raises(WireError) as info:
         msg = wire.decode_frame(frames[0], limits)
-        wire.payload_from_header(msg, frames, limits, resolver)  # type: ignore[arg-type]
+        payload_codec.payload_from_header(msg, frames, limits, resolver)  # type: ignore[arg-type]
     assert info.value.field == field, str(info.value)
     return info.value
 
@@ -185,14 +185,14 @@ def test_slot_checks() -> None:
     pool.grant("other", 1)
     res = lambda *a: pool.view_of("me", *a)  # noqa: E731  # a one-line resolver
     p = make(1)
-    header, _ = wire.build_header(p, 0, 1 - mine)
+    header, _ = payload_codec.build_header(p, 0, 1 - mine)
     e = reject([wire.encode(header)], "hidden.slot", res)
     assert "is not granted to this peer" in str(e)
-    header, _ = wire.build_header(make(1, "fp32", "dense"), 0, mine)
+    header, _ = payload_codec.build_header(make(1, "fp32", "dense"), 0, mine)
     e = reject([wire.encode(header)], "proposal.data.offset", res)
     assert "exceeds the 256-byte slot" in str(e)
     pool.hold(mine)
-    header, _ = wire.build_header(p, 0, mine)
+    header, _ = payload_codec.build_header(p, 0, mine)
     e = reject([wire.encode(header)], "hidden.slot", res)
     assert "still in use" in str(e)
     e = reject([wire.encode(header)], "hidden.slot", None)
@@ -236,7 +236,7 @@ def test_fuzz_every_message_is_rejected_with_a_field_or_valid() -> None:
             for prop in (None, "dense", "sparse", "sparse_u16_big"):
                 p = make(steps, hd, prop)
                 corpus.append(inline_frames(p, 3))
-                header, _ = wire.build_header(p, 3, slot=1)
+                header, _ = payload_codec.build_header(p, 3, slot=1)
                 corpus.append([wire.encode(header)])
     corpus.append([wire.encode(wire.Hello(name="p", want_slots=4))])
     corpus.append([wire.encode(wire.Heartbeat())])
@@ -247,7 +247,7 @@ def test_fuzz_every_message_is_rejected_with_a_field_or_valid() -> None:
         try:
             msg = wire.decode_frame(frames[0], LIMITS)
             if isinstance(msg, wire.PayloadHeader):
-                payload, _ = wire.payload_from_header(msg, frames, LIMITS, resolver)
+                payload, _ = payload_codec.payload_from_header(msg, frames, LIMITS, resolver)
                 assert isinstance(payload, Payload)
             accepted += 1
         except WireError as exc:

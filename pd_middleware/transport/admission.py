@@ -26,7 +26,7 @@ import zmq
 from .._errors import IntegrityError, WireError
 from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
-from . import wire
+from . import payload_codec, wire
 from .auth import TO_PREFILL, Signer
 from .config import LimitsConfig
 from .expects import Expectations
@@ -161,12 +161,12 @@ class Admission:
             other = self._other_owner(rid, peer)
             if other is not None:
                 raise WireError(f"it belongs to {other!r}, sent by {peer.name!r}", field="peer", request_id=rid)
-            payload, slot = wire.payload_from_header(h, body, self._limits, peer.resolver)
+            payload, slot = payload_codec.payload_from_header(h, body, self._limits, peer.resolver)
             gen = 0
             if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
-                gen = self._pool.admit(slot, wire.slot_refs(h), h.request_id)  # type: ignore[union-attr]  # slot >= 0 only with a pool
+                gen = self._pool.admit(slot, payload_codec.slot_refs(h), h.request_id)  # type: ignore[union-attr]  # slot >= 0 only with a pool
         except (WireError, IntegrityError) as exc:
-            named = wire.named_slot(h)
+            named = payload_codec.named_slot(h)
             if named >= 0 and self._pool is not None and named < self._pool.count:
                 pool = self._pool
                 if pool.owner[named] == peer.ident and not pool.held[named]:
@@ -188,7 +188,7 @@ class Admission:
         if slot >= 0:
             self._pool.hold(slot)  # type: ignore[union-attr]  # slot >= 0 only with a pool
             self._held_n += 1
-            by_plane["bulk"] += wire.bulk_bytes(payload)
+            by_plane["bulk"] += payload_codec.bulk_bytes(payload)
         elif len(body) == 2:
             inline = len(body[1])
         elif len(body) > 2:

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._errors import TransferAbandoned, TransferError
 from ..payload import Payload
-from . import integrity, wire
+from . import integrity, payload_codec, wire
 from .backoff import Backoff
 from .mooncake import MooncakeEngine, Range
 
@@ -164,7 +164,7 @@ class BulkWriter:
         """
         gen = self._gens.get(slot, 0) + 1
         self._gens[slot] = gen
-        return wire.build_header(payload, seq, slot, gen=gen, digest=self._digest)
+        return payload_codec.build_header(payload, seq, slot, gen=gen, digest=self._digest)
 
     def free_region(self, region: int) -> None:
         if region >= 0:

@@ -42,7 +42,7 @@ import zmq
 
 from .._errors import TransferError
 from ..payload import Payload
-from . import integrity, wire
+from . import integrity, payload_codec, wire
 from .auth import Signer, new_nonce
 from .backoff import Backoff
 from .bulk import BulkWriter
@@ -231,7 +231,7 @@ class PrefillSender(BulkPath):
             self._drain()
             self._check_alive("send")
             seq = self._seq
-            size = wire.bulk_bytes(payload)
+            size = payload_codec.bulk_bytes(payload)
             if self._free or self._slot_addr:
                 use_bulk = size > self.config.inline_threshold_bytes
             else:
@@ -245,7 +245,7 @@ class PrefillSender(BulkPath):
                     )
                 self._send_bulk(payload, seq, size)
             else:
-                header, parts = wire.build_header(payload, seq)
+                header, parts = payload_codec.build_header(payload, seq)
                 frames = [b for b, _ in parts]
                 self._send_msg(header, frames)
                 self.bytes["inline"] += sum(memoryview(b).nbytes for b in frames)

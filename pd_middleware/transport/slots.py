@@ -96,7 +96,7 @@ class SlotPool:
         """Check a payload's slot regions against the slot; return the generation it used.
 
         Call after :meth:`view_of` accepted every region (owner, range, not held).
-        ``refs`` are the header's ``(field, ref)`` slot regions (``wire.slot_refs``).
+        ``refs`` are the header's ``(field, ref)`` slot regions (``payload_codec.slot_refs``).
         All must name one generation, of this slot's current grant and above its last
         use; it is consumed at once, even if a digest then fails, so no header can be
         used twice. Then each region's digest is checked on the bytes in place. Raises
