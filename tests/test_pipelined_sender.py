@@ -215,3 +215,43 @@ def test_a_payload_that_cannot_be_staged_leaks_nothing(inflight, zctx, mooncake_
     finally:
         tx.close()
         rx.stop()
+
+
+def test_writes_are_polled_oldest_first_and_stop_at_one_still_running(zctx, mooncake_pair, monkeypatch) -> None:
+    """A pass polls the oldest write first and stops at the first one still running (writes to
+    one decode land in order), so a burst costs one status call per landed write, not one
+    per write in flight per pass; once the oldest lands, every header goes out in order.
+    Stand-in: the prefill engine's status poll says "running" for the first write until
+    released, and records which writes it was asked about."""
+    _, prefill_engine = mooncake_pair
+    rx, tx = _pair(8, zctx, mooncake_pair)
+    real = prefill_engine.poll_write
+    asked: list[tuple[int, ...]] = []
+    hold: dict[str, object] = {"bids": None, "on": True}
+
+    def poll(peer, bids):
+        asked.append(tuple(bids))
+        if hold["bids"] is None:
+            hold["bids"] = tuple(bids)
+        if hold["on"] and tuple(bids) == hold["bids"]:
+            return list(bids), None
+        return real(peer, bids)
+
+    try:
+        monkeypatch.setattr(prefill_engine, "poll_write", poll)
+        for i in range(4):
+            tx.send(make_payload(f"burst-{i}", i))
+        time.sleep(0.05)  # the others have landed by now; their headers must wait for the first
+        assert tx.writes_in_flight == 4
+        assert asked and set(asked) == {hold["bids"]}, "a write behind the oldest was polled"
+        assert rx.drain() == []
+        hold["on"] = False
+        outs = collect_outcomes(rx, 4, timeout=5.0)
+        assert [o.payload.request_id for o in outs] == [f"burst-{i}-{i}" for i in range(4)]  # type: ignore[union-attr]
+        for o in outs:
+            o.release()
+        assert tx.flush(5.0) and tx.statuses()["delivered"] == 4
+    finally:
+        monkeypatch.undo()
+        tx.close()
+        rx.stop()

@@ -173,24 +173,31 @@ class BulkWriter:
     # -- writes in flight -------------------------------------------------------
 
     def poll(self, peer: str, on_end: Callable[[InFlight, bool], None]) -> None:
-        """One non-blocking pass over the writes in flight.
+        """One non-blocking pass over the writes in flight, oldest first.
 
         Each write that ended goes to ``on_end(write, retire_slot)``, with ``write.error``
         set if it failed; ``retire_slot`` is True when the write was given up on (past
-        ``write_timeout_s``, or timed out in the engine), since it may still land.
+        ``write_timeout_s``, or timed out in the engine), since it may still land. The
+        pass stops at the first write still running: writes to one decode land in the
+        order they were submitted (the engine's connection to a peer is a stream), so
+        polling the ones behind it would only cost status calls (benchmarks/bulk.py),
+        and a header is never held back for long behind an earlier one.
         """
         engine = self.engine
-        still: deque[InFlight] = deque()
+        inflight = self.inflight
         now = self._clock()
-        for w in self.inflight:
+        while inflight:
+            w = inflight[0]
             try:
                 pending, err = engine.poll_write(peer, w.bids)
             except TransferError as exc:  # the engine was closed under us
                 pending, err = [], exc
             w.error = w.error or err
-            if not pending and isinstance(w.error, TransferAbandoned):
-                on_end(w, True)  # timed out in the engine: may still land
-            elif pending and now - w.started > engine.write_timeout_s:
+            if pending and now - w.started <= engine.write_timeout_s:
+                w.bids = pending
+                return
+            inflight.popleft()
+            if pending:
                 engine.abandon(pending)
                 w.error = TransferAbandoned(
                     f"write not done within write_timeout_s={engine.write_timeout_s:g}",
@@ -198,12 +205,8 @@ class BulkWriter:
                     peer=peer,
                 )
                 on_end(w, True)
-            elif pending:
-                w.bids = pending
-                still.append(w)
             else:
-                on_end(w, False)
-        self.inflight = still
+                on_end(w, isinstance(w.error, TransferAbandoned))  # timed out in the engine: may still land
 
     def drop(self, peer: str | None) -> None:
         """On reset: wait for running writes to end, then give up on the rest; no header goes out.

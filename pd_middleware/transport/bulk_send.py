@@ -13,6 +13,7 @@ method runs under the sender's lock.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -30,6 +31,7 @@ class BulkPath(Control):
     _bulk: BulkWriter | None
     _decode_mc: str | None
     _max_inflight: int
+    _polled_at: float  # time.monotonic() when writes in flight were last polled (by any thread)
 
     def _send_bulk(self, payload: Payload, seq: int, size: int) -> None:
         """Write the tensors into a slot; send the header now (synchronous) or once landed."""
@@ -91,6 +93,7 @@ class BulkPath(Control):
         """One non-blocking pass: send the header of each write that landed, fail the failed."""
         assert self._bulk is not None and self._decode_mc is not None
         self._bulk.poll(self._decode_mc, self._end_write)
+        self._polled_at = time.monotonic()
 
     def _end_write(self, w: InFlight, retire_slot: bool) -> None:
         """A write ended: send its header, or fail its request (and lose the decode)."""

@@ -51,7 +51,10 @@ from .config import TransportConfig
 from .mooncake import MooncakeEngine
 from .sockets import connect_dealer
 
-_FAILURE_LOG = 1024  # most recent failures kept for failures()
+_FAILURE_LOG = 1024
+# The background thread leaves writes in flight to a thread that polled them this
+# recently (a send() in a loop completes its own): about half a 608 KB write on loopback.
+_QUIET_S = 100e-6  # most recent failures kept for failures()
 
 
 class PrefillSender(BulkPath):
@@ -92,6 +95,7 @@ class PrefillSender(BulkPath):
         self._free: deque[int] = deque()
         self._slot_size = 0
         self._max_inflight = config.mooncake.max_inflight_writes
+        self._polled_at = 0.0
         # Staging, registered sources and writes in flight (bulk.py); None without an engine.
         digest = integrity.algorithm_for(config)
         self._bulk = BulkWriter(engine, self._max_inflight, clock, digest) if engine is not None else None
@@ -331,8 +335,20 @@ class PrefillSender(BulkPath):
         next_hb = self._clock() + hb / 2
         backoff = Backoff(self._clock)
         seen_seq = -1
+        lock = self._lock
         while not self._hb_stop.is_set():
-            with self._lock:
+            quiet = self._polled_at + _QUIET_S - time.monotonic()  # real time, whatever the clock
+            if self._inflight and quiet > 0:
+                # A sending thread polled just now: it completes its own writes while it
+                # sends; taking the lock (and the GIL) from it would only slow both down.
+                time.sleep(quiet)
+                continue
+            # With writes in flight, a send()/flush() holding the lock polls them itself: do
+            # not queue behind it. Otherwise wait for the lock (the silence watch must run).
+            if not lock.acquire(blocking=not self._inflight):
+                backoff.sleep()
+                continue
+            try:
                 if self._inflight and self._sock is not None and self._lost is None:
                     self._poll_inflight()
                 busy = bool(self._inflight) and self._lost is None
@@ -343,6 +359,8 @@ class PrefillSender(BulkPath):
                 if now >= next_hb:
                     next_hb = now + hb / 2
                     self._heartbeat_duties(now)
+            finally:
+                lock.release()
             if busy:
                 backoff.sleep()
             else:
