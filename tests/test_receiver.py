@@ -388,3 +388,54 @@ def test_consumed_acks_wait_for_release(zctx, mode: str) -> None:
     finally:
         tx.close()
         rx.stop()
+
+
+def test_poll_timeouts_round_up_so_the_loop_never_spins() -> None:
+    """pyzmq truncates a float ``poll`` timeout to whole milliseconds: a wait under 1 ms was a
+    0 ms poll, and the receive loop spun through the last millisecond of every ack interval
+    and tick (the bulk benchmark's decode used a quarter of a core on it)."""
+    from pd_middleware.transport.sockets import poll_ms
+
+    assert [poll_ms(s) for s in (0.0, -0.5, 1e-6, 0.0004, 0.001, 0.0011, 0.05)] == [0, 0, 1, 1, 1, 2, 50]
+
+
+def test_an_idle_receiver_holding_a_delivery_does_not_spin(zctx, monkeypatch) -> None:
+    """A held delivery makes the loop look for releases every ack interval and tick every
+    50 ms. Counted over 0.5 s idle: polls that returned at once with nothing to do. With
+    the timeout truncated (the negative control) they number in the thousands."""
+    from pd_middleware.transport import receiver as receiver_module
+
+    def count(truncate: bool) -> int:
+        empty = 0
+        real = zmq.Poller.poll
+
+        def poll(self, timeout=None):
+            nonlocal empty
+            t = int(timeout) if truncate and timeout is not None else timeout
+            got = real(self, t)
+            empty += not got and t == 0
+            return got
+
+        monkeypatch.setattr(zmq.Poller, "poll", poll)
+        if truncate:  # the old call: seconds * 1000.0, truncated by pyzmq
+            monkeypatch.setattr(receiver_module, "poll_ms", lambda s: max(0.0, s) * 1000.0)
+        rx = receiver(zctx)
+        tx = PrefillSender(rx.config, context=zctx, name="idle").connect(rx.address)
+        try:
+            tx.send(make("held"))
+            (held,) = collect_outcomes(rx, 1, timeout=5.0)
+            assert isinstance(held, Delivery)
+            empty = 0
+            time.sleep(0.5)
+            spins = empty
+            held.release()
+        finally:
+            tx.close()
+            rx.stop()
+            monkeypatch.undo()
+        return spins
+
+    fixed, truncated = count(truncate=False), count(truncate=True)
+    print(f"empty zero-timeout polls in 0.5 s: {fixed} rounded up, {truncated} truncated")
+    assert fixed < 50
+    assert truncated > 500  # negative control: the truncated timeout spins

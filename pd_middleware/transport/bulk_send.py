@@ -22,6 +22,7 @@ from ..payload import Payload
 from .backoff import POLL_MAX_S, Backoff
 from .bulk import BulkWriter, InFlight
 from .control import Control
+from .sockets import poll_ms
 
 
 class BulkPath(Control):
@@ -84,7 +85,7 @@ class BulkPath(Control):
                 raise NoSlotError(
                     f"all {len(self._slot_addr)} slots stayed in use for {wait:g} s", op="send", peer=self._address
                 )
-            if sock.poll(min(left, POLL_MAX_S if self._inflight else 0.05) * 1000.0):  # type: ignore[arg-type]  # pyzmq takes float ms
+            if sock.poll(poll_ms(min(left, POLL_MAX_S if self._inflight else 0.05))):
                 self._drain()
             self._check_alive("send")
         return self._free.popleft()

@@ -59,7 +59,7 @@ from .mooncake import MooncakeEngine
 from .outcomes import OutcomeQueue
 from .peers import ACK_BATCH, ACK_INTERVAL_S, PeerTable
 from .slots import SlotPool
-from .sockets import bind_router
+from .sockets import bind_router, poll_ms
 
 
 class DecodeReceiver(Handshake):
@@ -265,7 +265,7 @@ class DecodeReceiver(Handshake):
             if full == reading:
                 reading = not full
                 poller.modify(sock, zmq.POLLIN if reading else 0)
-            events = dict(poller.poll(max(0.0, wait) * 1000.0))  # type: ignore[arg-type]  # pyzmq takes float ms
+            events = dict(poller.poll(poll_ms(wait)))
             if rfd in events:
                 try:
                     os.read(rfd, 4096)

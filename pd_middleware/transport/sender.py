@@ -49,7 +49,7 @@ from .bulk import BulkWriter
 from .bulk_send import BulkPath
 from .config import TransportConfig
 from .mooncake import MooncakeEngine
-from .sockets import connect_dealer
+from .sockets import connect_dealer, poll_ms
 
 _FAILURE_LOG = 1024
 # The background thread leaves writes in flight to a thread that polled them this
@@ -197,7 +197,7 @@ class PrefillSender(BulkPath):
         deadline = self._clock() + timeout
         while True:
             left = deadline - self._clock()
-            if left <= 0 or not sock.poll(left * 1000.0):  # type: ignore[arg-type]  # pyzmq takes float ms
+            if left <= 0 or not sock.poll(poll_ms(left)):
                 self._lost = "no grant"
                 raise TransferError(
                     f"no slot grant from the decode within {timeout:g} s", op="connect", peer=self._address
@@ -283,7 +283,7 @@ class PrefillSender(BulkPath):
                 if left <= 0:
                     return False
                 if not self._inflight:
-                    sock.poll(min(left, 0.05) * 1000.0)  # type: ignore[arg-type]  # pyzmq takes float ms
+                    sock.poll(poll_ms(min(left, 0.05)))
                     continue
             backoff.sleep()  # writes still landing: poll them again shortly
 
