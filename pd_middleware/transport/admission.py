@@ -19,6 +19,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -41,8 +42,9 @@ _perf_counter = time.perf_counter
 _NO_NONCE = bytes(16)
 # Failures whose request id is another delivery's or another peer's: never named in the Failure.
 _NOT_OWNED = frozenset(("duplicate", "peer"))
-# [peer, request id, seq, slot, slot generation, delivered?, inline bytes] of a payload whose
-# releaser was called (by the scheduler, or by the pipeline at once when the payload failed).
+# [peer, request id, seq, slot, slot generation, delivered?, inline bytes, released?, waited on?]
+# of a payload, recorded once its releaser is called (by the scheduler, or by the pipeline at
+# once when the payload failed). "Waited on": a slot the prefill may need, or a consumed ack.
 _Release = list[Any]
 
 
@@ -76,22 +78,21 @@ class Admission:
             except (BlockingIOError, OSError):
                 pass  # a full pipe already wakes the loop; a closed one means stopped
 
-    def _releaser(self, item: _Release) -> Callable[[], None]:
-        done = False
+    def _release(self, item: _Release) -> None:
+        """A delivery's releaser (bound to its item per payload): record the release for the loop.
+
+        Idempotent: a second release must not free a reused slot. The loop is woken at
+        once when it has stopped reading (backpressure), or every ``_release_batch``
+        releases that someone waits on (a slot the prefill may need, a consumed ack);
+        it finds the rest within ``ACK_INTERVAL_S``.
+        """
+        if item[7]:
+            return
+        item[7] = True
         released = self._released
-        prompt = item[3] >= 0 or self._consumed_acks or item[6] > 0  # someone waits on this release
-        batch = self._release_batch
-        queue = self._queue
-
-        def release() -> None:
-            nonlocal done
-            if not done:  # idempotent: a second release must not free a reused slot
-                done = True
-                released.append(item)
-                if prompt and (len(released) >= batch or queue.backpressure):
-                    self._wake()
-
-        return release
+        released.append(item)
+        if self._queue.backpressure or (item[8] and len(released) >= self._release_batch):
+            self._wake()
 
     def _send(self, peer: Peer, msg: wire.Message) -> None:
         self._send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
@@ -145,9 +146,11 @@ class Admission:
         owner = self._expects.owner(rid)
         if owner is not None:
             return owner if owner != peer.name else None
-        for p in self._peers.by_ident.values():  # outstanding for longer than the arrived window
-            if p.name != peer.name and rid in p.outstanding:
-                return p.name
+        peers = self._peers.by_ident
+        if len(peers) > 1:
+            for p in peers.values():  # outstanding for longer than the arrived window
+                if p.name != peer.name and rid in p.outstanding:
+                    return p.name
         return None
 
     def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[bytes]) -> None:
@@ -196,8 +199,8 @@ class Admission:
         by_plane["inline"] += inline
         self._expects.arrived(rid, peer.name)
         consumed = self._consumed_acks
-        item: _Release = [peer, rid, h.seq, slot, gen, False, inline]
-        releaser = self._releaser(item)
+        item: _Release = [peer, rid, h.seq, slot, gen, False, inline, False, slot >= 0 or consumed]
+        releaser = partial(self._release, item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
         self._queue.put(out, inline)
         if type(out) is Delivery:
@@ -222,7 +225,7 @@ class Admission:
         peers = self._peers
         queue = self._queue
         while released:
-            peer, rid, seq, slot, gen, delivered, inline = released.popleft()
+            peer, rid, seq, slot, gen, delivered, inline, _, _ = released.popleft()
             if inline:
                 queue.freed(inline)
                 if delivered:

@@ -51,10 +51,13 @@ class Expectations:
     def own(self, rid: str, peer: str) -> None:
         """Remember ``peer`` as the owner of ``rid`` (bounded: the oldest id is forgotten)."""
         arrived = self._arrived
-        if arrived.setdefault(rid, peer) == peer:
+        got = arrived.get(rid)
+        if got is None:  # the common case: a new id goes in last
+            arrived[rid] = peer
+            if len(arrived) > ARRIVED_CAP:
+                del arrived[next(iter(arrived))]
+        elif got == peer:
             arrived[rid] = arrived.pop(rid)  # most recent last
-        if len(arrived) > ARRIVED_CAP:
-            del arrived[next(iter(arrived))]
 
     def owner(self, rid: str) -> str | None:
         """The peer ``rid`` arrived from (within the window), or that :meth:`announce` named."""

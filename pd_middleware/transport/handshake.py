@@ -14,6 +14,7 @@ A mixin of :class:`~.receiver.DecodeReceiver`; runs only on the receive thread.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from .._errors import WireError
 from . import wire
@@ -38,7 +39,8 @@ class Handshake(Admission):
     _hellos: HelloGuard
     _pool_addr: int
 
-    def _handle(self, frames: list[bytes], user: str | None = None) -> None:
+    def _handle(self, frames: list[Any], user: str | None = None) -> None:
+        """``frames``: the routing id and control frame (bytes), then tensor frames (views)."""
         ident = frames[0]
         body = frames[1:]
         limits = self._limits
