@@ -278,21 +278,19 @@ class DecodeReceiver(Handshake):
             if sock in events:
                 for _ in range(batch):
                     try:
-                        f = recv(noblock, copy=False)
+                        ident = recv(noblock)  # a ROUTER message: the routing id, then at least one frame
                     except zmq.Again:
                         break
+                    f = recv(noblock, copy=False)  # arrived with it (a message is delivered whole)
                     user: str | None = f.get("User-Id") if curve else None  # type: ignore[assignment]  # a str property
-                    frames: list[Any] = [f.bytes]
+                    frames: list[Any] = [ident, f.bytes]
                     extra = 0
-                    while f.more:  # the rest of a multipart message has arrived with it
+                    while f.more:  # the rest of the message
                         f = recv(noblock, copy=False)
-                        n = len(frames)
-                        if n >= keep:
-                            extra += 1
-                        elif n < 2:  # the routing id and the control frame, as bytes
-                            frames.append(f.bytes)
-                        else:  # tensor frames (or a signature): a read-only view, no copy
+                        if len(frames) < keep:  # tensor frames (or a signature): read-only views, no copy
                             frames.append(f.buffer.toreadonly())
+                        else:
+                            extra += 1
                     try:
                         if extra:
                             self._reject(
