@@ -89,6 +89,13 @@ FIGURES: dict[str, list[Figure]] = {
             "raw pyzmq PUSH/PULL (plain) vs our receive path with CURVE + ZAP allowlist on",
             lambda x: x >= 0.5,
         ),
+        Figure(
+            "ratio_vs_raw_zmq_curve",
+            ">= 0.5",
+            "raw pyzmq PUSH/PULL with CURVE on both ends vs our receive path with CURVE + ZAP allowlist on",
+            lambda x: x >= 0.5,
+        ),
+        Figure("curve_cost_raw", "-", "share of raw pyzmq throughput libzmq's CURVE alone takes"),
         Figure("ours_payloads_per_s", "-", "decode receive path with CURVE, payloads/s"),
     ],
     "bulk": [
