@@ -81,12 +81,15 @@ def decode_process(mode: str, threshold: int, conn: mp.connection.Connection, di
         _config(threshold, digest=digest), ReceivePipeline([], {"default": ("one_hot", _OneHot())}), engine=engine
     ).start()
     conn.send((rx.address, 0))
-    while not conn.poll(0):
+    while True:
         item = rx.get(timeout=0.05)  # the scheduler blocks for work rather than spinning
-        if item is not None:
-            for it in (item, *rx.drain()):
-                if isinstance(it, Delivery):  # a Failure holds nothing (the run then reports it)
-                    it.release()
+        if item is None:
+            if conn.poll(0):  # told to stop (looked at only when idle: a syscall per batch cost the run CPU)
+                break
+            continue
+        for it in (item, *rx.drain()):
+            if isinstance(it, Delivery):  # a Failure holds nothing (the run then reports it)
+                it.release()
     rx.stop()
 
 
