@@ -153,7 +153,7 @@ class Admission:
                     return p.name
         return None
 
-    def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[bytes]) -> None:
+    def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[Any]) -> None:
         m = self.metrics
         rid = h.request_id
         try:

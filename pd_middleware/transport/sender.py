@@ -51,10 +51,10 @@ from .config import TransportConfig
 from .mooncake import MooncakeEngine
 from .sockets import connect_dealer, poll_ms
 
-_FAILURE_LOG = 1024
+_FAILURE_LOG = 1024  # most recent failures kept for failures()
 # The background thread leaves writes in flight to a thread that polled them this
 # recently (a send() in a loop completes its own): about half a 608 KB write on loopback.
-_QUIET_S = 100e-6  # most recent failures kept for failures()
+_QUIET_S = 100e-6
 
 
 class PrefillSender(BulkPath):
