@@ -439,3 +439,27 @@ def test_an_idle_receiver_holding_a_delivery_does_not_spin(zctx, monkeypatch) ->
     print(f"empty zero-timeout polls in 0.5 s: {fixed} rounded up, {truncated} truncated")
     assert fixed < 50
     assert truncated > 500  # negative control: the truncated timeout spins
+
+
+def test_inline_tensors_arrive_as_read_only_views_of_the_received_frame(zctx) -> None:
+    """Inline tensor frames are not copied out of libzmq's buffer: the hidden state is a
+    read-only memoryview with the bytes sent, still valid after release (only slots are
+    reused). A view that could be written would let a hook change the frame under others."""
+    rx = receiver(zctx)
+    tx = PrefillSender(rx.config, context=zctx, name="views").connect(rx.address)
+    try:
+        hidden = bytes(range(256))
+        sent = Payload("view", (3,), (0.5,), 100, hidden=hidden, hidden_dtype="bf16")
+        tx.send(sent)
+        (out,) = collect_outcomes(rx, 1, timeout=5.0)
+        assert isinstance(out, Delivery)
+        got = out.payload.hidden
+        assert isinstance(got, memoryview) and got.readonly
+        assert bytes(got) == hidden
+        with pytest.raises(TypeError):
+            got[0] = 1  # type: ignore[index]
+        out.release()
+        assert bytes(got) == hidden
+    finally:
+        tx.close()
+        rx.stop()
