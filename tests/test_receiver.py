@@ -106,6 +106,38 @@ def test_unforeseen_exception_fails_one_message_not_the_loop(zctx, monkeypatch) 
         rx.stop()
 
 
+def test_a_message_cut_short_in_libzmq_fails_alone(zctx, monkeypatch) -> None:
+    """libzmq delivers a message whole, so after its routing id the rest is always there. If
+    reading the rest ever raised anyway, that message fails as ``receiver:internal`` and the
+    loop goes on. Stand-in: the receive thread's first frame read after the routing id of
+    the message "cut" raises ``zmq.Again`` (libzmq never does)."""
+    import threading
+
+    real = zmq.Socket.recv
+    armed = {"on": False}
+
+    def recv(self, flags=0, copy=True, track=False):
+        if armed["on"] and not copy and threading.current_thread().name == "pd-decode-receiver":
+            armed["on"] = False
+            raise zmq.Again()
+        return real(self, flags, copy=copy, track=track)
+
+    monkeypatch.setattr(zmq.Socket, "recv", recv)  # before the loop binds sock.recv
+    rx = receiver(zctx)
+    try:
+        s = raw_peer(zctx, rx.address)
+        armed["on"] = True  # after the hello
+        s.send_multipart(inline_frames(make("cut")))
+        s.send_multipart(inline_frames(make("whole"), seq=1))
+        a, b = collect_outcomes(rx, 2)
+        assert isinstance(a, Failure) and a.key == "receiver:internal" and "Again" in a.reason
+        assert isinstance(b, Delivery) and b.request_id == "whole"  # negative control: the loop went on
+        assert rx.healthy
+    finally:
+        monkeypatch.undo()
+        rx.stop()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop re-raises, by design
 def test_a_dead_loop_is_reported_at_once(zctx, monkeypatch) -> None:
     rx = receiver(zctx)

@@ -281,16 +281,22 @@ class DecodeReceiver(Handshake):
                         ident = recv(noblock)  # a ROUTER message: the routing id, then at least one frame
                     except zmq.Again:
                         break
-                    f = recv(noblock, copy=False)  # arrived with it (a message is delivered whole)
-                    user: str | None = f.get("User-Id") if curve else None  # type: ignore[assignment]  # a str property
-                    frames: list[Any] = [ident, f.bytes]
+                    frames: list[Any] = [ident]
                     extra = 0
-                    while f.more:  # the rest of the message
+                    try:  # the rest arrived with it: libzmq delivers a message whole
                         f = recv(noblock, copy=False)
-                        if len(frames) < keep:  # tensor frames (or a signature): read-only views, no copy
-                            frames.append(f.buffer.toreadonly())
-                        else:
-                            extra += 1
+                        user: str | None = f.get("User-Id") if curve else None  # type: ignore[assignment]  # a str property
+                        frames.append(f.bytes)
+                        while f.more:
+                            f = recv(noblock, copy=False)
+                            if len(frames) < keep:  # tensor frames (or a signature): read-only views, no copy
+                                frames.append(f.buffer.toreadonly())
+                            else:
+                                extra += 1
+                    except zmq.ZMQError as exc:  # never seen; if it happens, it fails this message only
+                        self._discard_rest(sock)
+                        self._internal(frames, exc)
+                        continue
                     try:
                         if extra:
                             self._reject(
@@ -322,6 +328,15 @@ class DecodeReceiver(Handshake):
                 self._peers.flush(self._send, self._limits.max_message_bytes)
                 last_flush = now
             queue.notify()  # outcomes of expiries found by _tick
+
+    @staticmethod
+    def _discard_rest(sock: zmq.Socket[Any]) -> None:
+        """Drop what is left of a message read only in part, so the next read starts a message."""
+        try:
+            while sock.get(zmq.RCVMORE):
+                sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            pass
 
     def _internal(self, frames: list[Any], exc: Exception) -> None:
         """A message raised something no check foresaw: fail it (counted), keep serving."""
