@@ -1,21 +1,22 @@
 """The decode's payload admission: what becomes of each message's payload, and its release.
 
-A payload header from a connected peer is admitted (:meth:`Admission._on_payload`): a
+A payload header from a connected peer is admitted (:meth:`Admission.on_payload`): a
 request id the peer already has outstanding is ``wire:duplicate``, one another peer owns
 ``wire:peer``; else its frames or slot ranges are resolved (:mod:`.wire`), bulk integrity
 is checked (:mod:`.integrity`), and the pipeline's outcome is queued for the scheduler.
-A message refused before that is counted and answered by :meth:`Admission._reject`,
+A message refused before that is counted and answered by :meth:`Admission.reject`,
 naming a request id only for the authenticated peer that owns it. A delivery's releaser
 records the release for the loop, which frees the slot, the inline bytes and (with
-``ack = "consumed"``) acks it (:meth:`Admission._apply_releases`).
+``ack = "consumed"``) acks it (:meth:`Admission.apply_releases`).
 
-A mixin of :class:`~.receiver.DecodeReceiver`: it owns the state declared below and runs
-only on the receive thread (the releaser excepted: it only appends and wakes).
+Two parts of :class:`~.receiver.DecodeReceiver`, each an object it holds:
+:class:`Replies` (the one signed send path: the socket, the signer, ``unsent``) and
+:class:`Admission` (the releases not yet applied, what the loop waits on). Both run only
+on the receive thread (the releaser excepted: it only appends and wakes).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
 from . import payload_codec, wire
 from .auth import TO_PREFILL, Signer
-from .config import LimitsConfig
+from .config import TransportConfig
 from .expects import Expectations
 from .outcomes import OutcomeQueue
 from .peers import OUTSTANDING_CAP, REASON_CAP, Peer, PeerTable
@@ -48,37 +49,81 @@ _NOT_OWNED = frozenset(("duplicate", "peer"))
 _Release = list[Any]
 
 
+class Replies:
+    """The decode's one (signed) send path to prefill connections.
+
+    ``sock``: the bound ROUTER (None until the receiver starts, and after it stopped).
+    ``unsent`` counts replies dropped because a peer's queue was full or gone.
+    """
+
+    def __init__(self, signer: Signer | None, clock: Callable[[], float]) -> None:
+        self.signer = signer
+        self._clock = clock
+        self.sock: zmq.Socket[Any] | None = None
+        self.unsent = 0
+
+    def send(self, peer: Peer, msg: wire.Message) -> None:
+        """Send ``msg`` on ``peer``'s connection, under its nonce and next sequence."""
+        self.send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
+        peer.tx_seq += 1
+        peer.last_sent = self._clock()
+
+    def send_to(self, ident: bytes, msg: wire.Message, nonce: bytes = _NO_NONCE, seq: int | None = None) -> None:
+        """Send to a routing id. With HMAC, a connection with no peer is answered under
+        the nonce its verified message carried, and a clock-based sequence that grows
+        across decode restarts (a prefill refuses a sequence it has seen)."""
+        assert self.sock is not None
+        body = [wire.encode(msg)]
+        if self.signer is not None:
+            body += self.signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
+        try:
+            self.sock.send_multipart([ident, *body], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.unsent += 1  # peer gone or its queue full: it will time out and resync
+
+
 class Admission:
-    """Payload admission, refusals, replies and release bookkeeping of the receive loop."""
+    """Payload admission, refusals and release bookkeeping of one run of the receive loop.
 
-    # Set by DecodeReceiver.__init__/start (see there).
-    pipeline: ReceivePipeline
-    metrics: Metrics
-    unsent: int
-    _clock: Callable[[], float]
-    _signer: Signer | None
-    _limits: LimitsConfig
-    _consumed_acks: bool
-    _queue: OutcomeQueue
-    _released: deque[_Release]
-    _release_batch: int
-    _held_n: int
-    _expects: Expectations
-    _peers: PeerTable
-    _wake_armed: bool
-    _sock: zmq.Socket[Any] | None
-    _pool: SlotPool | None
-    _pipe: tuple[int, int] | None
+    Owns the releases recorded but not yet applied and :attr:`waiting` (releases the loop
+    waits for: held slots, inline bytes, consumed acks). It reads the peer table, the
+    expectations and the slot pool (``None``: inline only) it is given, puts outcomes on
+    ``queue`` and calls ``wake`` to wake the loop.
+    """
 
-    def _wake(self) -> None:
-        if not self._wake_armed and self._pipe is not None:
-            self._wake_armed = True
-            try:
-                os.write(self._pipe[1], b"\0")
-            except (BlockingIOError, OSError):
-                pass  # a full pipe already wakes the loop; a closed one means stopped
+    def __init__(
+        self,
+        config: TransportConfig,
+        pipeline: ReceivePipeline,
+        queue: OutcomeQueue,
+        expects: Expectations,
+        peers: PeerTable,
+        replies: Replies,
+        pool: SlotPool | None,
+        wake: Callable[[], None],
+    ) -> None:
+        self.pipeline = pipeline
+        self.metrics: Metrics = pipeline.metrics
+        self._limits = config.limits
+        self._consumed_acks = config.ack == "consumed"
+        self._queue = queue
+        self._expects = expects
+        self._peers = peers
+        self._replies = replies
+        self._signed = replies.signer is not None
+        self._pool = pool
+        self._wake = wake
+        self._released: deque[_Release] = deque()
+        # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
+        self._release_batch = max(1, config.slots.per_peer >> 3)
+        self.waiting = 0  # releases the loop waits for: held slots, inline bytes, consumed acks
 
-    def _release(self, item: _Release) -> None:
+    @property
+    def backpressure(self) -> bool:
+        """Whether the loop has stopped reading (the scheduler is this far behind)."""
+        return self._queue.backpressure
+
+    def release(self, item: _Release) -> None:
         """A delivery's releaser (bound to its item per payload): record the release for the loop.
 
         Idempotent: a second release must not free a reused slot. The loop is woken at
@@ -94,28 +139,10 @@ class Admission:
         if self._queue.backpressure or (item[8] and len(released) >= self._release_batch):
             self._wake()
 
-    def _send(self, peer: Peer, msg: wire.Message) -> None:
-        self._send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
-        peer.tx_seq += 1
-        peer.last_sent = self._clock()
-
-    def _send_to(self, ident: bytes, msg: wire.Message, nonce: bytes = _NO_NONCE, seq: int | None = None) -> None:
-        """The one (signed) send path. With HMAC, a connection with no peer is answered under
-        the nonce its verified message carried, and a clock-based sequence that grows
-        across decode restarts (a prefill refuses a sequence it has seen)."""
-        assert self._sock is not None
-        body = [wire.encode(msg)]
-        if self._signer is not None:
-            body += self._signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
-        try:
-            self._sock.send_multipart([ident, *body], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.unsent += 1  # peer gone or its queue full: it will time out and resync
-
-    def _emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
+    def emit(self, outcome: Delivery | Failure, nbytes: int = 0) -> None:
         self._queue.put(outcome, nbytes)
 
-    def _reject(
+    def reject(
         self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE, peer: Peer | None = None
     ) -> None:
         """Count and report a message that failed before its payload could be built.
@@ -130,15 +157,15 @@ class Admission:
             rid = None  # the claimed id stays in the reason
         name = peer.name if peer is not None else None
         f = self.pipeline.fail(Failure(request_id=rid, stage="wire", reason=str(exc), field=exc.field, peer=name))
-        self._emit(f)
+        self.emit(f)
         reply = wire.ErrorReply(code=code, reason=str(exc)[:REASON_CAP], request_id=exc.request_id)
         conn = self._peers.by_ident.get(ident)
-        if conn is not None and (self._signer is None or conn.nonce == nonce):
+        if conn is not None and (not self._signed or conn.nonce == nonce):
             # A connected peer is answered on its own sequence: a wall-clock one would jump
             # its replay window past every later ack and heartbeat (HMAC).
-            self._send(conn, reply)
+            self._replies.send(conn, reply)
         else:
-            self._send_to(ident, reply, nonce)
+            self._replies.send_to(ident, reply, nonce)
 
     def _other_owner(self, rid: str, peer: Peer) -> str | None:
         """The identity of another peer that owns ``rid`` (expected from it, recently arrived
@@ -153,7 +180,7 @@ class Admission:
                     return p.name
         return None
 
-    def _on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[Any]) -> None:
+    def on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[Any]) -> None:
         m = self.metrics
         rid = h.request_id
         try:
@@ -182,7 +209,7 @@ class Admission:
             f = self.pipeline.fail(
                 Failure(request_id=named_rid, stage=stage, reason=str(exc), field=fld, peer=peer.name)
             )
-            self._emit(f)
+            self.emit(f)
             peer.failed.append((h.seq, f.key, f.reason))
             return
         by_plane = m.bytes
@@ -190,7 +217,7 @@ class Admission:
         inline = 0
         if slot >= 0:
             self._pool.hold(slot)  # type: ignore[union-attr]  # slot >= 0 only with a pool
-            self._held_n += 1
+            self.waiting += 1
             by_plane["bulk"] += payload_codec.bulk_bytes(payload)
         elif len(body) == 2:
             inline = len(body[1])
@@ -200,7 +227,7 @@ class Admission:
         self._expects.arrived(rid, peer.name)
         consumed = self._consumed_acks
         item: _Release = [peer, rid, h.seq, slot, gen, False, inline, False, slot >= 0 or consumed]
-        releaser = partial(self._release, item)
+        releaser = partial(self.release, item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
         self._queue.put(out, inline)
         if type(out) is Delivery:
@@ -210,15 +237,15 @@ class Admission:
             if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
                 del held[next(iter(held))]
             if inline:  # its bytes count against max_queued_inline_bytes until released
-                self._held_n += 1
+                self.waiting += 1
             if consumed:
-                self._held_n += 1
+                self.waiting += 1
             else:
                 peer.delivered.append(h.seq)
         else:
             peer.failed.append((h.seq, out.key, out.reason))  # type: ignore[union-attr]  # a Failure here
 
-    def _apply_releases(self) -> None:
+    def apply_releases(self) -> None:
         pool = self._pool
         released = self._released
         consumed = self._consumed_acks
@@ -229,21 +256,21 @@ class Admission:
             if inline:
                 queue.freed(inline)
                 if delivered:
-                    self._held_n -= 1
+                    self.waiting -= 1
             if delivered:
                 peer.outstanding.pop(rid, None)
             if slot >= 0:
                 done, owner = pool.release(slot, gen)  # type: ignore[union-attr]  # slot >= 0 only with a pool
                 if done:  # else stale: the slot was freed or reused since; never free a later use
-                    self._held_n -= 1
+                    self.waiting -= 1
                 if done and owner is not None:
                     holder = peers.get(owner)  # type: ignore[arg-type]  # slot owners are peer idents
                     if holder is not None:
                         holder.freed.append(slot)
             if consumed and delivered:
-                self._held_n -= 1
+                self.waiting -= 1
                 if peers.get(peer.ident) is peer:  # still connected: ack it now it was used
                     peer.delivered.append(seq)  # type: ignore[union-attr]  # `is` narrowed it to get()'s Optional
 
-    def _fail_expected(self, rid: str, why: str, reason: str) -> None:
-        self._emit(self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field=why)))
+    def fail_expected(self, rid: str, why: str, reason: str) -> None:
+        self.emit(self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field=why)))

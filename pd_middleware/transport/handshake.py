@@ -1,45 +1,77 @@
 """The decode's per-message dispatch and peer handshake.
 
-:meth:`Handshake._handle` takes one inbound message: frame count, HMAC and replay window
+:meth:`Handshake.handle` takes one inbound message: frame count, HMAC and replay window
 (:mod:`.auth`), the CURVE key a connection was opened with, then the header
 (:mod:`.wire`); a payload goes to admission (:mod:`.admission`), a hello opens (or
 reopens) a connection and is answered by a grant of slots, a heartbeat from an unknown
-peer asks it to say hello, a bye forgets the peer. :meth:`Handshake._tick` fails
-overdue expectations, drops silent peers and sends heartbeats; :meth:`Handshake._drop`
+peer asks it to say hello, a bye forgets the peer. :meth:`Handshake.tick` fails
+overdue expectations, drops silent peers and sends heartbeats; :meth:`Handshake.drop`
 forgets a peer, reclaims its slots and fails what was expected from it.
 
-A mixin of :class:`~.receiver.DecodeReceiver`; runs only on the receive thread.
+A part of :class:`~.receiver.DecodeReceiver`, an object it holds for one run of the
+receive loop: it owns the HMAC hello guard (nonces seen, freshness) and decides who a
+connection is; payloads and refusals go to the :class:`~.admission.Admission` it is
+given, replies out through :class:`~.admission.Replies`. Runs only on the receive thread.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import WireError
 from . import wire
-from .admission import _NO_NONCE, Admission
+from .admission import _NO_NONCE, Admission, Replies
 from .auth import TO_DECODE, CurveGate, HelloGuard
 from .config import TransportConfig
+from .expects import Expectations
 from .mooncake import MooncakeEngine
-from .peers import Peer
+from .peers import Peer, PeerTable
+from .slots import SlotPool
 
 _PayloadHeader = wire.PayloadHeader
 
 
-class Handshake(Admission):
-    """Dispatch of inbound messages, hello/grant, heartbeats, bye and peer loss."""
+class Handshake:
+    """Dispatch of inbound messages, hello/grant, heartbeats, bye and peer loss.
 
-    # Set by DecodeReceiver.__init__/start (see there).
-    config: TransportConfig
-    engine: MooncakeEngine | None
-    session: str
-    _curve: bool
-    _gate: CurveGate | None
-    _hellos: HelloGuard
-    _pool_addr: int
+    ``gate``: the CURVE allowlist (None without CURVE); ``pool`` and ``pool_addr``: the
+    slot pool and its registered address (None and 0: inline only).
+    """
 
-    def _handle(self, frames: list[Any], user: str | None = None) -> None:
+    def __init__(
+        self,
+        config: TransportConfig,
+        session: str,
+        engine: MooncakeEngine | None,
+        admission: Admission,
+        replies: Replies,
+        peers: PeerTable,
+        expects: Expectations,
+        gate: CurveGate | None,
+        pool: SlotPool | None,
+        pool_addr: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.session = session
+        self.engine = engine
+        self.metrics = admission.metrics
+        self._limits = config.limits
+        self._admission = admission
+        self._replies = replies
+        self._signer = replies.signer
+        self._peers = peers
+        self._expects = expects
+        self._curve = config.curve.enabled
+        self._gate = gate
+        self._pool = pool
+        self._pool_addr = pool_addr
+        self._clock = clock
+        self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
+
+    def handle(self, frames: list[Any], user: str | None = None) -> None:
         """``frames``: the routing id and control frame (bytes), then tensor frames (views)."""
         ident = frames[0]
         body = frames[1:]
@@ -47,7 +79,7 @@ class Handshake(Admission):
         signed = self._signer is not None
         if not body or len(body) > limits.max_frames + 2 * signed:
             n = sum(map(len, body))
-            self._reject(
+            self._admission.reject(
                 ident, WireError(f"{len(body)} frames is not in [1, {limits.max_frames}]", field="frames"), "wire", n
             )
             return
@@ -56,7 +88,7 @@ class Handshake(Admission):
         if signed:
             opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]  # set whenever `signed`
             if opened is None:
-                self._reject(
+                self._admission.reject(
                     ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", sum(map(len, body))
                 )
                 return
@@ -65,7 +97,7 @@ class Handshake(Admission):
             if peer is not None and nonce == peer.nonce:
                 if seq <= peer.rx_seq:
                     exc = WireError(f"sequence {seq} was already used on this connection", field="replay")
-                    self._reject(ident, exc, "replay", sum(map(len, body)), nonce)  # no request id: a replay
+                    self._admission.reject(ident, exc, "replay", sum(map(len, body)), nonce)  # no request id: a replay
                     return
                 peer.rx_seq = seq
             else:
@@ -75,7 +107,7 @@ class Handshake(Admission):
         try:
             msg = wire.decode_frame(body[0], limits)
         except WireError as exc:
-            self._reject(ident, exc, "wire", sum(map(len, body)), nonce, peer)
+            self._admission.reject(ident, exc, "wire", sum(map(len, body)), nonce, peer)
             return
         now = self._clock()
         if peer is not None:
@@ -88,34 +120,36 @@ class Handshake(Admission):
                     field="peer",
                     request_id=msg.request_id,  # type: ignore[attr-defined]  # kind is PayloadHeader (checked above)
                 )
-                self._reject(ident, err, "hello", sum(map(len, body)), nonce)
+                self._admission.reject(ident, err, "hello", sum(map(len, body)), nonce)
             else:
-                self._on_payload(peer, msg, body)  # type: ignore[arg-type]  # `kind is` dispatch: a PayloadHeader
+                self._admission.on_payload(peer, msg, body)  # type: ignore[arg-type]  # `kind is` dispatch: a PayloadHeader
             return
         self.metrics.bytes["control"] += len(body[0])
         if kind is wire.Hello:
             self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]  # `kind is` dispatch: a Hello
         elif kind is wire.Heartbeat:
             if peer is None:
-                self._send_to(ident, wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"), nonce)
+                self._replies.send_to(
+                    ident, wire.ErrorReply(code="hello", reason="unknown peer (decode restarted?)"), nonce
+                )
         elif kind is wire.Bye and peer is not None:
-            self._drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]  # `kind is` dispatch: a Bye
+            self.drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]  # `kind is` dispatch: a Bye
 
     def _on_hello(self, ident: bytes, msg: wire.Hello, now: float, user: str | None, nonce: bytes, seq: int) -> None:
         name = msg.name
         if self._curve:
             if self._gate is None or user not in self._gate.allowed:
-                self._reject(ident, WireError("CURVE key not on the allowlist", field="peer"), "hello", 0)
+                self._admission.reject(ident, WireError("CURVE key not on the allowlist", field="peer"), "hello", 0)
                 return
             name = self._gate.allowed[user]  # the authenticated identity, whatever the hello says
         if self._signer is not None:
             why = self._hellos.check(msg.ts, nonce, seq)
             if why:
-                self._reject(ident, WireError(why, field="replay"), "replay", 0, nonce)
+                self._admission.reject(ident, WireError(why, field="replay"), "replay", 0, nonce)
                 return
         for other in self._peers.same_identity(ident, name, user):
             # The same prefill reconnected: it stays responsible for its expected requests.
-            self._drop(other, None, "")
+            self.drop(other, None, "")
         peer = Peer(
             ident=ident,
             name=name,
@@ -138,7 +172,7 @@ class Handshake(Admission):
         peer.slots = tuple(slots)
         self._peers.add(peer)
         size = self.config.slots.size_bytes
-        self._send(
+        self._replies.send(
             peer,
             wire.Grant(
                 session=self.session,
@@ -151,29 +185,29 @@ class Handshake(Admission):
             ),
         )
 
-    def _tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:
         for rid in self._expects.overdue(now):
-            self._fail_expected(rid, "deadline", f"request {rid!r} did not arrive by its deadline")
+            self._admission.fail_expected(rid, "deadline", f"request {rid!r} did not arrive by its deadline")
         timeout = self.config.peer_timeout_s
         hb = self.config.heartbeat_s
         for peer in self._peers:
-            if self._queue.backpressure:
+            if self._admission.backpressure:
                 peer.last_seen = now  # not reading: their heartbeats wait in libzmq, unheard
             silent = now - peer.last_seen
             if silent > timeout:
-                self._drop(
+                self.drop(
                     peer,
                     "peer_lost",
                     f"prefill {peer.name!r} lost: silent for {silent:.1f} s (peer_timeout_s={timeout:g})",
                 )
             elif now - peer.last_sent >= hb:
-                self._send(peer, wire.Heartbeat(session=self.session))
+                self._replies.send(peer, wire.Heartbeat(session=self.session))
 
-    def _drop(self, peer: Peer, why: str | None, reason: str) -> None:
+    def drop(self, peer: Peer, why: str | None, reason: str) -> None:
         """Forget ``peer``, reclaim its slots and (if ``why``) fail the requests expected from it."""
         self._peers.remove(peer)
         if self._pool is not None:
             self._pool.reclaim(peer.ident)
         if why is not None:
             for rid in self._expects.take(peer.name):
-                self._fail_expected(rid, why, reason)
+                self._admission.fail_expected(rid, why, reason)

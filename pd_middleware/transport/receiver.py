@@ -1,7 +1,11 @@
 """Decode side of the transport: a ZMQ ROUTER loop feeding the receive pipeline.
 
-One thread (:meth:`DecodeReceiver.start`) owns the socket and the slot pool. Per
-inbound message (dispatch: :mod:`.handshake`; payloads and releases: :mod:`.admission`)
+One thread (:meth:`DecodeReceiver.start`) owns the socket and the slot pool. The
+receiver holds its parts as objects: per inbound message the handshake
+(:class:`~.handshake.Handshake`: dispatch, hello and grant, peer loss) passes payloads to
+admission (:class:`~.admission.Admission`: payloads, refusals, releases), and every reply
+goes out through :class:`~.admission.Replies`; the outcome queue, the expectations and
+the peer table are their own objects too. Per inbound message
 it checks authentication (CURVE's key from ZAP, or the HMAC and its replay window:
 :mod:`.auth`), decodes and validates the header (:mod:`.wire`), resolves inline frames
 or slot ranges as zero-copy views, runs ``pipeline.process`` (hooks, then the arm's
@@ -41,7 +45,6 @@ import os
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -50,8 +53,8 @@ import zmq
 from .._errors import TransferError, WireError
 from ..pipeline import Delivery, Failure, ReceivePipeline
 from . import integrity, wire
-from .admission import _Release
-from .auth import CurveGate, HelloGuard, Signer
+from .admission import Admission, Replies
+from .auth import CurveGate, Signer
 from .config import TransportConfig
 from .expects import Expectations
 from .handshake import Handshake
@@ -62,7 +65,7 @@ from .slots import SlotPool
 from .sockets import bind_router, poll_ms
 
 
-class DecodeReceiver(Handshake):
+class DecodeReceiver:
     """Binds the control socket and delivers validated payloads to the scheduler.
 
     ``engine``: an open :class:`MooncakeEngine` to register the slots with (None:
@@ -85,21 +88,18 @@ class DecodeReceiver(Handshake):
         self._ctx = context
         self._clock = clock
         key = config.secret()
-        self._signer = Signer(key) if key is not None else None
         self._curve = config.curve.enabled
         self._gate: CurveGate | None = None
         self._limits = config.limits
-        self._consumed_acks = config.ack == "consumed"
         self.session = secrets.token_hex(8)
         self.address = ""
         self._queue = OutcomeQueue(self._wake)  # outcomes for the scheduler (outcomes.py)
-        self._released: deque[_Release] = deque()
-        # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
-        self._release_batch = max(1, config.slots.per_peer >> 3)
-        self._held_n = 0  # releases the loop waits for: held slots, inline bytes, consumed acks (loop only)
         self._expects = Expectations()
         self._peers = PeerTable()
-        self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
+        self._replies = Replies(Signer(key) if key is not None else None, clock)
+        # The parts of one run of the loop (built by start()): admission, then the handshake.
+        self._admission: Admission | None = None
+        self._handshake: Handshake | None = None
         self._wake_armed = False
         self._running = False
         self._thread: threading.Thread | None = None
@@ -108,7 +108,11 @@ class DecodeReceiver(Handshake):
         self._pool_addr = 0
         self._pipe: tuple[int, int] | None = None
         self._owns_engine = False  # set by open_receiver, which opened the engine: stop() closes it
-        self.unsent = 0  # replies dropped because a peer's queue was full or gone
+
+    @property
+    def unsent(self) -> int:
+        """Replies dropped because a peer's queue was full or gone."""
+        return self._replies.unsent
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -122,6 +126,24 @@ class DecodeReceiver(Handshake):
         if self._pool is not None and self.engine is not None:
             self._pool_addr = self.engine.register(self._pool.buffer)
         self._sock = sock
+        self._replies.sock = sock
+        admission = Admission(
+            cfg, self.pipeline, self._queue, self._expects, self._peers, self._replies, self._pool, self._wake
+        )
+        self._admission = admission
+        self._handshake = Handshake(
+            cfg,
+            self.session,
+            self.engine,
+            admission,
+            self._replies,
+            self._peers,
+            self._expects,
+            self._gate,
+            self._pool,
+            self._pool_addr,
+            self._clock,
+        )
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.set_blocking(w, False)
@@ -210,6 +232,14 @@ class DecodeReceiver(Handshake):
 
     # -- internals --------------------------------------------------------------
 
+    def _wake(self) -> None:
+        if not self._wake_armed and self._pipe is not None:
+            self._wake_armed = True
+            try:
+                os.write(self._pipe[1], b"\0")
+            except (BlockingIOError, OSError):
+                pass  # a full pipe already wakes the loop; a closed one means stopped
+
     def _run(self) -> None:
         try:
             self._loop()
@@ -231,7 +261,9 @@ class DecodeReceiver(Handshake):
 
     def _loop(self) -> None:
         assert self._sock is not None and self._pipe is not None
+        assert self._admission is not None and self._handshake is not None
         sock, rfd = self._sock, self._pipe[0]
+        admission, handshake, replies = self._admission, self._handshake, self._replies
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(rfd, zmq.POLLIN)
@@ -258,7 +290,7 @@ class DecodeReceiver(Handshake):
             wait = next_tick - now
             if self._peers.pending():
                 wait = min(wait, last_flush + ACK_INTERVAL_S - now)
-            elif self._held_n:  # a release may come without a wake-up: look every interval
+            elif admission.waiting:  # a release may come without a wake-up: look every interval
                 wait = min(wait, ACK_INTERVAL_S)
             # Backpressure: with the scheduler this far behind, leave messages in libzmq
             # (then TCP) until it catches up; get()/drain() wake the loop.
@@ -299,7 +331,7 @@ class DecodeReceiver(Handshake):
                         continue
                     try:
                         if extra:
-                            self._reject(
+                            admission.reject(
                                 frames[0],
                                 WireError(
                                     f"{len(frames) - 1 + extra} frames is not in [1, {self._limits.max_frames}]",
@@ -309,13 +341,13 @@ class DecodeReceiver(Handshake):
                                 0,
                             )
                         else:
-                            self._handle(frames, user)
+                            handshake.handle(frames, user)
                     except Exception as exc:
                         self._internal(frames, exc)
                     if queue.full(max_out, max_bytes):
                         break
             queue.notify()
-            self._apply_releases()
+            admission.apply_releases()
             now = self._clock()
             if now >= next_tick:
                 self._tick(now)
@@ -325,9 +357,14 @@ class DecodeReceiver(Handshake):
             # (a prefill may be waiting for one); pending outcomes ride along.
             pending = self._peers.pending()
             if pending and (pending >= ACK_BATCH or now - last_flush >= ACK_INTERVAL_S or self._peers.slots_freed()):
-                self._peers.flush(self._send, self._limits.max_message_bytes)
+                self._peers.flush(replies.send, self._limits.max_message_bytes)
                 last_flush = now
             queue.notify()  # outcomes of expiries found by _tick
+
+    def _tick(self, now: float) -> None:
+        """Fail overdue expectations, drop silent peers, send heartbeats (the handshake's)."""
+        assert self._handshake is not None
+        self._handshake.tick(now)
 
     @staticmethod
     def _discard_rest(sock: zmq.Socket[Any]) -> None:
@@ -341,18 +378,21 @@ class DecodeReceiver(Handshake):
     def _internal(self, frames: list[Any], exc: Exception) -> None:
         """A message raised something no check foresaw: fail it (counted), keep serving."""
         reason = f"{type(exc).__name__}: {str(exc)[:200]}"
-        self._emit(self.pipeline.fail(Failure(request_id=None, stage="receiver", reason=reason, field="internal")))
+        self._queue.put(self.pipeline.fail(Failure(request_id=None, stage="receiver", reason=reason, field="internal")))
         try:
-            self._send_to(frames[0], wire.ErrorReply(code="internal", reason=reason))
+            self._replies.send_to(frames[0], wire.ErrorReply(code="internal", reason=reason))
         except Exception:
             pass
 
     def _shutdown(self) -> None:
         for peer in self._peers:
-            self._send(peer, wire.Bye(reason="decode receiver stopped"))
+            self._replies.send(peer, wire.Bye(reason="decode receiver stopped"))
         self._expects.apply()
         for rid in self._expects.take():
-            self._fail_expected(rid, "stopped", "decode receiver stopped before the request arrived")
+            reason = "decode receiver stopped before the request arrived"
+            self._queue.put(
+                self.pipeline.fail(Failure(request_id=rid, stage="transfer", reason=reason, field="stopped"))
+            )
         if self._sock is not None:
             try:
                 self._sock.unbind(self.address)  # free the port for a successor at once
@@ -360,6 +400,7 @@ class DecodeReceiver(Handshake):
                 pass
             self._sock.close(linger=100)  # let the byes out
             self._sock = None
+            self._replies.sock = None
 
 
 def open_receiver(

@@ -16,8 +16,9 @@ write, as a plain synchronous sender would. A write that fails after ``send`` re
 fails its request with ``transfer:write`` (the reason names op, code and peer), and the
 next ``send`` raises that error: the sender must ``reconnect()``.
 
-The decode answers with batched acks (applied by :mod:`.control`; the bulk path is
-:mod:`.bulk_send`): per-request status (delivered, or failed with a reason) and
+The sender holds its parts as objects (:mod:`.control`: the connection, the ledger of
+requests, the slot grant; :mod:`.bulk_send`: the bulk path, with an engine). The decode
+answers with batched acks (applied by the connection): per-request status (delivered, or failed with a reason) and
 slot-free notices. A slot is reused only after the decode freed it; with no free slot,
 ``send`` waits up to ``slots.wait_s`` and then raises :class:`~pd_middleware.NoSlotError`.
 
@@ -32,6 +33,7 @@ connection alive when idle and notices a silent or restarted decode.
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections import Counter, deque
@@ -43,21 +45,21 @@ import zmq
 from .._errors import TransferError
 from ..payload import Payload
 from . import integrity, payload_codec, wire
-from .auth import Signer, new_nonce
+from .auth import Signer
 from .backoff import Backoff
-from .bulk import BulkWriter
+from .bulk import BulkWriter, InFlight
 from .bulk_send import BulkPath
 from .config import TransportConfig
+from .control import Control, GrantedSlots, Ledger
 from .mooncake import MooncakeEngine
-from .sockets import connect_dealer, poll_ms
+from .sockets import poll_ms
 
-_FAILURE_LOG = 1024  # most recent failures kept for failures()
 # The background thread leaves writes in flight to a thread that polled them this
 # recently (a send() in a loop completes its own): about half a 608 KB write on loopback.
 _QUIET_S = 100e-6
 
 
-class PrefillSender(BulkPath):
+class PrefillSender:
     """Sends payloads to one decode receiver.
 
     ``engine``: an open :class:`MooncakeEngine` for the bulk path (None: inline only);
@@ -78,42 +80,89 @@ class PrefillSender(BulkPath):
         self.name = name or f"prefill-{id(self):x}"
         self._ctx = context
         self._clock = clock
-        key = config.secret()
-        self._signer = Signer(key) if key is not None else None
-        # HMAC mode: this connection's nonce, the next sequence to send, the last received.
-        self._nonce = new_nonce()
-        self._tx_seq = 0
-        self._rx_seq = -1
         self._thread_error: str | None = None  # why the background thread died, if it did
         self._lock = threading.RLock()
-        self._sock: zmq.Socket[Any] | None = None
-        self._address = ""
-        self._session = ""
-        self._lost: str | None = "not connected"
-        self._decode_mc: str | None = None
-        self._slot_addr: dict[int, int] = {}
-        self._free: deque[int] = deque()
-        self._slot_size = 0
+        self._ledger = Ledger()
+        self._slots = GrantedSlots()
+        self._control = Control(config, clock, self._ledger, self._slots)
         self._max_inflight = config.mooncake.max_inflight_writes
-        self._polled_at = 0.0
-        # Staging, registered sources and writes in flight (bulk.py); None without an engine.
-        digest = integrity.algorithm_for(config)
-        self._bulk = BulkWriter(engine, self._max_inflight, clock, digest) if engine is not None else None
+        # The bulk path (staging, registered sources, writes in flight); None without an engine.
+        self._bulk_path: BulkPath | None = None
+        if engine is not None:
+            writer = BulkWriter(engine, self._max_inflight, clock, integrity.algorithm_for(config))
+            self._bulk_path = BulkPath(
+                writer, self._control, self._slots, self._ledger, self._max_inflight, config.slots.wait_s, clock
+            )
         self._work = threading.Event()  # wakes the background thread for new writes in flight
-        self._lost_error: TransferError | None = None  # the write failure that lost the decode
         self._seq = 0
-        self._outstanding: dict[int, str] = {}
-        self._last_heard = 0.0
-        self._last_sent = 0.0
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self.sent = 0
-        self.delivered = 0
-        self.failed: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()
-        self.bytes: Counter[str] = Counter({"control": 0, "inline": 0, "bulk": 0})
-        self._failures: deque[tuple[str, str, str]] = deque(maxlen=_FAILURE_LOG)
         self._owns_engine = False  # set by open_sender, which opened the engine: close() closes it
+
+    # -- counters (the ledger's) --------------------------------------------------
+
+    @property
+    def sent(self) -> int:
+        return self._ledger.sent
+
+    @property
+    def delivered(self) -> int:
+        return self._ledger.delivered
+
+    @property
+    def failed(self) -> Counter[str]:
+        return self._ledger.failed
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """Replies from the decode refused here, and error replies received, by reason."""
+        return self._control.rejected
+
+    @property
+    def bytes(self) -> Counter[str]:
+        return self._ledger.bytes
+
+    # -- the parts' state, for tests and tools that poke at the wire ----------------
+
+    @property
+    def _sock(self) -> zmq.Socket[Any] | None:
+        return self._control.sock
+
+    @property
+    def _signer(self) -> Signer | None:
+        return self._control.signer
+
+    @property
+    def _nonce(self) -> builtins.bytes:
+        return self._control.nonce
+
+    @property
+    def _tx_seq(self) -> int:
+        return self._control.tx_seq
+
+    @_tx_seq.setter
+    def _tx_seq(self, value: int) -> None:
+        self._control.tx_seq = value
+
+    @property
+    def _outstanding(self) -> dict[int, str]:
+        return self._ledger.outstanding
+
+    @property
+    def _free(self) -> deque[int]:
+        return self._slots.free
+
+    @property
+    def _bulk(self) -> BulkWriter | None:
+        return self._bulk_path.writer if self._bulk_path is not None else None
+
+    @property
+    def _inflight(self) -> deque[InFlight] | tuple[()]:
+        """The writes in flight (an empty tuple without an engine)."""
+        return self._bulk_path.inflight if self._bulk_path is not None else ()
+
+    def _send_msg(self, msg: wire.Message, extra: list[Any] | None = None) -> None:
+        self._control.send_msg(msg, extra)
 
     # -- connection -------------------------------------------------------------
 
@@ -135,7 +184,7 @@ class PrefillSender(BulkPath):
     def reconnect(self, timeout: float | None = None) -> PrefillSender:
         """Drop the connection (in-flight requests count as ``transfer:decode_lost``) and connect again."""
         with self._lock:
-            address = self._address
+            address = self._control.address
             self._reset("transfer:decode_lost", "reconnecting")
         return self.connect(address, timeout)
 
@@ -147,7 +196,8 @@ class PrefillSender(BulkPath):
         dropped the acks the decode was still sending for requests it had received.
         Idempotent.
         """
-        if self._sock is not None and self._lost is None and timeout > 0:
+        control = self._control
+        if control.sock is not None and control.lost is None and timeout > 0:
             self.flush(timeout)
         self._hb_stop.set()
         self._work.set()
@@ -155,67 +205,49 @@ class PrefillSender(BulkPath):
             self._hb_thread.join(5.0)
             self._hb_thread = None
         with self._lock:
-            if self._sock is not None and self._lost is None:
-                self._settle(0)  # their headers go out before the bye
-            if self._sock is not None and self._lost is None:
-                self._send_msg(wire.Bye(reason="prefill sender closed"))
+            if control.sock is not None and control.lost is None and self._bulk_path is not None:
+                self._bulk_path.settle(0)  # their headers go out before the bye
+            if control.sock is not None and control.lost is None:
+                control.send_msg(wire.Bye(reason="prefill sender closed"))
             self._reset("transfer:decode_lost", "sender closed", linger=100)
-            if self._bulk is not None and not self._bulk.engine.closed:
-                self._bulk.close()
+            writer = self._bulk
+            if writer is not None and not writer.engine.closed:
+                writer.close()
                 if self._owns_engine:
-                    self._bulk.engine.close()
+                    writer.engine.close()
 
     def _open_socket(self, address: str) -> None:
-        ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
-        # A fresh connection: a fresh nonce, so nothing signed on an earlier one replays here.
-        self._nonce = new_nonce()
-        self._tx_seq = 0
-        self._rx_seq = -1
-        self._sock = connect_dealer(ctx, self.config, address)
-        self._address = address
+        self._control.open(self._ctx if self._ctx is not None else zmq.Context.instance(), address)
 
     def _reset(self, key: str, why: str, linger: int = 0) -> None:
-        self._drop_inflight()
-        for rid in self._outstanding.values():
-            self.failed[key] += 1
-            self._failures.append((rid, key, why))
-        self._outstanding.clear()
-        self._free.clear()
-        self._slot_addr.clear()
-        if self._sock is not None:
-            self._sock.close(linger)
-            self._sock = None
-        self._lost = why
-        self._lost_error = None
+        if self._bulk_path is not None:
+            self._bulk_path.drop()
+        self._ledger.fail_all(key, why)
+        self._slots.clear()
+        self._control.close(why, linger)
 
     def _hello(self, timeout: float) -> None:
-        sock = self._sock
+        control = self._control
+        sock = control.sock
         assert sock is not None
         want = self.config.slots.per_peer if self.engine is not None else 0
         mc = self.engine.peer_name if self.engine is not None else None
-        self._send_msg(wire.Hello(name=self.name, want_slots=want, mooncake=mc, ts=time.time()))
+        control.send_msg(wire.Hello(name=self.name, want_slots=want, mooncake=mc, ts=time.time()))
         deadline = self._clock() + timeout
         while True:
             left = deadline - self._clock()
             if left <= 0 or not sock.poll(poll_ms(left)):
-                self._lost = "no grant"
+                control.lost = "no grant"
                 raise TransferError(
-                    f"no slot grant from the decode within {timeout:g} s", op="connect", peer=self._address
+                    f"no slot grant from the decode within {timeout:g} s", op="connect", peer=control.address
                 )
-            msg = self._recv_one()
+            msg = control.recv_one()
             if isinstance(msg, wire.Grant):
                 break
-        self._session = msg.session
-        self._decode_mc = msg.mooncake
-        self._slot_size = msg.slot_size
-        self._slot_addr = dict(zip(msg.slots, msg.addrs))
-        self._free = deque(msg.slots)
-        self._lost = None
-        self._lost_error = None
-        self._last_heard = self._clock()
-        if self._bulk is not None and msg.mooncake is not None and msg.slots:
-            self._bulk.prepare(msg.slot_size, msg.slots, msg.gens)  # staging regions; slot generations
-            self._bulk.engine.probe(msg.mooncake, force=True)
+        self._slots.grant(msg.slots, msg.addrs, msg.slot_size)
+        control.granted(msg.session)
+        if self._bulk_path is not None:  # staging regions; slot generations
+            self._bulk_path.granted(msg.mooncake, msg.slot_size, msg.slots, msg.gens)
 
     # -- outbound ---------------------------------------------------------------
 
@@ -232,37 +264,37 @@ class PrefillSender(BulkPath):
         and the sender needs ``reconnect()``). When it raises, this payload was not sent.
         """
         with self._lock:
-            self._drain()
-            self._check_alive("send")
+            control, slots, bulk = self._control, self._slots, self._bulk_path
+            control.drain()
+            control.check_alive("send")
             seq = self._seq
             size = payload_codec.bulk_bytes(payload)
-            if self._free or self._slot_addr:
+            if bulk is not None and (slots.free or slots.addr):
                 use_bulk = size > self.config.inline_threshold_bytes
             else:
                 use_bulk = False
             if use_bulk:
-                if size > self._slot_size:
+                if size > slots.size:
                     raise TransferError(
-                        f"payload {payload.request_id!r} needs {size} bulk bytes, slots hold {self._slot_size}",
+                        f"payload {payload.request_id!r} needs {size} bulk bytes, slots hold {slots.size}",
                         op="send",
-                        peer=self._address,
+                        peer=control.address,
                     )
-                self._send_bulk(payload, seq, size)
+                bulk.send(payload, seq, size)  # type: ignore[union-attr]  # use_bulk only with a bulk path
             else:
                 header, parts = payload_codec.build_header(payload, seq)
                 frames = [b for b, _ in parts]
-                self._send_msg(header, frames)
-                self.bytes["inline"] += sum(memoryview(b).nbytes for b in frames)
+                control.send_msg(header, frames)
+                self._ledger.bytes["inline"] += sum(memoryview(b).nbytes for b in frames)
             self._seq = seq + 1
-            self._outstanding[seq] = payload.request_id
-            self.sent += 1
-            if self._inflight:
+            self._ledger.sent_one(seq, payload.request_id)
+            if bulk is not None and bulk.inflight:
                 # One pass over the writes in flight (headers of those that landed go out),
                 # then at most max_inflight_writes - 1 left running, so the next send finds a
                 # staging region; the background thread completes the rest.
-                self._poll_inflight()
-                self._settle(self._max_inflight - 1)
-                if self._inflight:
+                bulk.poll()
+                bulk.settle(self._max_inflight - 1)
+                if bulk.inflight:
                     self._work.set()
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -271,14 +303,15 @@ class PrefillSender(BulkPath):
         backoff = Backoff(self._clock)
         while True:
             with self._lock:
-                self._drain()
-                if self._inflight and self._lost is None:
-                    self._poll_inflight()
-                if not self._outstanding:
+                control = self._control
+                control.drain()
+                if self._inflight and control.lost is None:
+                    self._bulk_path.poll()  # type: ignore[union-attr]  # writes in flight only with a bulk path
+                if not self._ledger.outstanding:
                     return True
-                if self._lost is not None or self._sock is None:
+                if control.lost is not None or control.sock is None:
                     return False
-                sock = self._sock
+                sock = control.sock
                 left = deadline - self._clock()
                 if left <= 0:
                     return False
@@ -287,21 +320,41 @@ class PrefillSender(BulkPath):
                     continue
             backoff.sleep()  # writes still landing: poll them again shortly
 
+    @property
+    def writes_in_flight(self) -> int:
+        """Bulk writes submitted whose header has not gone out yet."""
+        return len(self._inflight)
+
+    def register_source(self, buf: Any) -> None:
+        """Register a prefill-side output buffer (writable, e.g. an mmap or bytearray).
+
+        Payload tensors that are views into it are then written straight from it, with no
+        staging copy, like SGLang's pre-registered metadata buffers. The caller must not
+        modify the viewed bytes until their write has landed: until :meth:`send` returned
+        when ``mooncake.max_inflight_writes`` is 1, else until :attr:`writes_in_flight`
+        is 0 (for example after :meth:`flush`). Tensors outside registered buffers are
+        copied before :meth:`send` returns and may be reused at once.
+        """
+        if self._bulk_path is None:
+            raise TransferError("no Mooncake engine: nothing to register with", op="register_memory")
+        self._bulk_path.register_source(buf)
+
     # -- accounting -------------------------------------------------------------
 
     def statuses(self) -> dict[str, Any]:
         """Counters: sent, delivered, failed (total and by reason), outstanding, bytes by plane."""
         with self._lock:
-            self._drain()
+            self._control.drain()
+            ledger = self._ledger
             return {
-                "sent": self.sent,
-                "delivered": self.delivered,
-                "failed": sum(self.failed.values()),
-                "failed_by_reason": dict(self.failed),
-                "outstanding": len(self._outstanding),
-                "rejected_by_decode": dict(self.rejected),
-                "bytes_by_plane": dict(self.bytes),
-                "free_slots": len(self._free),
+                "sent": ledger.sent,
+                "delivered": ledger.delivered,
+                "failed": sum(ledger.failed.values()),
+                "failed_by_reason": dict(ledger.failed),
+                "outstanding": len(ledger.outstanding),
+                "rejected_by_decode": dict(self._control.rejected),
+                "bytes_by_plane": dict(ledger.bytes),
+                "free_slots": len(self._slots.free),
                 "writes_in_flight": len(self._inflight),
                 "connected": self.connected,
                 "background_error": self._thread_error,
@@ -310,12 +363,12 @@ class PrefillSender(BulkPath):
     def failures(self) -> list[tuple[str, str, str]]:
         """Recent failed requests as ``(request_id, key, reason)``, oldest first."""
         with self._lock:
-            return list(self._failures)
+            return list(self._ledger.failures)
 
     @property
     def connected(self) -> bool:
         """True while the decode is reachable and the background thread runs."""
-        return self._lost is None and self._thread_error is None
+        return self._control.lost is None and self._thread_error is None
 
     # -- background thread ------------------------------------------------------
 
@@ -326,7 +379,7 @@ class PrefillSender(BulkPath):
             self._background_loop()
         except BaseException as exc:
             self._thread_error = f"{type(exc).__name__}: {exc}"
-            self._lost = f"the sender's background thread died ({self._thread_error})"
+            self._control.lost = f"the sender's background thread died ({self._thread_error})"
             raise
 
     def _background_loop(self) -> None:
@@ -336,8 +389,11 @@ class PrefillSender(BulkPath):
         backoff = Backoff(self._clock)
         seen_seq = -1
         lock = self._lock
+        control, bulk = self._control, self._bulk_path
         while not self._hb_stop.is_set():
-            quiet = self._polled_at + _QUIET_S - time.monotonic()  # real time, whatever the clock
+            quiet = (
+                (bulk.polled_at if bulk is not None else 0.0) + _QUIET_S - time.monotonic()
+            )  # real time, whatever the clock
             if self._inflight and quiet > 0:
                 # A sending thread polled just now: it completes its own writes while it
                 # sends; taking the lock (and the GIL) from it would only slow both down.
@@ -349,9 +405,9 @@ class PrefillSender(BulkPath):
                 backoff.sleep()
                 continue
             try:
-                if self._inflight and self._sock is not None and self._lost is None:
-                    self._poll_inflight()
-                busy = bool(self._inflight) and self._lost is None
+                if bulk is not None and bulk.inflight and control.sock is not None and control.lost is None:
+                    bulk.poll()
+                busy = bool(self._inflight) and control.lost is None
                 now = self._clock()
                 if self._seq != seen_seq:  # new writes since the last pass: poll fast again
                     seen_seq = self._seq
@@ -369,17 +425,18 @@ class PrefillSender(BulkPath):
                 self._work.clear()
 
     def _heartbeat_duties(self, now: float) -> None:
-        if self._sock is None or self._lost is not None:
+        control = self._control
+        if control.sock is None or control.lost is not None:
             return
-        self._drain()
+        control.drain()
         # An idle sender notices a dead decode too: flush() then returns early
         # and statuses()["connected"] turns False without waiting for a send.
-        self._note_silence()
-        if self._lost is not None:  # _note_silence() may set it
+        control.note_silence()
+        if control.lost is not None:  # note_silence() may set it
             return  # type: ignore[unreachable]  # mypy keeps the narrowing across the call
-        if now - self._last_sent >= self.config.heartbeat_s:
+        if now - control.last_sent >= self.config.heartbeat_s:
             try:
-                self._send_msg(wire.Heartbeat())
+                control.send_msg(wire.Heartbeat())
             except TransferError:
                 pass  # queue full: the decode is not reading; the timeout will tell
 
