@@ -117,6 +117,7 @@ class Admission:
         # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
         self.waiting = 0  # releases the loop waits for: held slots, inline bytes, consumed acks
+        self.double_releases = 0  # releases of a delivery already released (no-ops)
 
     @property
     def backpressure(self) -> bool:
@@ -126,12 +127,14 @@ class Admission:
     def release(self, item: _Release) -> None:
         """A delivery's releaser (bound to its item per payload): record the release for the loop.
 
-        Idempotent: a second release must not free a reused slot. The loop is woken at
+        Idempotent: a second release frees nothing (not a reused slot, not the inline
+        bytes again, no second consumed ack) and is counted in :attr:`double_releases`. The loop is woken at
         once when it has stopped reading (backpressure), or every ``_release_batch``
         releases that someone waits on (a slot the prefill may need, a consumed ack);
         it finds the rest within ``ACK_INTERVAL_S``.
         """
         if item[7]:
+            self.double_releases += 1  # a counted no-op, inline or bulk alike
             return
         item[7] = True
         released = self._released

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import pathlib
 import threading
@@ -100,7 +101,7 @@ class Signer:
 class HelloGuard:
     """The decode's memory of HMAC hellos: each opens a connection once, while fresh."""
 
-    #: Most nonces remembered; each is kept for twice HELLO_FRESH_S.
+    #: Most nonces remembered; each is kept while its hello looks fresh (at most ~2 HELLO_FRESH_S).
     CAP = 1 << 16
 
     def __init__(self) -> None:
@@ -118,13 +119,21 @@ class HelloGuard:
                     del nonces[n]
         if seq != 0:
             return f"a hello must open its connection with sequence 0, not {seq}"
-        if abs(wall - ts) > HELLO_FRESH_S:
-            return f"hello timestamp is {wall - ts:+.0f} s off this clock (more than {HELLO_FRESH_S:g} s)"
+        if not math.isfinite(ts):  # NaN compares False to every bound: it would look fresh forever
+            return f"hello timestamp {ts!r} is not a finite time"
+        if ts - wall > HELLO_FRESH_S:
+            return (
+                f"hello timestamp is {ts - wall:.0f} s in the future, off this clock by more than {HELLO_FRESH_S:g} s"
+            )
+        if wall - ts > HELLO_FRESH_S:
+            return f"hello timestamp is {wall - ts:.0f} s in the past, off this clock by more than {HELLO_FRESH_S:g} s"
         if nonce in nonces:
             return "this hello's nonce was already used (a replayed hello)"
         if len(nonces) >= self.CAP:
             return "too many fresh hellos; try again shortly"
-        nonces[nonce] = wall + 2 * HELLO_FRESH_S
+        # Remembered for as long as the hello looks fresh (until ts + HELLO_FRESH_S), and then
+        # some: a hello dated in the future must not outlive the memory of its nonce.
+        nonces[nonce] = max(wall, ts) + HELLO_FRESH_S + 1.0
         return ""
 
 

