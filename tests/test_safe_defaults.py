@@ -99,3 +99,86 @@ def test_a_second_release_is_a_counted_no_op_inline(zctx) -> None:
     finally:
         tx.close()
         rx.stop()
+
+
+# ---- item 4: the decode's acks are checked ---------------------------------------------------
+
+
+class FakeDecode:
+    """A ROUTER that grants ``slots`` to whoever says hello, then sends what it is told."""
+
+    def __init__(self, ctx: zmq.Context, slots: tuple[int, ...]) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.slots = slots
+        self.ident = b""
+        self.headers: list[wire.PayloadHeader] = []
+
+    def serve(self, timeout: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(max(0.0, deadline - time.monotonic()) * 1000.0):
+            ident, *frames = self.sock.recv_multipart()
+            msg = wire.decode_frame(frames[0], TransportConfig().limits)
+            if isinstance(msg, wire.Hello):
+                self.ident = ident
+                grant = wire.Grant(
+                    session="fake",
+                    mooncake=None,
+                    slot_size=1 << 16,
+                    slots=self.slots,
+                    addrs=tuple(4096 * (s + 1) for s in self.slots),
+                    heartbeat_s=1.0,
+                    gens=tuple(1 << 20 for _ in self.slots),
+                )
+                self.send(grant)
+                return
+            if isinstance(msg, wire.PayloadHeader):
+                self.headers.append(msg)
+
+    def send(self, msg: wire.Message) -> None:
+        self.sock.send_multipart([self.ident, wire.encode(msg)])
+
+
+def test_a_fake_decode_cannot_free_slots_it_did_not_get_back(zctx) -> None:
+    fake = FakeDecode(zctx, (0, 1, 2, 3))
+    tx = PrefillSender(cfg(), context=zctx, name="p")
+    try:
+        import threading
+
+        t = threading.Thread(target=fake.serve)
+        t.start()
+        tx.connect(fake.address, timeout=3.0)
+        t.join()
+        assert sorted(tx._free) == [0, 1, 2, 3]
+        # None of these slots is in use: every free is a lie (three duplicates and one unknown).
+        fake.send(wire.Ack(freed=(0, 0, 0, 1), delivered=(), failed=()))
+        fake.send(wire.Ack(freed=(7,), delivered=(), failed=()))
+        deadline = time.monotonic() + 3.0
+        while tx.statuses()["refused_slot_frees"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = tx.statuses()
+        assert st["refused_slot_frees"] == 5 and "slot 7" in (st["decode_suspect"] or "")
+        assert sorted(tx._free) == [0, 1, 2, 3]  # four distinct slots, as granted: no slot twice
+    finally:
+        tx.close(timeout=0)
+        fake.sock.close(0)
+
+
+def test_granted_slots_accepts_a_free_once_and_only_for_a_slot_in_use() -> None:
+    from pd_middleware.transport.control import GrantedSlots
+
+    g = GrantedSlots()
+    g.grant((0, 1, 2, 3), (10, 11, 12, 13), 64)
+    a, b, c = g.take(), g.take(), g.take()
+    g.freed((a, a, a, b))  # a once, then twice refused; b once
+    assert g.refused == 2 and g.suspect is not None
+    taken = [g.take() for _ in range(len(g.free))]
+    assert len(set(taken)) == len(taken) and c not in taken  # slot c is still in use: never handed out
+    # Negative control: honest frees are all accepted.
+    h = GrantedSlots()
+    h.grant((0, 1), (10, 11), 64)
+    x, y = h.take(), h.take()
+    h.freed((y, x))
+    assert h.refused == 0 and h.suspect is None and sorted(h.free) == [0, 1]

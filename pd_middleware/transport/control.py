@@ -69,35 +69,57 @@ class Ledger:
 
 
 class GrantedSlots:
-    """The decode's slot grant to this connection: addresses, size and the free ones."""
+    """The decode's slot grant to this connection: addresses, size, and which are ours now.
+
+    A slot is *free* (ours to write) or *taken* (named to the decode, or being written).
+    The decode's ack may return a slot only while it is taken, once: a freed slot that
+    was never granted, is free already, or is named twice is refused, counted in
+    :attr:`refused` and marks the connection :attr:`suspect`. So a lying decode cannot
+    make two payloads share a slot.
+    """
 
     def __init__(self) -> None:
         self.addr: dict[int, int] = {}
         self.free: deque[int] = deque()
+        self.taken: set[int] = set()
         self.size = 0
+        self.refused = 0  # freed slots refused over the sender's life
+        self.suspect: str | None = None  # why this connection's decode is not trusted, if at all
 
     def grant(self, slots: tuple[int, ...], addrs: tuple[int, ...], size: int) -> None:
         self.addr = dict(zip(slots, addrs))
-        self.free = deque(slots)
+        self.free = deque(dict.fromkeys(slots))  # a slot granted twice is one slot
+        self.taken = set()
         self.size = size
+        self.suspect = None
 
     def clear(self) -> None:
         self.addr.clear()
         self.free.clear()
+        self.taken.clear()
 
     def take(self) -> int:
         """A free slot (the caller checked :attr:`free`): it is ours until the decode frees it."""
-        return self.free.popleft()
+        s = self.free.popleft()
+        self.taken.add(s)
+        return s
 
     def untake(self, slot: int) -> None:
         """A slot taken but never named to the decode: free again, first in line."""
+        self.taken.discard(slot)
         self.free.appendleft(slot)
 
     def freed(self, slots: tuple[int, ...]) -> None:
-        """The decode's ack says ``slots`` are free again."""
+        """The decode's ack says ``slots`` are free again: accept each one only if taken."""
+        taken = self.taken
         for s in slots:
-            if s in self.addr:
+            if s in taken:
+                taken.remove(s)
                 self.free.append(s)
+                continue
+            self.refused += 1
+            why = "never granted" if s not in self.addr else "not in use (a duplicate or unknown free)"
+            self.suspect = f"the decode freed slot {s!r}, {why}"
 
 
 class Control:

@@ -355,6 +355,8 @@ class PrefillSender:
                 "rejected_by_decode": dict(self._control.rejected),
                 "bytes_by_plane": dict(ledger.bytes),
                 "free_slots": len(self._slots.free),
+                "refused_slot_frees": self._slots.refused,
+                "decode_suspect": self._slots.suspect,
                 "writes_in_flight": len(self._inflight),
                 "connected": self.connected,
                 "background_error": self._thread_error,
