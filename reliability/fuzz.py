@@ -224,7 +224,7 @@ class Fuzzer:
         gen = 0
         if slot >= 0:  # a valid bulk header: the slot's next generation and the bytes' digest
             gen = self.main.gens[slot] = self.main.gens.get(slot, 0) + 1
-        header, parts = payload_codec.build_header(p, self.n, slot, gen=gen, digest=integrity.DIGESTS["xxh3_128"])
+        header, parts = payload_codec.build_header(p, self.n, slot, gen=gen, digest=integrity.Binder("xxh3_128"))
         raw = msgspec.msgpack.decode(wire.encode(header))
         return raw, [bytearray(bytes(b)) for b, _ in parts], slot
 

@@ -39,6 +39,7 @@ class RawPrefill:
         self.name = name
         self.want = want
         self.signer = Signer(key) if key is not None else None
+        self.digest_key = integrity.key_from_secret(key) if key is not None else None
         self.nonce = new_nonce()  # HMAC: this connection's nonce and next sequence (auth.py)
         self.tx_seq = 0
         self.grant: wire.Grant | None = None
@@ -103,7 +104,9 @@ class RawPrefill:
         if gen is None:
             gen = self.gens[slot] = self.gens[slot] + 1
         self.seq += 1
-        return payload_codec.build_header(payload, self.seq, slot, gen=gen, digest=integrity.DIGESTS[algorithm])
+        return payload_codec.build_header(
+            payload, self.seq, slot, gen=gen, digest=integrity.Binder(algorithm, self.digest_key)
+        )
 
     def write(self, slot: int, parts: list[tuple[Any, int]], engine: MooncakeEngine | None = None) -> None:
         """Write ``parts`` at their offsets of ``slot`` (with ``engine``: another process's engine)."""

@@ -127,7 +127,8 @@ def test_previous_peers_bytes_are_never_delivered_to_a_new_peer(zctx, rx, moonca
         assert all(
             isinstance(o, Failure) and o.key == "transfer:digest" and "not of this grant" in o.reason for o in outs
         )
-        # Control: the old header's bytes with the new grant's generation would pass.
+        # A copied digest with the new grant's generation does not pass either (issue 23):
+        # the digest is bound to (request id, slot, generation, offset), not to the bytes alone.
         s = headers[0].hidden.slot  # type: ignore[union-attr]
         fixed = msgspec.structs.replace(
             headers[0],
@@ -138,6 +139,11 @@ def test_previous_peers_bytes_are_never_delivered_to_a_new_peer(zctx, rx, moonca
             ),
         )
         new.send_header(fixed)
+        out = _one(rx)
+        assert isinstance(out, Failure) and out.key == "transfer:digest" and "copied" in out.reason
+        # Control: a header that this peer stamps for those very bytes passes.
+        h, _ = new.header(dense("own-0", 10), s, gen=new.gens[s] + 2)  # the old bytes, its own id
+        new.send_header(h)
         out = _one(rx)
         assert isinstance(out, Delivery)
         out.release()

@@ -182,3 +182,56 @@ def test_granted_slots_accepts_a_free_once_and_only_for_a_slot_in_use() -> None:
     x, y = h.take(), h.take()
     h.freed((y, x))
     assert h.refused == 0 and h.suspect is None and sorted(h.free) == [0, 1]
+
+
+# ---- item 5: digests bound to the request ---------------------------------------------------
+
+
+def test_a_bulk_digest_is_bound_to_request_slot_generation_offset_and_key() -> None:
+    from pd_middleware.transport import integrity
+
+    data = bytes(range(256)) * 4
+    for algorithm in ("xxh3_128", "blake3"):
+        bind = integrity.Binder(algorithm)
+        d = bind("a", 0, 5, 0, data)
+        assert d == bind("a", 0, 5, 0, memoryview(data))  # the same use of the same bytes: the same digest
+        others = [
+            bind("b", 0, 5, 0, data),
+            bind("a", 1, 5, 0, data),
+            bind("a", 0, 6, 0, data),
+            bind("a", 0, 5, 64, data),
+        ]
+        others.append(integrity.Binder(algorithm, integrity.key_from_secret(b"k" * 32))("a", 0, 5, 0, data))
+        assert len({d, *others}) == 6  # each differs from the original and from each other
+
+
+def test_a_digest_copied_from_another_request_fails_admission() -> None:
+    from _helpers import make as _make
+
+    from pd_middleware.transport import integrity, payload_codec
+    from pd_middleware.transport.slots import SlotPool
+
+    pool = SlotPool(1, 1 << 16)
+    (s,) = pool.grant("peer", 1)
+    bind = integrity.Binder("xxh3_128")
+    p = _make(rid="victim")
+    h, parts = payload_codec.build_header(p, 0, s, gen=pool.gen[s] + 1, digest=bind)
+    for b, off in parts:
+        n = memoryview(b).nbytes
+        pool.view[s * pool.size + off : s * pool.size + off + n] = bytes(b)
+    stolen = msgspec_replace(h, request_id="thief")  # the victim's digests, the thief's id
+    import pytest
+
+    from pd_middleware import IntegrityError
+
+    with pytest.raises(IntegrityError, match="copied"):
+        pool.admit(s, payload_codec.slot_refs(stolen), "thief")
+    # Control: the victim's own header, at the next generation, is admitted.
+    h2, _ = payload_codec.build_header(p, 1, s, gen=pool.gen[s] + 1, digest=bind)
+    assert pool.admit(s, payload_codec.slot_refs(h2), "victim") == pool.gen[s]
+
+
+def msgspec_replace(h: wire.PayloadHeader, **kw: object) -> wire.PayloadHeader:
+    import msgspec
+
+    return msgspec.structs.replace(h, **kw)

@@ -45,9 +45,7 @@ def test_grant_sets_a_new_generation_every_time() -> None:
 def test_admit_accepts_the_written_bytes_once_and_refuses_a_replay() -> None:
     pool = SlotPool(2, 4096)
     (s,) = pool.grant("p", 1)
-    h, parts = payload_codec.build_header(
-        _payload("r"), 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
-    )
+    h, parts = payload_codec.build_header(_payload("r"), 0, s, gen=pool.gen[s] + 1, digest=integrity.Binder("xxh3_128"))
     _place(pool, s, parts)
     assert _admit(pool, s, h) == pool.gen[s]
     with pytest.raises(IntegrityError, match="stale") as info:  # the same header again: a replay
@@ -59,20 +57,20 @@ def test_unwritten_or_stale_bytes_are_refused_with_a_control() -> None:
     pool = SlotPool(2, 4096)
     (s,) = pool.grant("p", 1)
     old, parts = payload_codec.build_header(
-        _payload("old", seed=1), 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
+        _payload("old", seed=1), 0, s, gen=pool.gen[s] + 1, digest=integrity.Binder("xxh3_128")
     )
     _place(pool, s, parts)
     _admit(pool, s, old)
     # The next header names the slot, but its write never happened: the old bytes are there.
     new, _new_parts = payload_codec.build_header(
-        _payload("new", seed=2), 1, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
+        _payload("new", seed=2), 1, s, gen=pool.gen[s] + 1, digest=integrity.Binder("xxh3_128")
     )
     with pytest.raises(IntegrityError, match="do not match") as info:
         _admit(pool, s, new)
     assert info.value.field == "proposal.data.digest"
     # Control: once the bytes are written, a header at the next generation is admitted.
     new2, parts2 = payload_codec.build_header(
-        _payload("new", seed=2), 2, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
+        _payload("new", seed=2), 2, s, gen=pool.gen[s] + 1, digest=integrity.Binder("xxh3_128")
     )
     _place(pool, s, parts2)
     _admit(pool, s, new2)
@@ -82,7 +80,7 @@ def test_unwritten_or_stale_bytes_are_refused_with_a_control() -> None:
 def test_one_flipped_bit_is_refused(algorithm: str) -> None:
     pool = SlotPool(1, 4096, digest=algorithm)
     (s,) = pool.grant("p", 1)
-    h, parts = payload_codec.build_header(_payload("r"), 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS[algorithm])
+    h, parts = payload_codec.build_header(_payload("r"), 0, s, gen=pool.gen[s] + 1, digest=integrity.Binder(algorithm))
     _place(pool, s, parts)
     off = h.proposal.data.offset + 17  # type: ignore[union-attr]
     pool.view[off] ^= 0x01
@@ -93,9 +91,7 @@ def test_one_flipped_bit_is_refused(algorithm: str) -> None:
 def test_strong_mode_refuses_a_fast_digest_and_a_missing_one() -> None:
     pool = SlotPool(1, 4096, digest="blake3")
     (s,) = pool.grant("p", 1)
-    h, parts = payload_codec.build_header(
-        _payload("r"), 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
-    )
+    h, parts = payload_codec.build_header(_payload("r"), 0, s, gen=pool.gen[s] + 1, digest=integrity.Binder("xxh3_128"))
     _place(pool, s, parts)
     with pytest.raises(IntegrityError, match="requires BLAKE3"):
         _admit(pool, s, h)
@@ -111,11 +107,11 @@ def test_a_generation_of_another_grant_or_mixed_generations_are_refused() -> Non
     pool.reclaim("p")
     pool.grant("p", 1)
     p = _payload("r")
-    h, parts = payload_codec.build_header(p, 0, s, gen=old_grant + 1, digest=integrity.DIGESTS["xxh3_128"])
+    h, parts = payload_codec.build_header(p, 0, s, gen=old_grant + 1, digest=integrity.Binder("xxh3_128"))
     _place(pool, s, parts)
     with pytest.raises(IntegrityError, match="not of this grant"):
         _admit(pool, s, h)
-    h, _ = payload_codec.build_header(p, 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"])
+    h, _ = payload_codec.build_header(p, 0, s, gen=pool.gen[s] + 1, digest=integrity.Binder("xxh3_128"))
     mixed = msgspec.structs.replace(h, hidden=msgspec.structs.replace(h.hidden, gen=pool.gen[s] + 2))
     with pytest.raises(IntegrityError, match="differs") as info:
         _admit(pool, s, mixed)
@@ -127,12 +123,12 @@ def test_release_is_generation_checked() -> None:
     pool = SlotPool(2, 4096)
     (s,) = pool.grant("p", 1)
     first = pool.gen[s] + 1
-    h, parts = payload_codec.build_header(_payload("a"), 0, s, gen=first, digest=integrity.DIGESTS["xxh3_128"])
+    h, parts = payload_codec.build_header(_payload("a"), 0, s, gen=first, digest=integrity.Binder("xxh3_128"))
     _place(pool, s, parts)
     _admit(pool, s, h)
     pool.hold(s)
     assert pool.release(s, first) == (True, "p")
-    h, parts = payload_codec.build_header(_payload("b"), 1, s, gen=first + 1, digest=integrity.DIGESTS["xxh3_128"])
+    h, parts = payload_codec.build_header(_payload("b"), 1, s, gen=first + 1, digest=integrity.Binder("xxh3_128"))
     _place(pool, s, parts)
     _admit(pool, s, h)
     pool.hold(s)
@@ -145,9 +141,7 @@ def test_release_is_generation_checked() -> None:
 def test_an_orphaned_slot_returns_to_the_pool_only_on_its_own_release() -> None:
     pool = SlotPool(1, 4096)
     (s,) = pool.grant("p", 1)
-    h, parts = payload_codec.build_header(
-        _payload("a"), 0, s, gen=pool.gen[s] + 1, digest=integrity.DIGESTS["xxh3_128"]
-    )
+    h, parts = payload_codec.build_header(_payload("a"), 0, s, gen=pool.gen[s] + 1, digest=integrity.Binder("xxh3_128"))
     _place(pool, s, parts)
     g = _admit(pool, s, h)
     pool.hold(s)

@@ -54,17 +54,24 @@ class BulkWriter:
 
     ``engine``: the sender's open engine; ``max_inflight``: writes that may run at once
     (one staging region each); ``clock``: the sender's clock; ``digest``: the algorithm
-    that stamps each region in its header (:mod:`.integrity`).
+    that stamps each region in its header and ``key`` its binding key (:mod:`.integrity`).
     """
 
     def __init__(
-        self, engine: MooncakeEngine, max_inflight: int, clock: Callable[[], float], digest: str = "xxh3_128"
+        self,
+        engine: MooncakeEngine,
+        max_inflight: int,
+        clock: Callable[[], float],
+        digest: str = "xxh3_128",
+        key: bytes | None = None,
     ) -> None:
         self.engine = engine
         self.max_inflight = max_inflight
         self._clock = clock
-        fn = integrity.DIGESTS[digest]
-        self._digest: Callable[[Any], bytes] = lambda buf: fn(_flat(buf))
+        bind = integrity.Binder(digest, key)
+        self._digest: Callable[[str, int, int, int, Any], bytes] = lambda rid, slot, gen, off, buf: bind(
+            rid, slot, gen, off, _flat(buf)
+        )
         self._gens: dict[int, int] = {}
         self._staging: mmap.mmap | None = None
         self._view: memoryview | None = None

@@ -283,7 +283,7 @@ def build_header(
     slot: int = -1,
     *,
     gen: int = 0,
-    digest: Callable[[Buffer], bytes] | None = None,
+    digest: Callable[[str, int, int, int, Buffer], bytes] | None = None,
 ) -> tuple[PayloadHeader, list[tuple[Buffer, int]]]:
     """Describe ``payload`` on the wire.
 
@@ -291,7 +291,8 @@ def build_header(
     as ``(buffer, -1)`` in frame order. Otherwise they go into ``slot``: returns
     ``(buffer, offset)`` pairs, offsets ``SLOT_ALIGN``-aligned and packed so that the
     padded ranges are contiguous (one Mooncake transfer); each range carries ``gen`` and
-    ``digest(buffer)`` (the decode refuses a slot range without a matching digest).
+    ``digest(request_id, slot, gen, offset, buffer)`` (an :class:`~.integrity.Binder`: the
+    decode refuses a slot range without a matching digest).
     """
     parts: list[tuple[Buffer, int]] = []
     cursor = 0
@@ -305,7 +306,7 @@ def build_header(
         off = cursor
         cursor += _aligned(n)
         parts.append((buf, off))
-        d = digest(buf) if digest is not None else b""
+        d = digest(payload.request_id, slot, gen, off, buf) if digest is not None else b""
         return TensorRef(dtype=dtype, shape=shape, nbytes=n, slot=slot, offset=off, gen=gen, digest=d)  # type: ignore[arg-type]  # dtype: a wire dtype name, checked on decode
 
     steps = len(payload.draft_tokens)

@@ -122,7 +122,8 @@ class DecodeReceiver:
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
         sock, self.address, self._gate = bind_router(ctx, cfg, self.session)
         digest = integrity.algorithm_for(cfg)
-        self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes, digest) if self.engine is not None else None
+        key = integrity.key_for(cfg)
+        self._pool = SlotPool(cfg.slots.count, cfg.slots.size_bytes, digest, key) if self.engine is not None else None
         if self._pool is not None and self.engine is not None:
             self._pool_addr = self.engine.register(self._pool.buffer)
         self._sock = sock

@@ -89,7 +89,8 @@ class PrefillSender:
         # The bulk path (staging, registered sources, writes in flight); None without an engine.
         self._bulk_path: BulkPath | None = None
         if engine is not None:
-            writer = BulkWriter(engine, self._max_inflight, clock, integrity.algorithm_for(config))
+            digest, key = integrity.algorithm_for(config), integrity.key_for(config)
+            writer = BulkWriter(engine, self._max_inflight, clock, digest, key)
             self._bulk_path = BulkPath(
                 writer, self._control, self._slots, self._ledger, self._max_inflight, config.slots.wait_s, clock
             )

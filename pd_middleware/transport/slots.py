@@ -32,10 +32,11 @@ _FREE = None
 class SlotPool:
     """``count`` slots of ``size`` bytes in one page-aligned anonymous mapping.
 
-    ``digest``: the algorithm the decode requires of slot regions (:mod:`.integrity`).
+    ``digest``: the algorithm the decode requires of slot regions; ``key``: the key that
+    binds a region's digest to its request, slot, generation and offset (:mod:`.integrity`).
     """
 
-    def __init__(self, count: int, size: int, digest: str = "xxh3_128") -> None:
+    def __init__(self, count: int, size: int, digest: str = "xxh3_128", key: bytes | None = None) -> None:
         self.count = count
         self.size = size
         # mmap: page-aligned (good for RDMA registration) and lazily zero-filled.
@@ -44,6 +45,7 @@ class SlotPool:
         self.owner: list[Hashable | None] = [_FREE] * count
         self.held = bytearray(count)
         self.digest = digest
+        self._key = key  # binds each digest to its use (integrity.key_for)
         # Current generation per slot: grant number << USE_BITS | last use admitted.
         self.gen: list[int] = [0] * count
         self._grants = 0
@@ -121,7 +123,8 @@ class SlotPool:
         view = self.view
         for f, ref in refs:
             lo = base + ref.offset
-            integrity.verify(view[lo : lo + ref.nbytes], ref.digest, self.digest, f"{f}.digest", rid)
+            use = (slot, g, ref.offset)
+            integrity.verify(view[lo : lo + ref.nbytes], ref.digest, self.digest, f"{f}.digest", rid, use, self._key)
         return g
 
     def hold(self, slot: int) -> None:
