@@ -100,6 +100,36 @@ def _defaults_note(cfg: Any, data: Any) -> list[str]:
     return out
 
 
+class _FormOnlyRegistry:
+    """A registry for ``check-config`` that never imports a ``module:attr`` reference.
+
+    Registered names (and installed entry points) resolve as usual; a ``module:attr``
+    reference is checked for form and then refused as *not imported*: importing it would
+    run its module's code, and a config checker must not run what it checks. ``--import``
+    or ``--plugin-path`` lifts this.
+    """
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._registry, name)
+
+    def resolve(self, kind: str, ref: str, key: str | None = None) -> Any:
+        if ":" not in ref:
+            return self._registry.resolve(kind, ref, key)
+        from .registry import _PATH_RE
+
+        if not _PATH_RE.match(ref) or ref.split(":")[0].endswith(".py"):
+            return self._registry.resolve(kind, ref, key)  # refused for its form, before any import
+        raise PluginError(
+            f"{ref!r} is a module reference (form OK), not imported: importing runs its code; "
+            "pass --import, or --plugin-path DIR to allow plugins from DIR",
+            plugin=ref,
+            key=key,
+        )
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -109,6 +139,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
     data, src = read_document(find_config(args.config))
     reg = _registry(args)
+    if not (args.import_refs or args.plugin_path):
+        reg = _FormOnlyRegistry(reg)
     try:
         cfg = parse_config(data, src)
     except ConfigError as exc:
@@ -286,9 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a config, resolve every plugin it names and check every option, then check "
         "that it would start: environment variables it names are set, hosts parse, the slot pool fits "
         "in memory; warn about an encoder/synthesizer pair whose proposal never reaches the verifier. "
-        "Prints OK and a summary, or every problem with its key path and exits with status 2.",
+        "Prints OK and a summary, or every problem with its key path and exits with status 2. "
+        "A 'module:ATTR' plugin reference is checked for form only and reported as not imported "
+        "(importing runs its code) unless --import or --plugin-path DIR is given. YAML aliases "
+        "may expand to at most 100,000 values.",
     )
     p.add_argument("config", metavar="CONFIG", help="config file, inline JSON or shipped name")
+    p.add_argument(
+        "--import",
+        dest="import_refs",
+        action="store_true",
+        help="import 'module:ATTR' plugin references to check them (runs their module's code)",
+    )
     p.add_argument("--show", action="store_true", help="print the resolved config (defaults filled in) as JSON")
     p.add_argument("--no-probe", action="store_true", help="skip running each encoder/synthesizer pair on random rows")
     p.set_defaults(func=_cmd_check_config)

@@ -32,6 +32,9 @@ from ._errors import ConfigError, ConfigIssue, OptionValueError
 # A config is a few KB; the bounds are generous for humans and tight for attacks.
 MAX_DOCUMENT_BYTES = 1 << 20
 MAX_DEPTH = 32
+#: Values a YAML document may expand to, aliases counted at every use (a "billion laughs"
+#: document is a few hundred bytes that expand to 10**9 values).
+MAX_YAML_NODES = 100_000
 # Python refuses int() of more than 4300 digits (CVE-2020-10735); say so without a traceback.
 _SUFFIXES = (".toml", ".yaml", ".yml", ".json")
 
@@ -82,11 +85,9 @@ def read_document(ref: str | Path) -> tuple[Any, str]:
         elif kind == ".json":
             data = json.loads(text)
         else:
-            import yaml
-
-            data = yaml.load(text, Loader=_strict_yaml_loader())
-            if data is None:
-                data = {}
+            data = _load_yaml(text, src)
+    except ConfigError:
+        raise
     except RecursionError:
         raise ConfigError(f"nesting deeper than {MAX_DEPTH} levels", source=src) from None
     except ValueError as exc:  # json/toml decode errors are ValueErrors too; keep their text
@@ -100,6 +101,60 @@ def read_document(ref: str | Path) -> tuple[Any, str]:
     if depth > MAX_DEPTH:
         raise ConfigError(f"nesting deeper than {MAX_DEPTH} levels", source=src)
     return data, src
+
+
+def _load_yaml(text: str, src: str) -> Any:
+    """Compose the YAML node graph, bound what its aliases expand to, then construct it."""
+    loader = _strict_yaml_loader()(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return {}
+        _bound_yaml_nodes(node, src)
+        data = loader.construct_document(node)
+    finally:
+        loader.dispose()
+    return {} if data is None else data
+
+
+def _bound_yaml_nodes(root: Any, src: str) -> None:
+    """Refuse a node graph that expands (each alias at every use) past :data:`MAX_YAML_NODES`
+    values, or that refers to itself; linear in the graph's size, not in its expansion."""
+    import yaml
+
+    size: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    open_: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            open_.discard(key)
+            kids = _yaml_children(node, yaml)
+            total = 1 + sum(size[id(k)] for k in kids)
+            if total > MAX_YAML_NODES:
+                raise ConfigError(
+                    f"YAML aliases expand to more than MAX_YAML_NODES = {MAX_YAML_NODES} values "
+                    "(a 'billion laughs' document?)",
+                    source=src,
+                )
+            size[key] = total
+            continue
+        if key in size:
+            continue
+        if key in open_:
+            raise ConfigError("a YAML alias refers to the node that contains it", source=src)
+        open_.add(key)
+        stack.append((node, True))
+        stack.extend((k, False) for k in _yaml_children(node, yaml) if id(k) not in size)
+
+
+def _yaml_children(node: Any, yaml: Any) -> list[Any]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 def _bracket_depth(text: str) -> int:

@@ -160,7 +160,12 @@ def test_check_config_never_imports_from_the_working_directory(tmp_path):
     for env in ({}, {"PYTHONPATH": "."}):
         p = run(["check-config", "c.toml", "--no-probe"], tmp_path, env=env)
         assert p.returncode == 2, (env, p.stdout)
-        # -m drops the implicit cwd entry (not found); PYTHONPATH=. finds it and refuses it.
+        # check-config imports no module reference unless asked (issue 23): checked for form only.
+        assert "'cwd_plugin:SPEC' is a module reference (form OK), not imported" in p.stderr, p.stderr
+        assert "pass --import, or --plugin-path DIR" in p.stderr and not marker.exists()
+        # Asked to import: -m drops the implicit cwd entry (not found); PYTHONPATH=. finds it and refuses it.
+        p = run(["check-config", "--import", "c.toml", "--no-probe"], tmp_path, env=env)
+        assert p.returncode == 2, (env, p.stdout)
         assert ("'cwd_plugin' in the working directory is not used" in p.stderr) != (
             "'cwd_plugin' would be imported from the working directory" in p.stderr
         ), p.stderr

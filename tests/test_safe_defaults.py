@@ -235,3 +235,92 @@ def msgspec_replace(h: wire.PayloadHeader, **kw: object) -> wire.PayloadHeader:
     import msgspec
 
     return msgspec.structs.replace(h, **kw)
+
+
+# ---- item 6: the checker cannot be made to hang or to run code ------------------------------
+
+
+def _laughs(path, levels: int = 10) -> None:
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]")
+    lines.append(f"model: *a{levels - 1}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_billion_laughs_yaml_fails_fast_naming_the_limit(tmp_path, capsys) -> None:
+    from pd_middleware.cli import main
+    from pd_middleware.config_loader import MAX_YAML_NODES
+
+    doc = tmp_path / "laughs.yaml"
+    _laughs(doc)  # 9**10 (3.5e9) values once its aliases are expanded
+    t0 = time.perf_counter()
+    rc = main(["check-config", str(doc)])
+    took = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and "MAX_YAML_NODES" in err and str(MAX_YAML_NODES) in err, err
+    assert took < 1.0, f"{took:.2f} s"
+    # A self-referring alias is refused too, not walked forever.
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("model: &m [*m]\n")
+    assert main(["check-config", str(loop)]) == 2 and "refers to the node" in capsys.readouterr().err
+    # Negative control: aliases that expand to little are fine (the shipped YAML config still loads).
+    small = tmp_path / "small.yaml"
+    _laughs(small, levels=3)  # 729 values: under the bound, then the schema speaks
+    assert main(["check-config", str(small)]) == 2 and "MAX_YAML_NODES" not in capsys.readouterr().err
+
+
+def test_check_config_imports_no_module_reference_unless_asked(tmp_path, capsys, monkeypatch) -> None:
+    import sys
+
+    from pd_middleware.cli import main
+
+    mod = tmp_path / "pd_evil_probe.py"
+    mod.write_text("import os\nos.environ['PD_EVIL_RAN'] = '1'\ns = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PD_EVIL_RAN", raising=False)
+    doc = tmp_path / "c.toml"
+    doc.write_text('[synthesizer]\nname = "pd_evil_probe:s"\n')
+    assert main(["check-config", str(doc)]) == 2
+    err = capsys.readouterr().err
+    assert "not imported" in err and "synthesizer.name" in err and "--import" in err
+    assert "PD_EVIL_RAN" not in __import__("os").environ and "pd_evil_probe" not in sys.modules
+    # A malformed reference is still refused for its form.
+    doc.write_text('[synthesizer]\nname = "../x.py:s"\n')
+    assert main(["check-config", str(doc)]) == 2 and "not imported" not in capsys.readouterr().err
+    # Control: with --import it is imported (its code runs; it is not a plugin spec).
+    doc.write_text('[synthesizer]\nname = "pd_evil_probe:s"\n')
+    assert main(["check-config", "--import", str(doc)]) == 2
+    assert __import__("os").environ.get("PD_EVIL_RAN") == "1"
+    sys.modules.pop("pd_evil_probe", None)
+
+
+def test_a_nan_tail_mass_on_the_wire_fails_validation_with_a_reason(zctx) -> None:
+    import msgspec
+    from _helpers import make as _make
+
+    from pd_middleware.transport import payload_codec
+
+    rx = DecodeReceiver(cfg(), pipeline(), context=zctx).start()
+    try:
+        sock = dealer(zctx, rx.address)
+        sock.send_multipart([wire.encode(wire.Hello(name="p", want_slots=0, ts=time.time()))])
+        assert sock.poll(3000)
+        sock.recv_multipart()
+        for i, bad in enumerate((float("nan"), float("inf"), -0.5, 1.0)):
+            p = _make(proposal="sparse", rid=f"t{i}")
+            h, parts = payload_codec.build_header(p, i)
+            h = msgspec.structs.replace(h, proposal=msgspec.structs.replace(h.proposal, tail_mass=(bad,)))
+            sock.send_multipart([wire.encode(h), *[b for b, _ in parts]])
+            (out,) = collect_outcomes(rx, 1, timeout=3.0)
+            assert out.key == "wire:proposal.tail_mass" and "not a probability" in out.reason, (bad, out)
+        # Control: a finite tail in [0, 1) is delivered.
+        p = _make(proposal="sparse", rid="ok")
+        h, parts = payload_codec.build_header(p, 9)
+        h = msgspec.structs.replace(h, proposal=msgspec.structs.replace(h.proposal, tail_mass=(0.25,)))
+        sock.send_multipart([wire.encode(h), *[b for b, _ in parts]])
+        (out,) = collect_outcomes(rx, 1, timeout=3.0)
+        assert isinstance(out, Delivery), out
+        sock.close(0)
+    finally:
+        rx.stop()

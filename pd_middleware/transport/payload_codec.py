@@ -130,6 +130,7 @@ def payload_from_header(
                     raise WireError(f"entry count {n} is not in [1, {vocab}]", field="proposal.lengths", request_id=rid)
             total = sum(p.lengths)
             _check_buckets(p, vocab, rid)
+            _check_tail(p.tail_mass, len(p.lengths), rid)
             idx_dtype = "uint16" if p.index_format == "u16" else "int32"
             idx, s = _resolve(p.indices, "proposal.indices", idx_dtype, (total,), frames, limits, resolver, rid)
             slot = _same_slot(slot, s, "proposal.indices", rid)
@@ -275,6 +276,23 @@ def bulk_bytes(payload: Payload) -> int:
         else:
             total += _aligned(_nbytes(p.indices)) + _aligned(_nbytes(p.values))
     return total
+
+
+def _check_tail(tail: tuple[float, ...], steps: int, rid: str) -> None:
+    """``tail_mass``: empty, or one probability in [0, 1) per step (NaN and infinities are not).
+
+    Checked here, on the wire, so that no synthesizer that ignores the proposal lets it
+    through; what the tail means for the law (:mod:`pd_middleware.sparse_law`) is checked there.
+    """
+    if tail and len(tail) != steps:
+        raise WireError(
+            f"has {len(tail)} entries, expected {steps} (or none)", field="proposal.tail_mass", request_id=rid
+        )
+    for s, t in enumerate(tail):
+        if not 0.0 <= t < 1.0:  # False for NaN: refused
+            raise WireError(
+                f"step {s}: {t!r} is not a probability in [0, 1)", field="proposal.tail_mass", request_id=rid
+            )
 
 
 def build_header(
