@@ -324,3 +324,78 @@ def test_a_nan_tail_mass_on_the_wire_fails_validation_with_a_reason(zctx) -> Non
         sock.close(0)
     finally:
         rx.stop()
+
+
+# ---- item 3: a request id is its owner's while it is live ----------------------------------
+
+
+def _peer(ctx: zmq.Context, address: str, name: str) -> zmq.Socket:
+    s = dealer(ctx, address)
+    s.send_multipart([wire.encode(wire.Hello(name=name, want_slots=0, ts=time.time()))])
+    assert s.poll(3000)
+    s.recv_multipart()
+    return s
+
+
+def test_a_live_request_id_cannot_be_taken_over_after_many_arrivals(zctx, monkeypatch) -> None:
+    from _helpers import inline_frames
+
+    from pd_middleware.transport import admission, expects
+
+    # Shrink every count window to 8 so that 20 arrivals outlast it (65,536 by default).
+    monkeypatch.setattr(expects, "ARRIVED_CAP", 8)
+    monkeypatch.setattr(admission, "OUTSTANDING_CAP", 8, raising=False)  # the code before the fix had one
+    rx = DecodeReceiver(cfg(), pipeline(), context=zctx).start()
+    try:
+        victim, thief = _peer(zctx, rx.address, "victim"), _peer(zctx, rx.address, "thief")
+        rx.expect("awaited", peer="victim")
+        victim.send_multipart(inline_frames(make(rid="held"), 0))
+        (held,) = collect_outcomes(rx, 1)
+        assert isinstance(held, Delivery)  # the scheduler keeps it: live until released
+        for who, sock in (("victim", victim), ("thief", thief)):
+            for i in range(20):
+                sock.send_multipart(inline_frames(make(rid=f"{who}-{i}"), i + 1))
+            for o in collect_outcomes(rx, 20):
+                assert isinstance(o, Delivery)
+                o.release()
+        thief.send_multipart(inline_frames(make(rid="held"), 100))
+        thief.send_multipart(inline_frames(make(rid="awaited"), 101))
+        outs = collect_outcomes(rx, 2)
+        assert [o.key for o in outs] == ["wire:peer", "wire:peer"], outs
+        # Released, the id is no longer live; the victim may send it again (not a duplicate).
+        held.release()
+        time.sleep(0.05)
+        victim.send_multipart(inline_frames(make(rid="held"), 200))
+        (again,) = collect_outcomes(rx, 1)
+        assert isinstance(again, Delivery)
+        again.release()
+        victim.close(0)
+        thief.close(0)
+    finally:
+        rx.stop()
+
+
+def test_the_live_id_table_is_bounded_by_max_live_requests(zctx) -> None:
+    from _helpers import inline_frames
+
+    from pd_middleware.transport import LimitsConfig
+
+    rx = DecodeReceiver(cfg(limits=LimitsConfig(max_live_requests=4)), pipeline(), context=zctx).start()
+    try:
+        sock = _peer(zctx, rx.address, "p")
+        for i in range(6):
+            sock.send_multipart(inline_frames(make(rid=f"r{i}"), i))
+        got = collect_outcomes(rx, 4)
+        time.sleep(0.3)
+        assert rx.get(timeout=0.2) is None  # it stopped reading at 4 live: nothing dropped
+        assert len(rx._admission.live) == 4
+        got[0].release()
+        rest = collect_outcomes(rx, 1, timeout=3.0)
+        assert len(rest) == 1 and len(rx._admission.live) == 4
+        for d in got[1:] + rest:
+            d.release()
+        (last,) = collect_outcomes(rx, 1, timeout=3.0)
+        assert isinstance(last, Delivery) and last.request_id == "r5"
+        sock.close(0)
+    finally:
+        rx.stop()

@@ -1,8 +1,8 @@
 """The decode's payload admission: what becomes of each message's payload, and its release.
 
 A payload header from a connected peer is admitted (:meth:`Admission.on_payload`): a
-request id the peer already has outstanding is ``wire:duplicate``, one another peer owns
-``wire:peer``; else its frames or slot ranges are resolved (:mod:`.wire`), bulk integrity
+request id the peer already has live (delivered, not released) is ``wire:duplicate``, one
+another peer owns (live there, expected from it, or recently arrived from it) ``wire:peer``; else its frames or slot ranges are resolved (:mod:`.wire`), bulk integrity
 is checked (:mod:`.integrity`), and the pipeline's outcome is queued for the scheduler.
 A message refused before that is counted and answered by :meth:`Admission.reject`,
 naming a request id only for the authenticated peer that owns it. A delivery's releaser
@@ -33,7 +33,7 @@ from .auth import TO_PREFILL, Signer
 from .config import TransportConfig
 from .expects import Expectations
 from .outcomes import OutcomeQueue
-from .peers import OUTSTANDING_CAP, REASON_CAP, Peer, PeerTable
+from .peers import REASON_CAP, Peer, PeerTable
 from .slots import SlotPool
 
 if TYPE_CHECKING:  # annotation only: the pipeline owns (and imports) its metrics
@@ -117,7 +117,20 @@ class Admission:
         # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
         self.waiting = 0  # releases the loop waits for: held slots, inline bytes, consumed acks
+        # Request ids delivered and not yet released -> the identity of the peer they came
+        # from. The id stays its owner's for as long as it is live (here, or expected from
+        # it): no count window. Bounded by limits.max_live_requests (the loop stops reading).
+        self.live: dict[str, str] = {}
+        self._max_live = config.limits.max_live_requests
         self.double_releases = 0  # releases of a delivery already released (no-ops)
+
+    def full(self) -> bool:
+        """Whether the loop must stop reading: outcomes or inline bytes waiting, or live deliveries, at their caps."""
+        limits = self._limits
+        return (
+            self._queue.full(limits.max_queued_outcomes, limits.max_queued_inline_bytes)
+            or len(self.live) >= self._max_live
+        )
 
     @property
     def backpressure(self) -> bool:
@@ -171,17 +184,13 @@ class Admission:
             self._replies.send_to(ident, reply, nonce)
 
     def _other_owner(self, rid: str, peer: Peer) -> str | None:
-        """The identity of another peer that owns ``rid`` (expected from it, recently arrived
-        from it, or outstanding there), or None when ``peer`` may send it."""
-        owner = self._expects.owner(rid)
-        if owner is not None:
-            return owner if owner != peer.name else None
-        peers = self._peers.by_ident
-        if len(peers) > 1:
-            for p in peers.values():  # outstanding for longer than the arrived window
-                if p.name != peer.name and rid in p.outstanding:
-                    return p.name
-        return None
+        """The identity of another peer that owns ``rid`` (live there: delivered and not
+        released; expected from it; or recently arrived from it), or None when ``peer``
+        may send it."""
+        owner = self.live.get(rid)
+        if owner is None:
+            owner = self._expects.owner(rid)
+        return owner if owner is not None and owner != peer.name else None
 
     def on_payload(self, peer: Peer, h: wire.PayloadHeader, body: list[Any]) -> None:
         m = self.metrics
@@ -189,7 +198,7 @@ class Admission:
         try:
             # Neither of these failures names the request: it is another delivery's (or
             # another peer's) id, and a keyed store must not let it replace that outcome.
-            if rid in peer.outstanding:
+            if self.live.get(rid) == peer.name:
                 raise WireError("this peer already has this request outstanding", field="duplicate", request_id=rid)
             other = self._other_owner(rid, peer)
             if other is not None:
@@ -235,10 +244,7 @@ class Admission:
         self._queue.put(out, inline)
         if type(out) is Delivery:
             item[5] = True
-            held = peer.outstanding
-            held[rid] = None
-            if len(held) > OUTSTANDING_CAP:  # bounded: the oldest unreleased id is forgotten
-                del held[next(iter(held))]
+            self.live[rid] = peer.name  # its owner's until released (bounded: max_live_requests)
             if inline:  # its bytes count against max_queued_inline_bytes until released
                 self.waiting += 1
             if consumed:
@@ -260,8 +266,8 @@ class Admission:
                 queue.freed(inline)
                 if delivered:
                     self.waiting -= 1
-            if delivered:
-                peer.outstanding.pop(rid, None)
+            if delivered and self.live.get(rid) == peer.name:
+                del self.live[rid]
             if slot >= 0:
                 done, owner = pool.release(slot, gen)  # type: ignore[union-attr]  # slot >= 0 only with a pool
                 if done:  # else stale: the slot was freed or reused since; never free a later use

@@ -60,6 +60,9 @@ class LimitsConfig(msgspec.Struct, **_STRUCT):
     max_queued_outcomes: int = 65536
     # Most inline tensor bytes waiting for the scheduler; past it the receiver stops reading.
     max_queued_inline_bytes: int = 256 * 1024 * 1024
+    # Most deliveries the scheduler may hold unreleased; past it the receiver stops reading.
+    # It bounds the table of live request ids (each owned by its peer until released).
+    max_live_requests: int = 65536
     # Hidden-state width H every payload must carry (elements); 0 = not checked.
     hidden_size: int = 0
     # Hidden-state dtype every payload must carry; None = not checked.
@@ -76,6 +79,7 @@ class LimitsConfig(msgspec.Struct, **_STRUCT):
         _check(
             1 << 16 <= self.max_queued_inline_bytes <= 1 << 40, "max_queued_inline_bytes", "must be in [2**16, 2**40]"
         )
+        _check(1 <= self.max_live_requests <= 1 << 24, "max_live_requests", "must be in [1, 2**24]")
         _check(0 <= self.hidden_size <= 1 << 20, "hidden_size", "must be in [0, 2**20]")
 
 

@@ -25,8 +25,6 @@ from . import wire
 ACK_INTERVAL_S = 0.002
 #: Pending outcomes that trigger an ack before the interval is up.
 ACK_BATCH = 256
-#: Request ids remembered per peer as outstanding (delivered, not yet released).
-OUTSTANDING_CAP = 1 << 16
 #: Characters of a failure's reason and key sent back in an ack (the full text is in the Failure).
 REASON_CAP = 256
 KEY_CAP = 96
@@ -53,8 +51,6 @@ class Peer:
     freed: list[int] = field(default_factory=list)
     delivered: list[int] = field(default_factory=list)
     failed: list[tuple[int, str, str]] = field(default_factory=list)
-    # Request ids delivered and not yet released: the same id again is a duplicate.
-    outstanding: dict[str, None] = field(default_factory=dict)
     resolver: Callable[..., memoryview] | None = None
 
 

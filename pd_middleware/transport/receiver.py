@@ -30,8 +30,9 @@ fail with ``transfer:deadline`` or, when their peer goes silent for ``peer_timeo
 
 Memory is bounded: libzmq refuses frames over the size caps (``ZMQ_MAXMSGSIZE``), and
 the loop stops reading (backpressure, nothing dropped) while the scheduler has
-``limits.max_queued_outcomes`` outcomes waiting or holds ``limits.max_queued_inline_bytes``
-inline bytes not yet released (taken or not: a consumer that keeps outcomes stays
+``limits.max_queued_outcomes`` outcomes waiting, holds ``limits.max_live_requests``
+deliveries not yet released, or holds ``limits.max_queued_inline_bytes`` inline bytes
+not yet released (taken or not: a consumer that keeps outcomes stays
 under the cap). What libzmq buffers of a multipart message before Python sees it is
 bounded only by authentication: see docs/transport.md.
 
@@ -214,7 +215,8 @@ class DecodeReceiver:
         With ``peer`` (the prefill's identity: its CURVE allowlist name, or its hello
         name without CURVE) only that peer may deliver it: the same id from another peer
         fails as ``wire:peer`` (so does an id that arrived from another peer, expected or
-        not, within the last 65,536 arrivals or while outstanding there). It fails with ``transfer:deadline`` if it has not arrived
+        not, while it is live there: delivered and not released, or expected from it; and
+        for the last 65,536 arrivals besides). It fails with ``transfer:deadline`` if it has not arrived
         by ``deadline`` (this receiver's clock, ``time.monotonic`` by default), or with
         ``transfer:peer_lost`` when ``peer`` goes silent.
         """
@@ -277,8 +279,6 @@ class DecodeReceiver:
         next_tick = self._clock()
         batch = self.config.recv_batch
         queue = self._queue
-        max_out = self._limits.max_queued_outcomes
-        max_bytes = self._limits.max_queued_inline_bytes
         # Frames kept per message: past this the rest are counted, not copied (the message
         # fails as wire:frames; libzmq has buffered it already, Python need not double it).
         keep = self._limits.max_frames + 3
@@ -300,7 +300,7 @@ class DecodeReceiver:
                 wait = min(wait, ACK_INTERVAL_S)
             # Backpressure: with the scheduler this far behind, leave messages in libzmq
             # (then TCP) until it catches up; get()/drain() wake the loop.
-            full = queue.full(max_out, max_bytes)
+            full = admission.full()
             queue.backpressure = full
             if full == reading:
                 reading = not full
@@ -350,7 +350,7 @@ class DecodeReceiver:
                             handshake.handle(frames, user)
                     except Exception as exc:
                         self._internal(frames, exc)
-                    if queue.full(max_out, max_bytes):
+                    if admission.full():
                         break
             queue.notify()
             admission.apply_releases()
