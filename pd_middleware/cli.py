@@ -212,6 +212,43 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_keys_new(args: argparse.Namespace) -> int:
+    import re
+
+    import zmq.auth
+
+    from .transport.auth import write_keypair
+
+    name = args.name
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+        print(
+            f"pd-middleware: keys new: NAME {name!r} must be letters, digits, '_', '.', '-' (at most 64)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    d = Path(args.dir)
+    pub_path, sec_path = d / f"{name}.key", d / f"{name}.key_secret"
+    if (pub_path.exists() or sec_path.exists()) and not args.force:
+        print(f"pd-middleware: keys new: {pub_path} or {sec_path} exists (--force replaces them)", file=sys.stderr)
+        return EXIT_ERROR
+    old = os.umask(0o077)  # the secret is never readable by others, not even for a moment
+    try:
+        pub, sec = write_keypair(d, name)
+    finally:
+        os.umask(old)
+    os.chmod(pub, 0o644)
+    public, _ = zmq.auth.load_certificate(pub)
+    print(f"public key  {pub}  (Z85 {public.decode()})")
+    print(f"secret key  {sec}  (mode 600: keep it on this node only)")
+    print("use it (docs/transport.md, 'CURVE'):")
+    print(f'  on this node:   [transport.curve] enabled = true, secret_key_file = "{sec}"')
+    print(
+        f"  on the decode:  copy {pub.rsplit('/', 1)[-1]} into curve.clients_dir (the allowlist; {name!r} is the identity)"
+    )
+    print(f'  on a prefill:   curve.server_key = "{public.decode()}" when this is the decode\'s key')
+    return EXIT_OK
+
+
 def check_out_dir(out: str) -> Path:
     """Fail before the run if ``out`` cannot hold the report (a file, unwritable...)."""
     p = Path(out)
@@ -333,6 +370,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", action="store_true", help="print the resolved config (defaults filled in) as JSON")
     p.add_argument("--no-probe", action="store_true", help="skip running each encoder/synthesizer pair on random rows")
     p.set_defaults(func=_cmd_check_config)
+
+    p = sub.add_parser(
+        "keys",
+        help="CURVE key pairs for the side channel",
+        description="Generate the CURVE key files that the decode's ZAP allowlist reads "
+        "(zmq.auth certificates: NAME.key public, NAME.key_secret secret).",
+    )
+    ksub = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    k = ksub.add_parser(
+        "new",
+        help="create NAME.key and NAME.key_secret",
+        description="Create a Curve25519 key pair as NAME.key (public: goes into the decode's "
+        "curve.clients_dir, or its Z85 text into a prefill's curve.server_key) and NAME.key_secret "
+        "(this node's curve.secret_key_file, written mode 600). NAME is the identity the "
+        "decode's allowlist gives the holder.",
+    )
+    k.add_argument("name", metavar="NAME", help="the key's identity, e.g. prefill-a or decode")
+    k.add_argument("--dir", default="keys", metavar="DIR", help="where to write the files (default: ./keys)")
+    k.add_argument("--force", action="store_true", help="replace existing files of that name")
+    k.set_defaults(func=_cmd_keys_new)
 
     p = sub.add_parser(
         "config", help="the shipped example configs", description="List or print the shipped example configs."

@@ -399,3 +399,84 @@ def test_the_live_id_table_is_bounded_by_max_live_requests(zctx) -> None:
         sock.close(0)
     finally:
         rx.stop()
+
+
+# ---- item 1: secure by default off loopback --------------------------------------------------
+
+
+def test_beyond_loopback_needs_curve_unless_insecure_is_said(zctx, tmp_path, capsys) -> None:
+    import pytest
+
+    from pd_middleware import ConfigError
+    from pd_middleware._errors import OptionValueError
+    from pd_middleware.cli import main
+    from pd_middleware.transport.config import CurveConfig
+
+    for host in ("0.0.0.0", "::", "10.1.2.3", "*"):
+        with pytest.raises(OptionValueError) as info:
+            TransportConfig(bind_host=host)
+        assert info.value.field == "bind_host" and "CURVE is required" in str(info.value)
+        TransportConfig(bind_host=host, security="insecure")  # said explicitly: allowed
+        TransportConfig(bind_host=host, curve=CurveConfig(enabled=True, secret_key_env="X"))
+    for host in ("127.0.0.1", "127.3.4.5", "::1", "localhost"):
+        TransportConfig(bind_host=host)  # loopback: plain stays the default
+    with pytest.raises(OptionValueError):
+        TransportConfig(bind_host="0.0.0.0", hmac_key=KEY)  # HMAC is not identity: not enough off loopback
+    # An interface name is checked when binding, a connect address when connecting.
+    rx = DecodeReceiver(cfg(bind_host="eth0"), pipeline(), context=zctx)
+    with pytest.raises(ConfigError) as err:
+        rx.start()
+    assert err.value.path == "transport.security" and "'eth0'" in str(err.value)
+    tx = PrefillSender(cfg(), context=zctx, name="p")
+    for address in ("tcp://10.0.0.7:5555", "tcp://[2001:db8::1]:5555", "tcp://decode.example:5555"):
+        with pytest.raises(ConfigError) as err:
+            tx.connect(address, timeout=0.2)
+        assert err.value.path == "transport.security" and "beyond loopback" in str(err.value)
+    tx.close(timeout=0)
+    # check-config names the field and the reason, and exits 2.
+    doc = tmp_path / "open.toml"
+    doc.write_text('[transport]\nbind_host = "0.0.0.0"\n')
+    assert main(["check-config", "--no-probe", str(doc)]) == 2
+    err_text = capsys.readouterr().err
+    assert "transport.bind_host" in err_text and "CURVE is required" in err_text and "keys new" in err_text
+    doc.write_text('[transport]\nbind_host = "0.0.0.0"\nsecurity = "insecure"\n')
+    assert main(["check-config", "--no-probe", str(doc)]) == 0
+
+
+def test_keys_new_writes_the_files_zap_reads(zctx, tmp_path, capsys) -> None:
+    import os
+    import stat
+
+    import zmq.auth
+
+    from pd_middleware.cli import main
+    from pd_middleware.transport.config import CurveConfig
+
+    assert main(["keys", "new", "decode", "--dir", str(tmp_path / "d")]) == 0
+    assert main(["keys", "new", "prefill-a", "--dir", str(tmp_path / "allowed")]) == 0
+    out = capsys.readouterr().out
+    assert "prefill-a.key" in out and "clients_dir" in out
+    sec = tmp_path / "allowed" / "prefill-a.key_secret"
+    assert stat.S_IMODE(os.stat(sec).st_mode) == 0o600
+    assert main(["keys", "new", "prefill-a", "--dir", str(tmp_path / "allowed")]) == 2  # never overwritten silently
+    assert main(["keys", "new", "../evil", "--dir", str(tmp_path)]) == 2
+    capsys.readouterr()
+    server_pub = zmq.auth.load_certificate(str(tmp_path / "d" / "decode.key"))[0].decode()
+    # The allowlist dir holds the secret too here; ZAP reads only the public NAME.key files.
+    server = cfg(
+        curve=CurveConfig(
+            enabled=True,
+            secret_key_file=str(tmp_path / "d" / "decode.key_secret"),
+            clients_dir=str(tmp_path / "allowed"),
+        )
+    )
+    client = cfg(curve=CurveConfig(enabled=True, secret_key_file=str(sec), server_key=server_pub))
+    rx = DecodeReceiver(server, pipeline(), context=zctx).start()
+    try:
+        tx = PrefillSender(client, context=zctx, name="anything").connect(rx.address)
+        tx.send(make(rid="k"))
+        (d,) = collect_outcomes(rx, 1)
+        assert isinstance(d, Delivery) and d.peer == "prefill-a"
+        tx.close()
+    finally:
+        rx.stop()

@@ -13,6 +13,7 @@ machines.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from typing import Literal
@@ -30,6 +31,55 @@ _Z85_RE = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 #: loopback TCP (see docs/transport.md): below this many bulk bytes per payload, raw
 #: ZMQ frames beat a Mooncake write plus the header round.
 DEFAULT_INLINE_THRESHOLD = 128 * 1024
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP, ``[::1]``, ``localhost``) is loopback: 127.0.0.0/8 or ::1.
+
+    Anything else, a name or ``*`` included, is not: it may reach beyond this machine.
+    """
+    h = host.strip()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(address: str) -> str:
+    """The host of a ``tcp://host:port`` address (brackets kept off an IPv6 host)."""
+    rest = address.split("://", 1)[-1]
+    if rest.startswith("["):
+        return rest[1 : rest.find("]")] if "]" in rest else rest
+    return rest.rsplit(":", 1)[0]
+
+
+def insecure_reason(cfg: TransportConfig, host: str, what: str) -> str | None:
+    """Why ``cfg`` must not ``what`` (bind / connect to) ``host`` as configured, or None.
+
+    Beyond loopback only CURVE keeps a stranger's bytes out of the process (libzmq
+    buffers a whole multipart message before anyone can count its frames), so CURVE is
+    required there unless ``security = "insecure"`` says otherwise, explicitly.
+    """
+    if cfg.curve.enabled or cfg.security == "insecure" or is_loopback(host):
+        return None
+    mode = "HMAC" if cfg.hmac_key is not None or cfg.hmac_key_env is not None else "no authentication"
+    return (
+        f"would {what} {host!r}, beyond loopback, with {mode}: CURVE is required there "
+        "(curve.enabled = true; keys: `pd-middleware keys new NAME`), "
+        'or set security = "insecure" to accept strangers\' bytes'
+    )
+
+
+def _is_ip(h: str) -> bool:
+    try:
+        ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    return True
 
 
 def _check(ok: bool, field: str, message: str) -> None:
@@ -210,6 +260,10 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
     hwm: int | None = None
     # Most inbound messages the receiver handles before flushing acks.
     recv_batch: int = 256
+    # "auto": CURVE is required to bind or connect beyond loopback (127.0.0.0/8, ::1);
+    # plain and HMAC stay the loopback default. "insecure": allow plain or HMAC anywhere
+    # (a stranger can then reach Python: docs/transport.md, "Modes and threats").
+    security: Literal["auto", "insecure"] = "auto"
     # What a "delivered" ack means: "queued" = on the scheduler's queue; "consumed" = the
     # scheduler released the Delivery (it was used), so a decode crash before that loses nothing silently.
     ack: Literal["queued", "consumed"] = "queued"
@@ -242,6 +296,10 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
         )
         _check(self.hwm is None or 1 <= self.hwm <= 10_000_000, "hwm", "must be in [1, 10000000]")
         _check(1 <= self.recv_batch <= 1 << 16, "recv_batch", "must be in [1, 65536]")
+        h = self.bind_host.strip("[]")
+        if h == "*" or _is_ip(h):  # other names are checked by preflight, and when binding
+            why = insecure_reason(self, self.bind_host, "bind")
+            _check(why is None, "bind_host", why or "")
         _check(
             not (self.curve.enabled and (self.hmac_key is not None or self.hmac_key_env is not None)),
             "hmac_key",

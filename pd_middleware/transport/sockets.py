@@ -14,9 +14,9 @@ from typing import Any
 
 import zmq
 
-from .._errors import TransferError
+from .._errors import ConfigError, TransferError
 from .auth import CurveGate, curve_client, curve_server
-from .config import TransportConfig
+from .config import TransportConfig, host_of, insecure_reason
 
 
 def poll_ms(seconds: float) -> int:
@@ -44,8 +44,13 @@ def bind_router(
 ) -> tuple[zmq.Socket[Any], str, CurveGate | None]:
     """The decode's bound ROUTER, its ``tcp://host:port`` and its CURVE gate (None without CURVE).
 
-    Raises :class:`TransferError` (op ``bind``) when the address cannot be bound.
+    Raises :class:`TransferError` (op ``bind``) when the address cannot be bound, and
+    :class:`ConfigError` (``transport.security``) beyond loopback without CURVE unless
+    ``security = "insecure"``.
     """
+    why = insecure_reason(cfg, cfg.bind_host, "bind")
+    if why is not None:
+        raise ConfigError(why, path="transport.security")
     sock = _base(ctx, zmq.ROUTER, cfg, max(cfg.limits.max_message_bytes, cfg.limits.max_tensor_bytes), cfg.recv_hwm())
     gate = None
     try:
@@ -75,7 +80,14 @@ def bind_router(
 
 
 def connect_dealer(ctx: zmq.Context[Any], cfg: TransportConfig, address: str) -> zmq.Socket[Any]:
-    """A prefill's DEALER connected (asynchronously, as ZMQ does) to ``address``."""
+    """A prefill's DEALER connected (asynchronously, as ZMQ does) to ``address``.
+
+    Raises :class:`ConfigError` (``transport.security``) for an address beyond loopback
+    without CURVE unless ``security = "insecure"``.
+    """
+    why = insecure_reason(cfg, host_of(address), "connect to")
+    if why is not None:
+        raise ConfigError(why, path="transport.security")
     sock = _base(ctx, zmq.DEALER, cfg, cfg.limits.max_message_bytes, cfg.send_hwm())
     try:
         if cfg.curve.enabled:
