@@ -18,7 +18,12 @@ every msgpack type), ``zmtp_stream`` (a raw ZMTP client streaming one never-endi
 message at a CURVE receiver; decode RSS growth), ``spoofed_hello`` (an allowed key
 claiming another peer's name), ``replay`` (captured HMAC hello and payload replayed on
 the same and another connection), ``inline_flood`` (16 MiB inline payloads while the
-scheduler is stalled; decode RSS growth against the configured bound).
+scheduler is stalled; decode RSS growth against the configured bound). Issue 23 added
+``multipart_modes`` (a stranger's many-frame message under plain, HMAC and CURVE: RSS
+growth per mode), ``borrowed_name`` (a hello under another prefill's name, per mode),
+``live_id`` (a claim on another peer's live ids after 65,536 ids of one's own),
+``hello_clock`` (signed hellos from the future, the past, NaN), ``double_release``,
+``nan_tail`` and ``config_checker`` (billion laughs; a ``module:attr`` reference).
 """
 
 from __future__ import annotations
@@ -428,7 +433,305 @@ def case_inline_flood(ctx: zmq.Context, scale: float) -> dict[str, Any]:
         rx.stop()
 
 
+# ---- issue 23: what did not hold, and the checker ------------------------------------------
+
+#: What the decode's RSS may grow by under CURVE while a stranger streams (nothing reaches it).
+CURVE_STREAM_BOUND_MB = 16.0
+
+
+def _stream_mode(mode: str, nbytes: int) -> None:
+    """Child process: a receiver in ``mode``; a raw ZMTP stranger streams one ``nbytes``
+    message of empty frames (MORE on every one); print the decode's RSS growth in MB."""
+    import json
+
+    ctx = zmq.Context()
+    if mode == "curve":
+        server, _ = _curve_pair({})
+        rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=ctx).start()
+    else:
+        rx = receiver(ctx, **({"hmac_key": KEY} if mode == "hmac" else {}))
+    host, port = rx.address[len("tcp://") :].rsplit(":", 1)
+    time.sleep(0.2)
+    before = peak = rss_mb()
+    raw = RawZmtp(host, int(port))
+    accepted = raw.handshake()
+    sent = raw.stream_more(nbytes) if accepted else 0
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:  # let libzmq take in what was sent
+        peak = max(peak, rss_mb())
+        time.sleep(0.05)
+    raw.close()
+    healthy = rx.healthy
+    rx.stop()
+    ctx.destroy(linger=0)
+    print(
+        json.dumps({"mode": mode, "sent": sent, "accepted": accepted, "growth_mb": peak - before, "healthy": healthy})
+    )
+
+
+def case_multipart_modes(ctx: zmq.Context, scale: float) -> dict[str, Any]:
+    """A stranger's raw multipart stream (one message of many tiny frames) under every mode.
+
+    libzmq bounds a frame (ZMQ_MAXMSGSIZE), not the frames of a message, and buffers the
+    whole message before Python can count them: only CURVE (the stranger never passes the
+    handshake) bounds it. Plain and HMAC are figures: allowed on loopback only by default.
+    """
+    import json
+    import subprocess
+
+    nbytes = max(1 << 20, int((8 << 20) * scale))
+    t = Tally(receiver(ctx))
+    t.rx.stop()
+    figures: dict[str, Any] = {"streamed_mb": round(nbytes / (1 << 20), 1)}
+    for mode in ("curve", "plain", "hmac"):
+        code = (
+            f"import sys; sys.argv=['attacks']; sys.path[:0]={sys.path[:4]!r}; import attacks; "
+            f"attacks._stream_mode({mode!r}, {nbytes})"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
+        try:
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            t.r["crashes"] += 1
+            figures[f"{mode}_error"] = proc.stderr[-300:]
+            continue
+        t.r["attacks"] += 1
+        if not r["healthy"]:
+            t.r["crashes"] += 1
+        figures[f"{mode}_rss_growth_mb"] = round(r["growth_mb"], 1)
+        figures[f"{mode}_handshake_accepted"] = r["accepted"]
+        if mode == "curve" and (r["accepted"] or r["growth_mb"] > CURVE_STREAM_BOUND_MB):
+            t.r["wrong"] += 1  # the documented bound
+    figures["curve_bound_mb"] = CURVE_STREAM_BOUND_MB
+    return t.result(**figures)
+
+
+def case_borrowed_name(ctx: zmq.Context, scale: float) -> dict[str, Any]:
+    """Another prefill says hello under the victim's name, under plain, HMAC and CURVE.
+
+    Under CURVE the name is the key's: the victim keeps its connection and every request
+    (must hold). Under plain and HMAC (one shared key) a name is a claim: the takeover is
+    a figure, the documented limit of those modes (docs/transport.md, "Modes and threats").
+    """
+    rounds = max(2, int(20 * scale))
+    t = Tally(receiver(ctx))
+    t.rx.stop()
+    figures: dict[str, Any] = {}
+    for mode in ("curve", "plain", "hmac"):
+        if mode == "curve":
+            server, clients = _curve_pair({})
+            rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=ctx).start()
+            victim_cfg, thief_cfg = clients["alice"], clients["bob"]
+        else:
+            kw = {"hmac_key": KEY} if mode == "hmac" else {}
+            rx = receiver(ctx, **kw)
+            victim_cfg = thief_cfg = cfg(**kw)
+        t.rx = rx
+        try:
+            victim = PrefillSender(victim_cfg, context=ctx, name="alice").connect(rx.address)
+            thief = PrefillSender(thief_cfg, context=ctx, name="alice").connect(rx.address)
+            t.r["attacks"] += 1
+            time.sleep(0.1)
+            ok = 0
+            for i in range(rounds):
+                p = make(f"{mode}-v-{i}")
+                try:
+                    victim.send(p)
+                except Exception:
+                    continue
+                before = dict(t.r)
+                t.collect(1, {p.request_id: p}, timeout=2.0)
+                if t.r["delivered"] > before["delivered"]:
+                    ok += 1
+                if mode != "curve":  # a figure, not a failure: undo the score of this round
+                    t.r.update({k: before[k] for k in ("hangs", "lost", "valid")})
+            figures[f"{mode}_victim_delivered"] = f"{ok}/{rounds}"
+            if mode == "curve" and ok != rounds:
+                t.r["wrong"] += 1
+            victim.close(timeout=0.5)
+            thief.close(timeout=0.5)
+        finally:
+            rx.stop()
+    return t.result(**figures)
+
+
+def case_live_id(ctx: zmq.Context, scale: float) -> dict[str, Any]:
+    """Under CURVE, bob claims alice's live ids (held, expected) after 65,536 ids of his own."""
+    server, clients = _curve_pair({})
+    rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=ctx).start()
+    t = Tally(rx)
+    try:
+        alice = PrefillSender(clients["alice"], context=ctx, name="alice").connect(rx.address)
+        bob = PrefillSender(clients["bob"], context=ctx, name="bob").connect(rx.address)
+        alice.send(make("held"))
+        held = rx.get(timeout=5.0)
+        rx.expect("awaited", peer="alice")
+        n = max(200, int(65_600 * scale))
+        if n < 65_600:  # a small run: shrink the arrival window so that n ids still outlast it
+            from pd_middleware.transport import expects
+
+            expects.ARRIVED_CAP = n // 2
+        got = 0
+        for i in range(n):
+            bob.send(make(f"b-{i}"))
+            while True:
+                o = rx.get(timeout=0)
+                if o is None:
+                    break
+                got += 1
+                o.release() if isinstance(o, Delivery) else None
+        while got < n:
+            o = rx.get(timeout=5.0)
+            if o is None:
+                t.r["hangs"] += 1
+                break
+            got += 1
+            o.release() if isinstance(o, Delivery) else None
+        bob.send(make("held"))
+        bob.send(make("awaited"))
+        t.r["attacks"] += 2
+        t.collect(2, {})  # both must be refused (wire:peer); a delivery counts as wrong
+        if isinstance(held, Delivery):
+            held.release()
+        alice.close(timeout=0.5)
+        bob.close(timeout=0.5)
+        return t.result(own_ids_sent=n)
+    finally:
+        rx.stop()
+
+
+def case_hello_clock(ctx: zmq.Context, scale: float) -> dict[str, Any]:
+    """Signed hellos dated an hour ahead, an hour behind and NaN: each refused with its reason."""
+    rx = receiver(ctx, hmac_key=KEY)
+    t = Tally(rx)
+    good = Signer(KEY.encode())
+    try:
+        for ts in (time.time() + 3600, time.time() - 3600, float("nan"), float("inf")):
+            s = dealer(ctx, rx.address, None)
+            hello = [wire.encode(wire.Hello(name="victim", want_slots=0, ts=ts))]
+            s.send_multipart([*hello, *good.sign(hello, new_nonce(), 0, TO_DECODE)])
+            t.r["attacks"] += 1
+            t.collect(1, {})
+            s.close(0)
+        if rx.peers:
+            t.r["wrong"] += 1  # a hello out of the window opened a connection
+    finally:
+        rx.stop()
+    return t.result()
+
+
+def case_double_release(ctx: zmq.Context, scale: float) -> dict[str, Any]:
+    """Inline deliveries released twice under ack = "consumed": each counted once, acked once."""
+    rx = receiver(ctx, ack="consumed")
+    t = Tally(rx)
+    try:
+        tx = PrefillSender(cfg(ack="consumed"), context=ctx, name="p").connect(rx.address)
+        n = max(4, int(100 * scale))
+        for i in range(n):
+            tx.send(make(f"d-{i}"))
+        for _ in range(n):
+            o = rx.get(timeout=5.0)
+            if not isinstance(o, Delivery):
+                t.r["hangs" if o is None else "wrong"] += 1
+                continue
+            o.release()
+            o.release()
+            t.r["attacks"] += 1
+        tx.flush(5.0)
+        time.sleep(0.05)
+        st = tx.statuses()
+        q = rx._queue
+        if st["delivered"] != n or q.bytes_out != q.bytes_in or rx.double_releases != n:
+            t.r["wrong"] += 1
+        tx.close(timeout=0.5)
+        return t.result(
+            acked=st["delivered"],
+            double_releases_counted=rx.double_releases,
+            inline_freed_twice=q.bytes_out - q.bytes_in,
+        )
+    finally:
+        rx.stop()
+
+
+def case_nan_tail(ctx: zmq.Context, scale: float) -> dict[str, Any]:
+    """A sparse proposal whose tail_mass is NaN, inf, negative or 1: refused on the wire."""
+    from pd_middleware import SparseEncoding
+
+    rx = receiver(ctx)
+    t = Tally(rx)
+    try:
+        s = dealer(ctx, rx.address, "p")
+        for i, bad in enumerate((float("nan"), float("inf"), -0.5, 1.0)):
+            enc = SparseEncoding(lengths=(2,), indices=bytes(8), values=bytes(8), value_dtype="fp32")
+            p = Payload(
+                f"n-{i}", (5,), (0.5,), 100, hidden=bytes(64), provenance=Provenance("sampled", 1.0, None), proposal=enc
+            )
+            h, parts = payload_codec.build_header(p, i)
+            h = msgspec.structs.replace(h, proposal=msgspec.structs.replace(h.proposal, tail_mass=(bad,)))
+            s.send_multipart([wire.encode(h), *(bytes(b) for b, _ in parts)])
+            t.r["attacks"] += 1
+            t.collect(1, {})
+        s.close(0)
+    finally:
+        rx.stop()
+    return t.result()
+
+
+def case_config_checker(ctx: zmq.Context, scale: float) -> dict[str, Any]:
+    """check-config on a billion-laughs YAML and on a `module:attr` reference (`this:s`)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from pd_middleware.cli import main as cli_main
+
+    t = Tally(receiver(ctx))
+    t.rx.stop()
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        doc = os.path.join(d, "laughs.yaml")
+        lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+        lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+        with open(doc, "w") as fh:
+            fh.write("\n".join([*lines, "model: *a9"]) + "\n")
+        err = io.StringIO()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = cli_main(["check-config", doc])
+        took = time.perf_counter() - t0
+        figures["laughs_exit"], figures["laughs_s"] = rc, round(took, 3)
+        t.r["attacks"] += 1
+        if rc != 2 or took >= 1.0 or "MAX_YAML_NODES" not in err.getvalue():
+            t.r["wrong"] += 1
+        ref = os.path.join(d, "this.toml")
+        with open(ref, "w") as fh:
+            fh.write('[synthesizer]\nname = "this:s"\n')
+        was = "this" in sys.modules
+        out = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            rc = cli_main(["check-config", "--no-probe", ref])
+        imported = "this" in sys.modules and not was
+        figures["module_ref_exit"], figures["module_ref_imported"] = rc, imported
+        t.r["attacks"] += 1
+        if imported or "not imported" not in err.getvalue():
+            t.r["wrong"] += 1
+    return t.result(**figures)
+
+
 CASES: dict[str, Callable[[zmq.Context, float], dict[str, Any]]] = {
+    "multipart_modes": case_multipart_modes,
+    "borrowed_name": case_borrowed_name,
+    "live_id": case_live_id,
+    "hello_clock": case_hello_clock,
+    "double_release": case_double_release,
+    "nan_tail": case_nan_tail,
+    "config_checker": case_config_checker,
     "nesting": case_nesting,
     "type_confusion": case_type_confusion,
     "zmtp_stream": case_zmtp_stream,

@@ -14,7 +14,11 @@ write, or not, into granted slots and send any header):
 - ``tampered``: after the legitimate write lands, a second engine overwrites a few bytes
   of the slot, then the header goes out; once with the always-on digest and once
   authenticated (HMAC headers, BLAKE3 digests);
-- ``two_slot``: one payload whose hidden state and proposal name two different slots.
+- ``two_slot``: one payload whose hidden state and proposal name two different slots;
+- ``copied_digest`` (plain, and ``_hmac``; issue 23): a new peer copies an old header's
+  digests, with its own request id and the new grant's generation;
+- ``forged_freed`` (issue 23): a fake decode acks slots the prefill does not have in use
+  (three duplicates of one slot and one never sent) to a real ``PrefillSender``.
 
 Each attack is interleaved with a valid payload (the control, which must be delivered
 bit-exact). Figures per case: ``attacks`` sent, ``refused`` with the expected failure
@@ -48,7 +52,7 @@ import msgspec
 import zmq
 from _bulk_peer import RawPrefill
 
-from pd_middleware import DenseEncoding, OneHotProposal, Payload
+from pd_middleware import DenseEncoding, NoSlotError, OneHotProposal, Payload
 from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, MooncakeConfig, MooncakeEngine, SlotsConfig, TransportConfig
 
@@ -263,6 +267,153 @@ def two_slot(case: Case, ctx: zmq.Context, engine: MooncakeEngine, rounds: int) 
         peer.close()
 
 
+def copied_digest(case: Case, ctx: zmq.Context, engine: MooncakeEngine, rounds: int, key: bytes | None) -> None:
+    """Issue 23: a new peer copies an old header's digests (the bytes are still in the slot)
+    under its own request id and the new grant's generation: the digest is bound to
+    (request id, slot, generation, offset), so it must fail as ``transfer:digest``."""
+    for r in range(max(1, rounds // 16)):
+        old = RawPrefill(ctx, case.rx.address, engine, f"cd-old-{case.name}-{r}", want=4, key=key)
+        old.hello()
+        headers = []
+        for j, s in enumerate(old.grant.slots):  # type: ignore[union-attr]
+            rid = f"cd-old-{case.name}-{r}-{j}"
+            h, parts = old.header(payload(rid, 9000 + 8 * r + j), s, algorithm=peer_algorithm(old))
+            old.write(s, parts)
+            old.send_header(h)
+            o = case.outcome(rid)
+            if isinstance(o, Delivery):
+                o.release()
+            headers.append((s, h))
+        old.close()
+        time.sleep(0.05)
+        new = RawPrefill(ctx, case.rx.address, engine, f"cd-new-{case.name}-{r}", want=4, key=key)
+        new.hello()
+        try:
+            for j, (s, h_old) in enumerate(headers):
+                if s not in new.grant.slots:  # type: ignore[union-attr]
+                    continue
+                g = new.gens[s] = new.gens[s] + 1
+                refs = {}
+                for fld in ("hidden", "proposal"):
+                    ref = getattr(h_old, fld)
+                    if fld == "proposal":
+                        refs[fld] = msgspec.structs.replace(ref, data=msgspec.structs.replace(ref.data, gen=g))
+                    else:
+                        refs[fld] = msgspec.structs.replace(ref, gen=g)
+                forged = msgspec.structs.replace(h_old, request_id=f"cd-{case.name}-{r}-{j}", seq=new.seq + 1, **refs)
+                new.seq += 1
+                case.attack(forged.request_id, "transfer:digest", lambda f=forged, new=new: new.send_header(f), new, s)
+                case.control(new, s, f"cd-ok-{case.name}-{r}-{j}", 9500 + 8 * r + j)
+        finally:
+            new.close()
+            time.sleep(0.05)
+
+
+def forged_freed(
+    case: Case, ctx: zmq.Context, engine: MooncakeEngine, decode_engine: MooncakeEngine, rounds: int
+) -> None:
+    """Issue 23: a fake decode acks slots the prefill never had back in use (duplicates, an
+    unknown one). A real :class:`PrefillSender` must refuse and count them, and never let
+    two payloads in flight share a slot."""
+    import mmap
+
+    from pd_middleware.transport import PrefillSender, wire
+
+    size = 1 << 16
+    buf = mmap.mmap(-1, 4 * size)
+    base = decode_engine.register(buf)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    tx = PrefillSender(
+        TransportConfig(
+            inline_threshold_bytes=0,
+            heartbeat_s=0.05,
+            slots=SlotsConfig(per_peer=4, wait_s=0.3),
+            mooncake=MooncakeConfig(max_inflight_writes=1),
+        ),
+        engine=engine,
+        context=ctx,
+        name="victim",
+    )
+    ident = b""
+
+    def serve(until: float, want_headers: int = 0) -> list[Any]:
+        nonlocal ident
+        heads = []
+        while time.monotonic() < until and (want_headers == 0 or len(heads) < want_headers):
+            if not router.poll(20):
+                continue
+            who, *frames = router.recv_multipart()
+            msg = wire.decode_frame(frames[0], TransportConfig().limits)
+            if isinstance(msg, wire.Hello):
+                ident = who
+                g = tuple(1 << 32 for _ in range(4))
+                grant = wire.Grant(
+                    session="fake",
+                    mooncake=decode_engine.peer_name,
+                    slot_size=size,
+                    slots=(0, 1, 2, 3),
+                    addrs=tuple(base + i * size for i in range(4)),
+                    heartbeat_s=1.0,
+                    gens=g,
+                )
+                router.send_multipart([who, wire.encode(grant)])
+                return heads
+            if isinstance(msg, wire.PayloadHeader):
+                heads.append(msg)
+        return heads
+
+    import threading
+
+    try:
+        th = threading.Thread(target=serve, args=(time.monotonic() + 5.0,))
+        th.start()
+        tx.connect(f"tcp://127.0.0.1:{port}", timeout=5.0)
+        th.join()
+        for r in range(max(1, rounds // 16)):
+            tx.send(payload(f"ff-a-{r}", 100 + r))
+            (h,) = serve(time.monotonic() + 5.0, 1)
+            a = h.hidden.slot  # type: ignore[union-attr]
+            others = [s for s in range(4) if s != a]
+            before = tx.statuses()["refused_slot_frees"]
+            # a once (honest: it is in use), a twice more, and a slot never sent
+            router.send_multipart(
+                [ident, wire.encode(wire.Ack(freed=(a, a, a, others[0]), delivered=(h.seq,), failed=()))]
+            )
+            time.sleep(0.05)
+            case.fig["attacks"] += 3
+            for i in range(4):
+                tx.send(payload(f"ff-{r}-{i}", 200 + 8 * r + i))
+            try:  # a fifth: every slot is in use now (the forged frees gave none back twice)
+                tx.send(payload(f"ff-{r}-extra", 300 + r))
+                extra = 1
+            except NoSlotError:
+                extra = 0
+            heads = serve(time.monotonic() + 1.0 + 4.0 * extra, 4 + extra)
+            slots = [x.hidden.slot for x in heads]  # type: ignore[union-attr]
+            st = tx.statuses()
+            if len(heads) < 4:
+                case.fig["hangs"] += 1
+            if len(set(slots)) != len(slots):
+                case.fig["wrong_deliveries"] += 1  # two payloads in one slot
+                case.problems.append(f"slots {slots} after a forged freed list")
+            refused = st["refused_slot_frees"] - before
+            case.fig["refused"] += refused
+            if refused != 3 or not st["decode_suspect"]:
+                case.problems.append(f"refused {refused} forged frees (expected 3), suspect {st['decode_suspect']!r}")
+            case.fig["controls_delivered"] += len(set(slots))
+            # give every slot back, honestly
+            router.send_multipart(
+                [ident, wire.encode(wire.Ack(freed=tuple(slots), delivered=tuple(x.seq for x in heads), failed=()))]
+            )
+            time.sleep(0.05)
+    finally:
+        tx.close(timeout=0.2)
+        router.close(0)
+        decode_engine.unregister(base)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -293,6 +444,9 @@ def main() -> int:
             lambda c: tampered(c, ctx, prefill_engine, other_engine, args.rounds, KEY.encode()),
         ),
         ("two_slot", False, lambda c: two_slot(c, ctx, prefill_engine, args.rounds)),
+        ("copied_digest", False, lambda c: copied_digest(c, ctx, prefill_engine, args.rounds, None)),
+        ("copied_digest_hmac", True, lambda c: copied_digest(c, ctx, prefill_engine, args.rounds, KEY.encode())),
+        ("forged_freed", False, lambda c: forged_freed(c, ctx, prefill_engine, other_engine, args.rounds)),
     ]
     t0 = time.monotonic()
     for name, auth, run in plan:
