@@ -515,19 +515,26 @@ def case_multipart_modes(ctx: zmq.Context, scale: float) -> dict[str, Any]:
 def case_borrowed_name(ctx: zmq.Context, scale: float) -> dict[str, Any]:
     """Another prefill says hello under the victim's name, under plain, HMAC and CURVE.
 
-    Under CURVE the name is the key's: the victim keeps its connection and every request
-    (must hold). Under plain and HMAC (one shared key) a name is a claim: the takeover is
-    a figure, the documented limit of those modes (docs/transport.md, "Modes and threats").
+    Under CURVE the name is the key's, and under HMAC with a key per prefill
+    (``hmac_peers``) the name must be the one whose key signed the hello: the victim keeps
+    its connection and every request (must hold). Under plain and HMAC with one shared key
+    a name is a claim: the takeover is a figure, the documented limit of those modes
+    (docs/transport.md, "Modes and threats").
     """
     rounds = max(2, int(20 * scale))
     t = Tally(receiver(ctx))
     t.rx.stop()
     figures: dict[str, Any] = {}
-    for mode in ("curve", "plain", "hmac"):
+    for mode in ("curve", "hmac_peers", "plain", "hmac"):
         if mode == "curve":
             server, clients = _curve_pair({})
             rx = DecodeReceiver(server, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=ctx).start()
             victim_cfg, thief_cfg = clients["alice"], clients["bob"]
+        elif mode == "hmac_peers":  # a key per prefill: bob's key cannot sign alice's hello
+            os.environ["PDM_ATTACK_HK_ALICE"] = "alice-hmac-key-0123456789"
+            os.environ["PDM_ATTACK_HK_BOB"] = "bob-hmac-key-0123456789ab"
+            rx = receiver(ctx, hmac_peers={"alice": "PDM_ATTACK_HK_ALICE", "bob": "PDM_ATTACK_HK_BOB"})
+            victim_cfg, thief_cfg = cfg(hmac_key_env="PDM_ATTACK_HK_ALICE"), cfg(hmac_key_env="PDM_ATTACK_HK_BOB")
         else:
             kw = {"hmac_key": KEY} if mode == "hmac" else {}
             rx = receiver(ctx, **kw)
@@ -535,7 +542,11 @@ def case_borrowed_name(ctx: zmq.Context, scale: float) -> dict[str, Any]:
         t.rx = rx
         try:
             victim = PrefillSender(victim_cfg, context=ctx, name="alice").connect(rx.address)
-            thief = PrefillSender(thief_cfg, context=ctx, name="alice").connect(rx.address)
+            thief = PrefillSender(thief_cfg, context=ctx, name="alice")
+            try:
+                thief.connect(rx.address, timeout=1.0)
+            except Exception:  # refused (hmac_peers: its hello does not verify under alice's key)
+                rx.get(timeout=1.0)  # its counted wire:hmac outcome
             t.r["attacks"] += 1
             time.sleep(0.1)
             ok = 0
@@ -549,10 +560,10 @@ def case_borrowed_name(ctx: zmq.Context, scale: float) -> dict[str, Any]:
                 t.collect(1, {p.request_id: p}, timeout=2.0)
                 if t.r["delivered"] > before["delivered"]:
                     ok += 1
-                if mode != "curve":  # a figure, not a failure: undo the score of this round
+                if mode in ("plain", "hmac"):  # a figure, not a failure: undo the score of this round
                     t.r.update({k: before[k] for k in ("hangs", "lost", "valid")})
             figures[f"{mode}_victim_delivered"] = f"{ok}/{rounds}"
-            if mode == "curve" and ok != rounds:
+            if mode in ("curve", "hmac_peers") and ok != rounds:
                 t.r["wrong"] += 1
             victim.close(timeout=0.5)
             thief.close(timeout=0.5)

@@ -480,3 +480,73 @@ def test_keys_new_writes_the_files_zap_reads(zctx, tmp_path, capsys) -> None:
         tx.close()
     finally:
         rx.stop()
+
+
+# ---- item 3b: under HMAC, a hello's name must be the one whose key signed it ------------------
+
+
+def test_per_prefill_hmac_keys_bind_a_name_to_its_key(zctx, monkeypatch, mooncake_pair) -> None:
+    from pd_middleware.transport import MooncakeConfig, SlotsConfig
+
+    monkeypatch.setenv("PDM_T_ALICE", "alice-key-0123456789abcdef")
+    monkeypatch.setenv("PDM_T_BOB", "bob-key-0123456789abcdefgh")
+    bulk = dict(
+        inline_threshold_bytes=0,
+        slots=SlotsConfig(count=8, size_bytes=64 * 1024, per_peer=4, wait_s=2.0),
+        mooncake=MooncakeConfig(),
+    )
+    decode = cfg(hmac_peers={"alice": "PDM_T_ALICE", "bob": "PDM_T_BOB"}, **bulk)
+    rx = DecodeReceiver(decode, pipeline(), engine=mooncake_pair[0], context=zctx).start()
+    alice = PrefillSender(cfg(hmac_key_env="PDM_T_ALICE", **bulk), engine=mooncake_pair[1], context=zctx, name="alice")
+    thief = PrefillSender(cfg(hmac_key_env="PDM_T_BOB"), context=zctx, name="alice")  # bob's key, alice's name
+    bob = PrefillSender(cfg(hmac_key_env="PDM_T_BOB"), context=zctx, name="bob")
+    try:
+        alice.connect(rx.address)
+        import pytest
+
+        from pd_middleware import TransferError
+
+        with pytest.raises(TransferError):
+            thief.connect(rx.address, timeout=0.5)  # its hello does not verify under alice's key
+        (r,) = collect_outcomes(rx, 1)
+        assert r.key == "wire:hmac"
+        assert rx.peers == {"alice": 4}  # alice kept her connection and her slots
+        bob.connect(rx.address)  # bob under his own name: fine
+        outs = []
+        for i in range(5):
+            alice.send(make(rid=f"a-{i}", steps=1, proposal="dense"))  # bulk: digests keyed with alice's key
+            bob.send(make(rid=f"b-{i}"))
+            got = collect_outcomes(rx, 2)
+            for o in got:
+                if isinstance(o, Delivery):
+                    o.release()
+            outs += got
+        assert all(isinstance(o, Delivery) for o in outs), outs
+        assert {o.request_id: o.peer for o in outs} == {
+            **{f"a-{i}": "alice" for i in range(5)},
+            **{f"b-{i}": "bob" for i in range(5)},
+        }
+        assert alice.flush(5.0) and bob.flush(5.0)
+        assert alice.statuses()["delivered"] == 5 and bob.statuses()["delivered"] == 5
+    finally:
+        for tx in (alice, thief, bob):
+            tx.close(timeout=0.5)
+        rx.stop()
+
+
+def test_hmac_peers_config_names_its_fields(monkeypatch) -> None:
+    import pytest
+
+    from pd_middleware import ConfigError
+    from pd_middleware._errors import OptionValueError
+
+    with pytest.raises(OptionValueError) as info:
+        TransportConfig(hmac_peers={"a": "not an env"})
+    assert info.value.field == "hmac_peers.a"
+    with pytest.raises(OptionValueError) as info:
+        TransportConfig(hmac_peers={"a": "X"}, hmac_key=KEY)
+    assert info.value.field == "hmac_peers"
+    monkeypatch.delenv("PDM_UNSET_Q", raising=False)
+    with pytest.raises(ConfigError) as err:
+        TransportConfig(hmac_peers={"a": "PDM_UNSET_Q"}).peer_secrets()
+    assert err.value.path == "transport.hmac_peers.a"

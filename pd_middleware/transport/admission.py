@@ -63,19 +63,29 @@ class Replies:
         self.unsent = 0
 
     def send(self, peer: Peer, msg: wire.Message) -> None:
-        """Send ``msg`` on ``peer``'s connection, under its nonce and next sequence."""
-        self.send_to(peer.ident, msg, peer.nonce, peer.tx_seq)
+        """Send ``msg`` on ``peer``'s connection, under its nonce and next sequence (and its
+        own key, with per-prefill keys)."""
+        self.send_to(peer.ident, msg, peer.nonce, peer.tx_seq, peer.signer)
         peer.tx_seq += 1
         peer.last_sent = self._clock()
 
-    def send_to(self, ident: bytes, msg: wire.Message, nonce: bytes = _NO_NONCE, seq: int | None = None) -> None:
+    def send_to(
+        self,
+        ident: bytes,
+        msg: wire.Message,
+        nonce: bytes = _NO_NONCE,
+        seq: int | None = None,
+        signer: Signer | None = None,
+    ) -> None:
         """Send to a routing id. With HMAC, a connection with no peer is answered under
         the nonce its verified message carried, and a clock-based sequence that grows
-        across decode restarts (a prefill refuses a sequence it has seen)."""
+        across decode restarts (a prefill refuses a sequence it has seen). ``signer``: the
+        peer's own key (per-prefill keys); else the shared one; with neither, unsigned."""
         assert self.sock is not None
         body = [wire.encode(msg)]
-        if self.signer is not None:
-            body += self.signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
+        signer = signer if signer is not None else self.signer
+        if signer is not None:
+            body += signer.sign(body, nonce, time.time_ns() if seq is None else seq, TO_PREFILL)
         try:
             self.sock.send_multipart([ident, *body], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -110,7 +120,7 @@ class Admission:
         self._expects = expects
         self._peers = peers
         self._replies = replies
-        self._signed = replies.signer is not None
+        self._signed = replies.signer is not None or bool(config.hmac_peers)
         self._pool = pool
         self._wake = wake
         self._released: deque[_Release] = deque()
@@ -159,7 +169,14 @@ class Admission:
         self._queue.put(outcome, nbytes)
 
     def reject(
-        self, ident: bytes, exc: WireError, code: str, nbytes: int, nonce: bytes = _NO_NONCE, peer: Peer | None = None
+        self,
+        ident: bytes,
+        exc: WireError,
+        code: str,
+        nbytes: int,
+        nonce: bytes = _NO_NONCE,
+        peer: Peer | None = None,
+        reply: bool = True,
     ) -> None:
         """Count and report a message that failed before its payload could be built.
 
@@ -174,14 +191,16 @@ class Admission:
         name = peer.name if peer is not None else None
         f = self.pipeline.fail(Failure(request_id=rid, stage="wire", reason=str(exc), field=exc.field, peer=name))
         self.emit(f)
-        reply = wire.ErrorReply(code=code, reason=str(exc)[:REASON_CAP], request_id=exc.request_id)
+        if not reply:  # answered already (by the caller, under the key it verified)
+            return
+        msg = wire.ErrorReply(code=code, reason=str(exc)[:REASON_CAP], request_id=exc.request_id)
         conn = self._peers.by_ident.get(ident)
         if conn is not None and (not self._signed or conn.nonce == nonce):
             # A connected peer is answered on its own sequence: a wall-clock one would jump
             # its replay window past every later ack and heartbeat (HMAC).
-            self._replies.send(conn, reply)
+            self._replies.send(conn, msg)
         else:
-            self._replies.send_to(ident, reply, nonce)
+            self._replies.send_to(ident, msg, nonce)
 
     def _other_owner(self, rid: str, peer: Peer) -> str | None:
         """The identity of another peer that owns ``rid`` (live there: delivered and not
@@ -206,7 +225,7 @@ class Admission:
             payload, slot = payload_codec.payload_from_header(h, body, self._limits, peer.resolver)
             gen = 0
             if slot >= 0:  # bulk integrity (integrity.py): generation and digests, before delivery
-                gen = self._pool.admit(slot, payload_codec.slot_refs(h), h.request_id)  # type: ignore[union-attr]  # slot >= 0 only with a pool
+                gen = self._pool.admit(slot, payload_codec.slot_refs(h), h.request_id, peer.digest_key)  # type: ignore[union-attr]  # slot >= 0 only with a pool
         except (WireError, IntegrityError) as exc:
             named = payload_codec.named_slot(h)
             if named >= 0 and self._pool is not None and named < self._pool.count:

@@ -66,7 +66,7 @@ def insecure_reason(cfg: TransportConfig, host: str, what: str) -> str | None:
     """
     if cfg.curve.enabled or cfg.security == "insecure" or is_loopback(host):
         return None
-    mode = "HMAC" if cfg.hmac_key is not None or cfg.hmac_key_env is not None else "no authentication"
+    mode = "HMAC" if cfg.hmac_key is not None or cfg.hmac_key_env is not None or cfg.hmac_peers else "no authentication"
     return (
         f"would {what} {host!r}, beyond loopback, with {mode}: CURVE is required there "
         "(curve.enabled = true; keys: `pd-middleware keys new NAME`), "
@@ -253,6 +253,11 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
     hmac_key: str | None = None
     # Name of an environment variable holding the secret (keeps it out of config files).
     hmac_key_env: str | None = None
+    # Decode side: one HMAC key per prefill, as name -> environment variable holding that
+    # prefill's key (each prefill signs with its own hmac_key/hmac_key_env). A hello's name
+    # must then be the one whose key signed it: a key holder cannot be another prefill.
+    # Empty (default): one shared key (hmac_key/hmac_key_env), which any holder can use as any name.
+    hmac_peers: dict[str, str] = {}
     # ZMQ send/receive high-water mark per socket, in messages. None (default): 100,000,
     # except the decode's receive side, which gets max_queued_inline_bytes // max_tensor_bytes
     # (at least 1), so what libzmq holds for a connection the loop stopped reading stays
@@ -294,6 +299,17 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
             "hmac_key_env",
             "set hmac_key or hmac_key_env, not both",
         )
+        for name, env in self.hmac_peers.items():
+            _check(
+                bool(name) and bool(_ENV_RE.match(env)),
+                f"hmac_peers.{name}",
+                "must map a prefill name to an environment variable name",
+            )
+        _check(
+            not (self.hmac_peers and (self.hmac_key is not None or self.hmac_key_env is not None)),
+            "hmac_peers",
+            "set hmac_peers (a key per prefill) or a shared hmac_key/hmac_key_env on the decode, not both",
+        )
         _check(self.hwm is None or 1 <= self.hwm <= 10_000_000, "hwm", "must be in [1, 10000000]")
         _check(1 <= self.recv_batch <= 1 << 16, "recv_batch", "must be in [1, 65536]")
         h = self.bind_host.strip("[]")
@@ -301,10 +317,29 @@ class TransportConfig(msgspec.Struct, **_STRUCT):
             why = insecure_reason(self, self.bind_host, "bind")
             _check(why is None, "bind_host", why or "")
         _check(
-            not (self.curve.enabled and (self.hmac_key is not None or self.hmac_key_env is not None)),
+            not (
+                self.curve.enabled and (self.hmac_key is not None or self.hmac_key_env is not None or self.hmac_peers)
+            ),
             "hmac_key",
             "CURVE already authenticates every message: set hmac_key or curve.enabled, not both",
         )
+
+    def peer_secrets(self) -> dict[str, bytes]:
+        """Decode side: each prefill's HMAC key by name, read from ``hmac_peers``' variables.
+
+        Raises :class:`ConfigError` (path ``transport.hmac_peers.NAME``) for a variable
+        unset or shorter than 16 characters.
+        """
+        out: dict[str, bytes] = {}
+        for name, env in self.hmac_peers.items():
+            value = os.environ.get(env)
+            if value is None or len(value) < 16:
+                raise ConfigError(
+                    f"environment variable {env} is unset or shorter than 16 characters",
+                    path=f"transport.hmac_peers.{name}",
+                )
+            out[name] = value.encode()
+        return out
 
     def send_hwm(self) -> int:
         """ZMQ_SNDHWM of either side, and ZMQ_RCVHWM of the prefill's socket."""

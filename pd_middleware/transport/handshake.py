@@ -21,13 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import WireError
-from . import wire
+from . import integrity, wire
 from .admission import _NO_NONCE, Admission, Replies
-from .auth import TO_DECODE, CurveGate, HelloGuard
+from .auth import TO_DECODE, CurveGate, HelloGuard, Signer
 from .config import TransportConfig
 from .expects import Expectations
 from .mooncake import MooncakeEngine
-from .peers import Peer, PeerTable
+from .peers import REASON_CAP, Peer, PeerTable
 from .slots import SlotPool
 
 _PayloadHeader = wire.PayloadHeader
@@ -70,13 +70,19 @@ class Handshake:
         self._pool_addr = pool_addr
         self._clock = clock
         self._hellos = HelloGuard()  # HMAC: hello nonces seen, freshness
+        # Per-prefill HMAC keys (hmac_peers): name -> (signer, bulk-digest key); None: shared key or none.
+        self._keys: dict[str, tuple[Signer, bytes]] | None = None
+        if config.hmac_peers:
+            secrets = config.peer_secrets()
+            self._keys = {n: (Signer(k), integrity.key_from_secret(k)) for n, k in secrets.items()}
 
     def handle(self, frames: list[Any], user: str | None = None) -> None:
         """``frames``: the routing id and control frame (bytes), then tensor frames (views)."""
         ident = frames[0]
         body = frames[1:]
         limits = self._limits
-        signed = self._signer is not None
+        keyed = self._keys is not None
+        signed = self._signer is not None or keyed
         if not body or len(body) > limits.max_frames + 2 * signed:
             n = sum(map(len, body))
             self._admission.reject(
@@ -85,8 +91,12 @@ class Handshake:
             return
         peer = self._peers.by_ident.get(ident)
         nonce, seq = _NO_NONCE, 0
+        hello_signer: Signer | None = None
         if signed:
-            opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]  # set whenever `signed`
+            if keyed:
+                opened, hello_signer = self._open_keyed(body, peer)
+            else:
+                opened = self._signer.open(body, TO_DECODE)  # type: ignore[union-attr]  # set whenever `signed`
             if opened is None:
                 self._admission.reject(
                     ident, WireError("missing or invalid HMAC signature", field="hmac"), "hmac", sum(map(len, body))
@@ -126,7 +136,7 @@ class Handshake:
             return
         self.metrics.bytes["control"] += len(body[0])
         if kind is wire.Hello:
-            self._on_hello(ident, msg, now, user, nonce, seq)  # type: ignore[arg-type]  # `kind is` dispatch: a Hello
+            self._on_hello(ident, msg, now, user, nonce, seq, hello_signer)  # type: ignore[arg-type]  # `kind is` dispatch: a Hello
         elif kind is wire.Heartbeat:
             if peer is None:
                 self._replies.send_to(
@@ -135,17 +145,51 @@ class Handshake:
         elif kind is wire.Bye and peer is not None:
             self.drop(peer, "peer_closed", f"prefill {peer.name!r} closed: {msg.reason}")  # type: ignore[attr-defined]  # `kind is` dispatch: a Bye
 
-    def _on_hello(self, ident: bytes, msg: wire.Hello, now: float, user: str | None, nonce: bytes, seq: int) -> None:
+    def _open_keyed(self, body: list[Any], peer: Peer | None) -> tuple[tuple[bytes, int] | None, Signer | None]:
+        """Per-prefill keys: verify ``body`` with its connection's key, or, for a hello, with
+        the key of the name it claims, so that the name is the one whose key signed it.
+        Returns the ``(nonce, seq)`` opened (None: no key verifies it) and, for a hello, its signer."""
+        if peer is not None and peer.signer is not None:
+            opened = peer.signer.open(body, TO_DECODE)
+            if opened is not None and opened[0] == peer.nonce:
+                return opened, None
+        if len(body) < 3:
+            return None, None
+        try:  # only a hello may open a connection: its name picks the key to check it with
+            msg = wire.decode_frame(body[0], self._limits)
+        except WireError:
+            return None, None
+        if type(msg) is not wire.Hello:
+            return None, None
+        entry = self._keys.get(msg.name)  # type: ignore[union-attr]  # only called when keyed
+        if entry is None:
+            return None, None
+        opened = entry[0].open(body, TO_DECODE)
+        return (opened, entry[0]) if opened is not None else (None, None)
+
+    def _on_hello(
+        self,
+        ident: bytes,
+        msg: wire.Hello,
+        now: float,
+        user: str | None,
+        nonce: bytes,
+        seq: int,
+        signer: Signer | None = None,
+    ) -> None:
         name = msg.name
         if self._curve:
             if self._gate is None or user not in self._gate.allowed:
                 self._admission.reject(ident, WireError("CURVE key not on the allowlist", field="peer"), "hello", 0)
                 return
             name = self._gate.allowed[user]  # the authenticated identity, whatever the hello says
-        if self._signer is not None:
+        if self._signer is not None or signer is not None:
             why = self._hellos.check(msg.ts, nonce, seq)
             if why:
-                self._admission.reject(ident, WireError(why, field="replay"), "replay", 0, nonce)
+                self._replies.send_to(
+                    ident, wire.ErrorReply(code="replay", reason=why[:REASON_CAP]), nonce, None, signer
+                )
+                self._admission.reject(ident, WireError(why, field="replay"), "replay", 0, nonce, reply=False)
                 return
         for other in self._peers.same_identity(ident, name, user):
             # The same prefill reconnected: it stays responsible for its expected requests.
@@ -160,6 +204,9 @@ class Handshake:
             rx_seq=seq,
             tx_seq=time.time_ns(),
         )
+        if signer is not None:  # per-prefill keys: the key that signed this hello, and its digest key
+            peer.signer = signer
+            peer.digest_key = self._keys[name][1]  # type: ignore[index]  # keyed whenever a hello signer is set
         slots: list[int] = []
         pool = self._pool
         if pool is not None:

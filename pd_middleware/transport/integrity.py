@@ -67,7 +67,12 @@ USE_BITS = 32
 
 def authenticated(config: TransportConfig) -> bool:
     """Whether the control plane carrying the headers is authenticated (CURVE or HMAC configured)."""
-    return config.curve.enabled or config.hmac_key is not None or config.hmac_key_env is not None
+    return (
+        config.curve.enabled
+        or config.hmac_key is not None
+        or config.hmac_key_env is not None
+        or bool(config.hmac_peers)
+    )
 
 
 def algorithm_for(config: TransportConfig) -> str:

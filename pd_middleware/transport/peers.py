@@ -52,6 +52,9 @@ class Peer:
     delivered: list[int] = field(default_factory=list)
     failed: list[tuple[int, str, str]] = field(default_factory=list)
     resolver: Callable[..., memoryview] | None = None
+    # Per-prefill HMAC keys (``hmac_peers``): this peer's signer and bulk-digest key.
+    signer: Any = None
+    digest_key: bytes | None = None
 
 
 class PeerTable:

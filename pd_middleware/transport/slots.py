@@ -94,11 +94,12 @@ class SlotPool:
         base = slot * self.size + offset
         return self.view[base : base + nbytes]
 
-    def admit(self, slot: int, refs: list[tuple[str, TensorRef]], rid: str) -> int:
+    def admit(self, slot: int, refs: list[tuple[str, TensorRef]], rid: str, key: bytes | None = None) -> int:
         """Check a payload's slot regions against the slot; return the generation it used.
 
         Call after :meth:`view_of` accepted every region (owner, range, not held).
-        ``refs`` are the header's ``(field, ref)`` slot regions (``payload_codec.slot_refs``).
+        ``refs`` are the header's ``(field, ref)`` slot regions (``payload_codec.slot_refs``);
+        ``key``: the sending peer's digest key (per-prefill HMAC keys), else the pool's.
         All must name one generation, of this slot's current grant and above its last
         use; it is consumed at once, even if a digest then fails, so no header can be
         used twice. Then each region's digest is checked on the bytes in place. Raises
@@ -124,7 +125,9 @@ class SlotPool:
         for f, ref in refs:
             lo = base + ref.offset
             use = (slot, g, ref.offset)
-            integrity.verify(view[lo : lo + ref.nbytes], ref.digest, self.digest, f"{f}.digest", rid, use, self._key)
+            integrity.verify(
+                view[lo : lo + ref.nbytes], ref.digest, self.digest, f"{f}.digest", rid, use, key or self._key
+            )
         return g
 
     def hold(self, slot: int) -> None:
