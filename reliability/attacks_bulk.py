@@ -425,7 +425,7 @@ def main() -> int:
     if args.negative_control:
         from pd_middleware.transport.slots import SlotPool
 
-        def unchecked(self: SlotPool, slot: int, refs: list, rid: str) -> int:
+        def unchecked(self: SlotPool, slot: int, refs: list, rid: str, key: bytes | None = None) -> int:
             self.gen[slot] = refs[0][1].gen
             return self.gen[slot]
 

@@ -550,3 +550,54 @@ def test_hmac_peers_config_names_its_fields(monkeypatch) -> None:
     with pytest.raises(ConfigError) as err:
         TransportConfig(hmac_peers={"a": "PDM_UNSET_Q"}).peer_secrets()
     assert err.value.path == "transport.hmac_peers.a"
+
+
+# ---- item 2: a stranger's raw multipart stream, under every mode -----------------------------
+
+
+def test_a_raw_multipart_stream_under_every_mode(zctx, monkeypatch) -> None:
+    """libzmq bounds a frame, not the frames of a message, and offers no option to cap them:
+    under plain and HMAC the stream is buffered (the figure is the campaign's:
+    reliability/attacks.py multipart_modes); what must hold in every mode is that the
+    loop survives and the next legitimate message is delivered. Under CURVE the stranger
+    never completes the handshake."""
+    import pathlib
+    import sys
+
+    import zmq as _zmq
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "reliability"))
+    from _zmtp import RawZmtp
+
+    from pd_middleware.transport.config import CurveConfig
+
+    spub, ssec = _zmq.curve_keypair()
+    cpub, csec = _zmq.curve_keypair()
+    monkeypatch.setenv("PDM_T_SRV", ssec.decode())
+    monkeypatch.setenv("PDM_T_CLI", csec.decode())
+    modes = {
+        "plain": (cfg(), cfg()),
+        "hmac": (cfg(hmac_key=KEY), cfg(hmac_key=KEY)),
+        "curve": (
+            cfg(curve=CurveConfig(enabled=True, secret_key_env="PDM_T_SRV", clients={"p": cpub.decode()})),
+            cfg(curve=CurveConfig(enabled=True, secret_key_env="PDM_T_CLI", server_key=spub.decode())),
+        ),
+    }
+    for mode, (server, client) in modes.items():
+        rx = DecodeReceiver(server, pipeline(), context=zctx).start()
+        try:
+            host, port = rx.address[len("tcp://") :].rsplit(":", 1)
+            raw = RawZmtp(host, int(port))
+            accepted = raw.handshake()
+            assert accepted == (mode != "curve"), mode
+            sent = raw.stream_more(1 << 20) if accepted else 0
+            assert sent >= 1 << 20 or not accepted
+            raw.close()
+            tx = PrefillSender(client, context=zctx, name="p").connect(rx.address)
+            tx.send(make(rid=f"after-{mode}"))
+            (d,) = collect_outcomes(rx, 1)
+            assert isinstance(d, Delivery) and d.request_id == f"after-{mode}" and rx.healthy, mode
+            d.release()
+            tx.close()
+        finally:
+            rx.stop()
