@@ -121,6 +121,7 @@ class DecodeReceiver:
         """Bind, register the slots with the engine and start the receive thread."""
         cfg = self.config
         ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
+        cfg.peer_secrets()  # a missing per-prefill HMAC key fails (naming it) before anything is bound
         sock, self.address, self._gate = bind_router(ctx, cfg, self.session)
         digest = integrity.algorithm_for(cfg)
         key = integrity.key_for(cfg)
