@@ -10,9 +10,10 @@
   ``train.py``), whose first-step acceptance is neither 0 nor 1.
 
 The random weights come from fixed seeds (one ``torch.Generator`` per model, tensors filled
-in name order), so a build is the same bytes on every machine with the same torch. The
-random heads are scaled so that logits spread over a few units: greedy choices then differ
-by more than bf16 kernels do, and a random draft's law differs from its target's.
+in name order), so every build is the same bytes: torch's CPU generator is deterministic
+for a given version (tested here within one machine). The random heads are scaled so that
+logits spread over a few units: greedy choices then differ by more than bf16 kernels do,
+and a random draft's law differs from its target's.
 
 Outputs are cached under ``out_dir/<key>/``, where the key hashes this package's sources
 and the shipped files; a build is written to a temporary directory and renamed into place,
