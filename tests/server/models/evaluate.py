@@ -1,0 +1,83 @@
+"""Offline acceptance of an EAGLE3 draft against its target, on held-out stdlib text.
+
+At a draft step with target law p and proposal law q (both at temperature T), rejection
+sampling accepts the drafted token with probability ``Σ_x min(p(x), q(x))``. A verifier
+told a one-hot proposal at ``X ~ q`` accepts with ``p(X)``, so with probability
+``Σ_x q(x) p(x)`` (SGLang's PD decode without the proposal: DESIGN.md §1). The figures are
+means over every anchor of the sampled windows, for the first draft step (the first
+verify's first draft) and top-1 agreement per step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM
+
+from . import corpus
+from .eagle3 import load_draft, target_features
+from .spec import BOS, Shape
+from .tokenizer import encode_files, load_tokenizer
+
+
+def overlap(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Σ_x min(p, q) over the last axis: P(accept) under rejection sampling. p, q [..., V]."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def one_hot_accept(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Σ_x q(x) p(x): P(accept) when the verifier sees a one-hot proposal at X ~ q."""
+    return (p * q).sum(-1)
+
+
+def shape_of(model: LlamaForCausalLM) -> Shape:
+    c = model.config
+    return Shape(
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        layers=c.num_hidden_layers,
+        heads=c.num_attention_heads,
+        vocab=c.vocab_size,
+        rms_eps=c.rms_norm_eps,
+    )
+
+
+@torch.no_grad()
+def measure(
+    target_dir: Path,
+    draft_dir: Path,
+    *,
+    tokenizer_dir: Path | None = None,
+    windows: int = 32,
+    length: int = 128,
+    seed: int = 7,
+    temperatures: tuple[float, ...] = (1.0, 0.7),
+    steps: int = 3,
+) -> dict[str, object]:
+    """Offline figures of the pair on ``windows`` held-out windows of ``length`` tokens
+    (the tokenizer is read from ``tokenizer_dir``, by default the target's directory)."""
+    target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    s = shape_of(target)
+    draft = load_draft(draft_dir, s, target.model.embed_tokens)
+    _, held = corpus.split()
+    ids = encode_files(load_tokenizer(tokenizer_dir or target_dir), held)
+    x = corpus.windows(ids, windows, length, torch.Generator().manual_seed(seed), BOS)
+    logits, aux = target_features(target, x)
+    outs = draft.unroll(x, aux, steps)
+    res: dict[str, object] = {"heldout_tokens": len(ids), "anchors": windows * (length - 1)}
+    top1 = []
+    for k, q_logits in enumerate(outs):
+        n = q_logits.shape[1]
+        p_logits = logits[:, 1 + k : 1 + k + n]
+        top1.append(round((q_logits.argmax(-1) == p_logits.argmax(-1)).float().mean().item(), 4))
+    res["top1_agreement_per_step"] = top1
+    p_logits = logits[:, 1 : 1 + outs[0].shape[1]]
+    for temp in temperatures:
+        p, q = (p_logits / temp).softmax(-1), (outs[0] / temp).softmax(-1)
+        res[f"T={temp}"] = {
+            "sum_min_pq": round(overlap(p, q).mean().item(), 4),
+            "one_hot_accept": round(one_hot_accept(p, q).mean().item(), 4),
+            "target_top1_prob": round(p.max(-1).values.mean().item(), 4),
+        }
+    return res
