@@ -21,6 +21,7 @@ A minimal file (everything else has a default)::
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -229,7 +230,10 @@ class Config(msgspec.Struct, **_STRUCT):
             if n in names[:i]:
                 raise ConfigError(f"duplicate arm name {n!r}", path=f"arms[{i}].name")
 
-    def plugin_context(self, side: Literal["prefill", "decode"] = "decode") -> PluginContext:
+    def plugin_context(
+        self, side: Literal["prefill", "decode"] = "decode", capabilities: Mapping[str, Any] | None = None
+    ) -> PluginContext:
+        """The plugins' context; ``capabilities``: what the engine offers (``draft_head``...)."""
         return PluginContext(
             vocab_size=self.model.vocab_size,
             num_steps=self.model.num_steps,
@@ -237,6 +241,7 @@ class Config(msgspec.Struct, **_STRUCT):
             device=self.decode.device,
             side=side,
             arms=tuple((a.name, a.weight) for a in self.arms),
+            capabilities=dict(capabilities or {}),
         )
 
 
