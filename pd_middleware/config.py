@@ -119,7 +119,8 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
     # How proposals reach the decode: "metadata" = a row appended to SGLang's own PD
     # metadata buffers (travels with the KV, on every rank); "sidechannel" = the
     # middleware's own transport ([transport]; the prefill needs PD_MIDDLEWARE_DECODE_ADDRESS).
-    channel: Literal["metadata", "sidechannel"] = "metadata"
+    # "none": nothing is shipped (the decode-only synthesizer = "recompute").
+    channel: Literal["metadata", "sidechannel", "none"] = "metadata"
     # Bytes per proposal row (a multiple of 64, 256 .. 8 MiB). Each node allocates
     # capacity x metadata rows (decode: 2 x the request pool) of CPU memory. A proposal
     # larger than this travels without its distribution (exact one-hot, counted).

@@ -82,6 +82,8 @@ class Installation:
     receiver: Any = None
     facts: EngineFacts | None = None
     patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+    # Decode-only recompute (synthesizer = "recompute"): its DecodeRecompute (.sglang_recompute).
+    recompute: Any = None
 
     @property
     def middleware(self) -> Any:
