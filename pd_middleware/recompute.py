@@ -141,7 +141,7 @@ class Recomputed:
 
     ``probs``: float32 (B, V) q'; ``tokens``: int64 (B,) X'; ``token_probs``: float32
     (B,) q'(X'), gathered from ``probs``; ``valid``: bool (B,), rows that may be handed
-    over (q' finite and 0 < q'(X') <= 1). All on the head's device.
+    over (0 < q'(X') <= 1, which a NaN row fails). All on the head's device.
     """
 
     __slots__ = ("probs", "token_probs", "tokens", "valid")
@@ -189,10 +189,12 @@ def draw_proposal(
 
     _, x = draw(probs, seeds, positions)
     tokens = x.reshape(-1).to(torch.int64)
-    if greedy is not None:
+    if greedy is not None and bool(greedy.any()):
         tokens = torch.where(greedy.to(probs.device), probs.argmax(dim=-1), tokens)
     token_probs = probs.gather(1, tokens.view(-1, 1)).view(-1)
-    valid = (token_probs > 0) & (token_probs <= 1) & torch.isfinite(probs).all(dim=-1)
+    # A non-finite logit makes its whole softmax row NaN, and NaN fails both comparisons:
+    # no V-wide isfinite pass is needed.
+    valid = (token_probs > 0) & (token_probs <= 1)
     return Recomputed(_MINT, probs, tokens, token_probs, valid)
 
 
