@@ -104,6 +104,8 @@ class Installation:
             out["prefill"] = dict(self.publisher.counts)
         if self.channel is not None:
             out["inband"] = dict(self.channel.counts)
+        if self.recompute is not None:
+            out["recompute"] = dict(self.recompute.counts)
         return out
 
     def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0) -> Any:
