@@ -14,10 +14,12 @@ precisions (measured: never bit-exact on CPU). So the one way out of this module
 :class:`Recomputed`, which only :func:`draw_proposal` makes: it draws X' from the q' it
 keeps, and reads q'(X') back from that same tensor.
 
-Sampler semantics (:func:`exponential_race`, the default; an engine may inject its own,
-the SGLang drop-in injects SGLang's ``fast_sample``):
+Sampler semantics (an engine may inject its own draw; the SGLang drop-in injects
+SGLang's seeded ``fast_sample``, the exponential race argmax q'/E, E ~ Exp(1)):
 
-- the exponential race (Gumbel-max) of SGLang's ``fast_sample``: argmax q'/E, E ~ Exp(1);
+- the default, :func:`inverse_cdf`, draws X' ~ q' with one uniform a request against the
+  row's running sum (:func:`exponential_race` is the fast_sample-style alternative, V
+  random numbers a request);
 - seeded per request by its sampling seed and position; without a seed, the engine
   derives one from the request's room (:func:`seed_from_room`), so every TP rank draws
   the same X';
@@ -111,6 +113,28 @@ def exponential_race(
     return probs.gather(1, x), x
 
 
+def inverse_cdf(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """X ~ probs by inversion: one uniform per row, from a generator seeded by (seed,
+    position), against the float64 running sum of the row (a zero-probability token is
+    never the first entry past the uniform). One random number a request instead of V:
+    the cheap seeded draw where SGLang's seeded ``fast_sample`` is unavailable.
+
+    Returns (q(X) (B, 1), X int64 (B, 1)), like SGLang's ``fast_sample``.
+    """
+    import torch
+
+    b, v = probs.shape
+    u = torch.empty(b, dtype=torch.float64)
+    gen = torch.Generator()
+    for i, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
+        gen.manual_seed(_mix64((int(s) & _MASK64) ^ _mix64(int(p) & _MASK64)) >> 1)
+        u[i] = torch.rand((), generator=gen, dtype=torch.float64)
+    c = probs.double().cumsum(dim=-1)
+    t = (u.to(probs.device) * c[:, -1]).unsqueeze(1)
+    x = torch.searchsorted(c, t, right=True).clamp_max_(v - 1)
+    return probs.gather(1, x), x
+
+
 class Fallbacks:
     """Fallbacks of the recompute path by reason (``counts``), also into
     ``Metrics.fallbacks`` as ``recompute:<reason>`` once :meth:`attach_metrics` ran;
@@ -176,7 +200,7 @@ def draw_proposal(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     greedy: torch.Tensor | None = None,
-    draw: Draw = exponential_race,
+    draw: Draw = inverse_cdf,
 ) -> Recomputed:
     """Draw X' ~ ``probs`` (greedy rows: argmax) and bind it to ``probs``.
 
@@ -210,7 +234,7 @@ class RecomputeSynthesizer:
 
     name = "recompute"
 
-    def __init__(self, options: NoOptions, context: PluginContext, *, draw: Draw = exponential_race) -> None:
+    def __init__(self, options: NoOptions, context: PluginContext, *, draw: Draw = inverse_cdf) -> None:
         head = context.capabilities.get(DRAFT_HEAD)
         self.head: DraftHead | None = head if isinstance(head, DraftHead) else None
         self.vocab_size = context.vocab_size

@@ -23,6 +23,7 @@ from pd_middleware.recompute import (
     RecomputeSynthesizer,
     draw_proposal,
     exponential_race,
+    inverse_cdf,
     proposal_probs,
     seed_from_room,
 )
@@ -176,23 +177,25 @@ def test_guard_every_handed_over_pair_comes_from_one_draw():
 # ----------------------------------------------------------------------------- the sampler
 
 
-def test_exponential_race_draws_from_q_tv_bound():
+@pytest.mark.parametrize("draw", [inverse_cdf, exponential_race], ids=["inverse_cdf", "exponential_race"])
+def test_seeded_draws_follow_q_tv_bound(draw):
     """N seeded draws (one per room) against q': TV <= 1/2 sqrt((V-1)/N) + sqrt(ln(1/a)/2N), a = 1e-6."""
     q = proposal_probs(MatrixHead(_weight()).logits(HIDDEN.float()), torch.ones(1))
     n = 20000
     probs = q.expand(n, V).contiguous()
-    _, x = exponential_race(probs, seed_from_room(range(n)), torch.full((n,), 17, dtype=torch.int64))
+    _, x = draw(probs, seed_from_room(range(n)), torch.full((n,), 17, dtype=torch.int64))
     freq = torch.bincount(x.view(-1), minlength=V).double() / n
     assert tv_distance(freq, q[0].double()) <= tv_bound(V, n, 1e-6)
 
 
-def test_draw_is_deterministic_per_seed_and_position():
+@pytest.mark.parametrize("draw", [inverse_cdf, exponential_race], ids=["inverse_cdf", "exponential_race"])
+def test_draw_is_deterministic_per_seed_and_position(draw):
     """Two ranks with the same batch draw the same X' (seed from the room when SGLang has none)."""
     probs = torch.full((4, V), 1.0 / V)
     seeds = seed_from_room([11, 12, 13, 14])
     pos = torch.tensor([5, 5, 6, 6])
-    a = exponential_race(probs, seeds, pos)[1]
-    b = exponential_race(probs.clone(), seeds.clone(), pos.clone())[1]
+    a = draw(probs, seeds, pos)[1]
+    b = draw(probs.clone(), seeds.clone(), pos.clone())[1]
     assert torch.equal(a, b)
     assert seed_from_room([11]).tolist() == seed_from_room([11]).tolist()
     assert int(seed_from_room([2**64 - 1])[0]) >= 0
@@ -236,3 +239,9 @@ def test_refused_at_startup_without_the_engine_capability():
     with pytest.raises(ConfigError, match=r"at arms\[2\]\.synthesizer: .*needs the engine capability 'draft_head'"):
         reg.build(spec, None, ctx(None), "arms[2].synthesizer")
     assert isinstance(reg.build(spec, None, ctx(MatrixHead(_weight())), "synthesizer"), RecomputeSynthesizer)
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]]).expand(4000, V).contiguous()
+    _, x = inverse_cdf(probs, seed_from_room(range(4000)), torch.zeros(4000, dtype=torch.int64))
+    assert set(x.view(-1).tolist()) == {1, 3}

@@ -462,7 +462,7 @@ def test_recompute_decode_only_against_a_plain_prefill(dep, decode_tp):
     rank; the prefill's X is replaced."""
     from _recompute_head import HEAD_HIDDEN, MatrixHead
 
-    from pd_middleware.recompute import exponential_race, proposal_probs, seed_from_room
+    from pd_middleware.recompute import inverse_cdf, proposal_probs, seed_from_room
 
     dep.install(None, recompute_config(), V)
     dep.configure(1, decode_tp)
@@ -480,9 +480,9 @@ def test_recompute_decode_only_against_a_plain_prefill(dep, decode_tp):
             assert torch.equal(b["draft_probs"], q)
             x = int(b["topk_index"][0, 0])
             assert float(b["topk_p"][0, 0]) == float(q[0, x]) > 0  # X' and q'(X') from the same q'
-            # Drawn with the room-derived seed (no sampling seed here): the core's seeded race
+            # Drawn with the room-derived seed (no sampling seed here): the core's seeded inverse-CDF draw
             # on this CPU (no sgl-kernel CPU build for SGLang's seeded fast_sample).
-            assert x == int(exponential_race(q, seed_from_room([room]), torch.tensor([10]))[1][0, 0])
+            assert x == int(inverse_cdf(q, seed_from_room([room]), torch.tensor([10]))[1][0, 0])
         assert all(torch.equal(b["topk_index"], built[0]["topk_index"]) for b in built)  # rank agreement
         assert all(b["counters"]["recompute"]["recomputed"] >= 1 for b in built)
         changed += int(built[0]["topk_index"][0, 0]) != row["topk_index"][0]

@@ -37,7 +37,7 @@ from pd_middleware.integrations.sglang_recompute import (
     check_placement,
     find_draft_model,
 )
-from pd_middleware.recompute import exponential_race
+from pd_middleware.recompute import inverse_cdf
 
 pytestmark = [pytest.mark.sglang]
 
@@ -264,9 +264,9 @@ def test_builder_hands_q_prime_and_x_prime_drawn_from_it(sgl, installed, overlap
     rc = installed.recompute
     if rc.sampler == "sglang.fast_sample":
         p_x, x = sgl.spec_utils.fast_sample(q, 1, sampling_seed=seeds, positions=b.seq_lens)
-    else:  # no sgl-kernel CPU build here for murmur_hash32: the core's seeded race (logged)
-        assert rc.sampler == "pd_middleware.exponential_race"
-        p_x, x = exponential_race(q, seeds, b.seq_lens)
+    else:  # no sgl-kernel CPU build here for murmur_hash32: the core's seeded inverse-CDF draw (logged)
+        assert rc.sampler == "pd_middleware.inverse_cdf"
+        p_x, x = inverse_cdf(q, seeds, b.seq_lens)
     assert torch.equal(si.draft_probs, q)
     assert torch.equal(si.topk_index, x)
     assert torch.equal(si.topk_p, p_x)

@@ -48,7 +48,7 @@ import torch
 
 from .._errors import ConfigError, PluginError
 from ..draft_head import DRAFT_HEAD
-from ..recompute import Recomputed, RecomputeSynthesizer, draw_proposal, exponential_race, seed_from_room
+from ..recompute import Recomputed, RecomputeSynthesizer, draw_proposal, inverse_cdf, seed_from_room
 
 if TYPE_CHECKING:
     from .sglang_installation import Installation
@@ -251,7 +251,7 @@ class DecodeRecompute:
 
         The seeded ``fast_sample`` hashes with ``murmur_hash32``, which on CPU needs
         sgl-kernel's CPU build; where that is missing the draw is the core's seeded
-        exponential race (:func:`~pd_middleware.recompute.exponential_race`): the same
+        inverse-CDF draw (:func:`~pd_middleware.recompute.inverse_cdf`): the same
         law, the same on every rank, another random stream than the prefill's (logged).
         """
         if self._fast_sample is None:
@@ -270,11 +270,11 @@ class DecodeRecompute:
             except ImportError as exc:
                 logger.warning(
                     "pd-middleware recompute: SGLang's seeded fast_sample is unavailable on %s (%s); drawing X' "
-                    "with the seeded exponential race of pd_middleware.recompute instead (same law, rank-agreed)",
+                    "with the seeded inverse-CDF draw of pd_middleware.recompute instead (same law, rank-agreed)",
                     device,
                     exc,
                 )
-                self._fast_sample, self.sampler = exponential_race, "pd_middleware.exponential_race"
+                self._fast_sample, self.sampler = inverse_cdf, "pd_middleware.inverse_cdf"
             self._softmax = sampling_softmax
         return self._fast_sample, self._softmax
 
