@@ -323,3 +323,57 @@ def test_missing_hidden_state_falls_back_to_one_hot_counted(sgl, installed):
 def test_no_draft_worker_is_refused_at_startup(sgl, installed):
     with pytest.raises(ConfigError, match=r"at synthesizer: .*needs the decode's EAGLE draft worker"):
         capture(installed.recompute, SimpleNamespace(draft_worker=None), vocab_size=V, num_steps=1, rs=True)
+
+
+def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
+    """install() from configs/sglang.toml patches Scheduler.init_disaggregation (a stand-in
+    class: SGLang's scheduler module needs packages this tier does not install); at start
+    the decode captures the draft model, a prefill does nothing, a bad flag stops it."""
+    import types
+
+    from sglang.srt.runtime_context import get_context
+
+    m = eagle3(sgl)
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.model_config = SimpleNamespace(vocab_size=V)
+            self.enable_overlap = True
+            self.draft_worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(model=m)))
+
+        def init_disaggregation(self):
+            self.inited = True
+
+    mod = types.ModuleType("scheduler_stand_in")
+    mod.Scheduler = Scheduler
+    mods = S.SGLangModules(builder=sgl.builder, scheduler=mod, only_given=True)
+    inst = S.install(load_config(CONFIG), S.InstallOptions(modules=mods))
+    try:
+        assert inst.mode == "recompute" and {a for _, a, _, _ in inst.patches} == {
+            "build_eagle_disagg_draft_input",
+            "pd_first_draft_proposal",
+            "init_disaggregation",
+        }
+        flags = dict(
+            speculative_algorithm="EAGLE3",
+            speculative_eagle_topk=1,
+            speculative_num_steps=3,
+            speculative_use_rejection_sampling=True,
+            disaggregation_transfer_backend="mooncake",
+        )
+        with get_context().override_server_args(disaggregation_mode="prefill", **flags):
+            s = Scheduler()
+            s.init_disaggregation()
+            assert s.inited and inst.recompute.head is None  # nothing on a prefill
+        with get_context().override_server_args(disaggregation_mode="decode", **flags):
+            s = Scheduler()
+            s.init_disaggregation()
+            assert s.inited and inst.recompute.head is not None and inst.recompute.head.arch == "LlamaForCausalLMEagle3"
+        flags["speculative_use_rejection_sampling"] = False
+        with (
+            get_context().override_server_args(disaggregation_mode="decode", **flags),
+            pytest.raises(ConfigError, match="without --speculative-use-rejection-sampling"),
+        ):
+            Scheduler().init_disaggregation()
+    finally:
+        S.uninstall()
