@@ -122,6 +122,23 @@ FIGURES: dict[str, list[Figure]] = {
         Figure("ratio_vs_sglang_builder_B16", "<= 1.5", "the same at B=16", lambda x: x <= 1.5),
         Figure("ratio_vs_sglang_builder_B256", "<= 1.5", "the same at B=256", lambda x: x <= 1.5),
     ],
+    "recompute": [
+        Figure(
+            "ratio_B1",
+            "<= 1.2",
+            "SGLang's step 0 (LogitsProcessor + renorm_draft_probs + fast_sample), V=152064, B=1",
+            lambda x: x <= 1.2,
+        ),
+        Figure("ratio_B16", "<= 1.2", "the same at B=16", lambda x: x <= 1.2),
+        Figure("ratio_largest_B", "<= 1.2", "the same at the largest B (256 on CUDA, 64 on CPU)", lambda x: x <= 1.2),
+        Figure(
+            "recompute_over_full_synthetic",
+            ">= 0.999",
+            "paired E[accept] of the full fp32 row, synthetic",
+            lambda x: x >= 0.999,
+        ),
+        Figure("recompute_over_full_ngram", ">= 0.999", "the same, ngram", lambda x: x >= 0.999),
+    ],
     "end_to_end": [],  # one row per (encoding, B) built in _end_to_end_rows
     "gpu_check": [],  # skipped on CPU; rows built in _gpu_rows
 }

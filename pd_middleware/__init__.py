@@ -29,9 +29,10 @@ from .contracts import (
     ReceiveHook,
     Synthesizer,
 )
+from .draft_head import DraftHead
 from .metrics import Metrics
 from .payload import DenseEncoding, Payload, Provenance, SparseEncoding
-from .proposal import DenseProposal, OneHotProposal, Proposal, SparseProposal
+from .proposal import DenseProposal, OneHotProposal, Proposal, RecomputedProposal, SparseProposal
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "ConfigIssue",
     "DenseEncoding",
     "DenseProposal",
+    "DraftHead",
     "EncodedBatch",
     "ExactnessError",
     "IntegrityError",
@@ -58,6 +60,7 @@ __all__ = [
     "Provenance",
     "ReceiveContext",
     "ReceiveHook",
+    "RecomputedProposal",
     "SparseEncoding",
     "SparseProposal",
     "Synthesizer",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .proposal import DenseProposal, OneHotProposal, SparseProposal
+from .proposal import DenseProposal, OneHotProposal, RecomputedProposal, SparseProposal
 
 if TYPE_CHECKING:
     from .proposal import Proposal
@@ -205,7 +205,7 @@ class ProposalAssembler:
                 for s, f in enumerate(p.floor):
                     if f != 0.0:
                         floors.append((i * s_steps + s, f))
-            elif type(p) is DenseProposal:
+            elif type(p) is DenseProposal or type(p) is RecomputedProposal:
                 if tuple(p.probs.shape) != (s_steps, v):
                     raise ValueError(
                         f"request {i}: dense proposal has shape {tuple(p.probs.shape)}, expected ({s_steps}, {v})"
@@ -294,7 +294,7 @@ class ProposalAssembler:
                     if f != 0.0:
                         floor_rows.append(i * s_steps + s)
                         floor_vals.append(f)
-            elif type(p) is DenseProposal:
+            elif type(p) is DenseProposal or type(p) is RecomputedProposal:
                 if tuple(p.probs.shape) != (s_steps, v):
                     raise ValueError(
                         f"request {i}: dense proposal has shape {tuple(p.probs.shape)}, expected ({s_steps}, {v})"

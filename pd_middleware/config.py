@@ -21,6 +21,7 @@ A minimal file (everything else has a default)::
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -118,7 +119,8 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
     # How proposals reach the decode: "metadata" = a row appended to SGLang's own PD
     # metadata buffers (travels with the KV, on every rank); "sidechannel" = the
     # middleware's own transport ([transport]; the prefill needs PD_MIDDLEWARE_DECODE_ADDRESS).
-    channel: Literal["metadata", "sidechannel"] = "metadata"
+    # "none": nothing is shipped (the decode-only synthesizer = "recompute").
+    channel: Literal["metadata", "sidechannel", "none"] = "metadata"
     # Bytes per proposal row (a multiple of 64, 256 .. 8 MiB). Each node allocates
     # capacity x metadata rows (decode: 2 x the request pool) of CPU memory. A proposal
     # larger than this travels without its distribution (exact one-hot, counted).
@@ -229,7 +231,10 @@ class Config(msgspec.Struct, **_STRUCT):
             if n in names[:i]:
                 raise ConfigError(f"duplicate arm name {n!r}", path=f"arms[{i}].name")
 
-    def plugin_context(self, side: Literal["prefill", "decode"] = "decode") -> PluginContext:
+    def plugin_context(
+        self, side: Literal["prefill", "decode"] = "decode", capabilities: Mapping[str, Any] | None = None
+    ) -> PluginContext:
+        """The plugins' context; ``capabilities``: what the engine offers (``draft_head``...)."""
         return PluginContext(
             vocab_size=self.model.vocab_size,
             num_steps=self.model.num_steps,
@@ -237,6 +242,7 @@ class Config(msgspec.Struct, **_STRUCT):
             device=self.decode.device,
             side=side,
             arms=tuple((a.name, a.weight) for a in self.arms),
+            capabilities=dict(capabilities or {}),
         )
 
 

@@ -25,11 +25,18 @@ its methods are then called on the hot path.
     It builds the distribution it will send, draws X from exactly that distribution
     and returns X, q(X), the encoded proposal and the provenance. May use the
     accelerator; does no I/O.
+
+**Engine capabilities.** A plugin that needs something only the engine has (the decode's
+own draft head, :class:`~pd_middleware.draft_head.DraftHead`, for the ``recompute``
+synthesizer) names it in :attr:`PluginSpec.needs`; the engine offers what it has in
+:attr:`PluginContext.capabilities`. A plugin whose need the engine does not offer is
+refused when it is built, at startup (:meth:`~pd_middleware.registry.PluginRegistry.build`),
+with a :class:`~pd_middleware.ConfigError` naming the config key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -68,6 +75,13 @@ class PluginContext:
     """Which process builds the plugin."""
     arms: tuple[tuple[str, int], ...] = ()
     """A/B arms as ``(name, weight)`` in config order; empty without ``[[arms]]``."""
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+    """What the engine offers plugins, by name (:data:`CAPABILITIES`): ``draft_head``, the
+    decode's :class:`~pd_middleware.draft_head.DraftHead`. Empty when it offers nothing."""
+
+
+#: Capability names an engine may offer in :attr:`PluginContext.capabilities`.
+CAPABILITIES: tuple[str, ...] = ("draft_head",)
 
 
 class ReceiveContext(msgspec.Struct):
@@ -145,3 +159,6 @@ class PluginSpec:
     options: type = NoOptions
     summary: str = ""
     tags: tuple[str, ...] = field(default=())
+    needs: tuple[str, ...] = field(default=())
+    """Engine capabilities the plugin needs (names from :data:`CAPABILITIES`); a plugin is
+    refused at startup when the engine does not offer one of them."""

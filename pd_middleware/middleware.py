@@ -9,7 +9,7 @@ counters. Engines call :meth:`DecodeMiddleware.receive` for every incoming paylo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class DecodeMiddleware:
         serve_metrics: bool = True,
         router: Any | None = None,
         assembler_factory: Callable[[Config], ProposalAssembler] | None = None,
+        capabilities: Mapping[str, Any] | None = None,
     ) -> DecodeMiddleware:
         """Resolve plugins, build hooks/synthesizers/assembler. Raises Config/PluginError.
 
@@ -71,10 +72,12 @@ class DecodeMiddleware:
         ``assembler_factory``: builds the assembler from the resolved config instead
         of ``decode.max_batch``/``decode.num_buffers`` (the A/B job sizes it to its
         batch).
+        ``capabilities``: what the engine offers plugins (``{"draft_head": head}``); a
+        plugin that needs one it lacks is refused with a ConfigError naming its key.
         """
         resolved, reg = _resolve(config, registry, "decode")
         cfg = resolved.config
-        ctx = cfg.plugin_context("decode")
+        ctx = cfg.plugin_context("decode", capabilities)
         hooks = [(r.spec.name, reg.build(r.spec, r.options, ctx, r.key)) for r in resolved.hooks]
         if router is not None:
             hooks = [("router", router)] + [(n, h) for n, h in hooks if not getattr(h, "routes_arms", False)]

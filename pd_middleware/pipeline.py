@@ -16,7 +16,7 @@ from ._errors import ValidationError
 from .contracts import ReceiveContext
 from .metrics import Metrics
 from .payload import Payload
-from .proposal import Proposal
+from .proposal import Proposal, RecomputedProposal
 
 
 class Delivery(NamedTuple):
@@ -43,6 +43,14 @@ class Delivery(NamedTuple):
     @property
     def request_id(self) -> str:
         return self.payload.request_id
+
+    @property
+    def draft_tokens(self) -> tuple[int, ...]:
+        """The draft tokens the verifier must verify with this proposal: X' when the
+        decode redrew them (a :class:`~pd_middleware.proposal.RecomputedProposal`),
+        else the prefill's X."""
+        p = self.proposal
+        return p.tokens if type(p) is RecomputedProposal else self.payload.draft_tokens
 
     def release(self) -> None:
         if self.releaser is not None:

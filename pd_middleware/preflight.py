@@ -233,6 +233,17 @@ def check_pairs(config: Config, resolved: ResolvedConfig, registry: Any) -> list
         if enc is None or syn is None:
             continue
         path = f"arms[{i}]" if config.arms else "synthesizer"
+        if syn.spec.needs:
+            # Built only where an engine offers its capabilities (the SGLang decode, the ab job).
+            out.append(
+                Finding(
+                    "note",
+                    path,
+                    f"synthesizer {syn.spec.name!r} needs the engine capability {', '.join(syn.spec.needs)}: "
+                    "checked when the engine starts, not probed here",
+                )
+            )
+            continue
         guard_log = logging.getLogger("pd_middleware.guard")
         was, guard_log.disabled = guard_log.disabled, True  # the probe's fallbacks are expected
         try:

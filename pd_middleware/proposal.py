@@ -128,4 +128,26 @@ class DenseProposal(msgspec.Struct, frozen=True, eq=False):
         return self.probs.float() * self.scale.view(-1, 1)
 
 
-Proposal = OneHotProposal | SparseProposal | DenseProposal
+class RecomputedProposal(DenseProposal, frozen=True, eq=False):
+    """q' recomputed on the decode, with the token X' drawn from exactly q'.
+
+    A :class:`DenseProposal` (``probs`` fp32 (S, V), ``scale`` ones) that also carries
+    ``tokens``, the S draft tokens drawn from it: the verifier must verify *these*, not
+    the prefill's X (``docs/strategies.md``, recompute). Made only by
+    :meth:`pd_middleware.recompute.Recomputed.proposal`; ``__post_init__`` refuses a
+    token outside q' or a q'(X') above 1.
+    """
+
+    tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for v in DenseProposal.values_at(self, self.tokens):
+            if not 0.0 < v <= 1.0:
+                from ._errors import ExactnessError
+
+                raise ExactnessError(
+                    f"recomputed q'(X') = {v} is outside (0, 1]: X' was not drawn from q'", reason="recompute_guard"
+                )
+
+
+Proposal = OneHotProposal | SparseProposal | DenseProposal | RecomputedProposal

@@ -32,7 +32,7 @@ from typing import Any
 
 from ._errors import ConfigError, PluginError
 from .config_loader import did_you_mean
-from .contracts import KIND_METHODS, PLUGIN_KINDS, NoOptions, PluginContext, PluginSpec
+from .contracts import CAPABILITIES, KIND_METHODS, PLUGIN_KINDS, NoOptions, PluginContext, PluginSpec
 
 ENTRY_POINT_GROUP = "pd_middleware.plugins"
 
@@ -96,6 +96,9 @@ def validate_spec(spec: Any, origin: str = "<api>") -> PluginSpec:
         raise PluginError(f"factory must accept (options, context): {exc}", plugin=spec.name) from None
     except ValueError:
         pass
+    unknown = [n for n in spec.needs if n not in CAPABILITIES]
+    if unknown:
+        raise PluginError(f"needs unknown capabilities {unknown}; known: {list(CAPABILITIES)}", plugin=spec.name)
     if spec.options is not NoOptions:
         cfg = getattr(spec.options, "__struct_config__", None)
         if cfg is None or not cfg.forbid_unknown_fields:
@@ -329,7 +332,19 @@ class PluginRegistry:
         return convert_options(spec, raw, key)
 
     def build(self, spec: PluginSpec, options: Any, context: PluginContext, key: str | None = None) -> Any:
-        """Instantiate a plugin and check the object honours its kind's contract."""
+        """Instantiate a plugin and check the object honours its kind's contract.
+
+        Raises ConfigError naming ``key`` when the plugin needs an engine capability
+        (``spec.needs``) that ``context.capabilities`` does not offer.
+        """
+        missing = [n for n in spec.needs if context.capabilities.get(n) is None]
+        if missing:
+            raise ConfigError(
+                f"{spec.kind} {spec.name!r} needs the engine capability {', '.join(map(repr, missing))}, which this "
+                f"engine does not offer on the {context.side} side (the SGLang decode offers 'draft_head' from its "
+                "EAGLE worker, the ab job from its workload); choose another synthesizer",
+                path=key or "",
+            )
         try:
             obj = spec.factory(options, context)
         except (PluginError, ConfigError):

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from _recompute_head import HEAD_HIDDEN, MatrixHead
 from sglang.srt.disaggregation import decode as sglang_decode
 from sglang.srt.disaggregation import prefill as sglang_prefill
 from sglang.srt.disaggregation import utils as sglang_utils
@@ -65,6 +66,10 @@ def install(rank: Any, config: dict | None, vocab: int) -> dict:
         role=rank.role, vocab_size=vocab, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True
     )
     inst = S.install(parse_config(config), S.InstallOptions(facts=facts, modules=MODULES))
+    if inst.recompute is not None:  # decode-only recompute: what the scheduler-start hook binds
+        if rank.role == "decode":
+            inst.recompute.bind(MatrixHead(vocab, HEAD_HIDDEN), vocab_size=vocab, num_steps=1, rejection_sampling=True)
+        return {"installed": True, "mode": inst.mode}
     if rank.role == "prefill":
         rank.prepare_req = lambda req, first: _encode(inst, req, first, vocab)
     rank.flip_proposal_byte = lambda **kw: _flip(rank, **kw)
@@ -105,6 +110,10 @@ def build(rank: Any, rooms: list[int]) -> dict:
         enable_overlap=False,
         req_pool_indices=torch.arange(1, len(reqs) + 1),
         seq_lens=torch.full((len(reqs),), 10),
+        # Read by the recompute path only (SGLang's builder does not): T = 1, no seed, sampled.
+        sampling_info=SimpleNamespace(
+            temperatures=torch.ones((len(reqs), 1)), sampling_seed=None, top_ks=torch.full((len(reqs),), 50)
+        ),
     )
     with get_context().override_server_args(
         speculative_algorithm="EAGLE",
@@ -118,6 +127,8 @@ def build(rank: Any, rooms: list[int]) -> dict:
     return {
         "draft_probs": out.draft_probs.clone(),
         "topk_index": out.topk_index.clone(),
+        "topk_p": out.topk_p.clone(),
+        "hidden": out.hidden_states.clone(),
         "reasons": [getattr(a, "reason", None) for a in attached],
         "counters": counters(),
     }

@@ -169,3 +169,36 @@ def test_effect_size_formulas():
     with pytest.raises(ValueError, match=r"acceptance must be in \[0, 1\)"):
         later_tokens_per_verify(1.0, 1)
     assert not math.isnan(e1.later_tokens_per_verify)
+
+
+@pytest.mark.parametrize("workload", ["synthetic", "ngram"])
+def test_ab_recompute_arm_matches_full_at_zero_proposal_bytes(tmp_path, workload):
+    """The recompute arm (workload draft head, X' redrawn on the decode) through the real
+    loopback deployment: paired E[accept] equals full_fp32's within the workload's
+    numerics (q' = softmax(log q)), no proposal bytes, exactness test passed."""
+    cfg = load_config("configs/ab_tiny.toml")
+    data = json.loads(json.dumps(__import__("msgspec").to_builtins(cfg)))
+    data["arms"] = [
+        {"name": "one_hot", "encoder": {"name": "softmax"}, "synthesizer": {"name": "one_hot"}},
+        {
+            "name": "full_fp32",
+            "encoder": {"name": "full", "options": {"dtype": "fp32"}},
+            "synthesizer": {"name": "full_distribution"},
+        },
+        {"name": "recompute", "encoder": {"name": "softmax"}, "synthesizer": {"name": "recompute"}},
+    ]
+    if workload == "ngram":
+        from pd_middleware.workloads.ngram import NgramWorkload
+
+        data["ab"]["workload"] = {"name": "ngram", "options": {}}
+        data["model"]["vocab_size"] = NgramWorkload().vocab_size
+    from pd_middleware.ab.runner import run_ab
+
+    report = run_ab(parse_config(data), requests=64, seed=3, out_dir=tmp_path, progress=False)
+    arms = {a.name: a for a in report.arms}
+    rec, full = arms["recompute"], arms["full_fp32"]
+    assert rec.payloads.delivered == 64 and not rec.failures
+    assert rec.exact.passed
+    assert rec.bytes_per_request.proposal == 0.0
+    assert rec.acceptance.exact_expected == pytest.approx(full.acceptance.exact_expected, rel=1e-4)
+    assert rec.acceptance.exact_expected > arms["one_hot"].acceptance.exact_expected

@@ -115,6 +115,6 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
     run = _sh([cli, "ab", "--requests", "50", "--no-progress"], cwd=work, env=env, timeout=900)
     assert "Traceback" not in run.stderr
     report = json.loads((work / "out" / "ab" / "report.json").read_text())
-    assert [a["name"] for a in report["arms"]] == ["one_hot", "full_fp32", "topp_2000", "sparse_floor"]
+    assert [a["name"] for a in report["arms"]] == ["one_hot", "full_fp32", "recompute", "topp_2000", "sparse_floor"]
     for arm in report["arms"]:
         assert arm["payloads"]["delivered"] == 50 and arm["exact"]["pass"], arm["name"]

@@ -442,3 +442,48 @@ def test_dropin_rank_divergence_never_pairs_a_proposal_with_another_draw(dep, re
         assert b["reasons"] == ["token_mismatch"] and torch.equal(b["draft_probs"], one_hot(other))
         assert b["counters"]["decode"]["fallback:token_mismatch"] >= 1
     print(f"\nrank divergence outcomes: {seen}")
+
+
+# ------------------------------------------------------------------------------ decode-only recompute
+
+
+def recompute_config() -> dict:
+    with open(ROOT / "configs" / "sglang.toml", "rb") as f:
+        data = tomllib.load(f)
+    assert data["synthesizer"]["name"] == "recompute" and data["sglang"]["channel"] == "none"
+    return data
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_recompute_decode_only_against_a_plain_prefill(dep, decode_tp):
+    """The prefill runs SGLang as shipped (no drop-in, no extra buffer); the decode's drop-in
+    recomputes q' from the hidden state SGLang's own aux transfer delivered and redraws X'
+    from it: the verifier gets q' = softmax(head(h)) and X' ~ q', the same on every decode
+    rank; the prefill's X is replaced."""
+    from _recompute_head import HEAD_HIDDEN, MatrixHead
+
+    from pd_middleware.recompute import inverse_cdf, proposal_probs, seed_from_room
+
+    dep.install(None, recompute_config(), V)
+    dep.configure(1, decode_tp)
+    head = MatrixHead(V, HEAD_HIDDEN)
+    changed = 0
+    for _ in range(4):
+        room = rooms()
+        row = first_row(0, room)
+        out, built = transfer_and_build(dep, room, row)
+        assert len(out["prefill"][0]["row"]) == len(out["decode"][0]["row"])  # SGLang's own aux list, both sides
+        h = torch.tensor([row["hidden"]], dtype=torch.float32)
+        q = proposal_probs(head.logits(h), torch.ones(1))
+        for b in built:
+            assert torch.equal(b["hidden"], h)  # arrived bit-exact through SGLang's transfer
+            assert torch.equal(b["draft_probs"], q)
+            x = int(b["topk_index"][0, 0])
+            assert float(b["topk_p"][0, 0]) == float(q[0, x]) > 0  # X' and q'(X') from the same q'
+            # Drawn with the room-derived seed (no sampling seed here): the core's seeded inverse-CDF draw
+            # on this CPU (no sgl-kernel CPU build for SGLang's seeded fast_sample).
+            assert x == int(inverse_cdf(q, seed_from_room([room]), torch.tensor([10]))[1][0, 0])
+        assert all(torch.equal(b["topk_index"], built[0]["topk_index"]) for b in built)  # rank agreement
+        assert all(b["counters"]["recompute"]["recomputed"] >= 1 for b in built)
+        changed += int(built[0]["topk_index"][0, 0]) != row["topk_index"][0]
+    assert changed >= 3  # the prefill's X (300 + room % 11) is redrawn, not kept

@@ -45,9 +45,20 @@ ENCODERS = {
 }
 
 
+class _Head:
+    """Stand-in draft head (the engine capability ``recompute`` needs); these payloads
+    carry no hidden state, so ``recompute`` answers one-hot here (tests/test_recompute.py
+    covers its own path)."""
+
+    vocab_size, hidden_size = V, 8
+
+    def logits(self, hidden):
+        return torch.zeros(hidden.shape[0], V)
+
+
 def build(name, v=V, steps=1, rs=True):
     spec = REG.get("synthesizer", name)
-    ctx = PluginContext(vocab_size=v, num_steps=steps, rejection_sampling=rs)
+    ctx = PluginContext(vocab_size=v, num_steps=steps, rejection_sampling=rs, capabilities={"draft_head": _Head()})
     return REG.build(spec, REG.options(spec, {}, "synthesizer.options"), ctx, "synthesizer")
 
 

@@ -175,7 +175,8 @@ class Collector:
         st.latencies_ms.extend((t_batch - d.received_at) * 1e3 for d in deliveries)
         st.first_t = min(d.received_at for d in deliveries) if st.first_t is None else st.first_t
         st.last_t = t_batch
-        tokens = torch.tensor([d.payload.draft_tokens for d in deliveries], dtype=torch.int64)
+        # X' where the decode redrew it (recompute), else the prefill's X.
+        tokens = torch.tensor([d.draft_tokens for d in deliveries], dtype=torch.int64)
         kinds = tuple(draw_kind(d) for d in deliveries)
         # The view is reused by the next build: keep a copy for the verifier.
         out = Assembled(rows, tokens, draft.clone(), kinds)

@@ -122,6 +122,7 @@ def _run(job: PrefillJob) -> dict[str, Any]:
     from ..middleware import build_encoders
     from ..transport.sender import open_sender
     from ..workloads import make_workload
+    from ..workloads.heads import write_state
     from .config import workload_options
 
     torch.set_num_threads(1)
@@ -138,6 +139,8 @@ def _run(job: PrefillJob) -> dict[str, Any]:
         for k, batch in enumerate(wl.batches(job.requests, job.batch_size, job.seed)):
             start = k * job.batch_size
             hidden = torch.randn(batch.batch_size, cfg.model.hidden_size, generator=hidden_gen).to(dtype)
+            if batch.draft_state is not None:  # the workload's draft head reads it (workloads/heads.py)
+                write_state(hidden, batch.draft_state)
             for ai, arm in enumerate(job.arm_names):
                 # Each arm draws its X with its own stream, fixed by (seed, batch, arm).
                 gen = torch.Generator().manual_seed((job.seed * 1_000_003 + k * 1_009 + ai) & 0x7FFFFFFFFFFF)

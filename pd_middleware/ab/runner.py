@@ -58,7 +58,7 @@ def run_ab(
     from ..assembler import ProposalAssembler
     from ..middleware import DecodeMiddleware
     from ..stats import ExactnessAccumulator
-    from ..workloads import make_workload
+    from ..workloads import make_workload, workload_draft_head
 
     cfg = config
     plan, seed_v, baseline, reference = _check(cfg, requests, seed, source)
@@ -78,6 +78,8 @@ def run_ab(
         assembler_factory=lambda c: ProposalAssembler(
             c.model.vocab_size, c.model.num_steps, plan.batch_size, device=c.decode.device
         ),
+        # The workload's draft head, for the recompute arm (workloads/heads.py).
+        capabilities={"draft_head": workload_draft_head(wl, seed_v, cfg.model.hidden_size)},
     )
     stats = {
         a: ArmStats(

@@ -74,6 +74,7 @@ from .sglang_patch import (
     detect_version,
 )
 from .sglang_prefill import ProposalPublisher, wrap_process_batch_result
+from .sglang_recompute import install_recompute, uses_recompute
 from .sglang_startup import EngineFacts, facts_from_scheduler
 
 __all__ = [
@@ -129,10 +130,19 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
             from ..config import load_config
 
             config = load_config(config)
+        if uses_recompute(config):
+            # Decode-only recompute (.sglang_recompute): no channel, no prefill patch.
+            inst = install_recompute(config, opts, ver)
+            for owner, attr, _, new in inst.patches:
+                setattr(owner, attr, new)
+            _set_installed(inst)
+            logger.info("pd-middleware installed into SGLang %s (decode-only recompute)", ver)
+            return inst
         channel_name = opts.channel if opts.channel is not None else config.sglang.channel
         if channel_name not in ("metadata", "sidechannel"):
             raise ConfigError(
-                f"channel must be 'metadata' or 'sidechannel', got {channel_name!r}", path="sglang.channel"
+                f"channel must be 'metadata' or 'sidechannel' ('none' only with synthesizer = \"recompute\"), got {channel_name!r}",
+                path="sglang.channel",
             )
 
         dec = _module(mods.builder, DECODE_MODULE, mods)

@@ -82,6 +82,8 @@ class Installation:
     receiver: Any = None
     facts: EngineFacts | None = None
     patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+    # Decode-only recompute (synthesizer = "recompute"): its DecodeRecompute (.sglang_recompute).
+    recompute: Any = None
 
     @property
     def middleware(self) -> Any:
@@ -102,6 +104,8 @@ class Installation:
             out["prefill"] = dict(self.publisher.counts)
         if self.channel is not None:
             out["inband"] = dict(self.channel.counts)
+        if self.recompute is not None:
+            out["recompute"] = dict(self.recompute.counts)
         return out
 
     def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0) -> Any:

@@ -34,6 +34,7 @@ __all__ = [
     "Workload",
     "WorkloadBatch",
     "make_workload",
+    "workload_draft_head",
     "workload_options_type",
 ]
 
@@ -60,6 +61,9 @@ class WorkloadBatch:
     draft_probs: torch.Tensor
     prefix: torch.Tensor
     conditional: Conditional | None = None
+    draft_state: torch.Tensor | None = None
+    """int64 (B,): the draft model's state at step 0, what its draft head reads
+    (:mod:`pd_middleware.workloads.heads`); None when the workload has no draft head."""
 
     @property
     def batch_size(self) -> int:
@@ -101,6 +105,13 @@ class Workload(Protocol):
     def batches(self, n_requests: int, batch_size: int, seed: int) -> Iterator[WorkloadBatch]:
         """Yield ``ceil(n_requests / batch_size)`` batches; the last may be smaller."""
         ...
+
+
+def workload_draft_head(wl: Workload, seed: int, hidden_size: int) -> Any:
+    """The workload's draft head (:class:`~pd_middleware.draft_head.DraftHead`) for runs
+    with ``seed``, or None when the workload has none (``trace``)."""
+    make = getattr(wl, "draft_head", None)
+    return None if make is None else make(seed, hidden_size)
 
 
 def _synthetic() -> tuple[type, Callable[[Any], Workload]]:

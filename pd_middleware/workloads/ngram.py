@@ -279,4 +279,14 @@ class NgramWorkload:
                 draft_probs=draft,
                 prefix=prefix,
                 conditional=cond,
+                draft_state=cond.context[:, -1].clone(),
             )
+
+    def draft_head(self, seed: int, hidden_size: int) -> Any:
+        """The bigram draft as a head: its state is the previous token (:mod:`.heads`)."""
+        from .heads import WorkloadDraftHead
+
+        def rows(state: Any) -> Any:
+            return _tempered(self.model.draft_rows(state), self.options.temperature)
+
+        return WorkloadDraftHead(rows, self.vocab_size, hidden_size)

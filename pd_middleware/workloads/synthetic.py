@@ -126,4 +126,15 @@ class SyntheticWorkload:
                 target_probs=target,
                 draft_probs=draft,
                 prefix=torch.full((b, steps), -1, dtype=torch.int64),
+                draft_state=torch.tensor(idx, dtype=torch.int64),
             )
+
+    def draft_head(self, seed: int, hidden_size: int) -> Any:
+        """The draft head of runs with ``seed``: its state is the request index, and it
+        regenerates that context's step-0 draft row (:mod:`.heads`)."""
+        from .heads import WorkloadDraftHead
+
+        def rows(state: Any) -> Any:
+            return self.contexts(seed, [int(i) for i in state.tolist()], 0, with_draft=True)[1]
+
+        return WorkloadDraftHead(rows, self.vocab_size, hidden_size)

@@ -1,0 +1,247 @@
+"""The ``recompute`` synthesizer: exact enumeration, the negative control, the guard,
+the sampler's law and the capability check.
+
+A stand-in head stands for the engine's draft head (the real SGLang head is tested in
+``tests/test_sglang_recompute.py``): a fixed fp32 matrix over a tiny vocabulary.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from pd_middleware import ConfigError, OneHotProposal, Payload, PluginContext, Provenance
+from pd_middleware._errors import ExactnessError
+from pd_middleware.assembler import ProposalAssembler
+from pd_middleware.metrics import Metrics
+from pd_middleware.proposal import RecomputedProposal
+from pd_middleware.recompute import (
+    SYNTHESIZER,
+    Recomputed,
+    RecomputeSynthesizer,
+    draw_proposal,
+    exponential_race,
+    inverse_cdf,
+    proposal_probs,
+    seed_from_room,
+)
+from pd_middleware.registry import default_registry
+from pd_middleware.verify import exact_verify_law, tv_bound, tv_distance
+
+SEED = 20261201
+V, H = 6, 4
+P = [Fraction(n, 32) for n in (9, 7, 6, 5, 3, 2)]  # the target law, exact
+
+
+class MatrixHead:
+    """Stand-in draft head: logits = h @ W.T in fp32 (V x H), on CPU."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.float()
+        self.vocab_size, self.hidden_size = (int(n) for n in weight.shape)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float() @ self.weight.T
+
+
+def _weight(seed: int = SEED) -> torch.Tensor:
+    return torch.randn(V, H, generator=torch.Generator().manual_seed(seed))
+
+
+HIDDEN = torch.randn(1, H, generator=torch.Generator().manual_seed(SEED + 1)).to(torch.bfloat16)
+
+
+def ctx(head=None, *, steps=1, rs=True, v=V):
+    caps = {} if head is None else {"draft_head": head}
+    return PluginContext(vocab_size=v, num_steps=steps, rejection_sampling=rs, capabilities=caps)
+
+
+def fr(t: torch.Tensor) -> list[Fraction]:
+    return [Fraction(float(x)) for x in t.double().tolist()]
+
+
+def payload(rid="7", hidden=HIDDEN, tokens=(0,), rule="sampled", steps=1) -> Payload:
+    raw = hidden.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if hidden is not None else b""
+    return Payload(
+        request_id=rid,
+        draft_tokens=tokens * steps if len(tokens) == 1 else tokens,
+        draft_probs=(0.5,) * steps,
+        vocab_size=V,
+        hidden=raw,
+        hidden_dtype="bf16",
+        provenance=Provenance(rule=rule, temperature=1.0),
+    )
+
+
+def assembled_row(prop) -> torch.Tensor:
+    """The fp32 row the verifier reads, through the real assembler."""
+    return ProposalAssembler(V, 1, max_batch=1).build([prop])[0].clone()
+
+
+# ----------------------------------------------------------------------------- exact enumeration
+
+
+def test_committed_law_is_p_for_the_recompute_path():
+    """X' ~ q' (the law the sampler draws from: q' up to its fp32 normalisation), q'
+    handed over: the committed law is p exactly with q' normalised exactly, and within
+    the fp32-normalisation bound with the raw fp32 row the assembler writes."""
+    head = MatrixHead(_weight())
+    synth = RecomputeSynthesizer(None, ctx(head))
+    prop = synth.synthesize(payload())
+    assert isinstance(prop, RecomputedProposal) and not synth.counts
+    row = assembled_row(prop)
+    q = fr(row)
+    c = sum(q)
+    s = [v / c for v in q]  # what the exponential race draws from: proportional to q'
+    law = exact_verify_law(P, [v / c for v in q], s)
+    assert law == P
+    raw = exact_verify_law(P, q, s)
+    assert sum(abs(a - b) for a, b in zip(raw, P)) <= 2 * abs(1 / c - 1) + Fraction(1, 10**12)
+    # q' is the head's softmax, the prefill's semantics.
+    ref = proposal_probs(head.logits(HIDDEN.float()), torch.ones(1))[0]
+    assert torch.equal(row, ref)
+
+
+def test_negative_control_prefill_x_with_a_perturbed_head_is_biased():
+    """Keep the prefill's X ~ q and hand the verifier q' from a perturbed head (another
+    precision): biased, far beyond the fp32 bound. Redrawing X' from that same q' (the
+    recompute path) is exact again."""
+    w = _weight()
+    q_prefill = proposal_probs(MatrixHead(w).logits(HIDDEN.float()), torch.ones(1))[0].double()
+    s = [v / sum(fr(q_prefill)) for v in fr(q_prefill)]
+    perturbed = MatrixHead(w.to(torch.bfloat16).float() + 0.05 * _weight(SEED + 7))
+    q_dec = fr(proposal_probs(perturbed.logits(HIDDEN.float()), torch.ones(1))[0])
+    c = sum(q_dec)
+    q_dec = [v / c for v in q_dec]
+    biased = exact_verify_law(P, q_dec, s)
+    gap = sum(abs(a - b) for a, b in zip(biased, P))
+    assert gap > Fraction(1, 1000), float(gap)
+    assert exact_verify_law(P, q_dec, q_dec) == P
+
+
+# ----------------------------------------------------------------------------- the guard
+
+
+def test_guard_no_recomputed_without_its_draw():
+    probs = torch.full((1, V), 1.0 / V)
+    with pytest.raises(ExactnessError, match="only by draw_proposal"):
+        Recomputed(object(), probs, torch.zeros(1, dtype=torch.int64), probs[:, 0], torch.ones(1, dtype=torch.bool))
+    with pytest.raises(ExactnessError, match="X' was not drawn from q'"):
+        RecomputedProposal(torch.tensor([[0.0, 1.0, 0, 0, 0, 0]]), torch.ones(1), tokens=(0,))
+
+
+def test_guard_token_probs_are_read_back_from_the_kept_q():
+    """A sampler that lies (returns another token's probability, or a token outside q')
+    cannot make a pair that disagrees with q': q'(X') is re-gathered from q', and a
+    token with q'(X') = 0 is an invalid row, never handed over."""
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0, 0.0]])
+
+    def liar(p, seeds, positions):
+        return torch.full((2, 1), 0.9), torch.tensor([[3], [1]])
+
+    r = draw_proposal(
+        probs, seeds=torch.zeros(2, dtype=torch.int64), positions=torch.zeros(2, dtype=torch.int64), draw=liar
+    )
+    assert r.tokens.tolist() == [3, 1]
+    assert r.token_probs.tolist() == [0.0, 0.25]
+    assert r.valid.tolist() == [False, True]
+    # Greedy rows propose their argmax, read from the same q'.
+    g = draw_proposal(
+        probs,
+        seeds=torch.zeros(2, dtype=torch.int64),
+        positions=torch.zeros(2, dtype=torch.int64),
+        greedy=torch.tensor([True, False]),
+        draw=liar,
+    )
+    assert g.tokens.tolist() == [0, 1] and g.token_probs.tolist() == [0.5, 0.25]
+
+
+def test_guard_every_handed_over_pair_comes_from_one_draw():
+    """Over many requests and heads: X' is in q''s support, the proposal row is the q'
+    it was drawn from, and the X the verifier gets is X', not the prefill's."""
+    synth = RecomputeSynthesizer(None, ctx(MatrixHead(_weight())))
+    seen = set()
+    for i in range(200):
+        prop = synth.synthesize(payload(rid=str(1000 + i), tokens=(5,)))
+        assert isinstance(prop, RecomputedProposal)
+        (x,) = prop.tokens
+        row = assembled_row(prop)
+        assert 0 < float(row[x]) <= 1
+        assert prop.values_at(prop.tokens) == [float(row[x])]
+        seen.add(x)
+    assert len(seen) > 2  # redrawn, not the prefill's X = 5 every time
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+@pytest.mark.parametrize("draw", [inverse_cdf, exponential_race], ids=["inverse_cdf", "exponential_race"])
+def test_seeded_draws_follow_q_tv_bound(draw):
+    """N seeded draws (one per room) against q': TV <= 1/2 sqrt((V-1)/N) + sqrt(ln(1/a)/2N), a = 1e-6."""
+    q = proposal_probs(MatrixHead(_weight()).logits(HIDDEN.float()), torch.ones(1))
+    n = 20000
+    probs = q.expand(n, V).contiguous()
+    _, x = draw(probs, seed_from_room(range(n)), torch.full((n,), 17, dtype=torch.int64))
+    freq = torch.bincount(x.view(-1), minlength=V).double() / n
+    assert tv_distance(freq, q[0].double()) <= tv_bound(V, n, 1e-6)
+
+
+@pytest.mark.parametrize("draw", [inverse_cdf, exponential_race], ids=["inverse_cdf", "exponential_race"])
+def test_draw_is_deterministic_per_seed_and_position(draw):
+    """Two ranks with the same batch draw the same X' (seed from the room when SGLang has none)."""
+    probs = torch.full((4, V), 1.0 / V)
+    seeds = seed_from_room([11, 12, 13, 14])
+    pos = torch.tensor([5, 5, 6, 6])
+    a = draw(probs, seeds, pos)[1]
+    b = draw(probs.clone(), seeds.clone(), pos.clone())[1]
+    assert torch.equal(a, b)
+    assert seed_from_room([11]).tolist() == seed_from_room([11]).tolist()
+    assert int(seed_from_room([2**64 - 1])[0]) >= 0
+
+
+# ----------------------------------------------------------------------------- fallbacks and refusal
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: (RecomputeSynthesizer(None, ctx(MatrixHead(_weight()))), payload(hidden=None)), "no_hidden"),
+        (lambda: (RecomputeSynthesizer(None, ctx(object())), payload()), "unknown_head"),
+        (lambda: (RecomputeSynthesizer(None, ctx(MatrixHead(torch.randn(V, H + 2)))), payload()), "shape"),
+        (
+            lambda: (RecomputeSynthesizer(None, ctx(MatrixHead(_weight()), steps=2)), payload(tokens=(1, 2), steps=2)),
+            "multi_layer",
+        ),
+    ],
+)
+def test_fallbacks_are_one_hot_at_x_and_counted(make, reason):
+    synth, p = make()
+    m = Metrics()
+    synth.guard.attach_metrics(m)
+    out = synth.synthesize(p)
+    assert out == OneHotProposal(p.draft_tokens)
+    assert synth.counts == {reason: 1}
+    assert m.fallbacks[f"recompute:{reason}"] == 1
+
+
+def test_rejection_sampling_off_attaches_nothing_and_counts():
+    synth = RecomputeSynthesizer(None, ctx(MatrixHead(_weight()), rs=False))
+    assert synth.synthesize(payload()) is None
+    assert synth.counts == {"rejection_off": 1}
+
+
+def test_refused_at_startup_without_the_engine_capability():
+    reg = default_registry()
+    spec = reg.get("synthesizer", "recompute")
+    assert spec is SYNTHESIZER or spec.needs == ("draft_head",)
+    with pytest.raises(ConfigError, match=r"at arms\[2\]\.synthesizer: .*needs the engine capability 'draft_head'"):
+        reg.build(spec, None, ctx(None), "arms[2].synthesizer")
+    assert isinstance(reg.build(spec, None, ctx(MatrixHead(_weight())), "synthesizer"), RecomputeSynthesizer)
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]]).expand(4000, V).contiguous()
+    _, x = inverse_cdf(probs, seed_from_room(range(4000)), torch.zeros(4000, dtype=torch.int64))
+    assert set(x.view(-1).tolist()) == {1, 3}

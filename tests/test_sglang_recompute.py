@@ -1,0 +1,379 @@
+"""Decode-only recompute through SGLang's real code on CPU.
+
+SGLang's real ``LlamaForCausalLMEagle3`` is built with tiny random weights in a one-rank
+gloo group (SGLang's own ``init_distributed_environment``/``initialize_model_parallel``);
+the head's logits must equal the model's own ``LogitsProcessor`` output bit for bit.
+Then the drop-in is installed from ``configs/sglang.toml`` (decode-only recompute) and
+SGLang's real ``build_eagle_disagg_draft_input`` builds the first draft input: its
+``EagleDraftInput`` (and, under the overlap scheduler, the ``RelayPayload`` it stashes)
+carries X' drawn by SGLang's real ``fast_sample`` from q' = SGLang's real
+``sampling_softmax`` of the head's logits.
+
+Two stand-ins, because the real part cannot run here: the rotary embedding's
+constructor picks a vLLM kernel unless SGLang's CPU engine flag is set (the CPU engine
+itself needs sgl-kernel's CPU build, not installable here), so the flag of that one
+module is set (the head never calls rotary); the ``ScheduleBatch`` and ``FutureMap`` are
+plain objects with the fields the builder reads, and the future map records what it
+is handed.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import pytest
+import torch
+
+from pd_middleware import ConfigError
+from pd_middleware.config import load_config
+from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations.sglang_recompute import (
+    ARCHITECTURES,
+    SGLangDraftHead,
+    capture,
+    check_placement,
+    find_draft_model,
+)
+from pd_middleware.recompute import inverse_cdf
+
+pytestmark = [pytest.mark.sglang]
+
+V, H = 97, 32
+CONFIG = Path(__file__).parent.parent / "configs" / "sglang.toml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def sgl(sglang_importable):
+    """SGLang's runtime context and a one-rank gloo model-parallel group."""
+    import torch.distributed as dist
+    from _sglang_import import import_sglang
+
+    rc = import_sglang("sglang.srt.runtime_context")
+    from sglang.srt.server_args import ServerArgs
+
+    rc.reset_context()
+    rc.publish(
+        ServerArgs(model_path="dummy", device="cpu", tp_size=1), role="scheduler", ranks=rc.SpawnRanks(world_rank=0)
+    )
+    ps = import_sglang("sglang.srt.distributed.parallel_state")
+    if not dist.is_initialized():
+        ps.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel()
+    rb = import_sglang("sglang.srt.layers.rotary_embedding.base")
+    rb._is_cpu = True  # see the module docstring: the native rotary path, never called by the head
+    return SimpleNamespace(
+        eagle3=import_sglang("sglang.srt.models.llama_eagle3"),
+        lp=import_sglang("sglang.srt.layers.logits_processor"),
+        fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
+        spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
+        builder=import_sglang("sglang.srt.speculative.eagle_disaggregation"),
+        info=import_sglang("sglang.srt.speculative.eagle_info"),
+    )
+
+
+def eagle3(sgl, *, dtype=torch.float32, seed=0, norm_output=False, vocab=V):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+    )
+    cfg.draft_vocab_size = vocab
+    cfg.norm_output = norm_output
+    m = sgl.eagle3.LlamaForCausalLMEagle3(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return m.to(dtype)
+
+
+def own_logits(sgl, m, hidden):
+    """The model's own LogitsProcessor on what its forward hands it: norm(h) (EAGLE3)."""
+    meta = sgl.lp.LogitsMetadata(forward_mode=sgl.fb.ForwardMode.DECODE)
+    x = hidden if m.model.norm_output else m.model.norm(hidden)
+    with torch.no_grad():
+        return m.logits_processor(torch.zeros(hidden.shape[0], dtype=torch.long), x, m.lm_head, meta).next_token_logits
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["plain", "norm_output", "logit_scale", "softcap"])
+def test_head_equals_the_models_own_logits_processor_bit_for_bit(sgl, dtype, variant, monkeypatch):
+    if variant == "softcap":
+        # This CPU is not SGLang's CPU engine, so LogitsProcessor would pick the CUDA Triton
+        # softcap kernel; its CPU path (the engine flag of that module) is what runs here.
+        monkeypatch.setattr(sgl.lp, "_is_cpu", True)
+    m = eagle3(sgl, dtype=dtype, norm_output=variant == "norm_output")
+    if variant == "logit_scale":
+        m.logits_processor.logit_scale = 0.625
+    if variant == "softcap":
+        m.logits_processor.final_logit_softcapping = 3.0
+    hidden = torch.randn(7, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    head = SGLangDraftHead(m, V)
+    got = head.logits(hidden)
+    want = own_logits(sgl, m, hidden)
+    assert got.dtype == torch.float32 and got.shape == (7, V)
+    assert torch.equal(got, want)
+    # Negative control: forgetting the EAGLE3 norm (the table's row) changes the logits.
+    if variant == "plain":
+        head.norm = None
+        assert not torch.equal(head.logits(hidden), want)
+
+
+def test_head_scatters_through_an_equal_size_hot_token_map(sgl):
+    m = eagle3(sgl)
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(3))
+    m.hot_token_id = perm
+    hidden = torch.randn(3, H)
+    head = SGLangDraftHead(m, V)
+    draft = own_logits(sgl, m, hidden)  # over draft ids
+    got = head.logits(hidden)  # over target ids
+    assert torch.equal(got[:, perm], draft)
+    assert torch.equal(head.draft_id_of[perm], torch.arange(V))
+
+
+def test_head_table_is_checked(sgl):
+    assert set(ARCHITECTURES) >= {"LlamaForCausalLMEagle3", "LlamaForCausalLMEagle", "DeepseekV3ForCausalLMNextN"}
+    with pytest.raises(S.PluginError, match="not in the recompute head table"):
+        SGLangDraftHead(torch.nn.Linear(2, 2), V)
+
+
+def test_placement_refusals_name_the_flag():
+    with pytest.raises(ConfigError, match="--enable-dp-lm-head"):
+        check_placement(SimpleNamespace(do_tensor_parallel_all_gather_dp_attn=True), enable_overlap=False)
+    with pytest.raises(ConfigError, match="--disable-overlap-schedule"):
+        check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=True)
+    check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=False)
+    check_placement(SimpleNamespace(do_tensor_parallel_all_gather=False), enable_overlap=True)
+
+
+# ----------------------------------------------------------------------------- the builder
+
+
+class RecordingFutureMap:
+    """Stand-in for SGLang's FutureMap: records what the builder publishes and stashes."""
+
+    def __init__(self) -> None:
+        self.stashed = None
+
+    def publish(self, indices, seq_lens) -> None:
+        pass
+
+    def stash(self, indices, payload) -> None:
+        self.stashed = payload
+
+
+def batch(b, *, seeds=None, top_ks=None, overlap=False, temps=None):
+    g = torch.Generator().manual_seed(11)
+    reqs = [
+        SimpleNamespace(
+            output_topk_p=torch.tensor([0.5]),
+            output_topk_index=torch.tensor([5]),  # the prefill's X: the same for every request
+            hidden_states_tensor=torch.randn(H, generator=g),
+            output_dsa_topk_indices=None,
+            bootstrap_room=1000 + i,
+            rid=f"r{i}",
+        )
+        for i in range(b)
+    ]
+    return SimpleNamespace(
+        reqs=reqs,
+        device="cpu",
+        enable_overlap=overlap,
+        req_pool_indices=torch.arange(b),
+        seq_lens=torch.arange(b, dtype=torch.int64) + 9,
+        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
+        sampling_info=SimpleNamespace(
+            temperatures=(temps if temps is not None else torch.full((b,), 0.8)).view(b, 1),
+            sampling_seed=seeds,
+            top_ks=top_ks if top_ks is not None else torch.full((b,), 50),
+        ),
+    )
+
+
+def spec():
+    return SimpleNamespace(
+        speculative_eagle_topk=1,
+        speculative_num_steps=3,
+        enable_multi_layer_eagle=False,
+        speculative_use_rejection_sampling=True,
+    )
+
+
+@pytest.fixture
+def installed(sgl):
+    cfg = load_config(CONFIG)
+    assert cfg.synthesizer.name == "recompute" and cfg.sglang.channel == "none"
+    inst = S.install(cfg, S.InstallOptions(hook_scheduler=False))
+    yield inst
+    S.uninstall()
+
+
+def start(sgl, inst, model, overlap=False):
+    """What the scheduler-start hook does, on a scheduler-shaped object with the real model."""
+    sched = SimpleNamespace(
+        draft_worker=SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(model=model))),
+        enable_overlap=overlap,
+    )
+    assert find_draft_model(sched) is model
+    capture(inst.recompute, sched, vocab_size=V, num_steps=1, rs=True)
+
+
+def build(sgl, b, fm=None):
+    with patch.object(sgl.builder, "get_spec", return_value=spec()):
+        return sgl.builder.build_eagle_disagg_draft_input(b, torch.zeros(len(b.reqs), dtype=torch.int64), fm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_builder_hands_q_prime_and_x_prime_drawn_from_it(sgl, installed, overlap):
+    m = eagle3(sgl)
+    start(sgl, installed, m, overlap)
+    seeds = torch.tensor([7, 8, 9, 10, 11, 12], dtype=torch.int64)
+    b = batch(6, seeds=seeds, overlap=overlap)
+    hidden = torch.stack([r.hidden_states_tensor for r in b.reqs])
+    fm = RecordingFutureMap()
+    si = build(sgl, b, fm)
+    assert isinstance(si, sgl.info.EagleDraftInput)
+    # q' = SGLang's sampling_softmax(head(h) / T); X' = SGLang's fast_sample from it.
+    q = sgl.spec_utils.sampling_softmax(own_logits(sgl, m, hidden), temperatures=b.sampling_info.temperatures)
+    rc = installed.recompute
+    if rc.sampler == "sglang.fast_sample":
+        p_x, x = sgl.spec_utils.fast_sample(q, 1, sampling_seed=seeds, positions=b.seq_lens)
+    else:  # no sgl-kernel CPU build here for murmur_hash32: the core's seeded inverse-CDF draw (logged)
+        assert rc.sampler == "pd_middleware.inverse_cdf"
+        p_x, x = inverse_cdf(q, seeds, b.seq_lens)
+    assert torch.equal(si.draft_probs, q)
+    assert torch.equal(si.topk_index, x)
+    assert torch.equal(si.topk_p, p_x)
+    assert torch.equal(si.topk_p[:, 0], si.draft_probs.gather(1, si.topk_index)[:, 0])
+    assert (si.topk_index[:, 0] != 5).any()  # redrawn, not the prefill's X
+    if overlap:  # acted before the stash: the relay carries the same X', q'(X'), q'
+        assert torch.equal(fm.stashed.topk_index, x) and torch.equal(fm.stashed.draft_probs, q)
+    assert installed.recompute.counts["recomputed"] == 6
+
+
+def test_builder_without_seed_draws_from_the_room_the_same_on_every_rank(sgl, sglang_importable):
+    """Two installations (two TP ranks) over the same batch: bit-identical q' and the same X'."""
+    m = eagle3(sgl)
+    outs = []
+    for _ in range(2):
+        inst = S.install(load_config(CONFIG), S.InstallOptions(hook_scheduler=False))
+        try:
+            start(sgl, inst, m)
+            outs.append(build(sgl, batch(16)))
+        finally:
+            S.uninstall()
+    assert torch.equal(outs[0].draft_probs, outs[1].draft_probs)
+    assert torch.equal(outs[0].topk_index, outs[1].topk_index)
+    assert len(set(outs[0].topk_index[:, 0].tolist())) > 1  # per-room seeds differ
+
+
+def test_greedy_rows_propose_their_argmax(sgl, installed):
+    m = eagle3(sgl)
+    start(sgl, installed, m)
+    top_ks = torch.tensor([1, 50, 1, 50])
+    si = build(sgl, batch(4, top_ks=top_ks, temps=torch.ones(4)))
+    arg = si.draft_probs.argmax(dim=1)
+    assert si.topk_index[0, 0] == arg[0] and si.topk_index[2, 0] == arg[2]
+
+
+def test_no_head_falls_back_to_one_hot_counted(sgl, installed):
+    b = batch(3)
+    si = build(sgl, b)  # the scheduler never started: no head captured
+    want = torch.zeros(3, V)
+    want[:, 5] = 1.0
+    assert torch.equal(si.draft_probs, want) and torch.equal(si.topk_index, torch.full((3, 1), 5))
+    assert installed.recompute.counts["fallback:unknown_head"] == 3
+
+
+def test_missing_hidden_state_falls_back_to_one_hot_counted(sgl, installed):
+    start(sgl, installed, eagle3(sgl))
+    b = batch(2)
+    b.reqs[1].hidden_states_tensor = None
+    with pytest.raises(Exception):  # noqa: B017  SGLang's own stack of hidden states fails on None
+        build(sgl, b)
+    assert installed.recompute.counts["fallback:no_hidden"] == 2
+
+
+def test_no_draft_worker_is_refused_at_startup(sgl, installed):
+    with pytest.raises(ConfigError, match=r"at synthesizer: .*needs the decode's EAGLE draft worker"):
+        capture(installed.recompute, SimpleNamespace(draft_worker=None), vocab_size=V, num_steps=1, rs=True)
+
+
+def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
+    """install() from configs/sglang.toml patches Scheduler.init_disaggregation (a stand-in
+    class: SGLang's scheduler module needs packages this tier does not install); at start
+    the decode captures the draft model, a prefill does nothing, a bad flag stops it."""
+    import types
+
+    from sglang.srt.runtime_context import get_context
+
+    m = eagle3(sgl)
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.model_config = SimpleNamespace(vocab_size=V)
+            self.enable_overlap = True
+            self.draft_worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(model=m)))
+
+        def init_disaggregation(self):
+            self.inited = True
+
+    mod = types.ModuleType("scheduler_stand_in")
+    mod.Scheduler = Scheduler
+    mods = S.SGLangModules(builder=sgl.builder, scheduler=mod, only_given=True)
+    inst = S.install(load_config(CONFIG), S.InstallOptions(modules=mods))
+    try:
+        assert inst.mode == "recompute" and {a for _, a, _, _ in inst.patches} == {
+            "build_eagle_disagg_draft_input",
+            "pd_first_draft_proposal",
+            "init_disaggregation",
+        }
+        flags = dict(
+            speculative_algorithm="EAGLE3",
+            speculative_eagle_topk=1,
+            speculative_num_steps=3,
+            speculative_use_rejection_sampling=True,
+            disaggregation_transfer_backend="mooncake",
+        )
+        with get_context().override_server_args(disaggregation_mode="prefill", **flags):
+            s = Scheduler()
+            s.init_disaggregation()
+            assert s.inited and inst.recompute.head is None  # nothing on a prefill
+        with get_context().override_server_args(disaggregation_mode="decode", **flags):
+            s = Scheduler()
+            s.init_disaggregation()
+            assert s.inited and inst.recompute.head is not None and inst.recompute.head.arch == "LlamaForCausalLMEagle3"
+        flags["speculative_use_rejection_sampling"] = False
+        with (
+            get_context().override_server_args(disaggregation_mode="decode", **flags),
+            pytest.raises(ConfigError, match="without --speculative-use-rejection-sampling"),
+        ):
+            Scheduler().init_disaggregation()
+    finally:
+        S.uninstall()
