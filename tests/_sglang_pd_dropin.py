@@ -8,7 +8,7 @@ scheduler:
 
 - prefill: the model's draft distribution q is a seeded softmax over V (the same on
   every prefill TP rank, as identical replicas compute); the drop-in's real
-  ``_publish_batch`` encodes it and rewrites the draft input's X and q(X), and the two
+  ``publish_batch`` encodes it and rewrites the draft input's X and q(X), and the two
   lines of SGLang's ``process_batch_result_disagg_prefill`` that copy them into the
   request are done here (that method needs a running scheduler);
 - decode: SGLang's real ``build_eagle_disagg_draft_input`` runs on the committed
@@ -31,7 +31,7 @@ from sglang.srt.speculative import eagle_disaggregation as ed
 
 from pd_middleware.config import parse_config
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang_prefill import _publish_batch
+from pd_middleware.integrations.sglang_prefill import publish_batch
 from pd_middleware.integrations.sglang_startup import EngineFacts
 
 #: Every module the drop-in patches except the scheduler's (no scheduler runs here, and
@@ -78,7 +78,7 @@ def _encode(inst: Any, req: Any, first: dict, vocab: int) -> None:
     draft_input = SimpleNamespace(
         topk_index=torch.tensor([[x]]), topk_p=torch.tensor([[float(q[0, x])]]), draft_probs=q
     )
-    _publish_batch(inst.publisher, SimpleNamespace(reqs=[req], sampling_info=None), draft_input, q)
+    publish_batch(inst.publisher, SimpleNamespace(reqs=[req], sampling_info=None), draft_input, guard=inst.guard)
     # What SGLang's process_batch_result_disagg_prefill does next for a finished request.
     req.output_topk_p = draft_input.topk_p[0]
     req.output_topk_index = draft_input.topk_index[0]

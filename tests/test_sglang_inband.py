@@ -28,8 +28,9 @@ from pd_middleware.config import parse_config
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations import sglang_metadata
-from pd_middleware.integrations.sglang_metadata import FRAME_MARK, _wrap_init, _wrap_registration
-from pd_middleware.integrations.sglang_prefill import room_seed, wrap_process_batch_result
+from pd_middleware.integrations.sglang_metadata import FRAME_MARK
+from pd_middleware.integrations.sglang_patch import wrap_metadata_init, wrap_prefill_result, wrap_registration
+from pd_middleware.integrations.sglang_prefill import room_seed
 from pd_middleware.payload import Payload, Provenance
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
@@ -109,9 +110,7 @@ def prefill(inst, reqs, q, pbuf):
         topk_index=torch.zeros((b, 1), dtype=torch.int64), topk_p=torch.full((b, 1), 0.5), draft_probs=q
     )
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1))))
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
-        None, batch, SimpleNamespace(next_draft_input=di)
-    )
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, SimpleNamespace(next_draft_input=di))
     for r in reqs:
         pbuf.set_buf(r)
     return di
@@ -441,7 +440,7 @@ def test_decode_registration_carries_its_layout_last(sg) -> None:
     # The real builder needs a running engine; the wrapper around a stand-in original
     # shows the frame goes last, where SGLang's fixed-position parser never looks.
     inst = activate(config())
-    out = _wrap_registration(lambda self: [b"None", b"x"], inst.channel)(SimpleNamespace())
+    out = wrap_registration(lambda self: [b"None", b"x"], inst)(SimpleNamespace())
     assert out[:2] == [b"None", b"x"] and out[-1] == FRAME_MARK + inst.channel.describe().encode()
     info = sg.mooncake.KVArgsRegisterInfo.from_zmq(_registration([1, 2], out[-1]))
     assert info.dst_aux_ptrs == [1, 2] and info.pd_middleware_layout == inst.channel.describe()
@@ -466,7 +465,7 @@ def test_metadata_on_a_device_is_refused(sg) -> None:
         self.bootstrap_room = SimpleNamespace(device=SimpleNamespace(type="npu"))
 
     with pytest.raises(ConfigError, match=r"at sglang\.channel.*PD metadata on .*needs CPU metadata buffers"):
-        _wrap_init(on_npu, inst.channel)(SimpleNamespace(), 4)
+        wrap_metadata_init(on_npu, inst)(SimpleNamespace(), 4)
 
 
 def test_harness_activation_by_role_and_stage_requests(sg) -> None:
@@ -567,9 +566,7 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
             )
         prev = di.topk_index[:, k]
     # The prefill wrapper hands those payloads on (no second draw), set_buf writes them.
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
-        None, batch, SimpleNamespace(next_draft_input=di)
-    )
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, SimpleNamespace(next_draft_input=di))
     for r in reqs:
         pbuf.set_buf(r)
     assert inst.publisher.counts["chain:published"] == 2
@@ -625,9 +622,7 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
         draft_probs=torch.full((1, STEPS, V), 1.0 / V),
     )
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((1, 1))))
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
-        None, batch, SimpleNamespace(next_draft_input=di)
-    )
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, SimpleNamespace(next_draft_input=di))
     pbuf.set_buf(reqs[0])
     assert inst.publisher.counts["skipped:multi_layer"] == 1
     inst.proposer.bind(V, STEPS)
