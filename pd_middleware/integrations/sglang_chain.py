@@ -142,7 +142,7 @@ def finish_chain(token: contextvars.Token[ChainDraw | None], out: Any) -> None:
     """Close the chain opened by :func:`open_chain`; leave its payloads on ``out``."""
     chain = _chain.get()
     _chain.reset(token)
-    if chain is not None and out is not None and len(chain.steps) > 1:
+    if chain is not None and out is not None and (len(chain.steps) > 1 or chain.broken):
         setattr(out, PAYLOADS_ATTR, chain.payloads())
 
 
