@@ -876,3 +876,86 @@ def test_sidechannel_activation_starts_the_receiver_and_needs_an_address(monkeyp
         cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill")
     )
     assert inst.publisher is not None and inst.publisher.stage is None  # connects on its first publish
+
+
+class _SGLangBodyReached(Exception):
+    """Raised by the stand-in scheduler once SGLang's own method body starts running."""
+
+
+@sglang_test
+def test_real_sidechannel_publishes_from_the_one_switch_with_nothing_injected(ed, monkeypatch) -> None:
+    # The decode's receiver (the real transport; the decode drop-in would open it at its
+    # scheduler start, but a process holds one installation, so the test opens it here).
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+    from pd_middleware.middleware import DecodeMiddleware
+    from pd_middleware.transport import open_receiver
+
+    cfg = make_config(synthesizer={"name": "sparse"}, encoder={"name": "sparse", "options": {"k": 3}})
+    mw = DecodeMiddleware.from_config(cfg, serve_metrics=False)
+    rx = open_receiver(cfg.transport, mw.pipeline)
+    try:
+        monkeypatch.setenv("PD_MIDDLEWARE_DECODE_ADDRESS", rx.address)
+        # The prefill: the real install(), real modules, channel from the config, nothing
+        # injected (no publisher, no prefill module): what the one switch does.
+        inst = S.install(
+            make_config(
+                synthesizer={"name": "sparse"},
+                encoder={"name": "sparse", "options": {"k": 3}},
+                sglang={"channel": "sidechannel"},
+            ),
+            S.InstallOptions(facts=facts(role="prefill")),
+        )
+        assert (
+            "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill"
+            in {p.target.path for p in inst.patches}
+        )
+
+        class SchedulerStandIn:
+            # SGLang's method body needs a whole scheduler: stop it where it starts.
+            batch_result_processor = SimpleNamespace(
+                snapshot_auxiliary_output_starts=lambda b, r: (_ for _ in ()).throw(_SGLangBodyReached())
+            )
+
+        def prefill_batch(room):
+            q = draft_rows(1)
+            di = SimpleNamespace(
+                draft_probs=q, topk_index=torch.zeros((1, 1), dtype=torch.int64), topk_p=torch.ones(1, 1)
+            )
+            r = req([0], room=room)
+            result = SimpleNamespace(
+                next_draft_input=di,
+                copy_done=None,
+                logits_output=None,
+                next_token_ids=None,
+                extend_input_len_per_req=None,
+                extend_logprob_start_len_per_req=None,
+            )
+            with pytest.raises(_SGLangBodyReached):
+                SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill(
+                    SchedulerStandIn(), SimpleNamespace(reqs=[r]), result
+                )
+            return int(di.topk_index[0, 0])
+
+        prefill_batch(501)  # the sender connects off the scheduler thread: this one goes X-only
+        assert inst.publisher.counts["send_failed:not_connected"] == 1
+        deadline = time.monotonic() + 10.0
+        while inst.publisher.sender is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        x = prefill_batch(502)
+        assert inst.publisher.counts["published"] == 1
+        seen: list = []
+        deadline = time.monotonic() + 10.0
+        while not any(o.request_id == "502" for o in seen) and time.monotonic() < deadline:
+            seen += rx.drain()
+            time.sleep(0.01)
+        got = [o for o in seen if o.request_id == "502"]
+        # Negative control: the request published before the connection never arrives.
+        assert not [o for o in seen if o.request_id == "501"]
+        assert got and isinstance(got[0], Delivery) and got[0].payload.draft_tokens == (x,)
+        assert got[0].proposal is not None  # the encoder's distribution, not X only
+        got[0].release()
+    finally:
+        S.uninstall()
+        rx.stop()
+        mw.close()

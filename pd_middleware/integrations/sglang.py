@@ -161,6 +161,7 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
             channel.on_row = proposer.on_row
         inst = Installation(ver, config, opts, proposer, channel, opts.publisher, opts.receiver)
         inst.guard = Guard(proposer.metrics)
+        inst.rank_agreement = opts.rank_agreement
         if "live_ab" in found:
             inst.recorder = make_recorder(proposer.metrics, config.metrics, proposer.exporters)
 

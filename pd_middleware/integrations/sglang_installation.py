@@ -92,10 +92,9 @@ class Installation:
     is_fake_transfer: Any = None
     announced: bool = False
     self_checked: bool = False
-
-    @property
-    def rank_agreement(self) -> bool:
-        return self.options.rank_agreement
+    # The prefill's per-batch agreement and the decode's X canary across TP ranks
+    # (InstallOptions.rank_agreement; a harness's negative control turns it off).
+    rank_agreement: bool = True
 
     @property
     def middleware(self) -> Any:
