@@ -959,3 +959,23 @@ def test_real_sidechannel_publishes_from_the_one_switch_with_nothing_injected(ed
         S.uninstall()
         rx.stop()
         mw.close()
+
+
+def test_the_proposal_is_built_on_topk_index_device() -> None:
+    # SGLang builds its one-hot on topk_index.device; so does the proposer, whatever
+    # [decode].device says (no (b, n, V) host-to-device copy per prebuilt batch). The
+    # "meta" device stands in for a GPU on this CPU machine: it has no values, only the
+    # device and shape, which are what is bound here.
+    from pd_middleware.integrations.sglang_decode import DecodeProposer
+
+    p = DecodeProposer(make_config())
+    r = req([3])
+    on_cpu = p.propose(batch_of([r]), torch.tensor([[3]]), V)
+    assert on_cpu.device.type == "cpu" and not p._assemblers  # the configured assembler itself
+    r = req([3])
+    elsewhere = p.propose(batch_of([r]), torch.tensor([[3]], device="meta"), V)
+    assert elsewhere.device.type == "meta" and tuple(elsewhere.shape) == (1, 1, V)
+    assert len(p._assemblers) == 1  # one assembler bound to that device, made once
+    p.propose(batch_of([req([3])]), torch.tensor([[3]], device="meta"), V)
+    assert len(p._assemblers) == 1
+    p.close()

@@ -283,6 +283,7 @@ class DecodeProposer:
         self.counts: Counter[str] = Counter()
         self._logged: set[str] = set()
         self._by_shape: dict[tuple[int, int], Any] = {}
+        self._assemblers: dict[tuple[int, str], Any] = {}
         self.bound: tuple[int, int] | None = None
         # Metric exporters shared by every shape's middleware (the [metrics] endpoint,
         # the live A/B recorder and SGLang /metrics mirror): stopped by close().
@@ -501,11 +502,26 @@ class DecodeProposer:
         # A fresh tensor, like SGLang's own function: SGLang keeps draft_probs past the
         # next prebuilt batch (merge_batch, the overlap relay), so a view of the
         # assembler's rotating buffer could be overwritten under it. build_fresh writes
-        # each row once into a new tensor (any batch size), with no copy out of the
-        # persistent buffer (benchmarks/sglang_inband.py).
-        out: torch.Tensor | None = mw.assembler.build_fresh(proposals)
+        # each row once into a new tensor, built on topk_index's device (SGLang builds
+        # there too), so there is neither a copy out of a persistent buffer nor a
+        # host-to-device copy of the (b, n, V) result (benchmarks/sglang_inband.py).
+        out: torch.Tensor | None = self._assembler_on(mw, device).build_fresh(proposals)
         assert out is not None  # every entry is a proposal (rejection sampling is on)
-        return out.view(len(proposals), n, vocab).to(device)
+        return out.view(len(proposals), n, vocab)
+
+    def _assembler_on(self, mw: Any, device: torch.device) -> Any:
+        """``mw``'s assembler if it builds on ``device`` (``[decode].device``), else one bound
+        to ``device``, made once (its persistent buffer is one row: build_fresh never uses it)."""
+        if mw.assembler.device == device:
+            return mw.assembler
+        key = (id(mw), str(device))
+        asm = self._assemblers.get(key)
+        if asm is None:
+            from ..assembler import ProposalAssembler
+
+            asm = ProposalAssembler(mw.assembler.vocab_size, mw.assembler.num_steps, 1, device=device)
+            self._assemblers[key] = asm
+        return asm
 
 
 def _tokens(req: Any, n: int) -> tuple[int, ...]:
