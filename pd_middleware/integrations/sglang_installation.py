@@ -122,7 +122,7 @@ class Installation:
         """Prefill, without a scheduler (a harness): what the prefill wrapper does for ``reqs``.
 
         ``reqs``: SGLang Reqs (``bootstrap_room`` set); ``draft_probs``: float (B, V)
-        after temperature. Encodes each request from its (seed, room) generator,
+        after temperature. Encodes each request from its (seed, room, rid) generator,
         stages its row for ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index``
         / ``output_topk_p`` to the encoder's X and q'(X), as SGLang's
         ``process_batch_result_disagg_prefill`` would after the wrapper. Returns the

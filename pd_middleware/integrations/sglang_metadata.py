@@ -5,7 +5,9 @@ SGLang moves a fixed set of per-request rows from prefill to decode
 of ``get_buf_infos()`` with the KV manager, the prefill fills its row in
 ``set_buf(req)`` and ``send_aux`` copies row i of each buffer into the decode's row,
 buffer by buffer, in list order. :class:`MetadataChannel` appends ONE more buffer, a
-``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.inband` rows:
+``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.inband` rows. The
+wrappers around SGLang's methods are targets of :mod:`.sglang_patch`'s table (feature
+``metadata``); each calls one public method of :class:`MetadataChannel`:
 
 - ``MetadataBuffers.__init__``: allocate it (CPU) as ``self.pd_proposal``;
 - ``get_buf_infos``: append it at the very END of the lists (after ``kv_checksum``), so a
@@ -20,7 +22,8 @@ buffer by buffer, in list order. :class:`MetadataChannel` appends ONE more buffe
 Layout handshake (Mooncake backend): the decode appends a trailing frame
 ``pd-middleware-row <layout>`` to its KV-args registration
 (``MooncakeKVManager.build_receiver_registration_message``); SGLang's parser reads
-fixed positions and ignores it. The prefill's ``_validate_peer_state_layout`` (SGLang's
+fixed positions and ignores it (checked at scheduler start: :func:`~.sglang_startup.check_registration`
+round-trips ``KVArgsRegisterInfo.from_zmq`` with the frame). The prefill's ``_validate_peer_state_layout`` (SGLang's
 own per-session rejection hook) compares that layout and the aux buffer counts with
 its own; a difference rejects the session, and every transfer to it then fails with a
 reason that names both layouts (SGLang's ``conclude_failure``). Without the check a

@@ -72,7 +72,7 @@ class ProposalPublisher:
     returning one (connected lazily on first publish, so a prefill may start before its
     decode), or None with ``stage`` given; ``stage(req_or_room, payload)``: the
     metadata channel's sink (the wrapper passes SGLang's Req); ``vocab_size``: V;
-    ``seed``: mixed with each request's room into its generator's seed.
+    ``seed``: mixed with each request's room and rid into its generator's seed (:func:`room_seed`).
     """
 
     def __init__(
@@ -204,7 +204,7 @@ class ProposalPublisher:
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
         salts: Sequence[str] | None = None,
     ) -> tuple[EncodedBatch, list[Payload]]:
-        """Encode one batch, each request from its own (seed, room) generator.
+        """Encode one batch, each request from its own (seed, room, salt) generator (salt: SGLang's rid).
 
         ``rooms``: B bootstrap rooms (ints) or request ids; ``draft_probs``: float
         (B, V) or (B, S, V) draft probabilities after temperature, any device;
