@@ -108,6 +108,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago (held together
+    while picked, so two calls cannot hand out the same port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def install_torchvision_stand_in() -> None:
     """Answer ``import torchvision`` with empty modules when the real one is absent.
 
@@ -329,8 +342,8 @@ class Deployment:
     bootstrap server, as the prefill node's launcher does.
     """
 
-    def __init__(self, start_timeout: float = 180.0):
-        gp, gd = free_port(), free_port()
+    def __init__(self, start_timeout: float = 300.0):
+        gp, gd = free_ports(2)  # the prefill's and the decode's gloo stores
         self.ranks = start(
             [
                 ("P0", "prefill", (gp, 0, 2)),
