@@ -19,7 +19,8 @@ one run, with medians over repeats:
   batch's fresh (B, 1, V) fp32 ``draft_probs`` (``propose``, which ends in
   :meth:`~pd_middleware.assembler.ProposalAssembler.build_fresh`), over SGLang's own
   ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
-  at B = 1, 16, 256. Goal <= 1.5 on CPU. SGLang's function is taken from the installed
+  at B = 1, 16, 256, with ``topk_index`` on ``--device`` (default: CUDA when present),
+where both builders then build (``decode_device``). Goal <= 1.5 on CPU. SGLang's function is taken from the installed
   package: imported when it imports, else its source compiled from the installed file
   (importing the module pulls every model config, two of which need torchvision; the
   function itself only uses torch). Without SGLang the ratio is reported as skipped.
@@ -200,6 +201,13 @@ def side_by_side(
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def _done(t: torch.Tensor) -> torch.Tensor:
+    """Wait for a device tensor (CUDA work is asynchronous: time it finished)."""
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two strategies, B = 1 and 16, few repeats (a smoke run)")
@@ -209,7 +217,13 @@ def main() -> None:
         "--strategies", nargs="+", choices=STRATEGIES, help="a subset (sparse_floor is always run: the headline)"
     )
     ap.add_argument("--repeats", type=int, default=9, help="timed repeats per figure (medians)")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        help="where topk_index (and so both builders' draft_probs) lives: cpu, cuda, or auto (cuda when present)",
+    )
     args = ap.parse_args()
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     strategies = QUICK_STRATEGIES if args.quick else STRATEGIES
     if args.strategies:
         strategies = tuple(s for s in STRATEGIES if s in args.strategies or s == "sparse_floor")
@@ -267,15 +281,16 @@ def main() -> None:
         ratios[strategy], ours_ms[strategy], sglang_ms[strategy] = {}, {}, {}
         ratios_best[strategy] = {}
         for b in batches:
-            topk = torch.tensor([x[j % len(x)][0] for j in range(b)], dtype=torch.int64).view(b, 1)
+            # On topk_index's device, where SGLang builds its own proposal (and so do we).
+            topk = torch.tensor([x[j % len(x)][0] for j in range(b)], dtype=torch.int64).view(b, 1).to(dev)
             batch = Batch(reqs[:b])
             fns: dict[str, Callable[[], Any]] = {
-                "ours": lambda batch=batch, topk=topk, ch=channel, dp=proposer, bf=bufs, n=n: decode_batch(
-                    ch, dp, bf, n, batch, topk
+                "ours": lambda batch=batch, topk=topk, ch=channel, dp=proposer, bf=bufs, n=n: _done(
+                    decode_batch(ch, dp, bf, n, batch, topk)
                 )
             }
             if builder is not None:
-                fns["sglang"] = lambda topk=topk: builder(topk, v)
+                fns["sglang"] = lambda topk=topk: _done(builder(topk, v))
             inner = 1 if args.quick else max(1, 64 // b)
             fast: dict[str, float] = {}
             med = side_by_side(fns, repeats, inner, best=fast)
@@ -324,6 +339,7 @@ def main() -> None:
         "aux_capacity_needed": aux_capacity,
         "entries_per_request": entries,
         "decode_batch_ms": ours_ms,
+        "decode_device": str(dev),
         "sglang_builder": builder_source,
     }
     if builder is None:

@@ -108,6 +108,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago (held together
+    while picked, so two calls cannot hand out the same port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def install_torchvision_stand_in() -> None:
     """Answer ``import torchvision`` with empty modules when the real one is absent.
 
@@ -324,18 +337,19 @@ class Deployment:
     reused across topologies: :meth:`configure` rebuilds every rank for a new one.
 
     The decode ranks share a real gloo group (SGLang's metadata gate all-reduces its
-    polls over the decode attention-TP group). P0 hosts the bootstrap server, as the
-    prefill node's launcher does.
+    polls over the decode attention-TP group), and so do the prefill ranks (the drop-in's
+    per-batch agreement runs over the prefill's attention-TP CPU group). P0 hosts the
+    bootstrap server, as the prefill node's launcher does.
     """
 
-    def __init__(self, start_timeout: float = 180.0):
-        gp = free_port()
+    def __init__(self, start_timeout: float = 300.0):
+        gp, gd = free_ports(2)  # the prefill's and the decode's gloo stores
         self.ranks = start(
             [
-                ("P0", "prefill", None),
-                ("P1", "prefill", None),
-                ("D0", "decode", (gp, 0, 2)),
-                ("D1", "decode", (gp, 1, 2)),
+                ("P0", "prefill", (gp, 0, 2)),
+                ("P1", "prefill", (gp, 1, 2)),
+                ("D0", "decode", (gd, 0, 2)),
+                ("D1", "decode", (gd, 1, 2)),
             ],
             timeout=start_timeout,
         )
@@ -417,6 +431,11 @@ class Deployment:
         heads = 1 if s.mla else s.heads // len(self.decode)
         head0 = 0 if s.mla else decode_rank * heads
         return [kv_pattern(room, n_pages, b, head0, heads, s) for b in range(2 * s.layers)]
+
+    def fault(self, ranks: list[RankProcess], kind: str) -> None:
+        """Inject a drop-in fault in ``ranks`` (``_sglang_pd_dropin.fault``); ``reset`` everywhere undoes all."""
+        for r in ranks:
+            r.call("fault", kind=kind)
 
     def close(self) -> None:
         """Stop every rank process (each is killed if it does not exit within 5 s)."""

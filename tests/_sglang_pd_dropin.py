@@ -8,7 +8,7 @@ scheduler:
 
 - prefill: the model's draft distribution q is a seeded softmax over V (the same on
   every prefill TP rank, as identical replicas compute); the drop-in's real
-  ``_publish_batch`` encodes it and rewrites the draft input's X and q(X), and the two
+  ``publish_batch`` encodes it and rewrites the draft input's X and q(X), and the two
   lines of SGLang's ``process_batch_result_disagg_prefill`` that copy them into the
   request are done here (that method needs a running scheduler);
 - decode: SGLang's real ``build_eagle_disagg_draft_input`` runs on the committed
@@ -32,7 +32,8 @@ from sglang.srt.speculative import eagle_disaggregation as ed
 
 from pd_middleware.config import parse_config
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang_prefill import _publish_batch
+from pd_middleware.integrations.sglang_patch import rank_group
+from pd_middleware.integrations.sglang_prefill import publish_batch
 from pd_middleware.integrations.sglang_startup import EngineFacts
 
 #: Every module the drop-in patches except the scheduler's (no scheduler runs here, and
@@ -69,21 +70,27 @@ def install(rank: Any, config: dict | None, vocab: int) -> dict:
     if inst.recompute is not None:  # decode-only recompute: what the scheduler-start hook binds
         if rank.role == "decode":
             inst.recompute.bind(MatrixHead(vocab, HEAD_HIDDEN), vocab_size=vocab, num_steps=1, rejection_sampling=True)
-        return {"installed": True, "mode": inst.mode}
+        return {"installed": True, "channel": inst.channel_name}
     if rank.role == "prefill":
-        rank.prepare_req = lambda req, first: _encode(inst, req, first, vocab)
+        rank.prepare_req = lambda req, first: _encode(rank, inst, req, first, vocab)
     rank.flip_proposal_byte = lambda **kw: _flip(rank, **kw)
     rank.set_x = lambda **kw: _set_x(rank, **kw)
     return {"installed": True, "layout": inst.channel.describe(), "channel": inst.channel_name}
 
 
-def _encode(inst: Any, req: Any, first: dict, vocab: int) -> None:
+def _encode(rank: Any, inst: Any, req: Any, first: dict, vocab: int) -> None:
     q = draft_q(first["q_seed"], vocab)
-    x = int(q.argmax())  # SGLang's own draw before the drop-in replaces it
+    # SGLang's own draw before the drop-in replaces it: the same on every rank that
+    # computes the same q (``own_x`` in ``first`` stands for SGLang's TP-consistent sampling).
+    x = int(first.get("own_x", q.argmax()))
     draft_input = SimpleNamespace(
         topk_index=torch.tensor([[x]]), topk_p=torch.tensor([[float(q[0, x])]]), draft_probs=q
     )
-    _publish_batch(inst.publisher, SimpleNamespace(reqs=[req], sampling_info=None), draft_input, q)
+    # The prefill's attention-TP CPU group, as the wrapper takes it from the Scheduler.
+    group = rank_group(rank.groups.get(rank.tp_size), inst)
+    publish_batch(
+        inst.publisher, SimpleNamespace(reqs=[req], sampling_info=None), draft_input, group=group, guard=inst.guard
+    )
     # What SGLang's process_batch_result_disagg_prefill does next for a finished request.
     req.output_topk_p = draft_input.topk_p[0]
     req.output_topk_index = draft_input.topk_index[0]
@@ -132,6 +139,27 @@ def build(rank: Any, rooms: list[int]) -> dict:
         "reasons": [getattr(a, "reason", None) for a in attached],
         "counters": counters(),
     }
+
+
+def fault(rank: Any, kind: str) -> None:
+    """``encoder_fails``: this rank's encoder raises; ``agreement_off``: no cross-rank
+    agreement or canary here (a negative control); ``reset``: undo both."""
+    inst = S.current()
+    assert inst is not None, "fault needs an installed drop-in"
+    if kind == "encoder_fails":
+
+        def broken(*a: Any, **k: Any) -> Any:
+            raise RuntimeError(f"injected: {rank.name}'s encoder fails")
+
+        inst.publisher.encoder.encode = broken  # type: ignore[union-attr]
+    elif kind == "agreement_off":
+        inst.rank_agreement = False
+    elif kind == "reset":
+        inst.rank_agreement = True
+        if inst.publisher is not None:
+            inst.publisher.encoder.__dict__.pop("encode", None)
+    else:
+        raise ValueError(f"unknown fault {kind!r}")
 
 
 def counters() -> dict:

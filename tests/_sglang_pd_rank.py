@@ -77,7 +77,7 @@ class Rank:
                 world_size=world,
                 timeout=datetime.timedelta(seconds=60),
             )
-            # One group per decode TP width: {1: this rank alone, world: every decode rank}.
+            # One group per TP width of this role: {1: this rank alone, world: every rank}.
             singles = [dist.new_group([r], backend="gloo") for r in range(world)]
             self.groups = {1: singles[rank], world: dist.group.WORLD}
         # Hooks the drop-in installs (tests/_sglang_pd_dropin.py).
@@ -403,6 +403,12 @@ class Rank:
         import _sglang_pd_dropin
 
         return _sglang_pd_dropin.build(self, rooms)
+
+    def cmd_fault(self, *, kind: str) -> None:
+        """Inject a drop-in fault in this rank (see _sglang_pd_dropin.fault)."""
+        import _sglang_pd_dropin
+
+        _sglang_pd_dropin.fault(self, kind)
 
     def cmd_counters(self) -> dict:
         """The drop-in's counters in this rank ({} without it)."""

@@ -287,10 +287,7 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
     """
     import torch
 
-    from pd_middleware.integrations.sglang_ab import (
-        FirstVerifyRecorder,
-        first_verify_patch,
-    )
+    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder
     from pd_middleware.verify import verify_chain
 
     g = torch.Generator().manual_seed(SEED)
@@ -351,10 +348,7 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
 @pytest.mark.sglang
 @pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang`")
 def test_patch_refuses_a_changed_method(brp) -> None:
-    from pd_middleware.integrations.sglang_ab import (
-        FirstVerifyRecorder,
-        first_verify_patch,
-    )
+    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder
 
     fake = SimpleNamespace(__name__="fake_brp", SchedulerBatchResultProcessor=type("P", (), {}))
 
@@ -362,7 +356,11 @@ def test_patch_refuses_a_changed_method(brp) -> None:
         return None
 
     fake.SchedulerBatchResultProcessor._resolve_spec_v2_tokens = _resolve_spec_v2_tokens
-    with pytest.raises(PluginError, match=r"has parameters \('self', 'result', 'batch', 'extra'\), expected"):
+    with pytest.raises(
+        PluginError,
+        match=r"fake_brp\.SchedulerBatchResultProcessor\._resolve_spec_v2_tokens has parameters "
+        r"\('self', 'result', 'batch', 'extra'\), expected",
+    ):
         first_verify_patch(FirstVerifyRecorder(Metrics()), fake)
     with pytest.raises(PluginError, match="fake_brp.SchedulerBatchResultProcessor not found"):
         first_verify_patch(FirstVerifyRecorder(Metrics()), SimpleNamespace(__name__="fake_brp"))
@@ -371,13 +369,21 @@ def test_patch_refuses_a_changed_method(brp) -> None:
 @pytest.mark.sglang
 @pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang`")
 def test_install_patches_and_uninstall_restores(brp) -> None:
-    """The SGLang installation applies the live A/B patch with its others, and restores it."""
+    """The SGLang installation applies the live A/B patch with its others, only with arms, and restores it."""
     from pd_middleware.config import parse_config
     from pd_middleware.integrations import sglang as S
 
     orig = brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens
+    base = {"model": {"vocab_size": 16}, "decode": {"max_batch": 4}, "transport": {"mooncake": {"enabled": False}}}
     cfg = parse_config(
-        {"model": {"vocab_size": 16}, "decode": {"max_batch": 4}, "transport": {"mooncake": {"enabled": False}}}
+        {
+            **base,
+            "hooks": [{"name": "ab_split"}],
+            "arms": [
+                {"name": "a", "synthesizer": {"name": "one_hot"}},
+                {"name": "b", "synthesizer": {"name": "one_hot"}},
+            ],
+        }
     )
     ed = SimpleNamespace(
         __name__="fake_ed",
@@ -388,10 +394,51 @@ def test_install_patches_and_uninstall_restores(brp) -> None:
     inst = S.install(cfg, S.InstallOptions(modules=mods, version="0.5.23", hook_scheduler=False))
     try:
         assert brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens is not orig
-        assert any(a == "_resolve_spec_v2_tokens" for _, a, _, _ in inst.patches)
+        assert any(p.name == "_resolve_spec_v2_tokens" for p in inst.patches) and inst.recorder is not None
     finally:
         S.uninstall()
     assert brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens is orig
+    # Without [[arms]] nothing scans every decode step: the method is not wrapped at all.
+    inst = S.install(parse_config(base), S.InstallOptions(modules=mods, version="0.5.23", hook_scheduler=False))
+    try:
+        assert brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens is orig and inst.recorder is None
+    finally:
+        S.uninstall()
+
+
+def first_verify_patch(recorder, module):
+    """The live A/B target of the drop-in's table, resolved in ``module`` and wrapped (not applied)."""
+    from pd_middleware.integrations.sglang_patch import FEATURES, Guard, build, resolve
+
+    (target,) = FEATURES["live_ab"].targets
+    p = build(resolve(target, module), SimpleNamespace(recorder=recorder, guard=Guard()))
+    return p.owner, p.name, p.original, p.replacement
+
+
+def test_a_recorder_that_raises_never_reaches_sglang() -> None:
+    """Fault injection: the recorder raises before and after; SGLang's result still comes back, counted."""
+    from pd_middleware.integrations.sglang_patch import FEATURES, Guard, build, resolve
+
+    class Processor:
+        def _resolve_spec_v2_tokens(self, result, batch):
+            return ["sglang's"]
+
+    class Broken:
+        def before(self, batch):
+            raise KeyError("spec_verify_ct")
+
+        def after(self, batch, result, before):
+            raise ValueError("corrupt accept_lens")
+
+    fake = SimpleNamespace(__name__="fake_brp", SchedulerBatchResultProcessor=Processor)
+    guard = Guard()
+    (target,) = FEATURES["live_ab"].targets
+    new = build(resolve(target, fake), SimpleNamespace(recorder=Broken(), guard=guard)).replacement
+    assert new(Processor(), SimpleNamespace(), SimpleNamespace(reqs=[])) == ["sglang's"]
+    assert guard.counts == {"guard:first_verify:KeyError": 1, "guard:first_verify:ValueError": 1}
+    # Negative control: the same recorder called bare raises into the caller.
+    with pytest.raises(KeyError):
+        Broken().before(None)
 
 
 def test_a_failed_export_is_logged_and_serving_goes_on(monkeypatch, caplog) -> None:
@@ -415,7 +462,8 @@ def test_a_failed_export_is_logged_and_serving_goes_on(monkeypatch, caplog) -> N
 
     monkeypatch.setattr(sglang_ab, "start_sglang_export", refuse)
     m, exporters = Metrics(), []
-    owner, attr, orig, new = sglang_ab.install_first_verify(m, MetricsConfig(sync_interval_s=2.0), exporters, fake)
+    rec = sglang_ab.make_recorder(m, MetricsConfig(sync_interval_s=2.0), exporters)
+    owner, attr, orig, new = first_verify_patch(rec, fake)
     assert owner is Processor and orig is Processor.__dict__[attr] and len(exporters) == 1
     reqs = [SimpleNamespace(spec_verify_ct=0, pd_middleware=SimpleNamespace(arm="a")) for _ in range(3)]
     batch = SimpleNamespace(reqs=reqs)

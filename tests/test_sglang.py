@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import sys
 import time
 import types
 from fractions import Fraction
@@ -30,7 +29,7 @@ from pd_middleware.contracts import PluginContext
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang_decode import ProposalStore
-from pd_middleware.integrations.sglang_prefill import ProposalPublisher, wrap_process_batch_result
+from pd_middleware.integrations.sglang_prefill import ProposalPublisher
 from pd_middleware.pipeline import Delivery, Failure
 from pd_middleware.verify import exact_verify_law
 
@@ -50,20 +49,6 @@ def make_config(**over):
         else:
             data[k] = v
     return parse_config(data)
-
-
-def scheduler_stand_in():
-    """A module with a ``Scheduler.init_disaggregation`` for the plugin-loader test:
-    SGLang's real scheduler module imports uvicorn, fastapi and setproctitle, which
-    the CPU tier does not install."""
-    mod = types.ModuleType("scheduler_stand_in")
-
-    class Scheduler:
-        def init_disaggregation(self):
-            self.inited = True
-
-    mod.Scheduler = Scheduler
-    return mod
 
 
 def install(cfg, *, decode_module=None, prefill_module=None, version=None, channel="sidechannel", **kw):
@@ -241,7 +226,7 @@ def test_uninstall_refuses_to_drop_a_foreign_patch() -> None:
     with pytest.raises(PluginError, match=r"pd_first_draft_proposal was replaced by someone else after install"):
         S.uninstall()
     assert m.build_eagle_disagg_draft_input is ours  # nothing restored half-way
-    m.pd_first_draft_proposal = S.current().patches[1][3]
+    m.pd_first_draft_proposal = S.current().patches[1].replacement
     assert S.uninstall() is True
 
 
@@ -264,20 +249,26 @@ def test_one_hot_through_the_wrapped_function_single_and_multi_layer() -> None:
     )
 
 
-def test_config_mismatches_are_config_errors() -> None:
+def test_config_mismatches_at_run_time_give_sglang_its_one_hot_counted(caplog) -> None:
+    # A shape the config does not allow (adaptive spec changing the step count at run
+    # time, another V) is a ConfigError inside the proposer: it never reaches SGLang's
+    # scheduler, which gets its own one-hot for that batch, counted and logged once.
     m = fake_decode_module()
-    install(make_config(), decode_module=m, version="0.5.23")
-    with pytest.raises(
-        ConfigError, match=r"at model\.vocab_size.*SGLang runs with vocab_size = 32, the config says 16"
-    ):
-        m.build_eagle_disagg_draft_input(batch_of([req([1])], vocab=32), None, None)
+    inst = install(make_config(), decode_module=m, version="0.5.23")
+    out = m.build_eagle_disagg_draft_input(batch_of([req([1])], vocab=32), None, None).draft_probs
+    assert torch.equal(out, torch.nn.functional.one_hot(torch.tensor([1]), 32).float())
     m.SPEC = SimpleNamespace(rs=True, multi_layer=True, num_steps=2)
-    with pytest.raises(ConfigError, match=r"at model\.num_steps.*SGLang runs with num_steps = 2, the config says 1"):
-        m.build_eagle_disagg_draft_input(batch_of([req([1, 2])]), None, None)
-    install(make_config(decode={"rejection_sampling": False}), decode_module=m, version="0.5.23")
+    out = m.build_eagle_disagg_draft_input(batch_of([req([1, 2])]), None, None).draft_probs
+    assert torch.equal(out, torch.nn.functional.one_hot(torch.tensor([[1, 2]]), V).float())
+    assert inst.guard.counts == {"guard:propose:ConfigError": 2}
+    assert inst.proposer.metrics.fallbacks["sglang:guard:propose:ConfigError"] == 2
+    logged = [r.getMessage() for r in caplog.records if "guard:propose:ConfigError" in r.getMessage()]
+    assert len(logged) == 1 and "SGLang runs with vocab_size = 32, the config says 16" in logged[0]
+    inst = install(make_config(decode={"rejection_sampling": False}), decode_module=m, version="0.5.23")
     m.SPEC = SimpleNamespace(rs=True, multi_layer=False, num_steps=1)
-    with pytest.raises(ConfigError, match=r"at decode\.rejection_sampling"):
-        m.build_eagle_disagg_draft_input(batch_of([req([1])]), None, None)
+    out = m.build_eagle_disagg_draft_input(batch_of([req([1])]), None, None).draft_probs
+    assert torch.equal(out, torch.nn.functional.one_hot(torch.tensor([1]), V).float())
+    assert inst.guard.counts == {"guard:propose:ConfigError": 1}
 
 
 def test_proposal_outside_the_build_call_is_sglangs() -> None:
@@ -383,16 +374,16 @@ def test_store_byte_budget_fails_with_a_reason_never_silently() -> None:
     assert store.bytes == 0 and len(store) == 0
 
 
-def test_post_hoc_mode_for_older_sglang() -> None:
+def test_an_sglang_without_pd_first_draft_proposal_is_refused_whole() -> None:
+    # Post-hoc mode (attaching draft_probs after an older SGLang's builder) is gone: an
+    # SGLang without the proposal hook is refused, nothing patched, even when allowed.
     m = fake_decode_module(proposal=False)
+    build = m.build_eagle_disagg_draft_input
     with pytest.raises(PluginError, match="not a supported version"):
         install(make_config(), decode_module=m, version="0.5.9")
-    inst = install(make_config(), decode_module=m, version="0.5.9", allow_unsupported=True)
-    assert inst.mode == "post_hoc"
-    out = m.build_eagle_disagg_draft_input(batch_of([req([6])]), None, None).draft_probs
-    assert tuple(out.shape) == (1, V) and out[0, 6] == 1.0 and out.sum() == 1.0
-    with pytest.raises(PluginError, match="--disable-overlap-schedule"):
-        m.build_eagle_disagg_draft_input(batch_of([req([6])], overlap=True), None, SimpleNamespace())
+    with pytest.raises(PluginError, match=r"fake_sglang_ed\.pd_first_draft_proposal not found"):
+        install(make_config(), decode_module=m, version="0.5.9", allow_unsupported=True)
+    assert m.build_eagle_disagg_draft_input is build and S.current() is None
 
 
 # ----------------------------------------------------------------- prefill publisher
@@ -431,8 +422,13 @@ def test_publisher_counts_send_failures() -> None:
             raise TransferError("decode gone", op="send", peer="x")
 
     pub = ProposalPublisher(sparse_encoder(), lambda: Broken(), vocab_size=V)
-    pub.publish([1, 2], draft_rows(2))
-    assert pub.counts == {"send_failed:TransferError": 2}
+    pub.publish([1, 2], draft_rows(2))  # the lazy sender connects off this thread
+    assert pub.counts == {"send_failed:not_connected": 2}
+    deadline = time.monotonic() + 5.0
+    while pub.sender is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pub.publish([3, 4], draft_rows(2))
+    assert pub.counts == {"send_failed:not_connected": 2, "send_failed:TransferError": 2}
 
 
 def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None:
@@ -451,11 +447,18 @@ def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None
     x = tx.sent[0].draft_tokens[0]
     assert int(reqs[0].output_topk_index[0]) == x and x in q[0].topk(2).indices.tolist(), f"seed {SEED}"
     assert int(reqs[1].output_topk_index[0]) == 15 and int(reqs[2].output_topk_index[0]) == 15
-    di3 = SimpleNamespace(draft_probs=q.view(3, 1, V).expand(3, 2, V), topk_index=torch.zeros(3, 2, dtype=torch.int64))
-    wrap_process_batch_result(lambda self, b, r: None, lambda: pub)(
-        None, SimpleNamespace(reqs=reqs), SimpleNamespace(next_draft_input=di3)
+    di3 = SimpleNamespace(
+        draft_probs=q.view(3, 1, V).expand(3, 2, V),
+        topk_index=torch.tensor([[3, 4]] * 3),
+        topk_p=torch.full((3, 2), 0.5),
     )
-    assert pub.counts["skipped:multi_layer"] == 1 and len(tx.sent) == 1
+    pre.SchedulerDisaggregationPrefillMixin().process_batch_result_disagg_prefill(
+        SimpleNamespace(reqs=reqs), SimpleNamespace(next_draft_input=di3)
+    )
+    # Multi-layer without the chain patches: SGLang's own chain, sent X only.
+    assert pub.counts["skipped:multi_layer"] == 1 and len(tx.sent) == 2
+    assert tx.sent[1].draft_tokens == (3, 4) and tx.sent[1].proposal is None
+    assert S.current().guard.counts == {}
     assert S.uninstall() and not hasattr(
         pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill, "__wrapped__"
     )
@@ -469,7 +472,7 @@ def test_activate_from_env(tmp_path, monkeypatch) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[sglang]\nchannel = "carrier-pigeon"\n')
     monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(bad))
-    with pytest.raises(SystemExit, match=r"pd-middleware: config error at sglang\.channel"):
+    with pytest.raises(SystemExit, match=r"pd-middleware: install failed: config error at sglang\.channel"):
         S.sglang_plugin()
     monkeypatch.delenv("PD_MIDDLEWARE_CONFIG")
     assert S.sglang_plugin() is None and S.current() is None
@@ -552,7 +555,7 @@ needs_sglang = [
 @pytest.fixture(scope="module")
 def ed(sglang_importable):
     """SGLang 0.5.23's real eagle_disaggregation module (conftest: the torchvision stand-in)."""
-    return importlib.import_module(S.DECODE_MODULE)
+    return importlib.import_module(S.BUILDER_MODULE)
 
 
 def spec(num_steps=1, multi_layer=False, rs=True):
@@ -585,7 +588,7 @@ def sglang_test(fn):
 @sglang_test
 def test_real_version_is_supported(ed) -> None:
     assert S.detect_version() in S.SUPPORTED_SGLANG_VERSIONS
-    assert ed.__name__ == S.DECODE_MODULE
+    assert ed.__name__ == S.BUILDER_MODULE
 
 
 @sglang_test
@@ -760,12 +763,70 @@ def test_real_plugin_loader_activates_from_env(ed, tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
-    monkeypatch.setitem(sys.modules, S.SCHEDULER_MODULE, scheduler_stand_in())
     plugins.load_plugins()
     inst = S.current()
-    assert inst is not None and inst.mode == "proposal" and inst.channel_name == "metadata"
+    assert inst is not None and inst.channel_name == "metadata"
     assert inst.receiver is None and inst.facts is None  # no scheduler started: patches only, idle
     assert ed.pd_first_draft_proposal.__pd_middleware__
+    # The REAL scheduler module (make setup-sglang installs its runtime packages): its
+    # init_disaggregation is wrapped, and every checked target is one of SGLang's.
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert Scheduler.init_disaggregation.__pd_middleware__
+    paths = {p.target.path for p in inst.patches}
+    assert "sglang.srt.managers.scheduler.Scheduler.init_disaggregation" in paths
+    assert "sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq" in paths
+    assert set(inst.deferred) == {"chain"}  # checked at install, applied when a multi-layer prefill starts
+
+
+def _loader(monkeypatch, func_path):
+    import sglang.srt.plugins as plugins
+
+    ep = importlib.metadata.EntryPoint(name="pd_middleware", value=func_path, group=plugins.GENERAL_PLUGINS_GROUP)
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [ep] if group == plugins.GENERAL_PLUGINS_GROUP else [])
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    return plugins
+
+
+def _raise_key_error():
+    raise KeyError("MooncakeKVManager")
+
+
+@sglang_test
+def test_real_loader_any_install_exception_stops_the_process(ed, tmp_path, monkeypatch) -> None:
+    cfg = tmp_path / "pd.toml"
+    cfg.write_text(f"[model]\nvocab_size = {V}\n")
+    monkeypatch.setenv("PD_MIDDLEWARE_CONFIG", str(cfg))
+    # Negative control: SGLang's real loader swallows a plugin's plain exception...
+    plugins = _loader(monkeypatch, f"{__name__}:_raise_key_error")
+    plugins.load_plugins()  # logged by SGLang, not raised: the server would run without us
+    # ... so ours turns any exception while installing (here a KeyError, not ours) into
+    # SystemExit, which the loader does not catch.
+    monkeypatch.setattr(S, "install", lambda *a, **k: _raise_key_error())
+    plugins = _loader(monkeypatch, "pd_middleware.integrations.sglang:sglang_plugin")
+    with pytest.raises(SystemExit, match=r"pd-middleware: install failed: KeyError: 'MooncakeKVManager'"):
+        plugins.load_plugins()
+    assert S.current() is None
+
+
+@sglang_test
+def test_real_scheduler_start_refuses_a_server_that_is_not_pd(ed, caplog) -> None:
+    # The real Scheduler.init_disaggregation, wrapped: a server with PD_MIDDLEWARE_CONFIG
+    # but --disaggregation-mode null stops at start, naming the mode (error, not idle).
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    S.install(make_config(), S.InstallOptions(channel="metadata"))
+    reset_context()
+    sa = ServerArgs(model_path="dummy", device="cpu", speculative_algorithm="EAGLE")
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    try:
+        with pytest.raises(ConfigError, match="runs --disaggregation-mode null"):
+            Scheduler.init_disaggregation(SimpleNamespace(model_config=SimpleNamespace(vocab_size=V)))
+    finally:
+        reset_context()
 
 
 @sglang_test
@@ -815,3 +876,106 @@ def test_sidechannel_activation_starts_the_receiver_and_needs_an_address(monkeyp
         cfg, decode_module=fake_decode_module(), version="0.5.23", channel="sidechannel", facts=facts(role="prefill")
     )
     assert inst.publisher is not None and inst.publisher.stage is None  # connects on its first publish
+
+
+class _SGLangBodyReached(Exception):
+    """Raised by the stand-in scheduler once SGLang's own method body starts running."""
+
+
+@sglang_test
+def test_real_sidechannel_publishes_from_the_one_switch_with_nothing_injected(ed, monkeypatch) -> None:
+    # The decode's receiver (the real transport; the decode drop-in would open it at its
+    # scheduler start, but a process holds one installation, so the test opens it here).
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+    from pd_middleware.middleware import DecodeMiddleware
+    from pd_middleware.transport import open_receiver
+
+    cfg = make_config(synthesizer={"name": "sparse"}, encoder={"name": "sparse", "options": {"k": 3}})
+    mw = DecodeMiddleware.from_config(cfg, serve_metrics=False)
+    rx = open_receiver(cfg.transport, mw.pipeline)
+    try:
+        monkeypatch.setenv("PD_MIDDLEWARE_DECODE_ADDRESS", rx.address)
+        # The prefill: the real install(), real modules, channel from the config, nothing
+        # injected (no publisher, no prefill module): what the one switch does.
+        inst = S.install(
+            make_config(
+                synthesizer={"name": "sparse"},
+                encoder={"name": "sparse", "options": {"k": 3}},
+                sglang={"channel": "sidechannel"},
+            ),
+            S.InstallOptions(facts=facts(role="prefill")),
+        )
+        assert (
+            "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill"
+            in {p.target.path for p in inst.patches}
+        )
+
+        class SchedulerStandIn:
+            # SGLang's method body needs a whole scheduler: stop it where it starts.
+            batch_result_processor = SimpleNamespace(
+                snapshot_auxiliary_output_starts=lambda b, r: (_ for _ in ()).throw(_SGLangBodyReached())
+            )
+
+        def prefill_batch(room):
+            q = draft_rows(1)
+            di = SimpleNamespace(
+                draft_probs=q, topk_index=torch.zeros((1, 1), dtype=torch.int64), topk_p=torch.ones(1, 1)
+            )
+            r = req([0], room=room)
+            result = SimpleNamespace(
+                next_draft_input=di,
+                copy_done=None,
+                logits_output=None,
+                next_token_ids=None,
+                extend_input_len_per_req=None,
+                extend_logprob_start_len_per_req=None,
+            )
+            with pytest.raises(_SGLangBodyReached):
+                SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill(
+                    SchedulerStandIn(), SimpleNamespace(reqs=[r]), result
+                )
+            return int(di.topk_index[0, 0])
+
+        prefill_batch(501)  # the sender connects off the scheduler thread: this one goes X-only
+        assert inst.publisher.counts["send_failed:not_connected"] == 1
+        deadline = time.monotonic() + 10.0
+        while inst.publisher.sender is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        x = prefill_batch(502)
+        assert inst.publisher.counts["published"] == 1
+        seen: list = []
+        deadline = time.monotonic() + 10.0
+        while not any(o.request_id == "502" for o in seen) and time.monotonic() < deadline:
+            seen += rx.drain()
+            time.sleep(0.01)
+        got = [o for o in seen if o.request_id == "502"]
+        # Negative control: the request published before the connection never arrives.
+        assert not [o for o in seen if o.request_id == "501"]
+        assert got and isinstance(got[0], Delivery) and got[0].payload.draft_tokens == (x,)
+        assert got[0].proposal is not None  # the encoder's distribution, not X only
+        got[0].release()
+    finally:
+        S.uninstall()
+        rx.stop()
+        mw.close()
+
+
+def test_the_proposal_is_built_on_topk_index_device() -> None:
+    # SGLang builds its one-hot on topk_index.device; so does the proposer, whatever
+    # [decode].device says (no (b, n, V) host-to-device copy per prebuilt batch). The
+    # "meta" device stands in for a GPU on this CPU machine: it has no values, only the
+    # device and shape, which are what is bound here.
+    from pd_middleware.integrations.sglang_decode import DecodeProposer
+
+    p = DecodeProposer(make_config())
+    r = req([3])
+    on_cpu = p.propose(batch_of([r]), torch.tensor([[3]]), V)
+    assert on_cpu.device.type == "cpu" and not p._assemblers  # the configured assembler itself
+    r = req([3])
+    elsewhere = p.propose(batch_of([r]), torch.tensor([[3]], device="meta"), V)
+    assert elsewhere.device.type == "meta" and tuple(elsewhere.shape) == (1, 1, V)
+    assert len(p._assemblers) == 1  # one assembler bound to that device, made once
+    p.propose(batch_of([req([3])]), torch.tensor([[3]], device="meta"), V)
+    assert len(p._assemblers) == 1
+    p.close()

@@ -52,7 +52,7 @@ def ed(request, sglang_importable):
     cfg = shapeless(request.param)
     assert cfg.model.declared_vocab_size is None and cfg.model.declared_num_steps is None
     S.install(cfg, S.InstallOptions(hook_scheduler=False))
-    yield importlib.import_module(S.DECODE_MODULE)
+    yield importlib.import_module(S.BUILDER_MODULE)
     S.uninstall()
 
 

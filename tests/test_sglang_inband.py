@@ -28,8 +28,9 @@ from pd_middleware.config import parse_config
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations import sglang_metadata
-from pd_middleware.integrations.sglang_metadata import FRAME_MARK, _wrap_init, _wrap_registration
-from pd_middleware.integrations.sglang_prefill import room_seed, wrap_process_batch_result
+from pd_middleware.integrations.sglang_metadata import FRAME_MARK
+from pd_middleware.integrations.sglang_patch import wrap_metadata_init, wrap_prefill_result, wrap_registration
+from pd_middleware.integrations.sglang_prefill import room_seed
 from pd_middleware.payload import Payload, Provenance
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
@@ -109,9 +110,7 @@ def prefill(inst, reqs, q, pbuf):
         topk_index=torch.zeros((b, 1), dtype=torch.int64), topk_p=torch.full((b, 1), 0.5), draft_probs=q
     )
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1))))
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
-        None, batch, SimpleNamespace(next_draft_input=di)
-    )
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, SimpleNamespace(next_draft_input=di))
     for r in reqs:
         pbuf.set_buf(r)
     return di
@@ -441,7 +440,7 @@ def test_decode_registration_carries_its_layout_last(sg) -> None:
     # The real builder needs a running engine; the wrapper around a stand-in original
     # shows the frame goes last, where SGLang's fixed-position parser never looks.
     inst = activate(config())
-    out = _wrap_registration(lambda self: [b"None", b"x"], inst.channel)(SimpleNamespace())
+    out = wrap_registration(lambda self: [b"None", b"x"], inst)(SimpleNamespace())
     assert out[:2] == [b"None", b"x"] and out[-1] == FRAME_MARK + inst.channel.describe().encode()
     info = sg.mooncake.KVArgsRegisterInfo.from_zmq(_registration([1, 2], out[-1]))
     assert info.dst_aux_ptrs == [1, 2] and info.pd_middleware_layout == inst.channel.describe()
@@ -466,7 +465,7 @@ def test_metadata_on_a_device_is_refused(sg) -> None:
         self.bootstrap_room = SimpleNamespace(device=SimpleNamespace(type="npu"))
 
     with pytest.raises(ConfigError, match=r"at sglang\.channel.*PD metadata on .*needs CPU metadata buffers"):
-        _wrap_init(on_npu, inst.channel)(SimpleNamespace(), 4)
+        wrap_metadata_init(on_npu, inst)(SimpleNamespace(), 4)
 
 
 def test_harness_activation_by_role_and_stage_requests(sg) -> None:
@@ -497,8 +496,8 @@ STEPS = 3
 
 
 def multi_layer_stand_in():
-    """Shaped like SGLang 0.5.23's multi_layer_eagle_worker_v2 (the real module imports the
-    scheduler, which needs uvicorn/fastapi/setproctitle, absent from the CPU tier): the
+    """Shaped like SGLang 0.5.23's multi_layer_eagle_worker_v2 (the real module imports on
+    CPU, but its ``_draft_extend_for_prefill`` runs a draft model's forwards): the
     prefill's chain loop calls the module-global ``sample_draft_proposal`` per step and
     feeds each step's X into the next step's logits, as ``rotate_input_ids`` does."""
     import types
@@ -567,9 +566,7 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
             )
         prev = di.topk_index[:, k]
     # The prefill wrapper hands those payloads on (no second draw), set_buf writes them.
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
-        None, batch, SimpleNamespace(next_draft_input=di)
-    )
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, SimpleNamespace(next_draft_input=di))
     for r in reqs:
         pbuf.set_buf(r)
     assert inst.publisher.counts["chain:published"] == 2
@@ -625,9 +622,7 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
         draft_probs=torch.full((1, STEPS, V), 1.0 / V),
     )
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((1, 1))))
-    wrap_process_batch_result(sglang_copies_draft_input, lambda: inst.publisher)(
-        None, batch, SimpleNamespace(next_draft_input=di)
-    )
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, SimpleNamespace(next_draft_input=di))
     pbuf.set_buf(reqs[0])
     assert inst.publisher.counts["skipped:multi_layer"] == 1
     inst.proposer.bind(V, STEPS)
@@ -690,7 +685,9 @@ def test_fake_transfer_is_not_counted_as_a_missing_row(sg) -> None:
 
 def scheduler_module(sg):
     """A ``Scheduler`` whose ``init_disaggregation`` allocates SGLang's real MetadataBuffers,
-    as SGLang's does (the real scheduler module needs uvicorn/fastapi/setproctitle)."""
+    as SGLang's does. The real module imports here (tests/test_sglang.py wraps its
+    ``Scheduler.init_disaggregation``), but its body builds KV managers and queues over a
+    model runner, so these tests give the wrapper this body instead."""
     import types
 
     mod = types.ModuleType("scheduler_with_buffers")
@@ -783,3 +780,296 @@ def test_prefill_start_warns_when_the_encoders_largest_row_exceeds_capacity(sg, 
     with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
         activate(config(capacity=256), role="prefill")
     assert not [r for r in caplog.records if "largest row" in r.getMessage()]
+
+
+# ----------------------------------------------------------------- nothing raises into SGLang
+# Fault injection, one case per per-batch wrapper: the wrapper is SGLang's real function
+# patched by the drop-in; each fault is first shown to raise when our code is called bare
+# (the negative control), then SGLang gets a valid result through the wrapper, counted.
+
+
+def one_hot_rows(xs):
+    return torch.nn.functional.one_hot(torch.tensor(xs), V).float()
+
+
+def decode_req(xs):
+    """A committed request's fields that SGLang's builder reads (X in its 16-wide row)."""
+    row = torch.zeros(16, dtype=torch.int64)
+    row[: len(xs)] = torch.tensor(xs)
+    return SimpleNamespace(
+        output_topk_index=row,
+        output_topk_p=torch.ones(16),
+        hidden_states_tensor=torch.zeros(4),
+        output_dsa_topk_indices=None,
+        rid="r",
+        bootstrap_room=None,
+    )
+
+
+def committed(sg, inst, rooms, q=None):
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    reqs = [prefill_req(r, i) for i, r in enumerate(rooms)]
+    prefill(inst, reqs, draft(len(rooms)) if q is None else q, pbuf)
+    for i in range(len(rooms)):
+        send_aux(pbuf, i, dbuf, i)
+    return [commit(sg, dbuf, i, r) for i, r in enumerate(rooms)]
+
+
+def test_fault_propose_plugin_that_raises_gives_sglangs_one_hot(sg) -> None:
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    dreqs = committed(sg, inst, [31, 32])
+    xs = [int(d.output_topk_index[0]) for d in dreqs]
+
+    def broken(proposals):
+        raise RuntimeError("assembler plugin bug")
+
+    inst.proposer.middleware.assembler.build_fresh = broken
+    batch = SimpleNamespace(reqs=dreqs)
+    with pytest.raises(RuntimeError, match="assembler plugin bug"):  # negative control: bare, it raises
+        inst.proposer.propose(batch, torch.tensor([[x] for x in xs]), V)
+    for d in dreqs:
+        d.pd_middleware.proposal, d.pd_middleware.used = object(), False  # as attached again
+    got = build(sg, dreqs)
+    assert torch.equal(got, one_hot_rows(xs))
+    assert inst.guard.counts == {"guard:propose:RuntimeError": 1}
+
+
+def test_fault_propose_unseen_step_count_gives_sglangs_one_hot(sg) -> None:
+    inst = activate(config(model={"num_steps": 1}))
+    req = decode_req([3, 4])
+    with pytest.raises(ConfigError, match="num_steps = 2, the config says 1"):  # negative control
+        inst.proposer.propose(SimpleNamespace(reqs=[req]), torch.tensor([[3, 4]]), V)
+    spec = SimpleNamespace(
+        speculative_eagle_topk=1,
+        speculative_num_steps=2,
+        enable_multi_layer_eagle=True,
+        speculative_use_rejection_sampling=True,
+    )
+    batch = SimpleNamespace(
+        reqs=[req], device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=None)
+    )
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        out = sg.ed.build_eagle_disagg_draft_input(batch, torch.zeros(1, dtype=torch.int64), None)
+    assert torch.equal(out.draft_probs, one_hot_rows([[3, 4]]))
+    assert inst.guard.counts == {"guard:propose:ConfigError": 1}
+
+
+@pytest.mark.parametrize("bad_x", [V, -1])
+def test_fault_x_outside_the_vocabulary_at_commit_and_build_never_raises(sg, bad_x) -> None:
+    # An attack or a bug hands the decode X = V (or -1) in SGLang's own row.
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    reqs = [prefill_req(41, 0)]
+    prefill(inst, reqs, draft(1), pbuf)
+    pbuf.output_topk_index[0, 0] = bad_x
+    send_aux(pbuf, 0, dbuf, 0)
+    from pd_middleware import ValidationError
+
+    req = SimpleNamespace(
+        bootstrap_room=41, output_topk_index=dbuf.output_topk_index[0].clone(), output_topk_p=torch.ones(16)
+    )
+    with pytest.raises(ValidationError):  # negative control: the proposer's own path raises
+        inst.proposer.on_row(req, inst.channel.read(dbuf, 0, req))
+    dreq = commit(sg, dbuf, 0, 41)  # SGLang's real commit, wrapped: no exception
+    assert inst.guard.counts["guard:commit:ValidationError"] == 1
+    got = build(sg, [dreq])  # SGLang's own one-hot fails on X = V too: a one-hot in range
+    assert tuple(got.shape) == (1, V) and got.dtype == torch.float32 and float(got.sum()) == 1.0
+    assert inst.guard.counts["guard:propose:ValidationError"] == 1
+    assert inst.guard.counts["guard:propose_fallback:RuntimeError"] == 1
+
+
+def test_fault_propose_corrupt_shape_gives_sglangs_one_hot(sg) -> None:
+    inst = activate(config())
+    req = decode_req([9])
+    real = inst.proposer._assemble
+    inst.proposer._assemble = lambda *a: real(*a)[..., :-1]  # one column short
+    from pd_middleware.integrations.sglang_patch import check_proposal
+
+    bad = inst.proposer.propose(SimpleNamespace(reqs=[req]), torch.tensor([[9]]), V)
+    with pytest.raises(ValueError, match=r"proposal shape torch.Size\(\[1, 1, 63\]\), expected \(1, 1, 64\)"):
+        check_proposal(bad, torch.tensor([[9]]), V)  # negative control: that is what SGLang would get
+    assert torch.equal(build(sg, [req]), one_hot_rows([9]))
+    assert inst.guard.counts == {"guard:propose:ValueError": 1}
+
+
+def test_fault_prefill_encoder_that_raises_keeps_sglangs_x_and_sends_it_x_only(sg) -> None:
+    inst = activate(config(), role="prefill")
+
+    def broken(*a, **k):
+        raise RuntimeError("encoder plugin bug")
+
+    inst.publisher.encoder.encode = broken
+    with pytest.raises(RuntimeError, match="encoder plugin bug"):  # negative control
+        inst.publisher.encode([1], draft(1))
+    pbuf = buffers(sg)
+    reqs = [prefill_req(51, 0), prefill_req(52, 1)]
+    di = prefill(inst, reqs, draft(2), pbuf)
+    assert di.topk_index[:, 0].tolist() == [0, 0]  # SGLang's own X, untouched
+    assert [r.pd_middleware_row.draft_tokens for r in reqs] == [(0,), (0,)]
+    assert all(r.pd_middleware_row.proposal is None for r in reqs)  # X only: the decode answers one-hot
+    assert inst.guard.counts == {"guard:prefill_encode:RuntimeError": 1}
+    assert inst.publisher.counts["agreement:local_failed"] == 2
+
+
+def test_fault_prefill_corrupt_shape_never_raises(sg) -> None:
+    inst = activate(config(), role="prefill")
+    reqs = [prefill_req(61, 0), prefill_req(62, 1)]
+    q = draft(1)  # one row for a batch of two: a corrupt shape
+    b = 2
+    di = SimpleNamespace(
+        topk_index=torch.zeros((b, 1), dtype=torch.int64), topk_p=torch.full((b, 1), 0.5), draft_probs=q
+    )
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1))))
+    out = wrap_prefill_result(lambda self, bt, r: "sglang's", inst)(None, batch, SimpleNamespace(next_draft_input=di))
+    assert out == "sglang's" and di.topk_index[:, 0].tolist() == [0, 0]
+    assert inst.guard.counts == {"guard:prefill_encode:IndexError": 1}
+
+
+def test_fault_metadata_wrappers_never_raise_and_sglangs_part_still_runs(sg) -> None:
+    inst = activate(config(), role="prefill")
+    pbuf = buffers(sg)
+    req = prefill_req(71, 2)
+    req.output_topk_index, req.output_topk_p = torch.zeros(16, dtype=torch.int64), torch.ones(16)
+
+    def broken(*a, **k):
+        raise RuntimeError("channel bug")
+
+    for name in ("write", "clear", "registration_frame", "validate"):
+        setattr(inst.channel, name, broken)
+    with pytest.raises(RuntimeError):  # negative control
+        inst.channel.write(pbuf, req)
+    pbuf.set_buf(req)  # SGLang's own set_buf still ran
+    assert int(pbuf.bootstrap_room[2, 0]) == 71
+    pbuf.clear_slot(2)
+    assert int(pbuf.bootstrap_room[2, 0]) == 0
+    from pd_middleware.integrations.sglang_patch import wrap_validate
+
+    msg = wrap_registration(lambda self: [b"None", b"x"], inst)(SimpleNamespace())
+    assert msg == [b"None", b"x"]  # without our frame: the prefill rejects such a decode
+    fully, why = wrap_validate(lambda self, info: (True, None), inst)(None, SimpleNamespace())
+    assert fully is True and why.startswith("pd-middleware could not check the decode's proposal rows")
+    assert inst.guard.counts == {
+        "guard:set_buf:RuntimeError": 1,
+        "guard:clear_slot:RuntimeError": 1,
+        "guard:registration:RuntimeError": 1,
+        "guard:validate_peer:RuntimeError": 1,
+    }
+
+
+def test_fault_from_zmq_with_a_corrupt_trailing_frame_reads_as_no_layout(sg) -> None:
+    inst = activate(config(), role="prefill")
+    from pd_middleware.integrations.sglang_metadata import layout_of
+
+    msg = _registration([1, 2], object())  # not bytes: a corrupt frame
+    with pytest.raises(TypeError):  # negative control
+        layout_of(msg)
+    info = sg.mooncake.KVArgsRegisterInfo.from_zmq(msg)
+    assert info.dst_aux_ptrs == [1, 2] and info.pd_middleware_layout is None
+    assert inst.guard.counts == {"guard:from_zmq:TypeError": 1}
+
+
+def test_fault_chain_step_whose_encoder_raises_keeps_sglangs_chain_x_only(sg) -> None:
+    mod = multi_layer_stand_in()
+    inst = S.install(
+        config(capacity=8192),
+        S.InstallOptions(
+            channel="metadata", facts=facts("prefill", num_steps=STEPS), modules=S.SGLangModules(multi_layer=mod)
+        ),
+    )
+    calls = {"n": 0}
+    real = inst.publisher.encoder.encode
+
+    def fail_at_step_1(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 2:  # two rows: step 0 encodes, step 1 fails
+            raise RuntimeError("encoder bug at step 1")
+        return real(*a, **k)
+
+    inst.publisher.encoder.encode = fail_at_step_1
+    reqs = [prefill_req(r, i) for i, r in enumerate([81, 82])]
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((2, 1))))
+    di = mod.MultiLayerEagleDraftWorker()._draft_extend_for_prefill(batch, None, torch.tensor([1, 2]))
+    assert di.pd_middleware_payloads == [None, None]  # the chain is no longer the encoder's: nothing published
+    assert inst.guard.counts == {"guard:chain_step:RuntimeError": 1}
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, SimpleNamespace(next_draft_input=di))
+    assert [r.pd_middleware_row.draft_tokens for r in reqs] == [tuple(di.topk_index[i].tolist()) for i in range(2)]
+    assert all(r.pd_middleware_row.proposal is None for r in reqs)
+
+
+def test_patches_are_logged_once_in_hook_registrys_format(sg, caplog) -> None:
+    with caplog.at_level("INFO", logger="pd_middleware.integrations.sglang"):
+        inst = activate(config())
+        inst.announce()  # a second call says nothing
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Applied 1 hook(s) to ")]
+    paths = [p.target.path for p in inst.patches]
+    assert len(lines) == len(paths) == len(set(paths))
+    assert (
+        "Applied 1 hook(s) to sglang.srt.disaggregation.utils.MetadataBuffers.set_buf "
+        "(from: plugin=pd_middleware, dist=pd-middleware) [around]" in lines
+    )
+    assert sum("pd-middleware installed into SGLang" in r.getMessage() for r in caplog.records) == 1
+
+
+# ----------------------------------------------------------------- startup self-check of SGLang's layout
+
+
+def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -> None:
+    from pd_middleware import PluginError
+    from pd_middleware.integrations.sglang_startup import check_layout, check_registration
+
+    inst = activate(config())  # activation ran the self-check on SGLang 0.5.23: it passed
+    assert inst.self_checked
+    mb = sg.utils.MetadataBuffers
+    # A future SGLang with a narrower output_topk_index (no spare column 15 for our tag).
+    real_init = mb.__init__
+
+    def narrower(self, *a, **k):
+        real_init(self, *a, **k)
+        self.output_topk_index = torch.zeros((self.output_ids.shape[0], 8), dtype=torch.int64)
+
+    with (
+        patch.object(mb, "__init__", narrower),
+        pytest.raises(
+            PluginError,
+            match=r"MetadataBuffers\.output_topk_index\.shape is \(2, 8\), the metadata channel needs \(2, 16\)",
+        ),
+    ):
+        check_layout(mb, inst.channel)
+    # A get_buf_infos that no longer lists output_topk_index (pairing by position broke).
+    real_infos = mb.get_buf_infos
+
+    def without_topk(self):
+        ptrs, lens, items = real_infos(self)
+        at = ptrs.index(self.output_topk_index.data_ptr())
+        return (
+            [p for i, p in enumerate(ptrs) if i != at],
+            [x for i, x in enumerate(lens) if i != at],
+            [x for i, x in enumerate(items) if i != at],
+        )
+
+    with (
+        patch.object(mb, "get_buf_infos", without_topk),
+        pytest.raises(PluginError, match=r"get_buf_infos\(\) ptrs is without output_topk_index"),
+    ):
+        check_layout(mb, inst.channel)
+    # A from_zmq that reads one more frame (ours) into a field of its own.
+    info = sg.mooncake.KVArgsRegisterInfo
+    ours = info.__dict__["from_zmq"]
+    real_from_zmq = ours.__func__.__wrapped__
+
+    def reads_frame_20(cls, msg):
+        got = real_from_zmq(cls, msg)
+        got.dst_dcp_rank = len(msg)  # stands for "a new trailing field"
+        return got
+
+    from pd_middleware.integrations.sglang_patch import Guard, wrap_from_zmq
+
+    shim = classmethod(wrap_from_zmq(reads_frame_20, SimpleNamespace(guard=Guard())))
+    with (
+        patch.object(info, "from_zmq", shim),
+        pytest.raises(PluginError, match=r"reads the drop-in's trailing registration frame into dst_dcp_rank"),
+    ):
+        check_registration(info, inst.channel)
+    check_registration(info, inst.channel)  # negative control: the real one passes

@@ -427,10 +427,13 @@ def test_dropin_rank_divergence_never_pairs_a_proposal_with_another_draw(dep, re
         else:
             # X from one rank, the row from the other (caught by X itself, or by the binding tag
             # beside X); or a row torn between the two writers.
-            assert b["reasons"][0] in ("token_mismatch", "binding", "digest") and torch.equal(
+            # Or both ranks kept their own X, sent X only, because their draws differed
+            # (the prefill's per-batch agreement: no_distribution).
+            assert b["reasons"][0] in ("token_mismatch", "binding", "digest", "no_distribution") and torch.equal(
                 b["draft_probs"], one_hot(x)
             ), b["reasons"]
-            assert b["counters"]["decode"][f"fallback:{b['reasons'][0]}"] >= 1
+            key = "attached:no_distribution" if b["reasons"][0] == "no_distribution" else f"fallback:{b['reasons'][0]}"
+            assert b["counters"]["decode"][key] >= 1
         seen.append(b["reasons"][0])
     # Deterministic mismatch: SGLang's row says X' != the proposal row's X.
     room = rooms()
@@ -487,3 +490,82 @@ def test_recompute_decode_only_against_a_plain_prefill(dep, decode_tp):
         assert all(b["counters"]["recompute"]["recomputed"] >= 1 for b in built)
         changed += int(built[0]["topk_index"][0, 0]) != row["topk_index"][0]
     assert changed >= 3  # the prefill's X (300 + room % 11) is redrawn, not kept
+
+
+# ----------------------------------------------------------------- ranks agree or nobody publishes
+
+
+def disagreeing_first(room: int) -> dict:
+    """A row whose SGLang-own X is the draft's LEAST likely token: the encoder (top-k with a
+    floor over a peaked q) practically never draws it, so a rank that keeps SGLang's X and
+    a rank that publishes the encoder's X hand the decode different X."""
+    q = torch.softmax(3.0 * torch.randn((1, V), generator=torch.Generator().manual_seed(room)), dim=-1)
+    return {**dropin_first(room), "own_x": int(q.argmin())}
+
+
+def test_prefill_tp2_one_encoder_failing_gives_both_decode_ranks_the_same_x_one_hot(dep):
+    cfg = sparse_config()
+    dep.install(cfg, cfg, V)
+    dep.configure(2, 2)
+    dep.fault(dep.P[1:], "encoder_fails")
+    try:
+        for _ in range(3):
+            room = rooms()
+            first = disagreeing_first(room)
+            out, (b0, b1) = transfer_and_build(dep, room, first)
+            p0, p1 = out["prefill"]
+            # Rank 1's encoder failed: after the all-reduce neither rank overwrote X.
+            assert p0["x"] == p1["x"] == first["own_x"]
+            assert b0["topk_index"].tolist() == b1["topk_index"].tolist() == [[first["own_x"]]]
+            assert b0["reasons"] == b1["reasons"] == ["no_distribution"]
+            assert torch.equal(b0["draft_probs"], one_hot(first["own_x"]))
+            assert torch.equal(b1["draft_probs"], one_hot(first["own_x"]))
+        c0, c1 = H.gather(dep.prefill, "counters")
+        assert c0["prefill"]["agreement:peer_failed"] == 3 and c1["prefill"]["agreement:local_failed"] == 3
+        assert c1["guard"]["guard:prefill_encode:RuntimeError"] == 3
+    finally:
+        dep.fault(dep.ranks, "reset")
+
+
+def test_negative_control_without_the_agreement_the_decode_ranks_get_a_mix(dep):
+    """The same fault with the prefill's all-reduce AND the decode's canary bypassed: decode
+    rank 0 verifies the encoder's X with its proposal, rank 1 SGLang's X one-hot. Under TP
+    the sharded target forward would embed a different token on each rank."""
+    cfg = sparse_config()
+    dep.install(cfg, cfg, V)
+    dep.configure(2, 2)
+    dep.fault(dep.P[1:], "encoder_fails")
+    dep.fault(dep.ranks, "agreement_off")
+    try:
+        room = rooms()
+        first = disagreeing_first(room)
+        out, (b0, b1) = transfer_and_build(dep, room, first)
+        p0, p1 = out["prefill"]
+        assert p0["x"] != p1["x"] == first["own_x"], f"room {room}: the encoder drew SGLang's X; pick another room"
+        assert b0["topk_index"].tolist() == [[p0["x"]]] and b1["topk_index"].tolist() == [[p1["x"]]]
+        assert b0["reasons"] == ["prefill"] and b1["reasons"] == ["no_distribution"]
+    finally:
+        dep.fault(dep.ranks, "reset")
+
+
+def test_decode_canary_catches_ranks_that_disagree_on_x(dep):
+    """The prefill's agreement bypassed, the decode's X canary on: the decode ranks compare
+    X (MIN/MAX over their attention-TP group) and both verify the smallest, one-hot."""
+    cfg = sparse_config()
+    dep.install(cfg, cfg, V)
+    dep.configure(2, 2)
+    dep.fault(dep.P[1:], "encoder_fails")
+    dep.fault(dep.prefill, "agreement_off")
+    try:
+        room = rooms()
+        first = disagreeing_first(room)
+        out, (b0, b1) = transfer_and_build(dep, room, first)
+        xs = sorted({p["x"] for p in out["prefill"]})
+        assert len(xs) == 2, f"room {room}: the encoder drew SGLang's X; pick another room"
+        assert b0["topk_index"].tolist() == b1["topk_index"].tolist() == [[xs[0]]]
+        assert b0["reasons"] == b1["reasons"] == ["rank_mismatch"]
+        assert torch.equal(b0["draft_probs"], one_hot(xs[0])) and torch.equal(b1["draft_probs"], one_hot(xs[0]))
+        assert b0["counters"]["decode"]["fallback:rank_mismatch"] == 1
+        assert b1["counters"]["decode"]["fallback:rank_mismatch"] == 1
+    finally:
+        dep.fault(dep.ranks, "reset")

@@ -327,7 +327,7 @@ def test_no_draft_worker_is_refused_at_startup(sgl, installed):
 
 def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
     """install() from configs/sglang.toml patches Scheduler.init_disaggregation (a stand-in
-    class: SGLang's scheduler module needs packages this tier does not install); at start
+    class: the real Scheduler's constructor needs a whole model runner); at start
     the decode captures the draft model, a prefill does nothing, a bad flag stops it."""
     import types
 
@@ -349,7 +349,7 @@ def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
     mods = S.SGLangModules(builder=sgl.builder, scheduler=mod, only_given=True)
     inst = S.install(load_config(CONFIG), S.InstallOptions(modules=mods))
     try:
-        assert inst.mode == "recompute" and {a for _, a, _, _ in inst.patches} == {
+        assert inst.channel_name == "none" and {p.name for p in inst.patches} == {
             "build_eagle_disagg_draft_input",
             "pd_first_draft_proposal",
             "init_disaggregation",
@@ -377,3 +377,26 @@ def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
             Scheduler().init_disaggregation()
     finally:
         S.uninstall()
+
+
+@pytest.mark.parametrize("where", ["prepare", "proposal"])
+def test_a_failing_recompute_step_gives_sglang_its_one_hot_counted(sgl, installed, where):
+    """Fault injection: the recompute step (or its proposal) raises inside SGLang's builder.
+    SGLang still gets a valid EagleDraftInput with its own one-hot at the X the builder read,
+    and the failure is counted by the guard. Negative control: the bare step raises."""
+    start(sgl, installed, eagle3(sgl))
+    rc = installed.recompute
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    with patch.object(rc, where, boom):
+        with pytest.raises(RuntimeError, match="injected"):
+            getattr(rc, where)(batch(1))  # the negative control: the step itself raises
+        si = build(sgl, batch(3))
+    x = si.topk_index[:, 0]
+    want = torch.zeros(3, V)
+    want[torch.arange(3), x] = 1.0
+    assert torch.equal(si.draft_probs, want)  # one-hot at the builder's X: exact for any X
+    key = "guard:recompute:RuntimeError" if where == "prepare" else "guard:recompute_proposal:RuntimeError"
+    assert installed.guard.counts[key] == 1

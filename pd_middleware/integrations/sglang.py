@@ -8,28 +8,35 @@ last_tokens_tensor, future_map)``. Since 0.5.23, under
 sliced by the caller to (b, V) for single-layer EAGLE. :func:`install` makes that
 proposal come from the configured synthesizer and assembler:
 
-- **decode builder** (``mode = "proposal"``): ``build_eagle_disagg_draft_input`` is
-  wrapped only to publish the current batch in a :class:`contextvars.ContextVar`, and
-  ``pd_first_draft_proposal`` is replaced by the middleware's proposer, which reads
-  it. SGLang's own code keeps doing everything else (the rejection-sampling gate, the
-  single-layer ``[:, 0]`` slice, the overlap relay, which copies our tensor).
-  ``mode = "post_hoc"`` (older SGLang, ``allow_unsupported`` only) attaches it after.
-- **how proposals arrive** (``[sglang].channel``):
-  ``"metadata"`` (default): a row appended to SGLang's own PD metadata buffers
-  (:mod:`.sglang_metadata`), written by the prefill's ``set_buf`` and read on every
-  decode rank when the transfer commits; ``"sidechannel"``: the middleware's own
-  transport (a receiver on the decode, a publisher on the prefill).
+Every SGLang symbol it touches is in one table (:mod:`.sglang_patch`: target, expected
+signature, hook type, wrapper), grouped by feature:
+
+- **decode**: ``build_eagle_disagg_draft_input`` is wrapped only to publish the current
+  batch in a :class:`contextvars.ContextVar`, and ``pd_first_draft_proposal`` is
+  replaced by the middleware's proposer, which reads it. SGLang's own code keeps doing
+  everything else (the rejection-sampling gate, the single-layer ``[:, 0]`` slice, the
+  overlap relay, which copies our tensor).
+- **how proposals arrive** (``[sglang].channel``): ``"metadata"`` (default): a row
+  appended to SGLang's own PD metadata buffers (:mod:`.sglang_metadata`), written by the
+  prefill's ``set_buf`` and read on every decode rank when the transfer commits;
+  ``"sidechannel"``: the middleware's own transport (a receiver on the decode, a
+  publisher on the prefill).
 - **prefill**: an AROUND wrapper of
   ``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill`` that
-  encodes each finishing request's draft distribution (:mod:`.sglang_prefill`).
+  encodes each finishing request's draft distribution, agreed across the TP ranks
+  (:mod:`.sglang_prefill`), on both channels.
 - **scheduler start**: ``Scheduler.init_disaggregation`` is wrapped so every check
-  (config, version, algorithm, top-k, rejection sampling, shapes, backend) runs before
-  SGLang allocates its buffers, the shapes V and S are taken from the engine, and the
-  prefill/decode objects are built (:mod:`.sglang_startup`).
+  (config, version, algorithm, top-k, rejection sampling, shapes, backend, PD role) runs
+  before SGLang allocates its buffers, the shapes V and S are taken from the engine, the
+  prefill/decode objects are built (:mod:`.sglang_startup`), each patch is logged once in
+  SGLang's ``HookRegistry`` format (after SGLang configured its logging), and SGLang's
+  metadata layout is self-checked once its buffers exist.
 
-Everything is checked before anything is patched: a missing module, function or class,
-or a changed signature, raises :class:`~pd_middleware.PluginError` and leaves SGLang
-untouched. :func:`uninstall` restores the originals.
+All or nothing: every target of every wanted feature is resolved and checked before
+anything is patched (the multi-layer chain's too, though it is applied only when a
+prefill starts with S > 1); a missing module, function or class, or a changed signature,
+raises :class:`~pd_middleware.PluginError` and leaves SGLang untouched. :func:`uninstall`
+restores the originals. On a hot path nothing raises into SGLang (``Guard``).
 
 **One switch** (``docs/sglang.md``): ``PD_MIDDLEWARE_CONFIG=<config file>`` in the
 environment of both servers. SGLang's plugin loader (entry point ``pd_middleware`` in
@@ -43,42 +50,34 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError, PDMiddlewareError, PluginError
-from .sglang_ab import PROCESSOR_MODULE, install_first_verify
+from .sglang_ab import make_recorder
 from .sglang_decode import ATTACH_ATTR, DecodeProposer, ProposalStore, RequestProposal, room_key
 from .sglang_installation import ENV_ALLOW_UNSUPPORTED, ENV_CONFIG, Installation, InstallOptions
 from .sglang_metadata import MetadataChannel
 from .sglang_patch import (
-    BUILD_PARAMS,
-    DECODE_MODULE,
-    METADATA_PARAMS,
-    MOONCAKE_MODULE,
-    PREFILL_CLASS,
-    PREFILL_MODULE,
-    PREFILL_PARAMS,
-    PROPOSAL_PARAMS,
+    BUILDER_MODULE,
+    FEATURES,
     SCHEDULER_MODULE,
-    TRANSFER_MODULE,
-    UTILS_MODULE,
+    Guard,
+    Plan,
     SGLangModules,
-    _check_signature,
-    _mark,
-    _module,
-    _wrap_build,
-    _wrap_build_post_hoc,
-    _wrap_proposal,
+    apply,
+    build,
     detect_version,
+    resolve_features,
 )
-from .sglang_prefill import ProposalPublisher, wrap_process_batch_result
-from .sglang_recompute import install_recompute, uses_recompute
-from .sglang_startup import EngineFacts, facts_from_scheduler
+from .sglang_prefill import ProposalPublisher
+from .sglang_recompute import DecodeRecompute, uses_recompute
+from .sglang_startup import EngineFacts
 
 __all__ = [
     "ATTACH_ATTR",
+    "BUILDER_MODULE",
+    "SCHEDULER_MODULE",
     "SUPPORTED_SGLANG_VERSIONS",
     "EngineFacts",
     "InstallOptions",
@@ -109,10 +108,11 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
     """Install the drop-in into SGLang for ``config`` (a Config or a config file path).
 
     See :class:`InstallOptions`. Installing again first uninstalls the previous
-    installation. Raises PluginError (unsupported version, missing function, changed
-    signature: nothing is patched), and Config/PluginError from the config and plugins
-    (also nothing patched). With ``options.facts`` the installation is activated at
-    once (:meth:`Installation.activate`); otherwise at scheduler start.
+    installation. All or nothing: every target of every wanted feature in
+    :mod:`.sglang_patch`'s table is resolved and its signature checked, and every plugin
+    resolved, before anything is patched; PluginError or ConfigError otherwise, with
+    SGLang untouched. With ``options.facts`` the installation is activated at once
+    (:meth:`Installation.activate`); otherwise at scheduler start.
     """
     opts = options if options is not None else InstallOptions()
     mods = opts.modules
@@ -130,86 +130,28 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
             from ..config import load_config
 
             config = load_config(config)
-        if uses_recompute(config):
-            # Decode-only recompute (.sglang_recompute): no channel, no prefill patch.
-            inst = install_recompute(config, opts, ver)
-            for owner, attr, _, new in inst.patches:
-                setattr(owner, attr, new)
-            _set_installed(inst)
-            logger.info("pd-middleware installed into SGLang %s (decode-only recompute)", ver)
-            return inst
         channel_name = opts.channel if opts.channel is not None else config.sglang.channel
-        if channel_name not in ("metadata", "sidechannel"):
+        recompute = uses_recompute(config)
+        if recompute and channel_name == "sidechannel":
+            raise ConfigError(
+                'synthesizer = "recompute" ships nothing: it needs no channel (use channel = "none")',
+                path="sglang.channel",
+            )
+        if recompute:
+            # Decode-only recompute: no row, no side channel, nothing patched on the prefill.
+            channel_name = "none"
+        elif channel_name not in ("metadata", "sidechannel"):
             raise ConfigError(
                 f"channel must be 'metadata' or 'sidechannel' ('none' only with synthesizer = \"recompute\"), got {channel_name!r}",
                 path="sglang.channel",
             )
-
-        dec = _module(mods.builder, DECODE_MODULE, mods)
-        if dec is None:
+        # 1. Every SGLang symbol the wanted features use: present, unpatched, same signature.
+        found = resolve_features(Plan(channel_name, config, opts), mods)
+        if "decode" not in found or len(found["decode"]) != len(FEATURES["decode"].targets):
             raise PluginError("no SGLang builder module given", plugin="sglang")
-        build = _check_signature(dec, "build_eagle_disagg_draft_input", BUILD_PARAMS, dec.__name__)
-        if hasattr(dec, "pd_first_draft_proposal"):
-            first = _check_signature(dec, "pd_first_draft_proposal", PROPOSAL_PARAMS, dec.__name__)
-            mode = "proposal"
-        elif opts.allow_unsupported:
-            first, mode = None, "post_hoc"
-        else:
-            raise PluginError(f"{dec.__name__}.pd_first_draft_proposal not found", plugin="sglang")
-        need_prefill = channel_name == "metadata" or opts.publisher is not None or mods.prefill is not None
-        pre = _module(mods.prefill, PREFILL_MODULE, mods) if need_prefill else None
-        pre_owner = pre_orig = None
-        if pre is not None:
-            pre_owner = getattr(pre, PREFILL_CLASS, None)
-            if pre_owner is None:
-                raise PluginError(f"{pre.__name__}.{PREFILL_CLASS} not found", plugin="sglang")
-            pre_orig = _check_signature(
-                pre_owner, "process_batch_result_disagg_prefill", PREFILL_PARAMS, f"{pre.__name__}.{PREFILL_CLASS}"
-            )
-        channel = None
-        meta_patches: list[tuple[Any, str, Any, Any]] = []
-        if channel_name == "metadata":
-            utils = _module(mods.utils, UTILS_MODULE, mods)
-            if utils is not None:
-                mb = getattr(utils, "MetadataBuffers", None)
-                if mb is None:
-                    raise PluginError(f"{utils.__name__}.MetadataBuffers not found", plugin="sglang")
-                for attr, params in METADATA_PARAMS.items():
-                    _check_signature(mb, attr, params, f"{utils.__name__}.MetadataBuffers")
-                transfer = _module(mods.transfer, TRANSFER_MODULE, mods)
-                if transfer is not None:
-                    _check_signature(
-                        transfer.DecodeTransferQueue,
-                        "_commit_transfer_to_req",
-                        ("self", "decode_req"),
-                        transfer.__name__,
-                    )
-                mooncake = _module(mods.mooncake, MOONCAKE_MODULE, mods)
-                if mooncake is not None:
-                    _check_signature(
-                        mooncake.MooncakeKVManager, "build_receiver_registration_message", ("self",), mooncake.__name__
-                    )
-                    _check_signature(
-                        mooncake.MooncakeKVManager,
-                        "_validate_peer_state_layout",
-                        ("self", "registration_info"),
-                        mooncake.__name__,
-                    )
-                channel = MetadataChannel(config.sglang.capacity_bytes)
-                meta_patches = channel.patches(utils, transfer, mooncake)
-            else:
-                channel = MetadataChannel(config.sglang.capacity_bytes)
-        # With facts the installation activates now (a harness without a Scheduler);
-        # otherwise at Scheduler.init_disaggregation, which is wrapped.
-        hook = opts.facts is None and opts.hook_scheduler
-        sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods) if hook else None
-        sched_cls = getattr(sched_mod, "Scheduler", None) if sched_mod is not None else None
-        if sched_mod is not None and sched_cls is None:
-            raise PluginError(f"{sched_mod.__name__}.Scheduler not found", plugin="sglang")
-        sched_init = _check_signature(sched_cls, "init_disaggregation", ("self",), "Scheduler") if sched_cls else None
 
-        # Every plugin name and option, on both sides, before anything is patched
-        # (building them needs the engine's shapes: at scheduler start).
+        # 2. Every plugin name and option, on both sides (building them needs the engine's
+        # shapes: at scheduler start).
         from ..config import resolve_plugins
         from ..registry import default_registry
 
@@ -225,65 +167,41 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
         if store is None and opts.receiver is not None:
             store = ProposalStore(opts.receiver)
         proposer = DecodeProposer(config, store, registry=opts.registry, metrics=opts.metrics)
+        channel = MetadataChannel(config.sglang.capacity_bytes) if channel_name == "metadata" else None
         if channel is not None:
             channel.on_row = proposer.on_row
-        inst = Installation(ver, mode, config, opts, proposer, channel, opts.publisher, opts.receiver)
-        # Live A/B: each request's first verify, by arm (sglang_ab; checked, nothing patched yet).
-        processor = _module(mods.processor, PROCESSOR_MODULE, mods)
-        ab_patch = (
-            install_first_verify(proposer.metrics, config.metrics, proposer.exporters, processor)
-            if processor is not None
-            else None
-        )
+        inst = Installation(ver, config, opts, proposer, channel, opts.publisher, opts.receiver)
+        inst.guard = Guard(proposer.metrics)
+        if recompute:
+            inst.recompute = DecodeRecompute(config, opts.registry, proposer.metrics)
+        inst.rank_agreement = opts.rank_agreement
+        if "live_ab" in found:
+            inst.recorder = make_recorder(proposer.metrics, config.metrics, proposer.exporters)
 
-        # ... then patch, all at once.
-        if first is not None:  # mode == "proposal"
-            inst.patches.append((dec, "build_eagle_disagg_draft_input", build, _wrap_build(build)))
-            inst.patches.append((dec, "pd_first_draft_proposal", first, _wrap_proposal(first, proposer)))
-        else:
-            inst.patches.append((dec, "build_eagle_disagg_draft_input", build, _wrap_build_post_hoc(build, proposer)))
-        if pre_owner is not None and pre_orig is not None:
-            inst.patches.append(
-                (
-                    pre_owner,
-                    "process_batch_result_disagg_prefill",
-                    pre_orig,
-                    wrap_process_batch_result(pre_orig, lambda: inst.publisher),
-                )
-            )
-        inst.patches.extend(meta_patches)
-        if ab_patch is not None:
-            inst.patches.append(ab_patch)
-        if sched_cls is not None and sched_init is not None:
-            inst.patches.append((sched_cls, "init_disaggregation", sched_init, _wrap_scheduler_init(sched_init, inst)))
-        for owner, attr, _, new in inst.patches:
-            setattr(owner, attr, new)
+        # 3. The wrappers, then patch, all at once (READ targets are kept, not patched).
+        now: list[Any] = []
+        for name, patches in found.items():
+            if FEATURES[name].applied != "install":
+                inst.deferred[name] = patches  # checked now, applied at activation
+                continue
+            for p in patches:
+                if p.target.wrap is None:
+                    continue
+                if p.target.hook.value == "read":
+                    p.target.wrap(p.original, inst)
+                else:
+                    now.append(build(p, inst))
+        apply(now)
+        inst.patches.extend(now)
         _set_installed(inst)
-        logger.info(
-            "pd-middleware installed into SGLang %s (%s mode, channel %s, %d patches)",
-            ver,
-            mode,
-            channel_name,
-            len(inst.patches),
-        )
         if opts.facts is not None:
             try:
                 inst.activate(opts.facts)
+                inst.self_check()
             except BaseException:
                 uninstall()
                 raise
         return inst
-
-
-def _wrap_scheduler_init(orig: Callable[..., Any], inst: Installation) -> Callable[..., Any]:
-    def init_disaggregation(self: Any) -> Any:
-        facts = facts_from_scheduler(self)
-        if facts.role in ("prefill", "decode"):
-            # Before SGLang allocates MetadataBuffers: the row layout must be bound.
-            inst.activate(facts)
-        return orig(self)
-
-    return _mark(init_disaggregation, orig)
 
 
 def _set_installed(inst: Installation | None) -> None:
@@ -313,20 +231,22 @@ def uninstall() -> bool:
         inst = _installed
         if inst is None:
             return False
-        for owner, attr, _, new in inst.patches:
-            if _attr_now(owner, attr) is not new:
+        for p in inst.patches:
+            if _attr_now(p.owner, p.name) is not p.replacement:
                 raise PluginError(
-                    f"{getattr(owner, '__name__', owner)}.{attr} was replaced by someone else after install; "
+                    f"{p.target.path} was replaced by someone else after install; "
                     "not restoring, remove their patch first",
                     plugin="sglang",
                 )
-        for owner, attr, orig, _ in reversed(inst.patches):
-            setattr(owner, attr, orig)
+        for p in reversed(inst.patches):
+            setattr(p.owner, p.name, p.original)
         _set_installed(None)
         if inst.receiver is not None:
             inst.receiver.stop()
         if inst.store is not None:
             inst.store.clear()
+        if inst.publisher is not None:
+            inst.publisher.close()
         inst.proposer.close()
         return True
 
@@ -358,14 +278,16 @@ def activate_from_env(environ: Any = None) -> Installation | None:
 def sglang_plugin() -> None:
     """Entry point of group ``sglang.srt.plugins``; SGLang calls it in each process it starts.
 
-    Does nothing unless ``PD_MIDDLEWARE_CONFIG`` is set. When activation fails the
-    process exits with the error: SGLang's loader logs and swallows plugin exceptions,
-    and an operator who asked for the middleware must not get a server silently
-    running without it. (Checks that need the engine run at scheduler start, where a
-    ConfigError stops the scheduler process, and SGLang with it.)
+    Does nothing unless ``PD_MIDDLEWARE_CONFIG`` is set. When installing fails, with any
+    exception, the process exits with the reason (``SystemExit``): SGLang's loader logs
+    and swallows every other exception (``plugins/__init__.py``, ``load_plugins``), and
+    an operator who asked for the middleware must not get a server silently running
+    without it. (Checks that need the engine run at scheduler start, where an error
+    stops the scheduler process, and SGLang with it.)
     """
     try:
         activate_from_env()
-    except PDMiddlewareError as exc:
-        logger.error("pd-middleware activation failed: %s", exc)
-        raise SystemExit(f"pd-middleware: {exc}") from exc
+    except Exception as exc:
+        reason = f"{exc}" if isinstance(exc, PDMiddlewareError) else f"{type(exc).__name__}: {exc}"
+        logger.error("pd-middleware install failed, stopping this process: %s", reason)
+        raise SystemExit(f"pd-middleware: install failed: {reason}") from exc

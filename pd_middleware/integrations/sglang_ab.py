@@ -18,8 +18,8 @@ for every request still running. A request's first verify is the call in which i
 ``spec_verify_ct`` goes from 0 to 1; a request that finished at the prebuilt step or
 was retracted is not counted (SGLang skips it too).
 
-:func:`first_verify_patch` wraps that method (signature checked, restorable, in the
-style of :mod:`.sglang`): it reads each request's ``spec_verify_ct`` before the call and
+The drop-in wraps that method (target ``live_ab`` in :mod:`.sglang_patch`'s table,
+installed only when the config has ``[[arms]]``): it reads each request's ``spec_verify_ct`` before the call and
 records the requests whose first verify this was. The arm is read from the request:
 ``req.pd_middleware.arm``, the record the decode path attaches (the arm that the
 ``ab_split`` hook routed its payload to). A request with no record counts as
@@ -40,20 +40,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from .._errors import PDMiddlewareError, PluginError
+from .._errors import PDMiddlewareError
 from ..metrics import Metrics
-from .sglang_patch import _check_signature, _import, _mark
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
-
-PROCESSOR_MODULE = "sglang.srt.managers.scheduler_components.batch_result_processor"
-PROCESSOR_CLASS = "SchedulerBatchResultProcessor"
-RESOLVE_METHOD = "_resolve_spec_v2_tokens"
-# Parameter names the hook relies on; anything else means SGLang changed under us.
-RESOLVE_PARAMS = ("self", "result", "batch")
 
 
 def arm_of(req: Any) -> str | None:
@@ -136,30 +128,6 @@ class FirstVerifyRecorder:
             log.close()
 
 
-def first_verify_patch(
-    recorder: FirstVerifyRecorder, processor_module: ModuleType | None = None
-) -> tuple[Any, str, Any, Any]:
-    """Check SGLang's verify-result method and build its wrapper; patches nothing.
-
-    Returns ``(owner, attribute, original, replacement)`` for an installation's patch
-    list (:func:`pd_middleware.integrations.sglang.install` applies and restores it).
-    Raises PluginError when the class or method is missing or its signature changed.
-    """
-    mod = processor_module if processor_module is not None else _import(PROCESSOR_MODULE)
-    owner = getattr(mod, PROCESSOR_CLASS, None)
-    if owner is None:
-        raise PluginError(f"{mod.__name__}.{PROCESSOR_CLASS} not found", plugin="sglang")
-    original = _check_signature(owner, RESOLVE_METHOD, RESOLVE_PARAMS, f"{mod.__name__}.{PROCESSOR_CLASS}")
-
-    def _resolve_spec_v2_tokens(self: Any, result: Any, batch: Any) -> Any:
-        before = recorder.before(batch)
-        out = original(self, result, batch)
-        recorder.after(batch, result, before)
-        return out
-
-    return owner, RESOLVE_METHOD, original, _mark(_resolve_spec_v2_tokens, original)
-
-
 def sglang_exports_metrics() -> bool:
     """Whether this SGLang scheduler process reports to SGLang's ``/metrics``.
 
@@ -200,18 +168,14 @@ def start_sglang_export(
     return mirror
 
 
-def install_first_verify(
-    metrics: Metrics, config: Any, exporters: list[Any], processor_module: ModuleType | None = None
-) -> tuple[Any, str, Any, Any]:
-    """The live A/B patch for an SGLang installation; patches nothing itself.
+def make_recorder(metrics: Metrics, config: Any, exporters: list[Any]) -> FirstVerifyRecorder:
+    """The live A/B recorder of an SGLang installation (its wrapper: :mod:`.sglang_patch`).
 
     ``metrics``: the decode's counters; ``config``: its
     :class:`~pd_middleware.config.MetricsConfig` (``first_verify_log``,
-    ``sync_interval_s``); ``exporters``: the list whose owner stops its entries on close
-    (``DecodeMiddleware.exporters``). Checks SGLang's method first (PluginError, nothing
-    changed, when it moved), then builds a :class:`FirstVerifyRecorder` (added to
-    ``exporters``) that starts the copy into SGLang's ``/metrics`` on its first call.
-    Returns ``(owner, attribute, original, replacement)``.
+    ``sync_interval_s``); ``exporters``: the list whose owner stops its entries on close.
+    The recorder joins ``exporters`` and starts the copy into SGLang's ``/metrics`` on
+    its first call.
     """
 
     def start_export() -> None:
@@ -222,6 +186,5 @@ def install_first_verify(
             logger.error("pd-middleware: counters not copied into SGLang's /metrics: %s", exc)
 
     recorder = FirstVerifyRecorder(metrics, log_path=config.first_verify_log, on_first_call=start_export)
-    patch = first_verify_patch(recorder, processor_module)
     exporters.append(recorder)
-    return patch
+    return recorder

@@ -8,25 +8,28 @@ temperatures, top_ks=None, *, sampling_seed, positions, draft_step=k)``, which r
 drawn here, and an exact S-step proposal must draw X_k from the encoded q'_k *inside* the
 loop; redrawing the chain afterwards would pair q_{k+1} with another prefix.
 
-:func:`chain_patches` returns two patches of that module:
+The two patches (targets in :mod:`.sglang_patch`'s table, feature ``chain``, applied
+when a prefill starts with S > 1) call this module:
 
-- ``_draft_extend_for_prefill`` is wrapped to open a :class:`ChainDraw` for the batch
-  (its requests' bootstrap rooms and temperatures) in a ContextVar, and to leave the
-  finished S-step payloads on the returned draft input
-  (``next_draft_input.pd_middleware_payloads``: one per batch row, or None);
-- ``sample_draft_proposal`` is replaced: while a ChainDraw is open it calls SGLang's
-  function for q_k, then encodes each row's q_k with the configured encoder from a
-  generator seeded from (seed, room, k), and returns SGLang's q_k with the encoder's
-  q'_k(X_k) and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's.
+- the AROUND wrapper of ``_draft_extend_for_prefill`` opens a :class:`ChainDraw` for
+  the batch (:func:`open_chain`: its requests' bootstrap rooms, temperatures and rids)
+  in a ContextVar, and :func:`finish_chain` leaves the finished S-step payloads on the
+  returned draft input (``next_draft_input.pd_middleware_payloads``: one per batch row,
+  or None);
+- the REPLACE of ``sample_draft_proposal`` calls SGLang's function for q_k, then
+  :func:`draw_step` encodes each row's q_k with the configured encoder from a generator
+  seeded from (seed, room, rid:k), and returns SGLang's q_k with the encoder's q'_k(X_k)
+  and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's.
 
-The prefill wrapper (:mod:`.sglang_prefill`) then stages those payloads instead of
-encoding again. Each step is exact given the accepted prefix, so the chain is.
+The prefill wrapper (:func:`~.sglang_prefill.publish_batch`) then publishes those
+payloads instead of encoding again. Each step is exact given the accepted prefix, so the
+chain is. A step that fails (:func:`break_chain`) leaves SGLang's draw for it and every
+later step, and the batch is sent X only.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +40,6 @@ from ..payload import DenseEncoding, Payload, SparseEncoding
 from .sglang_decode import room_key
 from .sglang_prefill import room_seed
 
-MULTI_LAYER_MODULE = "sglang.srt.speculative.multi_layer_eagle_worker_v2"
-WORKER_CLASS = "MultiLayerEagleDraftWorker"
 #: Draft-input attribute the finished payloads are left under (one per batch row).
 PAYLOADS_ATTR = "pd_middleware_payloads"
 
@@ -55,6 +56,8 @@ class ChainDraw:
     # Per-row SGLang request ids, mixed into each draw's seed (see room_seed).
     salts: list[str] = field(default_factory=list)
     steps: list[list[tuple[int, float, Any, Any]]] = field(default_factory=list)
+    # A step failed or was SGLang's own: the chain is no longer the encoder's throughout.
+    broken: bool = False
 
     def draw(self, step: int, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Encode step ``step`` of every row of ``probs`` (b, V); returns (q'(X) (b, 1), X (b, 1)) on CPU.
@@ -62,7 +65,8 @@ class ChainDraw:
         None when the batch's rows are not its requests (padding): SGLang's draw stands.
         """
         b = probs.shape[0]
-        if b != len(self.rooms) or step != len(self.steps):
+        if self.broken or b != len(self.rooms) or step != len(self.steps):
+            self.broken = True
             return None
         rows = probs.detach().to("cpu", torch.float32)
         got: list[tuple[int, float, Any, Any]] = []
@@ -82,7 +86,7 @@ class ChainDraw:
         """One S-step payload per row (None for a row without a bootstrap room)."""
         out: list[Payload | None] = []
         for i, room in enumerate(self.rooms):
-            if room is None or not self.steps:
+            if room is None or not self.steps or self.broken:
                 out.append(None)
                 continue
             per = [s[i] for s in self.steps]
@@ -118,55 +122,47 @@ def join_steps(encodings: list[Any]) -> Any:
     raise TypeError(f"unknown encoding {type(first).__name__}")
 
 
-def chain_patches(module: Any, get_publisher: Callable[[], Any]) -> list[tuple[Any, str, Any, Any]]:
-    """(owner, attribute, original, replacement) for ``module`` (SGLang's multi-layer worker)."""
-    worker = getattr(module, WORKER_CLASS)
-    extend = worker._draft_extend_for_prefill
-    sample = module.sample_draft_proposal
+def open_chain(publisher: Any, batch: Any) -> contextvars.Token[ChainDraw | None] | None:
+    """Start drawing ``batch``'s chain through ``publisher`` (None: no publisher yet)."""
+    if publisher is None:
+        return None
+    temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
+    n = len(batch.reqs)
+    tl = temps.detach().to("cpu", torch.float64).reshape(-1).tolist() if isinstance(temps, torch.Tensor) else [1.0] * n
+    chain = ChainDraw(
+        publisher,
+        [getattr(r, "bootstrap_room", None) for r in batch.reqs],
+        (tl * n)[:n] if len(tl) == 1 else tl,
+        [str(getattr(r, "rid", "")) for r in batch.reqs],
+    )
+    return _chain.set(chain)
 
-    def _draft_extend_for_prefill(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        publisher = get_publisher()
-        if publisher is None:
-            return extend(self, batch, *args, **kwargs)
-        temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
-        n = len(batch.reqs)
-        tl = (
-            temps.detach().to("cpu", torch.float64).reshape(-1).tolist()
-            if isinstance(temps, torch.Tensor)
-            else [1.0] * n
-        )
-        chain = ChainDraw(
-            publisher,
-            [getattr(r, "bootstrap_room", None) for r in batch.reqs],
-            (tl * n)[:n] if len(tl) == 1 else tl,
-            [str(getattr(r, "rid", "")) for r in batch.reqs],
-        )
-        token = _chain.set(chain)
-        try:
-            out = extend(self, batch, *args, **kwargs)
-        finally:
-            _chain.reset(token)
-        if out is not None and len(chain.steps) > 1:
-            setattr(out, PAYLOADS_ATTR, chain.payloads())
-        return out
 
-    def sample_draft_proposal(next_token_logits: Any, temperatures: Any, top_ks: Any = None, **kwargs: Any) -> Any:
-        probs, topk_p, topk_index = sample(next_token_logits, temperatures, top_ks, **kwargs)
-        chain = _chain.get()
-        if chain is None or top_ks is not None:
-            return probs, topk_p, topk_index  # not the PD prefill chain (or greedy rows): SGLang's
-        got = chain.draw(int(kwargs.get("draft_step", 0)), probs)
-        if got is None:
-            publisher = chain.publisher
-            publisher.counts["chain:padded_batch"] += 1
-            return probs, topk_p, topk_index
-        p, x = got
-        return probs, p.to(topk_p.device, topk_p.dtype), x.to(topk_index.device, topk_index.dtype)
+def finish_chain(token: contextvars.Token[ChainDraw | None], out: Any) -> None:
+    """Close the chain opened by :func:`open_chain`; leave its payloads on ``out``."""
+    chain = _chain.get()
+    _chain.reset(token)
+    if chain is not None and out is not None and (len(chain.steps) > 1 or chain.broken):
+        setattr(out, PAYLOADS_ATTR, chain.payloads())
 
-    for fn, orig in ((_draft_extend_for_prefill, extend), (sample_draft_proposal, sample)):
-        fn.__wrapped__ = orig  # type: ignore[union-attr]  # functools.wraps' attribute, set by hand
-        fn.__pd_middleware__ = True  # type: ignore[union-attr]  # our "already patched" marker
-    return [
-        (worker, "_draft_extend_for_prefill", extend, _draft_extend_for_prefill),
-        (module, "sample_draft_proposal", sample, sample_draft_proposal),
-    ]
+
+def break_chain() -> None:
+    """Mark the open chain as not the encoder's (a step kept SGLang's draw)."""
+    chain = _chain.get()
+    if chain is not None:
+        chain.broken = True
+
+
+def draw_step(
+    step: int, probs: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Inside an open chain: SGLang's q_k with the encoder's q'_k(X_k) and X_k (None: SGLang's draw stands)."""
+    chain = _chain.get()
+    if chain is None:
+        return None  # not the PD prefill chain
+    got = chain.draw(step, probs)
+    if got is None:
+        chain.publisher.counts["chain:padded_batch"] += 1
+        return None
+    p, x = got
+    return probs, p.to(topk_p.device, topk_p.dtype), x.to(topk_index.device, topk_index.dtype)

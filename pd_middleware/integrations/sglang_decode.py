@@ -28,6 +28,7 @@ in ``counts`` and in ``Metrics.fallbacks`` (``sglang:<reason>``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -44,10 +45,15 @@ from ..payload import Payload, Provenance
 from ..pipeline import Delivery, Failure
 from ..proposal import OneHotProposal
 
+logger = logging.getLogger("pd_middleware.integrations.sglang")
+
 # Provenance of a payload built on the decode from SGLang's fields: SGLang's prefill
 # draws X ~ q under rejection sampling and does not send q, so nothing but one-hot
 # is exact for it (the synthesizers' provenance guard enforces that).
-_LOCAL_PROVENANCE = Provenance(rule="sampled", temperature=1.0, sampled_from=None)
+LOCAL_PROVENANCE = Provenance(rule="sampled", temperature=1.0, sampled_from=None)
+
+#: Neutral element of the X canary's MIN (a rank with no X for a request).
+_NEUTRAL = torch.iinfo(torch.int64).max
 
 #: Req attribute holding the :class:`RequestProposal`.
 ATTACH_ATTR = "pd_middleware"
@@ -275,7 +281,9 @@ class DecodeProposer:
         self.registry = registry
         self.metrics = metrics if metrics is not None else Metrics()
         self.counts: Counter[str] = Counter()
+        self._logged: set[str] = set()
         self._by_shape: dict[tuple[int, int], Any] = {}
+        self._assemblers: dict[tuple[int, str], Any] = {}
         self.bound: tuple[int, int] | None = None
         # Metric exporters shared by every shape's middleware (the [metrics] endpoint,
         # the live A/B recorder and SGLang /metrics mirror): stopped by close().
@@ -330,6 +338,62 @@ class DecodeProposer:
     def _count(self, reason: str) -> None:
         self.counts[f"fallback:{reason}"] += 1
         self.metrics.fallbacks[f"sglang:{reason}"] += 1
+
+    def report(self, reason: str, message: str) -> None:
+        """Count ``fallback:<reason>`` and log ``message`` once per reason (an operator's line)."""
+        self._count(reason)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.error("%s (logged once; counted as fallback:%s)", message, reason)
+
+    # -- every decode rank: the X canary at transfer commit ----------------------------
+    def agree(self, req: Any, group: Any, guard: Any = None) -> tuple[int, ...] | None:
+        """Compare this request's X across the ranks of ``group`` (SGLang's attention-TP CPU
+        group); a collective, so every rank calls it for every committed request.
+
+        Returns None when the ranks agree (or ``group`` is None). Otherwise every rank
+        adopts the smallest X seen, writes it into ``req.output_topk_index`` (what SGLang
+        verifies), attaches a one-hot proposal for it (exact: a one-hot proposal is exact
+        for any X chosen before the verify), counts ``fallback:rank_mismatch``, logs once,
+        and returns that X.
+        """
+        if group is None:
+            return None
+        n = self.bound[1] if self.bound is not None else 1
+        mine = torch.full((2 * n,), _NEUTRAL, dtype=torch.int64)
+        try:
+            if getattr(req, "finished_reason", None) is None:
+                x = torch.tensor(_tokens(req, n), dtype=torch.int64)
+                if x.numel() == n:
+                    mine = torch.cat([x, -x])
+        except Exception:  # no readable X on this rank: it takes part without a say
+            pass
+        try:
+            import torch.distributed as dist
+
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
+        except Exception as exc:
+            if guard is not None:
+                guard.failed("x_canary", exc, "no cross-rank check for this request")
+            return None
+        lo, hi = mine[:n], -mine[n:]
+        if bool((lo == _NEUTRAL).any()) or bool((lo == hi).all()):
+            return None  # agreed (or no rank had an X)
+        agreed = tuple(int(t) for t in lo.tolist())
+        try:
+            row = req.output_topk_index
+            row[:n] = torch.tensor(agreed, dtype=row.dtype)
+            setattr(req, ATTACH_ATTR, RequestProposal(agreed, OneHotProposal(agreed), None, "rank_mismatch"))
+        except Exception as exc:
+            if guard is not None:
+                guard.failed("x_canary", exc, "this rank's own X")
+            return None
+        self.report(
+            "rank_mismatch",
+            f"pd-middleware: decode ranks received different X for request room={getattr(req, 'bootstrap_room', None)} "
+            f"(smallest {list(agreed)}, largest {hi.tolist()}); every rank verifies the smallest with a one-hot proposal",
+        )
+        return agreed
 
     # -- metadata channel: at transfer commit -----------------------------------------
     def on_row(self, req: Any, got: Payload | RowFault) -> None:
@@ -424,7 +488,7 @@ class DecodeProposer:
             draft_tokens=tokens,
             draft_probs=tuple(probs),
             vocab_size=vocab,
-            provenance=_LOCAL_PROVENANCE,
+            provenance=LOCAL_PROVENANCE,
         )
         out = mw.receive(payload)
         if isinstance(out, Failure) or out.proposal is None:
@@ -438,11 +502,26 @@ class DecodeProposer:
         # A fresh tensor, like SGLang's own function: SGLang keeps draft_probs past the
         # next prebuilt batch (merge_batch, the overlap relay), so a view of the
         # assembler's rotating buffer could be overwritten under it. build_fresh writes
-        # each row once into a new tensor (any batch size), with no copy out of the
-        # persistent buffer (benchmarks/sglang_inband.py).
-        out: torch.Tensor | None = mw.assembler.build_fresh(proposals)
+        # each row once into a new tensor, built on topk_index's device (SGLang builds
+        # there too), so there is neither a copy out of a persistent buffer nor a
+        # host-to-device copy of the (b, n, V) result (benchmarks/sglang_inband.py).
+        out: torch.Tensor | None = self._assembler_on(mw, device).build_fresh(proposals)
         assert out is not None  # every entry is a proposal (rejection sampling is on)
-        return out.view(len(proposals), n, vocab).to(device)
+        return out.view(len(proposals), n, vocab)
+
+    def _assembler_on(self, mw: Any, device: torch.device) -> Any:
+        """``mw``'s assembler if it builds on ``device`` (``[decode].device``), else one bound
+        to ``device``, made once (its persistent buffer is one row: build_fresh never uses it)."""
+        if mw.assembler.device == device:
+            return mw.assembler
+        key = (id(mw), str(device))
+        asm = self._assemblers.get(key)
+        if asm is None:
+            from ..assembler import ProposalAssembler
+
+            asm = ProposalAssembler(mw.assembler.vocab_size, mw.assembler.num_steps, 1, device=device)
+            self._assemblers[key] = asm
+        return asm
 
 
 def _tokens(req: Any, n: int) -> tuple[int, ...]:
@@ -453,3 +532,9 @@ def _tokens(req: Any, n: int) -> tuple[int, ...]:
         # first costs more than the list (about 1.5 us a request on CPU, twice a request).
         return tuple(row.tolist()[:n])
     return tuple(int(t) for t in torch.as_tensor(row[:n]).tolist())
+
+
+def agree_on_x(inst: Any, req: Any, group: Any) -> tuple[int, ...] | None:
+    """The decode's X canary for one committed request (:meth:`DecodeProposer.agree`)."""
+    proposer: DecodeProposer = inst.proposer
+    return proposer.agree(req, group, getattr(inst, "guard", None))

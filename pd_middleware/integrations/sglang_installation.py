@@ -15,12 +15,12 @@ from typing import Any, Literal
 
 import torch
 
-from .._errors import ConfigError, PluginError
+from .._errors import ConfigError
 from .sglang_decode import DecodeProposer, ProposalStore
 from .sglang_metadata import MetadataChannel
-from .sglang_patch import EXTEND_PARAMS, SAMPLE_PARAMS, SGLangModules, _check_signature, _module
+from .sglang_patch import Guard, Hook, Patch, SGLangModules, announce, apply, build, hook_source
 from .sglang_prefill import ProposalPublisher
-from .sglang_startup import EngineFacts, check
+from .sglang_startup import EngineFacts, check, check_layout, check_registration
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -44,7 +44,9 @@ class InstallOptions:
     (signatures are still checked). ``modules``/``version``: stand-ins for tests.
     ``hook_scheduler``: False installs no scheduler-start hook (function-level use,
     e.g. SGLang's own unit tests of the builder: shapes are then taken per call and
-    the startup checks do not run).
+    the startup checks do not run). ``rank_agreement``: False skips the prefill's
+    per-batch agreement and the decode's X canary across TP ranks (a negative control
+    for tests; never turn it off on a server with TP > 1).
     """
 
     channel: Literal["metadata", "sidechannel"] | None = None
@@ -58,6 +60,7 @@ class InstallOptions:
     modules: SGLangModules = field(default_factory=SGLangModules)
     version: str | None = None
     hook_scheduler: bool = True
+    rank_agreement: bool = True
 
 
 @dataclass
@@ -68,12 +71,13 @@ class Installation:
     are the counters to watch); ``channel``: the metadata channel or None;
     ``publisher``: prefill encoder/publisher once known; ``receiver``: the side
     channel receiver this installation owns (stopped on uninstall); ``facts``: the
-    engine, once a scheduler started; ``patches``: (owner, attribute, original,
-    replacement).
+    engine, once a scheduler started; ``patches``: the applied :class:`Patch` list;
+    ``deferred``: checked patches applied at activation (the multi-layer chain);
+    ``guard``: the per-batch wrappers' failure counts; ``recorder``: the live A/B
+    first-verify recorder (with ``[[arms]]`` only).
     """
 
     version: str
-    mode: str
     config: Any
     options: InstallOptions
     proposer: DecodeProposer
@@ -81,7 +85,16 @@ class Installation:
     publisher: ProposalPublisher | None = None
     receiver: Any = None
     facts: EngineFacts | None = None
-    patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+    patches: list[Patch] = field(default_factory=list)
+    deferred: dict[str, list[Patch]] = field(default_factory=dict)
+    guard: Guard = field(default_factory=Guard)
+    recorder: Any = None
+    is_fake_transfer: Any = None
+    announced: bool = False
+    self_checked: bool = False
+    # The prefill's per-batch agreement and the decode's X canary across TP ranks
+    # (InstallOptions.rank_agreement; a harness's negative control turns it off).
+    rank_agreement: bool = True
     # Decode-only recompute (synthesizer = "recompute"): its DecodeRecompute (.sglang_recompute).
     recompute: Any = None
 
@@ -95,6 +108,8 @@ class Installation:
 
     @property
     def channel_name(self) -> str:
+        if self.recompute is not None:
+            return "none"  # decode-only recompute ships nothing
         return "metadata" if self.channel is not None else "sidechannel"
 
     def counters(self) -> dict[str, Any]:
@@ -106,13 +121,14 @@ class Installation:
             out["inband"] = dict(self.channel.counts)
         if self.recompute is not None:
             out["recompute"] = dict(self.recompute.counts)
+        out["guard"] = dict(self.guard.counts)
         return out
 
     def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0) -> Any:
         """Prefill, without a scheduler (a harness): what the prefill wrapper does for ``reqs``.
 
         ``reqs``: SGLang Reqs (``bootstrap_room`` set); ``draft_probs``: float (B, V)
-        after temperature. Encodes each request from its (seed, room) generator,
+        after temperature. Encodes each request from its (seed, room, rid) generator,
         stages its row for ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index``
         / ``output_topk_p`` to the encoder's X and q'(X), as SGLang's
         ``process_batch_result_disagg_prefill`` would after the wrapper. Returns the
@@ -127,15 +143,19 @@ class Installation:
             r.output_topk_p = enc.token_probs[i].clone()
         return enc
 
-    def activate(self, facts: EngineFacts) -> None:
+    def activate(self, facts: EngineFacts, scheduler: Any = None) -> None:
         """Finish activation for the engine ``facts`` (called at scheduler start).
 
-        Runs every check (raises ConfigError), binds V and S, and builds the
-        role's objects: the decode middleware, the prefill encoder, and the side
-        channel's receiver or publisher.
+        Runs every check (raises ConfigError, also for a server that is not a PD prefill
+        or decode), binds V and S, builds the role's objects (the decode middleware, the
+        prefill encoder, the side channel's receiver or publisher), applies the deferred
+        patches it needs, and logs every patch once (:meth:`announce`).
         """
         check(self.config, facts, self.channel_name)
         self.facts = facts
+        if self.recompute is not None:
+            self._activate_recompute(facts, scheduler)
+            return
         if self.channel is not None:
             self.channel.bind(facts.vocab_size, facts.num_steps)
         if facts.role == "decode":
@@ -159,6 +179,7 @@ class Installation:
                 self._warn_capacity(facts)
         if facts.role == "prefill" and facts.num_steps > 1:
             self._patch_chain()
+        self.announce()
         logger.info(
             "pd-middleware active: %s node, channel %s, V=%d, S=%d",
             facts.role,
@@ -167,25 +188,81 @@ class Installation:
             facts.num_steps,
         )
 
+    def _activate_recompute(self, facts: EngineFacts, scheduler: Any) -> None:
+        """Decode-only recompute (``synthesizer = "recompute"``): capture the draft head from
+        ``scheduler`` (.sglang_recompute), serve the decode's metrics, announce."""
+        from .sglang_recompute import activate_recompute
+
+        activate_recompute(self, facts, scheduler)
+        if facts.role == "decode" and facts.tp_rank == 0:
+            from ..metrics_export import serve
+
+            server = serve(self.proposer.metrics, self.config.metrics)
+            if server is not None:
+                self.proposer.exporters.append(server)
+        self.announce()
+        logger.info(
+            "pd-middleware active: %s node, decode-only recompute, V=%d, S=%d",
+            facts.role,
+            facts.vocab_size,
+            facts.num_steps,
+        )
+
     def _patch_chain(self) -> None:
         """Multi-layer prefill: draw each chain step from its encoded law (.sglang_chain)."""
-        if any(attr == "sample_draft_proposal" for _, attr, _, _ in self.patches):
-            return
-        from .sglang_chain import MULTI_LAYER_MODULE, WORKER_CLASS, chain_patches
+        patches = self.deferred.pop("chain", None)
+        if patches is None:
+            return  # stand-ins without the multi-layer module (only_given), or applied already
+        ready = [build(p, self) for p in patches]
+        apply(ready)
+        self.patches.extend(ready)
 
-        mods = self.options.modules
-        mod = _module(mods.multi_layer, MULTI_LAYER_MODULE, mods)
-        if mod is None:
+    def announce(self) -> None:
+        """Log each applied patch once, in SGLang's ``HookRegistry`` format, and a summary.
+
+        Called at activation: in a scheduler process that is after SGLang configured its
+        logging (the plugin loader runs before it, so lines logged at install were lost).
+        """
+        if self.announced:
             return
-        worker = getattr(mod, WORKER_CLASS, None)
-        if worker is None:
-            raise PluginError(f"{mod.__name__}.{WORKER_CLASS} not found", plugin="sglang")
-        _check_signature(mod, "sample_draft_proposal", SAMPLE_PARAMS, mod.__name__)
-        _check_signature(worker, "_draft_extend_for_prefill", EXTEND_PARAMS, f"{mod.__name__}.{WORKER_CLASS}")
-        new = chain_patches(mod, lambda: self.publisher)
-        for owner, attr, _, fn in new:
-            setattr(owner, attr, fn)
-        self.patches.extend(new)
+        self.announced = True
+        announce(self.patches, hook_source())
+        logger.info(
+            "pd-middleware installed into SGLang %s: channel %s, %d patches, features %s",
+            self.version,
+            self.channel_name,
+            len(self.patches),
+            ", ".join(sorted({self._feature_of(p) for p in self.patches})),
+        )
+
+    @staticmethod
+    def _feature_of(patch: Patch) -> str:
+        from .sglang_patch import FEATURES
+
+        for f in FEATURES.values():
+            if patch.target in f.targets:
+                return f.name
+        return "?"
+
+    def self_check(self) -> None:
+        """Startup self-check of SGLang's layout (metadata channel; once per process).
+
+        Builds a two-row ``MetadataBuffers`` and checks the widths, dtypes and
+        ``get_buf_infos`` triple the channel relies on; round-trips
+        ``KVArgsRegisterInfo.from_zmq`` with our trailing frame. Raises PluginError
+        naming the field (which stops the scheduler, and SGLang with it).
+        """
+        if self.self_checked or self.channel is None or self.channel.layout is None:
+            return
+        self.self_checked = True
+        owners = {p.target.attr: p.owner for p in self.patches if p.target.hook is not Hook.READ}
+        mb = owners.get("MetadataBuffers.__init__")
+        if mb is not None:
+            check_layout(mb, self.channel)
+        info = owners.get("KVArgsRegisterInfo.from_zmq")
+        if info is not None:
+            check_registration(info, self.channel)
+        logger.info("pd-middleware: SGLang's PD metadata layout checked (%s)", self.channel.describe())
 
     def _warn_capacity(self, facts: EngineFacts) -> None:
         """Prefill start: say once if the encoder's largest row exceeds ``capacity_bytes``.

@@ -5,7 +5,9 @@ SGLang moves a fixed set of per-request rows from prefill to decode
 of ``get_buf_infos()`` with the KV manager, the prefill fills its row in
 ``set_buf(req)`` and ``send_aux`` copies row i of each buffer into the decode's row,
 buffer by buffer, in list order. :class:`MetadataChannel` appends ONE more buffer, a
-``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.inband` rows:
+``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.inband` rows. The
+wrappers around SGLang's methods are targets of :mod:`.sglang_patch`'s table (feature
+``metadata``); each calls one public method of :class:`MetadataChannel`:
 
 - ``MetadataBuffers.__init__``: allocate it (CPU) as ``self.pd_proposal``;
 - ``get_buf_infos``: append it at the very END of the lists (after ``kv_checksum``), so a
@@ -20,7 +22,8 @@ buffer by buffer, in list order. :class:`MetadataChannel` appends ONE more buffe
 Layout handshake (Mooncake backend): the decode appends a trailing frame
 ``pd-middleware-row <layout>`` to its KV-args registration
 (``MooncakeKVManager.build_receiver_registration_message``); SGLang's parser reads
-fixed positions and ignores it. The prefill's ``_validate_peer_state_layout`` (SGLang's
+fixed positions and ignores it (checked at scheduler start: :func:`~.sglang_startup.check_registration`
+round-trips ``KVArgsRegisterInfo.from_zmq`` with the frame). The prefill's ``_validate_peer_state_layout`` (SGLang's
 own per-session rejection hook) compares that layout and the aux buffer counts with
 its own; a difference rejects the session, and every transfer to it then fails with a
 reason that names both layouts (SGLang's ``conclude_failure``). Without the check a
@@ -50,7 +53,6 @@ from ..inband import (
     write_row,
 )
 from ..payload import Payload
-from .sglang_patch import _mark
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -72,11 +74,14 @@ def row_tag(row: np.ndarray) -> int:
     return _TAG_WRITTEN | row_digest(row)
 
 
-UTILS_MODULE = "sglang.srt.disaggregation.utils"
-DECODE_MODULE = "sglang.srt.disaggregation.decode"
-MOONCAKE_MODULE = "sglang.srt.disaggregation.mooncake.conn"
+#: KVArgsRegisterInfo attribute the decode's layout (or None) is parsed into.
+LAYOUT_ATTR = "pd_middleware_layout"
 
-Patch = tuple[Any, str, Any, Any]
+
+def layout_of(msg: Any) -> str | None:
+    """The layout our trailing frame names in a registration message, or None (no frame)."""
+    last = bytes(msg[-1]) if len(msg) else b""
+    return last[len(FRAME_MARK) :].decode("ascii", "replace") if last.startswith(FRAME_MARK) else None
 
 
 class MetadataChannel:
@@ -218,53 +223,64 @@ class MetadataChannel:
             self._count("read")
         return got
 
-    # -- patches --------------------------------------------------------------------
-    def patches(self, utils: Any, decode: Any | None, mooncake: Any | None) -> list[Patch]:
-        """The (owner, attribute, original, replacement) list for the given modules.
+    # -- what the wrappers (sglang_patch) call ------------------------------------------
+    def allocate(self, buffers: Any) -> None:
+        """``MetadataBuffers.__init__`` tail: allocate the proposal buffer (CPU) on ``buffers``.
 
-        ``utils``: ``sglang.srt.disaggregation.utils`` (or a stand-in with a
-        ``MetadataBuffers`` class); ``decode``: ``...disaggregation.decode`` (its
-        ``DecodeTransferQueue``) or None; ``mooncake``: ``...mooncake.conn`` or None.
-        """
-        mb = utils.MetadataBuffers
-        out: list[Patch] = [
-            (mb, "__init__", mb.__init__, _wrap_init(mb.__init__, self)),
-            (mb, "get_buf_infos", mb.get_buf_infos, _wrap_infos(mb.get_buf_infos, self)),
-            (mb, "set_buf", mb.set_buf, _wrap_set_buf(mb.set_buf, self)),
-            (mb, "clear_slot", mb.clear_slot, _wrap_clear(mb.clear_slot, self)),
-        ]
-        if decode is not None:
-            q = decode.DecodeTransferQueue
-            fake = getattr(utils, "_is_fake_transfer", None)
-            out.append(
-                (
-                    q,
-                    "_commit_transfer_to_req",
-                    q._commit_transfer_to_req,
-                    _wrap_commit(q._commit_transfer_to_req, self, fake),
-                )
+        Raises ConfigError when SGLang keeps its metadata on a device (startup)."""
+        import torch
+
+        where = buffers.bootstrap_room.device
+        if where.type != "cpu":
+            # Our row is read with numpy on the scheduler thread; SGLang puts metadata
+            # on a device only for NPU or a custom NVLink pool.
+            from .._errors import ConfigError
+
+            raise ConfigError(
+                f"SGLang keeps its PD metadata on {where}; the metadata channel needs CPU metadata "
+                'buffers: use [sglang].channel = "sidechannel" on this deployment',
+                path="sglang.channel",
             )
-        if mooncake is not None:
-            mgr, info = mooncake.MooncakeKVManager, mooncake.KVArgsRegisterInfo
-            out.append(
-                (
-                    mgr,
-                    "build_receiver_registration_message",
-                    mgr.build_receiver_registration_message,
-                    _wrap_registration(mgr.build_receiver_registration_message, self),
-                )
-            )
-            raw_from_zmq = info.__dict__["from_zmq"]
-            out.append((info, "from_zmq", raw_from_zmq, _wrap_from_zmq(raw_from_zmq)))
-            out.append(
-                (
-                    mgr,
-                    "_validate_peer_state_layout",
-                    mgr._validate_peer_state_layout,
-                    _wrap_validate(mgr._validate_peer_state_layout, self),
-                )
-            )
-        return out
+        rows = buffers.output_ids.shape[0]
+        setattr(buffers, BUFFER_ATTR, torch.zeros((rows, self.capacity_bytes), dtype=torch.uint8))
+
+    def append_info(self, buffers: Any, infos: Any) -> Any:
+        """``get_buf_infos`` tail: our buffer at the very END of SGLang's three lists, so a
+        peer without it still pairs every SGLang buffer with its own."""
+        ptrs, data_lens, item_lens = infos
+        buf = buffers.__dict__.get(BUFFER_ATTR)
+        if buf is None:  # made before the drop-in was installed
+            return ptrs, data_lens, item_lens
+        return [*ptrs, buf.data_ptr()], [*data_lens, buf.nbytes], [*item_lens, buf[0].nbytes]
+
+    def clear(self, buffers: Any, idx: int) -> None:
+        """``clear_slot`` tail: clear the row (zero magic reads as "not sent")."""
+        rows = self.rows(buffers)
+        if rows is not None:
+            clear_row(rows[idx])
+
+    def commit(self, queue: Any, decode_req: Any, is_fake: Callable[[Any], bool] | None) -> None:
+        """``_commit_transfer_to_req`` tail (decode, every rank): read the row, hand it to ``on_row``."""
+        req = decode_req.req
+        if getattr(req, "finished_reason", None) is not None or self.on_row is None:
+            return  # SGLang aborted it (corruption, gate): nothing to attach
+        if is_fake is not None and is_fake(req):
+            return  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
+        self.on_row(req, self.read(queue.metadata_buffers, decode_req.metadata_buffer_index, req))
+
+    def registration_frame(self) -> bytes:
+        """The trailing frame of the decode's registration (SGLang's parser reads fixed positions)."""
+        return FRAME_MARK + self.describe().encode("ascii")
+
+    def validate(self, manager: Any, info: Any) -> str | None:
+        """Prefill ``_validate_peer_state_layout`` tail: why this decode session must be rejected."""
+        mismatch = self.peer_mismatch(
+            len(manager.kv_args.aux_data_ptrs), len(info.dst_aux_ptrs), getattr(info, LAYOUT_ATTR, None)
+        )
+        if mismatch is not None:
+            self._count("peer_rejected", mismatch)
+            logger.error("pd-middleware: rejecting decode session %s: %s", info.mooncake_session_id, mismatch)
+        return mismatch
 
     def peer_mismatch(self, local_aux: int, remote_aux: int, remote_layout: str | None) -> str | None:
         """Prefill, at a decode's registration: why the pair must not transfer, or None."""
@@ -304,118 +320,3 @@ def _committed_tag(req: Any, buffers: Any, idx: int) -> int:
         # the tensor (a 0-d tensor per element, about 1.5 us on CPU).
         return int(got.tolist()[TAG_COLUMN])
     return int(got[TAG_COLUMN])
-
-
-def _wrap_init(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        import torch
-
-        orig(self, *args, **kwargs)
-        where = self.bootstrap_room.device
-        if where.type != "cpu":
-            # Our row is read with numpy on the scheduler thread; SGLang puts metadata
-            # on a device only for NPU or a custom NVLink pool.
-            from .._errors import ConfigError
-
-            raise ConfigError(
-                f"SGLang keeps its PD metadata on {where}; the metadata channel needs CPU metadata "
-                'buffers: use [sglang].channel = "sidechannel" on this deployment',
-                path="sglang.channel",
-            )
-        setattr(self, BUFFER_ATTR, torch.zeros((self.output_ids.shape[0], ch.capacity_bytes), dtype=torch.uint8))
-
-    return _mark(__init__, orig)
-
-
-def _wrap_infos(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
-    def get_buf_infos(self: Any) -> Any:
-        ptrs, data_lens, item_lens = orig(self)
-        buf = self.__dict__.get(BUFFER_ATTR)
-        if buf is None:  # made before the drop-in was installed
-            return ptrs, data_lens, item_lens
-        # At the very END: a peer without it still pairs every SGLang buffer with its own.
-        return [*ptrs, buf.data_ptr()], [*data_lens, buf.nbytes], [*item_lens, buf[0].nbytes]
-
-    return _mark(get_buf_infos, orig)
-
-
-def _wrap_set_buf(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
-    def set_buf(self: Any, req: Any) -> Any:
-        out = orig(self, req)
-        ch.write(self, req)
-        return out
-
-    return _mark(set_buf, orig)
-
-
-def _wrap_clear(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
-    def clear_slot(self: Any, idx: int) -> Any:
-        out = orig(self, idx)
-        rows = ch.rows(self)
-        if rows is not None:
-            clear_row(rows[idx])
-        return out
-
-    return _mark(clear_slot, orig)
-
-
-def _wrap_commit(
-    orig: Callable[..., Any], ch: MetadataChannel, is_fake: Callable[[Any], bool] | None
-) -> Callable[..., Any]:
-    def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
-        out = orig(self, decode_req)
-        req = decode_req.req
-        if getattr(req, "finished_reason", None) is not None or ch.on_row is None:
-            return out  # SGLang aborted it (corruption, gate): nothing to attach
-        if is_fake is not None and is_fake(req):
-            return out  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
-        try:
-            ch.on_row(req, ch.read(self.metadata_buffers, decode_req.metadata_buffer_index, req))
-        except Exception as exc:
-            ch._count(f"attach_failed:{type(exc).__name__}", str(exc))
-        return out
-
-    return _mark(_commit_transfer_to_req, orig)
-
-
-def _wrap_registration(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
-    def build_receiver_registration_message(self: Any) -> Any:
-        msg = list(orig(self))
-        # Trailing frame: SGLang's parser reads fixed positions and ignores it.
-        return [*msg, FRAME_MARK + ch.describe().encode("ascii")]
-
-    return _mark(build_receiver_registration_message, orig)
-
-
-def _wrap_from_zmq(raw: Any) -> Any:
-    func = raw.__func__
-
-    def from_zmq(cls: Any, msg: Any) -> Any:
-        info = func(cls, msg)
-        last = msg[-1] if len(msg) else b""
-        layout = (
-            bytes(last)[len(FRAME_MARK) :].decode("ascii", "replace") if bytes(last).startswith(FRAME_MARK) else None
-        )
-        info.pd_middleware_layout = layout
-        return info
-
-    return classmethod(_mark(from_zmq, func))
-
-
-def _wrap_validate(orig: Callable[..., Any], ch: MetadataChannel) -> Callable[..., Any]:
-    def _validate_peer_state_layout(self: Any, registration_info: Any) -> Any:
-        fully_checked, mismatch = orig(self, registration_info)
-        if mismatch is None:
-            mismatch = ch.peer_mismatch(
-                len(self.kv_args.aux_data_ptrs),
-                len(registration_info.dst_aux_ptrs),
-                getattr(registration_info, "pd_middleware_layout", None),
-            )
-            if mismatch is not None:
-                ch._count("peer_rejected", mismatch)
-                logger.error(
-                    "pd-middleware: rejecting decode session %s: %s", registration_info.mooncake_session_id, mismatch
-                )
-        return fully_checked, mismatch
-
-    return _mark(_validate_peer_state_layout, orig)

@@ -11,27 +11,28 @@ string). Where the payload goes is the publisher's ``sink``:
   request's proposal row (:mod:`.sglang_metadata`);
 - the side channel: sent through a :class:`~pd_middleware.transport.PrefillSender`.
 
-**Each request draws from its own generator, seeded from (``seed``, room)**, not from
-one per-process generator: every prefill TP rank that writes a request's row (several
-do under MHA TP) writes identical bytes, given identical draft distributions, which is
-what SGLang's own TP sampling relies on too. **The caller must then hand the decode
-the encoder's X** (``tokens``) and q'(X) (``token_probs``) instead of its own draw:
-the shipped proposal is exact only for the X that was drawn from it. The decode checks
-it and falls back to one-hot when the tokens differ.
+**Each request draws from its own generator, seeded from (``seed``, room, rid)**
+(:func:`room_seed`), not from one per-process generator: every prefill TP rank that
+writes a request's row (several do under MHA TP) draws the same X, given identical draft
+distributions. That is not taken on trust: :func:`publish_batch` all-reduces, per batch,
+whether each rank encoded each request and which X it drew, and publishes a request only
+when all agree. **The caller must hand the decode the encoder's X** (``tokens``) and
+q'(X) (``token_probs``) instead of its own draw: the shipped proposal is exact only for
+the X that was drawn from it. The decode checks it and falls back to one-hot when the
+tokens differ.
 
-:func:`wrap_process_batch_result` builds the AROUND wrapper of SGLang's
-``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``: the method
-that copies ``next_draft_input.topk_p/topk_index`` into ``req.output_topk_p`` /
+:func:`publish_batch` is what the AROUND wrapper of SGLang's
+``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``
+(:mod:`.sglang_patch`) runs before SGLang's method, after ``copy_done``: that method
+copies ``next_draft_input.topk_p/topk_index`` into ``req.output_topk_p`` /
 ``req.output_topk_index`` for finished requests, right before ``send_kv_chunk`` writes
-them into the PD metadata buffers. Before calling it, the wrapper encodes the
-``draft_probs`` rows of the requests that finish in this batch and overwrites their
-``topk_index[:, 0]`` / ``topk_p[:, 0]`` with the encoder's draw, so SGLang's own
-metadata carries it.
+them into the PD metadata buffers, so overwriting ``topk_index[:, 0]`` /
+``topk_p[:, 0]`` with the encoder's draw makes SGLang's own metadata carry it.
 
-Multi-layer EAGLE is not published: step k+1 of SGLang's chain was drafted from its own
-X_k inside the draft loop, so redrawing X_k here would make the later steps' q wrong
-(docs/sglang.md, "Multi-layer"). Those batches are counted (``skipped:multi_layer``)
-and the decode answers one-hot (exact).
+Multi-layer EAGLE is published when the chain patches are active (:mod:`.sglang_chain`
+draws each step inside SGLang's draft loop, so step k+1 is conditioned on the encoded
+X_k). Without them SGLang's own chain stands and is sent X only (counted
+``skipped:multi_layer``; the decode answers one-hot, exact).
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ import torch
 from .._errors import ConfigError, PDMiddlewareError
 from ..contracts import EncodedBatch
 from ..payload import Payload
-from .sglang_decode import room_key
-from .sglang_patch import _mark
+from .sglang_decode import LOCAL_PROVENANCE, room_key
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -72,7 +72,7 @@ class ProposalPublisher:
     returning one (connected lazily on first publish, so a prefill may start before its
     decode), or None with ``stage`` given; ``stage(req_or_room, payload)``: the
     metadata channel's sink (the wrapper passes SGLang's Req); ``vocab_size``: V;
-    ``seed``: mixed with each request's room into its generator's seed.
+    ``seed``: mixed with each request's room and rid into its generator's seed (:func:`room_seed`).
     """
 
     def __init__(
@@ -92,8 +92,13 @@ class ProposalPublisher:
         self.vocab_size = vocab_size
         self.seed = seed
         self.counts: Counter[str] = Counter()
-        self._logged: set[str] = set()
+        self.logged: set[str] = set()
         self._lock = threading.Lock()
+        self._connector: threading.Thread | None = None
+        self._connect_lock = threading.Lock()
+        self._closed = threading.Event()
+        # A factory's sender is ours to close; a connected one handed in stays the caller's.
+        self._owns_sender = sender is not None and not hasattr(sender, "send")
 
     @classmethod
     def from_config(
@@ -140,11 +145,57 @@ class ProposalPublisher:
             enc, sender, vocab_size=cfg.model.vocab_size, seed=cfg.sglang.seed if seed is None else seed, stage=stage
         )
 
+    #: Connect attempts of a lazily connected sender, and the longest pause between two.
+    CONNECT_ATTEMPTS = 120
+    CONNECT_BACKOFF_MAX_S = 15.0
+
     @property
     def sender(self) -> Any:
-        if callable(self._sender) and not hasattr(self._sender, "send"):
-            self._sender = self._sender()
-        return self._sender
+        """The connected sender, or None while a lazy one is connecting (off this thread)."""
+        s = self._sender
+        if s is None or hasattr(s, "send"):
+            return s
+        with self._connect_lock:
+            if self._connector is None:
+                self._connector = threading.Thread(
+                    target=self._connect, args=(s,), name="pd-middleware-sidechannel-connect", daemon=True
+                )
+                self._connector.start()
+        return None
+
+    def _connect(self, factory: Callable[[], Any]) -> None:
+        # Off the scheduler thread: a decode that is not up yet costs the prefill nothing
+        # but X-only requests (counted send_failed:not_connected), never a blocked batch.
+        pause = 0.5
+        for attempt in range(1, self.CONNECT_ATTEMPTS + 1):
+            try:
+                sender = factory()
+            except Exception as exc:
+                if attempt == 1:
+                    logger.warning(
+                        "pd-middleware side channel: cannot connect yet (%s); retrying in the background", exc
+                    )
+                if self._closed.wait(pause):
+                    return
+                pause = min(pause * 2, self.CONNECT_BACKOFF_MAX_S)
+                continue
+            if self._closed.is_set():
+                sender.close()
+                return
+            self._sender = sender
+            logger.info("pd-middleware side channel connected after %d attempt(s)", attempt)
+            return
+        logger.error(
+            "pd-middleware side channel: gave up connecting after %d attempts; every request is sent X only",
+            self.CONNECT_ATTEMPTS,
+        )
+
+    def close(self) -> None:
+        """Stop a background connect and close the sender this publisher opened."""
+        self._closed.set()
+        s = self._sender
+        if s is not None and hasattr(s, "send") and self._owns_sender:
+            s.close()
 
     def encode(
         self,
@@ -153,7 +204,7 @@ class ProposalPublisher:
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
         salts: Sequence[str] | None = None,
     ) -> tuple[EncodedBatch, list[Payload]]:
-        """Encode one batch, each request from its own (seed, room) generator.
+        """Encode one batch, each request from its own (seed, room, salt) generator (salt: SGLang's rid).
 
         ``rooms``: B bootstrap rooms (ints) or request ids; ``draft_probs``: float
         (B, V) or (B, S, V) draft probabilities after temperature, any device;
@@ -201,18 +252,23 @@ class ProposalPublisher:
                 self.counts["staged"] += len(payloads)
                 return
             sender = self.sender
+            if sender is None:
+                self._note("send_failed:not_connected", len(payloads), "the side channel is not connected yet")
+                return
             for payload in payloads:
                 try:
                     sender.send(payload)
                     self.counts["published"] += 1
                 except PDMiddlewareError as exc:
-                    key = f"send_failed:{type(exc).__name__}"
-                    self.counts[key] += 1
-                    if key not in self._logged:
-                        self._logged.add(key)
-                        logger.warning(
-                            "publishing request %s failed (%s); the decode will use one-hot", payload.request_id, exc
-                        )
+                    self._note(f"send_failed:{type(exc).__name__}", 1, f"request {payload.request_id}: {exc}")
+
+    def _note(self, key: str, n: int, detail: str) -> None:
+        self.counts[key] += n
+        if key not in self.logged:
+            self.logged.add(key)
+            logger.warning(
+                "publishing failed (%s); the decode will use one-hot (logged once; counted as %s)", detail, key
+            )
 
     def publish(
         self,
@@ -231,29 +287,6 @@ class ProposalPublisher:
         enc, payloads = self.encode(rooms, draft_probs, temperature, salts)
         self.deliver(targets if targets is not None else rooms, payloads)
         return enc
-
-
-def _stage_bare(publisher: ProposalPublisher, batch: Any, draft_input: Any) -> None:
-    """Stage SGLang's own chain (X, q(X)) with no distribution for each finishing request."""
-    from .sglang_decode import _LOCAL_PROVENANCE
-
-    assert publisher.stage is not None
-    tokens = draft_input.topk_index.detach().to("cpu").tolist()
-    probs = draft_input.topk_p.detach().to("cpu", torch.float32).clamp(0.0, 1.0).tolist()
-    for i, req in enumerate(batch.reqs):
-        room = getattr(req, "bootstrap_room", None)
-        if room is None or not _finishing(req):
-            continue
-        publisher.stage(
-            req,
-            Payload(
-                request_id=room_key(room) or "",
-                draft_tokens=tuple(tokens[i]),
-                draft_probs=tuple(probs[i]),
-                vocab_size=publisher.vocab_size,
-                provenance=_LOCAL_PROVENANCE,
-            ),
-        )
 
 
 def _temperatures(temperature: Any, b: int) -> list[float]:
@@ -278,71 +311,189 @@ def _finishing(req: Any) -> bool:
     return getattr(req, "to_finish", None) is None and getattr(req, "discard_output_reason", None) is None
 
 
-def wrap_process_batch_result(original: Callable[..., Any], get_publisher: Callable[[], Any]) -> Callable[..., Any]:
-    """AROUND wrapper of ``process_batch_result_disagg_prefill(self, batch, result)``."""
-
-    def process_batch_result_disagg_prefill(self: Any, batch: Any, result: Any) -> Any:
-        publisher = get_publisher()
-        draft_input = getattr(result, "next_draft_input", None)
-        q = getattr(draft_input, "draft_probs", None)
-        if publisher is not None:
-            # Nothing staged by an earlier batch (a request requeued without a q) may be
-            # written next to this batch's X.
-            _unstage(publisher, batch)
-        if publisher is not None and q is not None:
-            try:
-                _publish_batch(publisher, batch, draft_input, q)
-            except Exception as exc:
-                _unstage(publisher, batch)
-                key = f"publish_failed:{type(exc).__name__}"
-                publisher.counts[key] += 1
-                if key not in publisher._logged:
-                    publisher._logged.add(key)
-                    logger.error("pd-middleware could not encode a batch (%s); those requests get one-hot", exc)
-        return original(self, batch, result)
-
-    return _mark(process_batch_result_disagg_prefill, original)
-
-
-def _unstage(publisher: ProposalPublisher, batch: Any) -> None:
+def unstage(publisher: ProposalPublisher, batch: Any) -> None:
+    """Clear what an earlier batch staged on ``batch``'s requests (metadata channel)."""
     if publisher.stage is not None:
         for req in batch.reqs:
             publisher.stage(req, None)
 
 
-def _publish_batch(publisher: ProposalPublisher, batch: Any, draft_input: Any, q: torch.Tensor) -> None:
-    if q.dim() == 3 and q.shape[1] != 1:
-        # Multi-layer: the chain was drawn step by step inside SGLang's draft loop
-        # (.sglang_chain) when its patches are active; stage those S-step payloads.
-        chained = getattr(draft_input, "pd_middleware_payloads", None)
-        if chained is not None and len(chained) == len(batch.reqs):
-            pairs = [
-                (req, chained[i])
-                for i, req in enumerate(batch.reqs)
-                if _finishing(req) and getattr(req, "bootstrap_room", None) is not None and chained[i] is not None
-            ]
-            publisher.deliver([r for r, _ in pairs], [p for _, p in pairs])
-            publisher.counts["chain:published"] += len(pairs)
-            return
-        # Otherwise SGLang's own chain stands (see the module docstring). On the
-        # metadata channel its X still travels in a row without a distribution, so the
-        # decode tells "no distribution" from "no drop-in".
-        publisher.counts["skipped:multi_layer"] += 1
-        if publisher.stage is not None:
-            _stage_bare(publisher, batch, draft_input)
+#: Neutral element of the agreement's MIN (a rank with nothing to say for a request).
+_NEUTRAL = torch.iinfo(torch.int64).max
+
+
+def publish_batch(
+    publisher: ProposalPublisher, batch: Any, draft_input: Any, *, group: Any = None, guard: Any = None
+) -> None:
+    """Encode one prefill batch's finishing requests and give SGLang the encoder's X; never raises.
+
+    ``draft_input``: SGLang's ``result.next_draft_input`` (``draft_probs``, ``topk_index``,
+    ``topk_p``), after ``copy_done``; ``group``: the CPU group of the ranks that run this
+    batch (SGLang's attention TP), or None for one rank; ``guard``: counts our failures.
+
+    Every rank that runs the batch must hand the decode the same X for a request (under
+    TP, the sharded target forward embeds each rank's own X). So, per batch:
+
+    1. each rank encodes each finishing request (its own generator, seeded from (seed,
+       room, rid)); a failure here is this rank's alone;
+    2. every rank, always, takes part in one all-reduce (MIN) of [encoded OK, X, -X]
+       per request over ``group``;
+    3. a request whose ranks all encoded, and all drew the same X, gets it: ``topk_index``
+       / ``topk_p`` are overwritten and its payload is staged or sent. Any other request
+       keeps SGLang's own X, sent without a distribution (the decode answers one-hot),
+       counted ``agreement:<why>`` (``local_failed``, ``peer_failed``, ``x_differs``) and
+       logged once.
+
+    Multi-layer EAGLE: with the chain patches (:mod:`.sglang_chain`) the S-step payloads
+    were drawn inside SGLang's draft loop and X is already the encoder's; they are
+    published the same way. Without them (a step failed, a padded batch) SGLang's own
+    chain stands and is sent X only.
+    """
+    q = getattr(draft_input, "draft_probs", None)
+    if q is None:
         return
     rows = [
         i for i, req in enumerate(batch.reqs) if _finishing(req) and getattr(req, "bootstrap_room", None) is not None
     ]
     if not rows:
         return
-    q2 = q.reshape(q.shape[0], -1)[rows]
-    sampling = getattr(batch, "sampling_info", None)
-    temps = getattr(sampling, "temperatures", None)
-    temperature: Any = temps.reshape(-1)[rows] if isinstance(temps, torch.Tensor) else 1.0
+    try:
+        own = draft_input.topk_index[rows].detach().to("cpu", torch.int64)
+        steps = int(own.shape[1]) if q.dim() == 3 and q.shape[1] != 1 else 1
+        own = own[:, :steps]
+    except Exception as exc:  # SGLang's own X unreadable: nothing to agree on, SGLang's stands
+        _failed(guard, "prefill", exc)
+        return
+    local = None
+    try:
+        local = _encode_rows(publisher, batch, draft_input, q, rows, steps)
+    except Exception as exc:
+        _failed(guard, "prefill_encode", exc)
+    why = _agree(local, own, group, guard)
+    try:
+        _finish(publisher, batch, draft_input, rows, own, local, why)
+    except Exception as exc:
+        _failed(guard, "prefill_publish", exc)
+
+
+def _failed(guard: Any, where: str, exc: BaseException) -> None:
+    if guard is not None:
+        guard.failed(where, exc, "SGLang's own X (the decode answers one-hot)")
+    else:
+        logger.error("pd-middleware %s failed (%s); SGLang's own X is used", where, exc)
+
+
+def _encode_rows(
+    publisher: ProposalPublisher, batch: Any, draft_input: Any, q: torch.Tensor, rows: list[int], steps: int
+) -> tuple[torch.Tensor, torch.Tensor, list[Payload | None]]:
+    """This rank's (X (r, S), q'(X) (r, S), payloads) for ``rows``; payloads[i] None: X only."""
     reqs = [batch.reqs[i] for i in rows]
-    enc = publisher.publish([r.bootstrap_room for r in reqs], q2, temperature, targets=reqs)
-    # SGLang's metadata must carry the encoder's X: the shipped q' is exact only for it.
-    idx = torch.tensor(rows, device=draft_input.topk_index.device)
-    draft_input.topk_index[idx, 0] = enc.tokens[:, 0].to(draft_input.topk_index.device, draft_input.topk_index.dtype)
-    draft_input.topk_p[idx, 0] = enc.token_probs[:, 0].to(draft_input.topk_p.device, draft_input.topk_p.dtype)
+    if steps > 1:
+        from .sglang_chain import PAYLOADS_ATTR
+
+        chained = getattr(draft_input, PAYLOADS_ATTR, None)
+        if chained is None or len(chained) != len(batch.reqs):
+            # No chain drawn by the drop-in (its patches off, a padded batch, a failed
+            # step): SGLang's own chain stands, sent X only.
+            publisher.counts["skipped:multi_layer"] += 1
+            chained = [None] * len(batch.reqs)
+        got = [chained[i] for i in rows]
+        x = draft_input.topk_index[rows, :steps].detach().to("cpu", torch.int64)
+        p = draft_input.topk_p[rows, :steps].detach().to("cpu", torch.float32)
+        publisher.counts["chain:published"] += sum(g is not None for g in got)
+        return x, p, list(got)
+    q2 = q.reshape(q.shape[0], -1)[rows]
+    temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
+    temperature: Any = temps.reshape(-1)[rows] if isinstance(temps, torch.Tensor) else 1.0
+    salts = [str(getattr(r, "rid", "")) for r in reqs]
+    enc, payloads = publisher.encode([r.bootstrap_room for r in reqs], q2, temperature, salts)
+    return enc.tokens.to(torch.int64), enc.token_probs, list(payloads)
+
+
+def _agree(
+    local: tuple[torch.Tensor, torch.Tensor, list[Payload | None]] | None,
+    own: torch.Tensor,
+    group: Any,
+    guard: Any,
+) -> list[str]:
+    """Per request, why it is not published ("" when every rank encoded it with one X)."""
+    r, steps = own.shape
+    if local is None:
+        mine = ["local_failed"] * r
+        x, ok = own, torch.zeros(r, dtype=torch.int64)
+    else:
+        mine = ["" if p is not None else "x_only" for p in local[2]]
+        x = local[0].reshape(r, steps)
+        ok = torch.tensor([0 if m else 1 for m in mine], dtype=torch.int64)
+    if group is None:
+        return mine
+    flat = torch.cat([ok, x.reshape(-1), -x.reshape(-1)])
+    try:
+        import torch.distributed as dist
+
+        dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
+    except Exception as exc:  # the group itself failed: publish nothing
+        _failed(guard, "prefill_agreement", exc)
+        return [m or "agreement_failed" for m in mine]
+    n = r * steps
+    same = (flat[r : r + n].reshape(r, steps) == -flat[r + n :].reshape(r, steps)).all(dim=1).tolist()
+    all_ok = flat[:r].tolist()
+    return [m or ("peer_failed" if not a else "" if eq else "x_differs") for m, a, eq in zip(mine, all_ok, same)]
+
+
+def _finish(
+    publisher: ProposalPublisher,
+    batch: Any,
+    draft_input: Any,
+    rows: list[int],
+    own: torch.Tensor,
+    local: tuple[torch.Tensor, torch.Tensor, list[Payload | None]] | None,
+    why: list[str],
+) -> None:
+    reqs = [batch.reqs[i] for i in rows]
+    pub = [j for j, w in enumerate(why) if not w]
+    if local is not None and pub:
+        tokens, probs, payloads = local
+        if own.shape[1] == 1:
+            # SGLang's metadata must carry the encoder's X: the shipped q' is exact only for it.
+            dev = draft_input.topk_index.device
+            idx = torch.tensor([rows[j] for j in pub], device=dev)
+            sel = torch.tensor(pub)
+            draft_input.topk_index[idx, 0] = tokens[sel, 0].to(dev, draft_input.topk_index.dtype)
+            draft_input.topk_p[idx, 0] = probs[sel, 0].to(draft_input.topk_p.device, draft_input.topk_p.dtype)
+        publisher.deliver([reqs[j] for j in pub], [p for j in pub if (p := payloads[j]) is not None])
+    bare = [j for j, w in enumerate(why) if w]
+    if not bare:
+        return
+    for reason in sorted({why[j] for j in bare} - {"x_only"}):
+        _count_once(publisher, f"agreement:{reason}", sum(why[j] == reason for j in bare))
+    # SGLang's own X, without a distribution, so the decode tells "X only" from "no drop-in".
+    p_own = draft_input.topk_p[[rows[j] for j in bare]].detach().to("cpu", torch.float32).clamp(0.0, 1.0)
+    publisher.deliver(
+        [reqs[j] for j in bare],
+        [
+            Payload(
+                request_id=room_key(reqs[j].bootstrap_room) or "",
+                draft_tokens=tuple(own[j].tolist()),
+                draft_probs=tuple(p_own[k, : own.shape[1]].tolist()),
+                vocab_size=publisher.vocab_size,
+                provenance=LOCAL_PROVENANCE,
+            )
+            for k, j in enumerate(bare)
+        ],
+    )
+
+
+def _count_once(publisher: ProposalPublisher, key: str, n: int) -> None:
+    publisher.counts[key] += n
+    with publisher._lock:
+        first = key not in publisher.logged
+        publisher.logged.add(key)
+    if first:
+        logger.error(
+            "pd-middleware prefill ranks did not all publish the same X for %d request(s) (%s): every rank "
+            "keeps SGLang's own X and the decode answers one-hot (logged once; counted as %s)",
+            n,
+            key,
+            key,
+        )

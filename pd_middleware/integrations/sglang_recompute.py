@@ -195,9 +195,7 @@ def check_placement(lp: Any, *, enable_overlap: bool) -> None:
 
 # The prebuilt batch's recomputed proposal, set by the build wrapper and read by the
 # pd_first_draft_proposal replacement within the same builder call.
-_current: contextvars.ContextVar[tuple[Any, Recomputed] | None] = contextvars.ContextVar(
-    "pd_middleware_recompute", default=None
-)
+_current: contextvars.ContextVar[Recomputed | None] = contextvars.ContextVar("pd_middleware_recompute", default=None)
 
 
 class DecodeRecompute:
@@ -357,12 +355,22 @@ class _UnknownHead:
 _UNKNOWN_HEAD = _UnknownHead()
 
 
-def wrap_build(build: Callable[..., Any], recompute: DecodeRecompute) -> Callable[..., Any]:
-    """``build_eagle_disagg_draft_input``: recompute first, inside the call (before the stash)."""
+def wrap_build(build: Callable[..., Any], inst: Installation) -> Callable[..., Any]:
+    """``build_eagle_disagg_draft_input``: recompute first, inside the call (before the stash).
+
+    Guarded: a failure of the recompute step is counted (``guard:recompute:<error>``) and
+    the batch keeps the prefill's X with SGLang's one-hot proposal (exact for any X).
+    """
+    recompute = inst.recompute
+    assert recompute is not None
 
     def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
-        rec = recompute.prepare(batch)
-        token = _current.set((batch, rec) if rec is not None else None)
+        try:
+            rec = recompute.prepare(batch)
+        except Exception as exc:
+            inst.guard.failed("recompute", exc, "the prefill's X with SGLang's one-hot proposal")
+            rec = None
+        token = _current.set(rec)
         try:
             return build(batch, last_tokens_tensor, future_map)
         finally:
@@ -371,14 +379,28 @@ def wrap_build(build: Callable[..., Any], recompute: DecodeRecompute) -> Callabl
     return build_eagle_disagg_draft_input
 
 
-def wrap_proposal(first: Callable[..., Any], recompute: DecodeRecompute) -> Callable[..., Any]:
-    """``pd_first_draft_proposal``: q' of the batch being built, else SGLang's one-hot."""
+def wrap_proposal(first: Callable[..., Any], inst: Installation) -> Callable[..., Any]:
+    """``pd_first_draft_proposal``: q' of the batch being built, else SGLang's one-hot.
+
+    Guarded like every per-batch wrapper: a failure gives SGLang's one-hot at the X the
+    builder read (X' where the recompute step wrote it: one-hot is exact for any X).
+    """
+    from .sglang_patch import check_proposal, sglang_one_hot
+
+    recompute = inst.recompute
+    assert recompute is not None
 
     def pd_first_draft_proposal(topk_index: Any, vocab_size: int) -> Any:
-        cur = _current.get()
-        if cur is None:
+        rec = _current.get()
+        if rec is None:
             return first(topk_index, vocab_size)
-        return recompute.proposal(cur[1], topk_index, vocab_size, first)
+        try:
+            out = recompute.proposal(rec, topk_index, vocab_size, first)
+            check_proposal(out, topk_index, vocab_size)
+            return out
+        except Exception as exc:
+            inst.guard.failed("recompute_proposal", exc, "SGLang's one-hot proposal")
+            return sglang_one_hot(first, topk_index, vocab_size, inst.guard)
 
     return pd_first_draft_proposal
 
@@ -414,65 +436,23 @@ def uses_recompute(config: Any) -> bool:
     return bool(config.synthesizer.name == "recompute" and not config.arms)
 
 
-def install_recompute(config: Any, opts: Any, version: str) -> Installation:
-    """The decode-only installation (``synthesizer = "recompute"``): two builder patches and
-    the scheduler-start hook; no metadata row, no side channel, nothing on the prefill.
+def activate_recompute(inst: Installation, facts: Any, scheduler: Any) -> None:
+    """Scheduler start with ``synthesizer = "recompute"``: the decode captures its draft head.
 
-    Checks every signature before anything is patched (PluginError); returns the
-    :class:`~.sglang_installation.Installation` (``mode = "recompute"``), not yet applied:
-    the caller sets the patches and records it.
+    ``scheduler`` None (a harness that passes EngineFacts): the head is bound later with
+    :func:`capture`. A prefill has nothing to do (decode-only).
     """
-    from .sglang_decode import DecodeProposer
-    from .sglang_installation import Installation
-    from .sglang_patch import (
-        BUILD_PARAMS,
-        DECODE_MODULE,
-        PROPOSAL_PARAMS,
-        SCHEDULER_MODULE,
-        _check_signature,
-        _mark,
-        _module,
-    )
-    from .sglang_startup import check, facts_from_scheduler
-
-    if config.sglang.channel == "sidechannel":
-        raise ConfigError(
-            'synthesizer = "recompute" ships nothing: it needs no channel (use channel = "none")', path="sglang.channel"
+    rc = inst.recompute
+    assert rc is not None
+    if facts.role == "prefill":
+        logger.info("pd-middleware recompute is decode-only: nothing to do on this prefill")
+        return
+    if facts.num_steps > 1:
+        logger.warning(
+            "pd-middleware recompute: a %d-step multi-layer chain cannot be recomputed (steps 1..S-1 "
+            "were drawn on the prefill given X); every request falls back to one-hot, counted. "
+            "Use a shipped strategy (configs/multi_layer.yaml) for chains",
+            facts.num_steps,
         )
-    mods = opts.modules
-    dec = _module(mods.builder, DECODE_MODULE, mods)
-    if dec is None:
-        raise PluginError("no SGLang builder module given", plugin="sglang")
-    build = _check_signature(dec, "build_eagle_disagg_draft_input", BUILD_PARAMS, dec.__name__)
-    first = _check_signature(dec, "pd_first_draft_proposal", PROPOSAL_PARAMS, dec.__name__)
-    sched_mod = _module(mods.scheduler, SCHEDULER_MODULE, mods) if opts.facts is None and opts.hook_scheduler else None
-    sched_cls = getattr(sched_mod, "Scheduler", None) if sched_mod is not None else None
-    sched_init = _check_signature(sched_cls, "init_disaggregation", ("self",), "Scheduler") if sched_cls else None
-
-    proposer = DecodeProposer(config, None, registry=opts.registry, metrics=opts.metrics)
-    rc = DecodeRecompute(config, opts.registry, proposer.metrics)
-    inst = Installation(version, "recompute", config, opts, proposer, recompute=rc)
-    inst.patches.append((dec, "build_eagle_disagg_draft_input", build, _mark(wrap_build(build, rc), build)))
-    inst.patches.append((dec, "pd_first_draft_proposal", first, _mark(wrap_proposal(first, rc), first)))
-    if sched_cls is not None and sched_init is not None:
-        orig = sched_init
-
-        def init_disaggregation(self: Any) -> Any:
-            facts = facts_from_scheduler(self)
-            if facts.role == "decode":
-                check(config, facts, "none")
-                if facts.num_steps > 1:
-                    logger.warning(
-                        "pd-middleware recompute: a %d-step multi-layer chain cannot be recomputed (steps 1..S-1 "
-                        "were drawn on the prefill given X); every request falls back to one-hot, counted. "
-                        "Use a shipped strategy (configs/multi_layer.yaml) for chains",
-                        facts.num_steps,
-                    )
-                capture(rc, self, vocab_size=facts.vocab_size, num_steps=facts.num_steps, rs=facts.rejection_sampling)
-                inst.facts = facts
-            elif facts.role == "prefill":
-                logger.info("pd-middleware recompute is decode-only: nothing to do on this prefill")
-            return orig(self)
-
-        inst.patches.append((sched_cls, "init_disaggregation", sched_init, _mark(init_disaggregation, sched_init)))
-    return inst
+    if scheduler is not None:
+        capture(rc, scheduler, vocab_size=facts.vocab_size, num_steps=facts.num_steps, rs=facts.rejection_sampling)

@@ -10,14 +10,19 @@ misconfigured node stops at startup instead of failing on its first batch.
 
 from __future__ import annotations
 
+import dataclasses
+import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._errors import ConfigError
+import torch
+
+from .._errors import ConfigError, PluginError
 
 #: SGLang speculative algorithms whose PD first draft input goes through
-#: ``build_eagle_disagg_draft_input`` (EAGLE family; NEXTN is SGLang's alias for MTP).
-EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+#: ``build_eagle_disagg_draft_input`` (EAGLE family). ``NEXTN`` (MTP) is not listed: SGLang
+#: resolves it to EAGLE before a scheduler starts (``arg_groups/speculative_hook.py``).
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +53,9 @@ def facts_from_scheduler(scheduler: Any) -> EngineFacts:
     from sglang.srt.runtime_context import get_disagg, get_parallel, get_spec
 
     spec, disagg = get_spec(), get_disagg()
-    multi = bool(getattr(spec, "enable_multi_layer_eagle", False))
+    # Read, not defaulted: an SGLang without the flag is another SGLang (AttributeError
+    # stops the scheduler, naming it).
+    multi = bool(spec.enable_multi_layer_eagle)
     steps = int(spec.speculative_num_steps or 1) if multi else 1
     mode = disagg.disaggregation_mode
     return EngineFacts(
@@ -111,3 +118,123 @@ def check(config: Any, facts: EngineFacts, channel: str) -> None:
 def _one_hot(config: Any) -> bool:
     names = {config.synthesizer.name, *(a.synthesizer.name for a in config.arms)}
     return names == {"one_hot"}
+
+
+# ----------------------------------------------------------------------- layout self-check
+
+#: What the metadata channel relies on in SGLang's ``MetadataBuffers`` (field, width, dtype).
+LAYOUT = (
+    ("output_topk_index", 16, torch.int64),  # X in columns < 15, our binding tag in column 15
+    ("output_topk_p", 16, torch.float32),
+    ("bootstrap_room", 8, None),
+)
+
+
+def check_layout(buffers_cls: Any, channel: Any) -> None:
+    """Build a two-row ``MetadataBuffers`` (the patched class) and check what the channel relies on.
+
+    The widths and dtypes of :data:`LAYOUT`; our buffer allocated; ``get_buf_infos``
+    returning three lists of one length, SGLang's ``output_topk_index`` among them with
+    its row size, our buffer LAST with ours, every list entry two rows of its item size.
+    Raises PluginError naming the field that differs.
+    """
+    from .sglang_metadata import BUFFER_ATTR
+
+    bufs = buffers_cls(2, 8, torch.float32, 16)
+
+    def fail(what: str, got: Any, want: Any) -> PluginError:
+        return PluginError(
+            f"SGLang's MetadataBuffers.{what} is {got}, the metadata channel needs {want}; this SGLang's PD "
+            'metadata layout changed: stop, or use [sglang].channel = "sidechannel"',
+            plugin="sglang",
+        )
+
+    for name, width, dtype in LAYOUT:
+        t = getattr(bufs, name, None)
+        if not isinstance(t, torch.Tensor):
+            raise fail(name, type(t).__name__, "a tensor")
+        if tuple(t.shape) != (2, width):
+            raise fail(f"{name}.shape", tuple(t.shape), (2, width))
+        if dtype is not None and t.dtype != dtype:
+            raise fail(f"{name}.dtype", t.dtype, dtype)
+    ours = bufs.__dict__.get(BUFFER_ATTR)
+    if not isinstance(ours, torch.Tensor) or tuple(ours.shape) != (2, channel.capacity_bytes):
+        raise fail(BUFFER_ATTR, getattr(ours, "shape", None), (2, channel.capacity_bytes))
+    infos = bufs.get_buf_infos()
+    if not (isinstance(infos, tuple) and len(infos) == 3 and len({len(x) for x in infos}) == 1):
+        raise fail("get_buf_infos()", "not three lists of one length", "(ptrs, data_lens, item_lens)")
+    ptrs, data_lens, item_lens = (list(x) for x in infos)
+    topk = bufs.output_topk_index
+    if topk.data_ptr() not in ptrs:
+        raise fail("get_buf_infos() ptrs", "without output_topk_index", "output_topk_index among them")
+    at = ptrs.index(topk.data_ptr())
+    if item_lens[at] != topk[0].nbytes:
+        raise fail("get_buf_infos() item_lens[output_topk_index]", item_lens[at], topk[0].nbytes)
+    if ptrs[-1] != ours.data_ptr() or item_lens[-1] != channel.capacity_bytes:
+        raise fail("get_buf_infos() last entry", (ptrs[-1], item_lens[-1]), "the proposal buffer")
+    bad = [i for i, (d, n) in enumerate(zip(data_lens, item_lens)) if d != 2 * n]
+    if bad:
+        raise fail(f"get_buf_infos() entry {bad[0]}", (data_lens[bad[0]], item_lens[bad[0]]), "2 rows of item_len")
+
+
+def registration_frames() -> list[bytes]:
+    """A decode registration message as SGLang 0.5.23's ``build_receiver_registration_message``
+    lays it out (20 frames, no state, no staging)."""
+    return [
+        b"None",
+        b"127.0.0.1",
+        b"17000",
+        b"127.0.0.1:17001",
+        struct.pack("2Q", 4096, 8192),
+        struct.pack("3Q", 12288, 16384, 20480),
+        b"",
+        b"1",
+        b"2",
+        b"64",
+        b"",
+        b"",
+        b"",
+        b"",
+        b"",
+        b"",
+        b"1",
+        b"0",
+        b"",
+        struct.pack("2Q", 64, 64),
+    ]
+
+
+def check_registration(info_cls: Any, channel: Any) -> None:
+    """Round-trip ``KVArgsRegisterInfo.from_zmq`` (ours around SGLang's) on a registration
+    with and without our trailing frame: every SGLang field must be the same both ways, and
+    our layout must come back. Raises PluginError naming the field."""
+    from .sglang_metadata import LAYOUT_ATTR
+
+    frames = registration_frames()
+    try:
+        plain = info_cls.from_zmq(frames)
+        ours = info_cls.from_zmq([*frames, channel.registration_frame()])
+    except Exception as exc:
+        raise PluginError(
+            f"SGLang's KVArgsRegisterInfo.from_zmq no longer parses a 0.5.23 registration ({type(exc).__name__}: "
+            f"{exc}); the metadata channel's layout frame cannot be carried",
+            plugin="sglang",
+        ) from exc
+    names = [f.name for f in dataclasses.fields(plain)] if dataclasses.is_dataclass(plain) else list(vars(plain))
+    for name in names:
+        a, b = getattr(plain, name, None), getattr(ours, name, None)
+        eq: Any = a == b
+        same = bool(eq.all()) if hasattr(eq, "all") else bool(eq)
+        if not same:
+            raise PluginError(
+                f"SGLang's KVArgsRegisterInfo.from_zmq reads the drop-in's trailing registration frame into "
+                f"{name} ({a!r} without it, {b!r} with it); this SGLang added a frame: the metadata channel "
+                'cannot run on it (use [sglang].channel = "sidechannel")',
+                plugin="sglang",
+            )
+    if getattr(ours, LAYOUT_ATTR, None) != channel.describe() or getattr(plain, LAYOUT_ATTR, 0) is not None:
+        raise PluginError(
+            f"KVArgsRegisterInfo.{LAYOUT_ATTR} did not round-trip: got {getattr(ours, LAYOUT_ATTR, None)!r}, "
+            f"sent {channel.describe()!r}",
+            plugin="sglang",
+        )
