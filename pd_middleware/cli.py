@@ -118,9 +118,9 @@ class _FormOnlyRegistry:
     def resolve(self, kind: str, ref: str, key: str | None = None) -> Any:
         if ":" not in ref:
             return self._registry.resolve(kind, ref, key)
-        from .registry import _PATH_RE
+        from .registry import is_module_reference
 
-        if not _PATH_RE.match(ref) or ref.split(":")[0].endswith(".py"):
+        if not is_module_reference(ref):
             return self._registry.resolve(kind, ref, key)  # refused for its form, before any import
         raise PluginError(
             f"{ref!r} is a module reference (form OK), not imported: importing runs its code; "

@@ -40,6 +40,12 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def is_module_reference(ref: str) -> bool:
+    """Whether ``ref`` has the form of an importable ``package.module:attribute`` reference
+    (not a ``.py`` file name); checks the form only, imports nothing."""
+    return bool(_PATH_RE.match(ref)) and not ref.split(":")[0].endswith(".py")
+
+
 @dataclass(frozen=True, slots=True)
 class BrokenPlugin:
     """An entry point that could not be loaded, as ``pd-middleware plugins`` lists it."""
