@@ -1,0 +1,1 @@
+"""The server tier: a real SGLang PD pair on this CPU machine (docs/server.md, harness.py)."""
