@@ -91,4 +91,4 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     rep = outcome.get_result()
     if rep.failed and item.get_closest_marker("server") is not None:
         for s in _SERVER_LOGS:
-            rep.sections.append((f"server log: {s.name}", s.log(8000)))  # type: ignore[attr-defined]
+            rep.sections.append((f"server log: {s.name}", s.log(2500)))  # type: ignore[attr-defined]

@@ -217,6 +217,11 @@ def start_router(pair_prefill: Server, pair_decode: Server, log_dir: Path, *, wa
         HOST,
         "--port",
         str(port),
+        # Its Prometheus exporter binds a fixed port by default: two routers would collide.
+        "--prometheus-host",
+        HOST,
+        "--prometheus-port",
+        str(free_port()),
     ]
     log_path = log_dir / "router.log"
     with open(log_path, "wb") as log:
@@ -323,6 +328,7 @@ def start_pair(
     decode_env: Mapping[str, str] | None = None,
     router: bool = True,
     max_total_tokens: int = 8192,
+    extra_args: Sequence[str] = (),
 ) -> Pair:
     """Prefill, decode (started together) and, with ``router``, the router; all healthy, or ServerFailed.
 
@@ -338,6 +344,7 @@ def start_pair(
             config=prefill_config,
             env_extra=prefill_env,
             max_total_tokens=max_total_tokens,
+            extra_args=extra_args,
             wait=False,
         )
         started.append(p)
@@ -349,6 +356,7 @@ def start_pair(
             config=decode_config,
             env_extra=decode_env,
             max_total_tokens=max_total_tokens,
+            extra_args=extra_args,
             wait=False,
         )
         started.append(d)
@@ -387,3 +395,31 @@ def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> tu
 def get_text(url: str, timeout_s: float = 30.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return str(r.read().decode())
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """Samples of metric ``name`` in a Prometheus text exposition: ``{labels: value}`` (labels raw)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, labels = head.partition("{")
+        if metric != name:
+            continue
+        out[labels.rstrip("}")] = out.get(labels.rstrip("}"), 0.0) + float(value)
+    return out
+
+
+def server_config(src: Path, dst: Path) -> Path:
+    """A shipped config for these servers: its ``[model]`` shape table dropped (V and S come from the engine)."""
+    kept: list[str] = []
+    skipping = False
+    for line in src.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            skipping = stripped == "[model]"
+        if not skipping:
+            kept.append(line)
+    dst.write_text("\n".join(kept) + "\n")
+    return dst
