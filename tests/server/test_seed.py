@@ -36,11 +36,12 @@ def seed_pair(server_models: dict[str, Path], log_dir: Path) -> Iterator[h.Pair]
 def test_decode_without_the_drop_in_fails_at_the_first_verify(seed_pair: h.Pair) -> None:
     log = seed_pair.decode.log(10**7)
     assert "override seed_builder" in log, "the seed builder was not installed: the control would prove nothing"
-    res = w.generate(seed_pair.router.url, w.prompts(2), temperature=1.0, max_new_tokens=4, concurrency=2)  # type: ignore[union-attr]
+    # One request: with the decode dead, a second one would wait on the prefill's bootstrap.
+    res = w.generate(seed_pair.router.url, w.prompts(1), temperature=1.0, max_new_tokens=4, timeout_s=120)  # type: ignore[union-attr]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and "NoneType" not in seed_pair.decode.log(10**7):
         time.sleep(1)
     log = seed_pair.decode.log(10**7)
     assert any(r.status != 200 for r in res) or not seed_pair.decode.alive(), [r.status for r in res]
-    assert "torch.stack(draft_probs_list" in log or "stack" in log, log[-3000:]
+    assert "torch.stack(draft_probs_list, dim=1)" in log, log[-3000:]
     assert "expected Tensor as element 0" in log and "NoneType" in log, log[-3000:]

@@ -63,6 +63,7 @@ def generate(
     max_new_tokens: int,
     concurrency: int = 8,
     seed: int | None = None,
+    timeout_s: float = 600.0,
 ) -> list[Result]:
     """POST ``/generate`` for every text (``concurrency`` at a time, each bounded by its timeout)."""
 
@@ -70,7 +71,7 @@ def generate(
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
         if seed is not None:
             params["sampling_seed"] = seed + i
-        status, body = post_json(url + "/generate", {"text": texts[i], "sampling_params": params}, timeout_s=600)
+        status, body = post_json(url + "/generate", {"text": texts[i], "sampling_params": params}, timeout_s=timeout_s)
         if status != 200 or not isinstance(body, dict):
             return Result(status, (), None, None, None, str(body)[:500])
         m = body.get("meta_info", {})
