@@ -57,7 +57,7 @@ setup-server: setup-sglang
 
 # PDM_SERVER_MODELS: a folder with target/ and eagle3/ (else tests/server/models/build.py).
 test-server: setup-server
-	$(PY) -m pytest -q -m server tests/server -rs
+	$(PY) -m pytest -q -m server tests/server -rsP
 
 # A PD pair with the drop-in behind a router on this laptop (docs/server.md).
 server-demo: setup-server

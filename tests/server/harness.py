@@ -378,7 +378,7 @@ def start_pair(
 
 
 def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> tuple[int, Any]:
-    """POST JSON; returns (status, decoded body or text). Never raises on an HTTP error status."""
+    """POST JSON; returns (status, decoded body or text); status 0 when no HTTP answer came. Never raises."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
@@ -386,6 +386,9 @@ def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> tu
             status = r.status
     except urllib.error.HTTPError as exc:
         raw, status = exc.read(), exc.code
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        # No HTTP answer at all (the server died, the connection was reset, or the wait ran out).
+        return 0, f"{type(exc).__name__}: {exc}"
     try:
         return status, json.loads(raw)
     except ValueError:
