@@ -20,6 +20,13 @@ import pytest
 SITE = Path(__file__).resolve().parent / "site"
 sys.path.insert(0, str(SITE))
 
+if importlib.util.find_spec("torchvision") is not None and "torchvision" not in sys.modules:
+    # transformers (the model builder) imports torchvision, whose CUDA-linked ops do not
+    # load on CPU torch: the servers' override of that gap serves this process too.
+    import cpu_gaps
+
+    cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
+
 SERVER_PACKAGES = ("sglang", "sglang_router", "sgl_kernel", "fastapi", "uvicorn", "mooncake")
 
 
@@ -42,7 +49,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def server_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def server_models() -> dict[str, Path]:
     """Model directories by role: ``target`` and ``eagle3`` (the trained pair, acceptance neither 0 nor 1)."""
     env = os.environ.get("PDM_SERVER_MODELS")
     if env:
@@ -59,16 +66,14 @@ def server_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         pytest.skip(
             "no models: set PDM_SERVER_MODELS to a folder with target/ and eagle3/, or add tests/server/models/build.py"
         )
-    spec = importlib.util.spec_from_file_location("server_model_build", build)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    built = mod.build_models(tmp_path_factory.mktemp("models"))
-    return {
-        "target": Path(built["trained_target"]),
-        "eagle3": Path(built["trained_eagle3"]),
-        **{k: Path(v) for k, v in built.items()},
-    }
+    import importlib
+
+    # A package import: build.py imports its siblings relatively.
+    mod = importlib.import_module(f"{__package__}.models.build")
+    # The build folder keeps them between sessions (the script reuses a finished build).
+    built = {k: Path(v) for k, v in mod.build_models(SITE.parents[2] / "build" / "server-models").items()}
+    # The acceptance tests need the trained pair: "target"/"eagle3" name it here.
+    return {**built, "target": built["trained_target"], "eagle3": built["trained_eagle3"]}
 
 
 @pytest.fixture(scope="module")
