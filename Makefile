@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup lint demo test bench reliability reliability-quick setup-sglang test-sglang clean
+.PHONY: setup lint demo test bench reliability reliability-quick setup-sglang test-sglang setup-server test-server server-demo clean
 
 # Create or update .venv: system library check, torch (CPU) if absent, the Mooncake
 # wheel that fits this machine, the project with its test extras and the plugin
@@ -49,6 +49,19 @@ setup-sglang: setup
 
 test-sglang: setup-sglang
 	$(PY) -m pytest -q -m sglang
+
+# Server tier: real SGLang servers (a PD pair with EAGLE3 and rejection sampling, and
+# sglang-router) started on this CPU machine, for tests marked `server` (docs/server.md).
+setup-server: setup-sglang
+	$(PIP) install -q --no-deps -r requirements-server.txt
+
+# PDM_SERVER_MODELS: a folder with target/ and eagle3/ (else tests/server/models/build.py).
+test-server: setup-server
+	$(PY) -m pytest -q -m server tests/server -rsP
+
+# A PD pair with the drop-in behind a router on this laptop (docs/server.md).
+server-demo: setup-server
+	$(PY) -m tests.server.demo
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -17,12 +17,26 @@ import importlib.util
 import sys
 import types
 import warnings
+from pathlib import Path
 from typing import Any
 
 
 def install_torchvision_stand_in() -> None:
-    """Answer ``import torchvision...`` with inert modules (only if torchvision is absent)."""
-    if importlib.util.find_spec("torchvision") is not None or "torchvision" in sys.modules:
+    """Answer ``import torchvision...`` with inert modules (only if torchvision is absent).
+
+    With the server tier's torchvision installed (requirements-server.txt), its CUDA-linked
+    ops do not load on CPU torch: the server harness's override of that gap (skip
+    ``_meta_registrations``, tests/server/site/cpu_gaps.py) serves this process too.
+    """
+    if "torchvision" in sys.modules:
+        return
+    if importlib.util.find_spec("torchvision") is not None:
+        site = str(Path(__file__).resolve().parent / "server" / "site")
+        if site not in sys.path:
+            sys.path.insert(0, site)
+        import cpu_gaps
+
+        cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
         return
 
     class Meta(type):

@@ -129,7 +129,14 @@ def install_torchvision_stand_in() -> None:
     transfer path calls it; the stand-in only answers imports (attribute reads return
     inert classes).
     """
-    if importlib.util.find_spec("torchvision") is not None or "torchvision" in sys.modules:
+    if "torchvision" in sys.modules:
+        return
+    if importlib.util.find_spec("torchvision") is not None:
+        # The server tier's torchvision (requirements-server.txt) does not load its
+        # CUDA-linked ops on CPU torch: the harness's override of that gap serves here too.
+        from _sglang_import import install_torchvision_stand_in as skip_meta_registrations
+
+        skip_meta_registrations()
         return
 
     def inert(name: str) -> type:

@@ -1073,3 +1073,60 @@ def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -
     ):
         check_registration(info, inst.channel)
     check_registration(info, inst.channel)  # negative control: the real one passes
+
+def test_a_fallback_row_counts_its_local_proposal_once() -> None:
+    """A row that gave no payload (here not_sent) is counted once as proposal:local, not again at the builder."""
+    from pd_middleware.inband import RowFault
+    from pd_middleware.integrations.sglang_decode import DecodeProposer
+
+    cfg = parse_config({"decode": {"rejection_sampling": True}, "synthesizer": {"name": "one_hot"}})
+    proposer = DecodeProposer(cfg)
+    proposer.bind(16, 1)
+    reqs = [
+        SimpleNamespace(
+            output_topk_index=torch.tensor([3], dtype=torch.int64), output_topk_p=[0.5], bootstrap_room=7, rid="a"
+        ),
+        SimpleNamespace(
+            output_topk_index=torch.tensor([5], dtype=torch.int64), output_topk_p=[0.5], bootstrap_room=8, rid="b"
+        ),
+    ]
+    for r in reqs:
+        proposer.on_row(r, RowFault("not_sent"))
+    probs = proposer.propose(SimpleNamespace(reqs=reqs), torch.tensor([[3], [5]]), 16)
+    assert probs.shape == (2, 1, 16)
+    assert proposer.counts["proposal:local"] == 2
+    assert proposer.counts["fallback:not_sent"] == 2
+    proposer.close()
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [{"bootstrap_host": "2.2.2.2", "rid": "w"}, {"bootstrap_host": "127.0.0.1", "rid": "HEALTH_CHECK_abc"}],
+    ids=["warmup", "health_check"],
+)
+def test_sglang_warmups_and_health_checks_are_served_one_hot_and_never_counted(probe) -> None:
+    from pd_middleware.inband import RowFault
+    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder
+    from pd_middleware.integrations.sglang_decode import DecodeProposer
+
+    cfg = parse_config({"decode": {"rejection_sampling": True}, "synthesizer": {"name": "one_hot"}})
+    proposer = DecodeProposer(cfg)
+    proposer.bind(16, 1)
+    tok = torch.tensor([3], dtype=torch.int64)
+    user = SimpleNamespace(
+        output_topk_index=tok, output_topk_p=[0.5], bootstrap_room=7, rid="u", bootstrap_host="127.0.0.1"
+    )
+    probe_req = SimpleNamespace(output_topk_index=tok.clone(), output_topk_p=[0.5], bootstrap_room=0, **probe)
+    proposer.on_row(user, RowFault("not_sent"))
+    proposer.on_row(probe_req, RowFault("not_sent"))
+    probs = proposer.propose(SimpleNamespace(reqs=[user, probe_req]), torch.tensor([[3], [3]]), 16)
+    assert torch.equal(probs[1, 0], torch.nn.functional.one_hot(torch.tensor(3), 16).float())
+    assert proposer.metrics.received == 1  # the user request only
+    assert proposer.counts["probe"] == 1 and proposer.counts["fallback:not_sent"] == 1
+    rec = FirstVerifyRecorder(proposer.metrics)
+    user.spec_verify_ct = probe_req.spec_verify_ct = 0
+    batch = SimpleNamespace(reqs=[user, probe_req])
+    before = rec.before(batch)
+    user.spec_verify_ct = probe_req.spec_verify_ct = 1
+    assert rec.after(batch, SimpleNamespace(num_correct_drafts_per_req_cpu=[1, 2]), before) == 1
+    proposer.close()

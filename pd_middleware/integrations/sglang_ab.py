@@ -44,6 +44,7 @@ from typing import Any
 
 from .._errors import PDMiddlewareError
 from ..metrics import Metrics
+from .sglang_decode import is_probe
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -84,7 +85,8 @@ class FirstVerifyRecorder:
         if self._on_first_call is not None:
             hook, self._on_first_call = self._on_first_call, None
             hook()
-        return [i for i, r in enumerate(batch.reqs) if r.spec_verify_ct == 0]
+        # SGLang's warmups and health checks are not requests of any arm: never counted.
+        return [i for i, r in enumerate(batch.reqs) if r.spec_verify_ct == 0 and not is_probe(r)]
 
     def after(self, batch: Any, result: Any, before: list[int]) -> int:
         """Record the requests whose first verify this was; returns how many.

@@ -58,6 +58,19 @@ _NEUTRAL = torch.iinfo(torch.int64).max
 #: Req attribute holding the :class:`RequestProposal`.
 ATTACH_ATTR = "pd_middleware"
 
+#: SGLang's own warmup and health-check requests (``entrypoints/http_server.py``) carry
+#: this fake bootstrap host; health checks also a ``HEALTH_CHECK`` rid prefix.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+
+
+def is_probe(req: Any) -> bool:
+    """Whether ``req`` is SGLang's warmup or health check, not a user request (never counted)."""
+    if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
+        return True
+    rid = getattr(req, "rid", None)
+    return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)
+
 
 @dataclass(slots=True)
 class RequestProposal:
@@ -403,6 +416,11 @@ class DecodeProposer:
         vocab, n = self.bound
         mw = self._by_shape[self.bound]
         tokens = _tokens(req, n)
+        if is_probe(req):
+            # SGLang's warmup or health check: exact one-hot, kept out of every counter.
+            self.counts["probe"] += 1
+            setattr(req, ATTACH_ATTR, RequestProposal(tokens, OneHotProposal(tokens), None, "probe"))
+            return
         if isinstance(got, RowFault):
             reason = got.reason
         elif got.draft_tokens != tokens:
@@ -455,8 +473,20 @@ class DecodeProposer:
     def _one(self, mw: Any, req: Any, n: int, vocab: int) -> tuple[Any, Delivery | None]:
         tokens = _tokens(req, n)
         att = getattr(req, ATTACH_ATTR, None)
+        if is_probe(req):
+            if not isinstance(att, RequestProposal):
+                self.counts["probe"] += 1
+                setattr(req, ATTACH_ATTR, RequestProposal(tokens, None, None, "probe", True))
+            else:
+                att.proposal, att.used = None, True
+            return OneHotProposal(tokens), None
         if isinstance(att, RequestProposal) and att.proposal is not None and att.tokens == tokens:
-            self.counts["proposal:prefill" if att.reason == "prefill" else "proposal:local"] += 1
+            # A fallback row's one-hot was counted as proposal:local by _local in on_row:
+            # each request is counted once.
+            if att.reason == "prefill":
+                self.counts["proposal:prefill"] += 1
+            elif att.reason == "no_distribution":
+                self.counts["proposal:local"] += 1
             proposal = att.proposal
             att.proposal, att.used = None, True
             return proposal, None

@@ -1,1 +1,1 @@
-"""The real-server tier: SGLang PD servers on CPU, and the tiny models they serve."""
+"""The server tier: a real SGLang PD pair on this CPU machine (docs/server.md, harness.py) and the tiny models it serves (models/)."""

@@ -1,0 +1,99 @@
+"""Fixtures of the server tier: model directories, the log folder, and running servers.
+
+The model directories come from ``PDM_SERVER_MODELS`` (a folder holding ``target/`` and
+``eagle3/``, HF format, SGLang loads them), else from ``tests/server/models/build.py``
+(``build_models(out_dir) -> {"target", "eagle3", "eagle1", "trained_target",
+"trained_eagle3"}``) when it exists. Without SGLang's server packages
+(requirements-server.txt) every ``server`` test is skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SITE = Path(__file__).resolve().parent / "site"
+sys.path.insert(0, str(SITE))
+
+if importlib.util.find_spec("torchvision") is not None and "torchvision" not in sys.modules:
+    # transformers (the model builder) imports torchvision, whose CUDA-linked ops do not
+    # load on CPU torch: the servers' override of that gap serves this process too.
+    import cpu_gaps
+
+    cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
+
+SERVER_PACKAGES = ("sglang", "sglang_router", "sgl_kernel", "fastapi", "uvicorn", "mooncake")
+
+
+def server_packages_missing() -> list[str]:
+    return [m for m in SERVER_PACKAGES if importlib.util.find_spec(m) is None]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Servers take minutes: they run only when asked for (`-m server`, make test-server).
+    missing = server_packages_missing()
+    if missing:
+        skip = pytest.mark.skip(reason=f"server packages absent ({', '.join(missing)}): run `make setup-server`")
+    elif "server" not in (config.option.markexpr or ""):
+        skip = pytest.mark.skip(reason="starts SGLang servers: run with -m server (make test-server)")
+    else:
+        return
+    for item in items:
+        if item.get_closest_marker("server") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def server_models() -> dict[str, Path]:
+    """Model directories by role: ``target`` and ``eagle3`` (the trained pair, acceptance neither 0 nor 1)."""
+    env = os.environ.get("PDM_SERVER_MODELS")
+    if env:
+        root = Path(env)
+        found = {"target": root / "target", "eagle3": root / "eagle3"}
+        if not found["eagle3"].is_dir() and (root / "eagle3-fullvocab").is_dir():
+            found["eagle3"] = root / "eagle3-fullvocab"
+        for k, p in found.items():
+            if not (p / "config.json").is_file():
+                pytest.fail(f"PDM_SERVER_MODELS={env}: {k} model not found at {p}")
+        return found
+    build = Path(__file__).resolve().parent / "models" / "build.py"
+    if not build.is_file():
+        pytest.skip(
+            "no models: set PDM_SERVER_MODELS to a folder with target/ and eagle3/, or add tests/server/models/build.py"
+        )
+    import importlib
+
+    # A package import: build.py imports its siblings relatively.
+    mod = importlib.import_module(f"{__package__}.models.build")
+    # The build folder keeps them between sessions (the script reuses a finished build).
+    built = {k: Path(v) for k, v in mod.build_models(SITE.parents[2] / "build" / "server-models").items()}
+    # The acceptance tests need the trained pair: "target"/"eagle3" name it here.
+    return {**built, "target": built["trained_target"], "eagle3": built["trained_eagle3"]}
+
+
+@pytest.fixture(scope="module")
+def log_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One log folder per test module (the servers' logs are attached to failing reports)."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1] + "-logs")
+
+
+_SERVER_LOGS: list[object] = []
+
+
+def attach_logs(servers: list[object]) -> None:
+    """Register running servers whose logs a failing test's report should carry."""
+    _SERVER_LOGS[:] = servers
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and item.get_closest_marker("server") is not None:
+        for s in _SERVER_LOGS:
+            rep.sections.append((f"server log: {s.name}", s.log(2500)))  # type: ignore[attr-defined]

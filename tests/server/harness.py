@@ -1,0 +1,428 @@
+"""A real SGLang PD pair on this CPU machine: start, wait, talk to, stop.
+
+:func:`start_pair` starts a prefill, a decode and ``sglang-router`` (PD mode) as
+subprocesses on free loopback ports, each in its own process group, each writing one log
+file; waits on ``/health`` with a deadline; and returns a :class:`Pair`.
+:meth:`Pair.stop` (and :func:`stop`) always ends them by process group id.
+:func:`start_server` starts one server (aggregated or one PD role) the same way.
+
+What makes SGLang 0.5.23 run on a CPU without a GPU (docs/server.md):
+
+- ``tests/server/site/`` goes first on ``PYTHONPATH`` of every server: its
+  ``common_ops.py`` stands in for sgl-kernel's CPU ops (:mod:`sgl_cpu_ops`) and its
+  ``sitecustomize.py`` overrides the seven CPU gaps at run time (:mod:`cpu_gaps`);
+- ``SGLANG_USE_CPU_ENGINE=1``, ``TRITON_INTERPRET=1`` (rejection sampling runs on Triton's
+  interpreter), ``MOONCAKE_PROTOCOL=tcp``;
+- ``--device cpu --disable-cuda-graph --attention-backend intel_amx`` and a
+  ``--max-total-tokens`` cap (the default KV pool takes 72% of RAM); on the prefill
+  ``--disable-overlap-schedule``, on the decode ``--disaggregation-decode-retraction-backup
+  cpu_tensor`` (the defaults call CUDA).
+
+Every wait is bounded; every port is on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SITE = Path(__file__).resolve().parent / "site"
+HOST = "127.0.0.1"
+#: Seconds a server may take to answer /health (about 30 s each on 2 idle cores).
+START_TIMEOUT_S = float(os.environ.get("PDM_SERVER_START_TIMEOUT_S", "300"))
+
+
+class ServerFailed(RuntimeError):
+    """A server exited or did not become healthy in time; ``.log`` holds its log's tail."""
+
+    def __init__(self, message: str, *, name: str, log: str, returncode: int | None) -> None:
+        super().__init__(f"{message}\n--- {name} log (tail) ---\n{log}")
+        self.name = name
+        self.log = log
+        self.returncode = returncode
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Models:
+    """The model directories a server loads (HF format): the target and one EAGLE draft."""
+
+    target: Path
+    draft: Path | None = None
+    algorithm: str = "EAGLE3"
+
+
+@dataclass
+class Server:
+    """One started process: ``name``, its URL, its ``Popen``, its log file."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    port: int
+    bootstrap_port: int | None = None
+
+    def log(self, tail: int = 20000) -> str:
+        """The last ``tail`` characters of the log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return text[-tail:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def server_env(config: str | os.PathLike[str] | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a test server: the CPU stand-ins, and the drop-in when ``config`` is given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PD_MIDDLEWARE_", "PDM_TEST_"))}
+    repo = str(SITE.parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), repo, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        TRITON_INTERPRET="1",
+        MOONCAKE_PROTOCOL="tcp",
+        MC_FORCE_TCP="1",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if config is not None:
+        env["PD_MIDDLEWARE_CONFIG"] = str(config)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def spec_args(models: Models, *, rejection_sampling: bool = True, topk: int = 1) -> list[str]:
+    """The speculative flags of a test server (EAGLE chain of 3 steps, top-k 1)."""
+    if models.draft is None:
+        return []
+    args = [
+        "--speculative-algorithm",
+        models.algorithm,
+        "--speculative-draft-model-path",
+        str(models.draft),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-steps",
+        "3",
+        "--speculative-num-draft-tokens",
+        "4",
+    ]
+    if rejection_sampling:
+        args.append("--speculative-use-rejection-sampling")
+    return args
+
+
+def start_server(
+    name: str,
+    models: Models,
+    log_dir: Path,
+    *,
+    role: str = "null",
+    config: str | os.PathLike[str] | None = None,
+    extra_args: Sequence[str] = (),
+    env_extra: Mapping[str, str] | None = None,
+    rejection_sampling: bool = True,
+    topk: int = 1,
+    max_total_tokens: int = 8192,
+    wait: bool = True,
+) -> Server:
+    """Start one SGLang server (``role``: ``null`` aggregated, ``prefill`` or ``decode``).
+
+    Raises :class:`ServerFailed` (with its log) when it exits or is not healthy within
+    ``START_TIMEOUT_S``; the process is stopped first.
+    """
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(models.target),
+        "--device",
+        "cpu",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--disable-cuda-graph",
+        "--attention-backend",
+        "intel_amx",
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--max-running-requests",
+        "8",
+        "--skip-server-warmup",
+        *spec_args(models, rejection_sampling=rejection_sampling, topk=topk),
+    ]
+    boot = None
+    if role != "null":
+        cmd += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "mooncake"]
+    if role == "prefill":
+        boot = free_port()
+        cmd += ["--disaggregation-bootstrap-port", str(boot), "--disable-overlap-schedule"]
+    elif role == "decode":
+        cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    cmd += list(extra_args)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(config, env_extra), start_new_session=True
+        )
+    srv = Server(name, f"http://{HOST}:{port}", proc, log_path, port, boot)
+    if wait:
+        wait_healthy(srv)
+    return srv
+
+
+def start_router(pair_prefill: Server, pair_decode: Server, log_dir: Path, *, wait: bool = True) -> Server:
+    """Start ``sglang-router`` in PD mode in front of one prefill and one decode."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--prefill",
+        pair_prefill.url,
+        str(pair_prefill.bootstrap_port),
+        "--decode",
+        pair_decode.url,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        # Its Prometheus exporter binds a fixed port by default: two routers would collide.
+        "--prometheus-host",
+        HOST,
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    log_path = log_dir / "router.log"
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(None), start_new_session=True)
+    srv = Server("router", f"http://{HOST}:{port}", proc, log_path, port)
+    if wait:
+        wait_healthy(srv, path="/readiness")
+    return srv
+
+
+def wait_healthy(srv: Server, timeout_s: float = START_TIMEOUT_S, path: str = "/health") -> None:
+    """Poll ``GET <path>`` every 0.5 s until 200, the process exits, or ``timeout_s`` passes.
+
+    The router answers ``/health`` at once but serves only once it registered its workers
+    (about 15 s): it is waited on at ``/readiness``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not srv.alive():
+            rc = srv.proc.returncode
+            raise ServerFailed(
+                f"{srv.name} exited with code {rc} before it was healthy", name=srv.name, log=srv.log(), returncode=rc
+            )
+        try:
+            with urllib.request.urlopen(srv.url + path, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    stop(srv)
+    raise ServerFailed(
+        f"{srv.name} not healthy within {timeout_s:.0f} s", name=srv.name, log=srv.log(), returncode=None
+    )
+
+
+def wait_exit(srv: Server, timeout_s: float = START_TIMEOUT_S) -> int:
+    """Wait (bounded) for a server that must stop by itself; returns its exit code."""
+    try:
+        return srv.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop(srv)
+        raise ServerFailed(
+            f"{srv.name} still running after {timeout_s:.0f} s", name=srv.name, log=srv.log(), returncode=None
+        ) from None
+
+
+def stop(srv: Server, grace_s: float = 15.0) -> None:
+    """End the server's process group by id: SIGTERM, then SIGKILL after ``grace_s``."""
+    if srv.proc.poll() is not None and not _group_alive(srv.proc.pid):
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(srv.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            srv.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        deadline = time.monotonic() + wait_s
+        while _group_alive(srv.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not _group_alive(srv.proc.pid):
+            return
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Pair:
+    """A running PD pair behind a router. ``servers``: everything started, in start order."""
+
+    prefill: Server
+    decode: Server
+    router: Server | None
+    servers: list[Server] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for s in reversed(self.servers):
+            stop(s)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {s.name} ({s.log_path}) ---\n{s.log()}" for s in self.servers)
+
+
+def start_pair(
+    models: Models,
+    log_dir: Path,
+    *,
+    prefill_config: str | os.PathLike[str] | None = None,
+    decode_config: str | os.PathLike[str] | None = None,
+    prefill_env: Mapping[str, str] | None = None,
+    decode_env: Mapping[str, str] | None = None,
+    router: bool = True,
+    max_total_tokens: int = 8192,
+    extra_args: Sequence[str] = (),
+) -> Pair:
+    """Prefill, decode (started together) and, with ``router``, the router; all healthy, or ServerFailed.
+
+    On failure every process started so far is stopped before the error propagates.
+    """
+    started: list[Server] = []
+    try:
+        p = start_server(
+            "prefill",
+            models,
+            log_dir,
+            role="prefill",
+            config=prefill_config,
+            env_extra=prefill_env,
+            max_total_tokens=max_total_tokens,
+            extra_args=extra_args,
+            wait=False,
+        )
+        started.append(p)
+        d = start_server(
+            "decode",
+            models,
+            log_dir,
+            role="decode",
+            config=decode_config,
+            env_extra=decode_env,
+            max_total_tokens=max_total_tokens,
+            extra_args=extra_args,
+            wait=False,
+        )
+        started.append(d)
+        wait_healthy(p)
+        wait_healthy(d)
+        r = None
+        if router:
+            r = start_router(p, d, log_dir, wait=False)
+            started.append(r)
+            wait_healthy(r, path="/readiness")
+        return Pair(p, d, r, started)
+    except BaseException:
+        for s in reversed(started):
+            stop(s)
+        raise
+
+
+# ---- requests ---------------------------------------------------------------------------
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> tuple[int, Any]:
+    """POST JSON; returns (status, decoded body or text); status 0 when no HTTP answer came. Never raises."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        # No HTTP answer at all (the server died, the connection was reset, or the wait ran out).
+        return 0, f"{type(exc).__name__}: {exc}"
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def get_text(url: str, timeout_s: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return str(r.read().decode())
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """Samples of metric ``name`` in a Prometheus text exposition: ``{labels: value}`` (labels raw)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, labels = head.partition("{")
+        if metric != name:
+            continue
+        out[labels.rstrip("}")] = out.get(labels.rstrip("}"), 0.0) + float(value)
+    return out
+
+
+def server_config(src: Path, dst: Path) -> Path:
+    """A shipped config for these servers: its ``[model]`` shape table dropped (V and S come from the engine)."""
+    kept: list[str] = []
+    skipping = False
+    for line in src.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            skipping = stripped == "[model]"
+        if not skipping:
+            kept.append(line)
+    dst.write_text("\n".join(kept) + "\n")
+    return dst

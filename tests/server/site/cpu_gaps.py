@@ -1,0 +1,377 @@
+"""Run-time overrides of the CPU gaps in SGLang 0.5.23 for the test servers (never site-packages).
+
+A real SGLang PD pair runs on a CPU-only machine with seven small overrides. Each is an
+:class:`Override`: a name, the module and attribute it replaces, the parameters that
+attribute must have, and the replacement. A meta-path finder applies an override when
+its module is first imported, after the module's own code ran and before anyone imports
+names from it. Each override is logged on stderr when applied
+(``[cpu-gaps] override <name>: <module>.<attr>``) and **refused** when its target is
+missing or its signature differs from the expected one: the import then fails with the
+reason, so the server stops at start instead of running with a gap open.
+
+The gaps (file:line in SGLang 0.5.23):
+
+1. ``torchvision_meta``: ``torchvision/__init__.py`` imports ``_meta_registrations``, which
+   fails when the CUDA-linked ``_C`` has no ops on a CPU torch; skipped when
+   ``torchvision.extension._has_ops()`` is false.
+2. ``amx_backend``: ``arg_groups/overrides.py`` around 1301 switches ``intel_amx`` to
+   ``torch_native`` on a CPU without AMX, and ``speculative/draft_utils.py`` then refuses
+   EAGLE; ``intel_amx`` is kept (the sgl-kernel stand-ins serve it).
+3. ``prefill_host_indices``: ``disaggregation/prefill.py`` around 1746 takes a
+   pinned-memory + ``torch.cuda.Event`` branch when the sender supports host tensor
+   indices; on a CPU server the indices are already on the host, so the plain branch.
+4. ``row_argmax``: ``kernels/ops/speculative/row_argmax.py`` is a Triton GPU kernel
+   (called from ``spec_utils.py`` around 197); ``x.argmax(-1)`` on the CPU.
+5. ``verify_greedy``: ``speculative/eagle_utils.py`` around 500 makes every CPU verify
+   greedy, even at temperature > 0; with rejection sampling on, greedy only when every
+   request is.
+6. ``reject_sampling_interpreted``: ``kernels/ops/speculative/reject_sampling.py`` runs on
+   the CPU only under Triton's interpreter; ``TRITON_INTERPRET=1`` must be in the process
+   environment before Triton is imported (the harness sets it), checked here.
+7. ``renorm``: ``kernels/ops/sampling/renorm.py`` around 34 leaves ``top_k_renorm_prob``
+   and ``top_p_renorm_prob`` None on the CPU, so a batch mixing greedy and sampled
+   requests crashes ``eagle_utils.py`` around 729; torch versions serve.
+
+And one test-only switch, off unless asked: ``seed_builder`` (``PDM_TEST_SEED_BUILDER=1``)
+makes SGLang's own PD proposal inert, so its builder leaves ``draft_probs`` unset as
+before SGLang's fix: the negative control of ``tests/server/test_seed.py``.
+
+``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all seven).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import inspect
+import os
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ENV_GAPS = "PDM_CPU_GAPS"
+ENV_SEED = "PDM_TEST_SEED_BUILDER"
+
+
+class OverrideRefused(RuntimeError):
+    """An override's target changed (or vanished): the gap must be looked at again."""
+
+
+@dataclass(frozen=True)
+class Override:
+    """One run-time replacement.
+
+    ``module``/``attr``: what is replaced; ``params``: the parameter names the original
+    must have (None: not a function, ``check`` decides); ``make``: given the module and
+    the original, returns the replacement (or None to leave it; the override then
+    only checked); ``check``: an extra test of the original, returning a refusal reason.
+    """
+
+    name: str
+    module: str
+    attr: str
+    params: tuple[str, ...] | None
+    make: Callable[[types.ModuleType, Any], Any]
+    check: Callable[[Any], str] | None = None
+
+
+def _say(msg: str) -> None:
+    print(f"[cpu-gaps] {msg}", file=sys.stderr, flush=True)
+
+
+def _refusal(ov: Override, orig: Any) -> str:
+    if ov.check is not None:
+        why = ov.check(orig)
+        if why:
+            return why
+    if ov.params is None:
+        return ""
+    if not callable(orig):
+        return f"{ov.attr} is {type(orig).__name__}, not a function"
+    got = tuple(inspect.signature(orig).parameters)
+    if got != ov.params:
+        return f"{ov.attr} has parameters {got}, expected {ov.params}"
+    return ""
+
+
+def apply(ov: Override, module: types.ModuleType) -> Any:
+    """Apply ``ov`` to the loaded ``module``; returns the original. Raises OverrideRefused."""
+    if not hasattr(module, ov.attr):
+        raise OverrideRefused(f"override {ov.name}: {ov.module}.{ov.attr} not found")
+    orig = getattr(module, ov.attr)
+    why = _refusal(ov, orig)
+    if why:
+        raise OverrideRefused(f"override {ov.name} refused: {ov.module}.{why}; SGLang changed, revisit the gap")
+    new = ov.make(module, orig)
+    if new is not None:
+        setattr(module, ov.attr, new)
+    _say(f"override {ov.name}: {ov.module}.{ov.attr}")
+    return orig
+
+
+# ---- the replacements --------------------------------------------------------------------
+
+
+def _empty_meta(module: types.ModuleType, orig: Any) -> None:
+    return None  # the finder decides whether the module body runs (see _Finder)
+
+
+def _keep_amx(module: types.ModuleType, orig: Any) -> Any:
+    def _attention_backend_platform_fallbacks(view: Any) -> dict[str, Any]:
+        if view.attention_backend == "intel_amx" and view.device == "cpu":
+            return {}
+        result: dict[str, Any] = orig(view)
+        return result
+
+    passes = module.POST_PROCESS_PASSES
+    for i, fn in enumerate(passes):
+        if fn is orig:
+            passes[i] = _attention_backend_platform_fallbacks
+            break
+    else:
+        raise OverrideRefused("override amx_backend: the pass is not in POST_PROCESS_PASSES")
+    return _attention_backend_platform_fallbacks
+
+
+def _host_indices_flag(orig: Any) -> str:
+    return "" if orig is True else f"supports_host_tensor_indices is {orig!r}, expected True"
+
+
+def _no_host_indices(module: types.ModuleType, orig: Any) -> Any:
+    return False
+
+
+def _cpu_argmax(module: types.ModuleType, orig: Any) -> Any:
+    def row_argmax(x: Any) -> Any:
+        if x.device.type == "cpu":
+            return x.argmax(dim=-1)
+        return orig(x)
+
+    return row_argmax
+
+
+def _verify_greedy(module: types.ModuleType, orig: Any) -> Any:
+    def _verify_uses_greedy(
+        *, is_all_greedy: bool, is_cpu: bool, is_hip: bool, is_xpu: bool, use_rejection_sampling: bool
+    ) -> bool:
+        if is_cpu and use_rejection_sampling:
+            return is_all_greedy
+        return bool(
+            orig(
+                is_all_greedy=is_all_greedy,
+                is_cpu=is_cpu,
+                is_hip=is_hip,
+                is_xpu=is_xpu,
+                use_rejection_sampling=use_rejection_sampling,
+            )
+        )
+
+    return _verify_uses_greedy
+
+
+def _interpreter_on(orig: Any) -> str:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "TRITON_INTERPRET=1 is not set in this process (set it before Triton is imported)"
+    return ""
+
+
+def _none_only(orig: Any) -> str:
+    return "" if orig is None else "the function exists now on CPU (the gap is closed upstream; drop the override)"
+
+
+def top_k_renorm_prob(probs: Any, top_k: Any) -> Any:
+    """Keep each row's ``top_k[i]`` largest probabilities (ties at the k-th kept) and renormalise."""
+    import torch
+
+    k = torch.as_tensor(top_k, device=probs.device).reshape(-1, 1).long().clamp(1, probs.shape[-1])
+    kth = probs.sort(dim=-1, descending=True).values.gather(-1, k - 1)
+    kept = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def top_p_renorm_prob(probs: Any, top_p: Any) -> Any:
+    """Keep each row's smallest top set of mass ``>= top_p[i]`` (nucleus) and renormalise."""
+    import torch
+
+    p = torch.as_tensor(top_p, device=probs.device, dtype=probs.dtype).reshape(-1, 1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each entry
+    keep_sorted = before < p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _renorm_k(module: types.ModuleType, orig: Any) -> Any:
+    return top_k_renorm_prob
+
+
+def _renorm_p(module: types.ModuleType, orig: Any) -> Any:
+    return top_p_renorm_prob
+
+
+class _Inert:
+    """What the inert proposal returns: ``[:, 0]`` of it is None, as if never built."""
+
+    def __getitem__(self, key: Any) -> None:
+        return None
+
+
+def _inert_proposal(module: types.ModuleType, orig: Any) -> Any:
+    def pd_first_draft_proposal(topk_index: Any, vocab_size: int) -> Any:
+        return _Inert()
+
+    return pd_first_draft_proposal
+
+
+GAPS: tuple[Override, ...] = (
+    Override("torchvision_meta", "torchvision.extension", "_has_ops", (), lambda m, o: None),
+    Override(
+        "amx_backend", "sglang.srt.arg_groups.overrides", "_attention_backend_platform_fallbacks", ("view",), _keep_amx
+    ),
+    Override(
+        "prefill_host_indices",
+        "sglang.srt.disaggregation.mooncake.conn",
+        "MooncakeKVSender",
+        None,
+        lambda m, o: None,
+        check=lambda cls: _host_indices_flag(getattr(cls, "supports_host_tensor_indices", None)),
+    ),
+    Override("row_argmax", "sglang.kernels.ops.speculative.row_argmax", "row_argmax", ("x",), _cpu_argmax),
+    Override(
+        "verify_greedy",
+        "sglang.srt.speculative.eagle_utils",
+        "_verify_uses_greedy",
+        ("is_all_greedy", "is_cpu", "is_hip", "is_xpu", "use_rejection_sampling"),
+        _verify_greedy,
+    ),
+    Override(
+        "reject_sampling_interpreted",
+        "sglang.kernels.ops.speculative.reject_sampling",
+        "chain_speculative_sampling_triton",
+        None,
+        lambda m, o: None,
+        check=lambda fn: _interpreter_on(fn) or _params(fn, _CHAIN_PARAMS),
+    ),
+    Override("renorm", "sglang.kernels.ops.sampling.renorm", "top_k_renorm_prob", None, _renorm_k, check=_none_only),
+)
+#: Applied with ``renorm`` (the same gap: both names are None on the CPU).
+RENORM_P = Override(
+    "renorm", "sglang.kernels.ops.sampling.renorm", "top_p_renorm_prob", None, _renorm_p, check=_none_only
+)
+SEED_BUILDER = Override(
+    "seed_builder",
+    "sglang.srt.speculative.eagle_disaggregation",
+    "pd_first_draft_proposal",
+    ("topk_index", "vocab_size"),
+    _inert_proposal,
+)
+
+_CHAIN_PARAMS = (
+    "predicts",
+    "accept_index",
+    "accept_token_num",
+    "candidates",
+    "retrive_index",
+    "retrive_next_token",
+    "retrive_next_sibling",
+    "uniform_samples",
+    "uniform_samples_for_final_sampling",
+    "target_probs",
+    "draft_probs",
+    "threshold_single",
+    "threshold_acc",
+    "deterministic",
+    "block_verification",
+)
+
+
+def _params(fn: Any, expected: tuple[str, ...]) -> str:
+    got = tuple(inspect.signature(fn).parameters)
+    return "" if got == expected else f"parameters {got}, expected {expected}"
+
+
+def _patch_prefill_sender(module: types.ModuleType) -> None:
+    # Gap 3 replaces a class attribute, not a module attribute.
+    module.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Applies the overrides of a module right after the module's own code ran."""
+
+    def __init__(self, overrides: Sequence[Override]) -> None:
+        self.by_module: dict[str, list[Override]] = {}
+        for ov in overrides:
+            self.by_module.setdefault(ov.module, []).append(ov)
+        self.meta = any(ov.name == "torchvision_meta" for ov in overrides)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name == "torchvision._meta_registrations" and self.meta:
+            return self._meta_spec(name, path)
+        ovs = self.by_module.get(name)
+        if not ovs:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            for ov in ovs:
+                apply(ov, module)
+                if ov.name == "prefill_host_indices":
+                    _patch_prefill_sender(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def _meta_spec(self, name: str, path: Any) -> Any:
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            ext = sys.modules.get("torchvision.extension")
+            if ext is not None and not ext._has_ops():
+                _say("override torchvision_meta: torchvision._meta_registrations skipped (_C has no ops)")
+                return
+            run(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_installed: _Finder | None = None
+
+
+def selected(environ: Any = None) -> list[Override]:
+    """The overrides ``PDM_CPU_GAPS`` and ``PDM_TEST_SEED_BUILDER`` ask for. Raises ValueError on an unknown name."""
+    env = os.environ if environ is None else environ
+    names = [n.strip() for n in env.get(ENV_GAPS, "").split(",") if n.strip()]
+    known = {ov.name for ov in GAPS}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"{ENV_GAPS}: unknown override(s) {unknown}; known: {sorted(known)}")
+    chosen = [ov for ov in GAPS if not names or ov.name in names]
+    if any(ov.name == "renorm" for ov in chosen):
+        chosen.append(RENORM_P)
+    if env.get(ENV_SEED) == "1":
+        chosen.append(SEED_BUILDER)
+    return chosen
+
+
+def install_from_env(environ: Any = None) -> _Finder:
+    """Put the finder for the selected overrides first on ``sys.meta_path`` (once per process)."""
+    global _installed
+    if _installed is None:
+        chosen = selected(environ)
+        for ov in chosen:
+            if ov.module in sys.modules:
+                raise OverrideRefused(f"override {ov.name}: {ov.module} was imported before sitecustomize")
+        _installed = _Finder(chosen)
+        sys.meta_path.insert(0, _installed)
+    return _installed

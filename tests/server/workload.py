@@ -1,0 +1,125 @@
+"""Requests for the server tier: prompts from local real text, sent concurrently, summarised.
+
+Prompts are function openings from this interpreter's standard library sources (the text
+the trained tiny models saw; deterministic: sorted files, a fixed stride). Results carry
+SGLang's own per-request ``meta_info`` (``spec_num_correct_drafts``, ``spec_verify_ct``),
+which at ``max_new_tokens = 2`` describes exactly one verify: the first.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .harness import post_json
+
+
+def prompts(n: int, *, offset: int = 0) -> list[str]:
+    """``n`` distinct prompts: a ``def`` line and the two after it, from stdlib files.
+
+    Every opening of the sorted top-level stdlib modules is a candidate; prompt i is
+    candidate ``offset + 3 * i`` (so different ``offset`` values give mostly other prompts).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    cands: list[str] = []
+    seen: set[str] = set()
+    for path in sorted(root.glob("*.py")):
+        lines = path.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("def ") and len(line) < 80:
+                text = "\n".join(lines[i : i + 3])[:200]
+                if text not in seen:
+                    seen.add(text)
+                    cands.append(text)
+        if len(cands) > offset + 3 * n:
+            break
+    out = cands[offset::3][:n]
+    if len(out) < n:
+        raise RuntimeError(f"only {len(out)} prompts found under {root}, {n} asked")
+    return out
+
+
+@dataclass(frozen=True)
+class Result:
+    status: int
+    output_ids: tuple[int, ...]
+    correct_drafts: int | None
+    verify_ct: int | None
+    accept_length: float | None
+    error: str = ""
+
+
+def generate(
+    url: str,
+    texts: Sequence[str],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    concurrency: int = 8,
+    seed: int | None = None,
+    timeout_s: float = 600.0,
+) -> list[Result]:
+    """POST ``/generate`` for every text (``concurrency`` at a time, each bounded by its timeout)."""
+
+    def one(i: int) -> Result:
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
+        if seed is not None:
+            params["sampling_seed"] = seed + i
+        status, body = post_json(url + "/generate", {"text": texts[i], "sampling_params": params}, timeout_s=timeout_s)
+        if status != 200 or not isinstance(body, dict):
+            return Result(status, (), None, None, None, str(body)[:500])
+        m = body.get("meta_info", {})
+        return Result(
+            status,
+            tuple(body.get("output_ids", ())),
+            m.get("spec_num_correct_drafts"),
+            m.get("spec_verify_ct"),
+            m.get("spec_accept_length"),
+        )
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(len(texts))))
+
+
+@dataclass(frozen=True)
+class Rate:
+    """P(the first verify accepts >= 1 draft) over ``n`` requests, with its standard error."""
+
+    hits: int
+    n: int
+
+    @property
+    def p(self) -> float:
+        return self.hits / self.n
+
+    @property
+    def se(self) -> float:
+        return math.sqrt(max(self.p * (1 - self.p), 1e-12) / self.n)
+
+    def __str__(self) -> str:
+        return f"{self.p:.3f} ± {self.se:.3f} ({self.hits}/{self.n})"
+
+
+def first_verify_rate(results: Sequence[Result]) -> Rate:
+    """From max_new_tokens = 2 results: every request must have run exactly one verify."""
+    bad = [r for r in results if r.status != 200 or r.verify_ct != 1 or r.correct_drafts is None]
+    if bad:
+        raise AssertionError(f"{len(bad)} of {len(results)} requests did not run exactly one verify: {bad[:3]}")
+    return Rate(sum(1 for r in results if (r.correct_drafts or 0) >= 1), len(results))
+
+
+def z_diff(a: Rate, b: Rate) -> float:
+    """(a - b) / SE of the difference of two independent proportions (pooled SE)."""
+    pooled = (a.hits + b.hits) / (a.n + b.n)
+    se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / a.n + 1 / b.n))
+    return (a.p - b.p) / se
+
+
+def token_counts(results: Sequence[Result], position: int) -> Counter[int]:
+    return Counter(r.output_ids[position] for r in results if len(r.output_ids) > position)
