@@ -91,14 +91,24 @@ def test_roles_must_name_arms() -> None:
         run_ab(parse_config(data), requests=4, out_dir=None, progress=False)
 
 
-def _paced_run(monkeypatch: pytest.MonkeyPatch, window: int) -> list[tuple[int, int]]:
-    """8 batches of 16 with a slow verifier (0.1 s a batch); (batch index, batches verified) per arrival."""
+def _paced_run(monkeypatch: pytest.MonkeyPatch, window: int, hold_first: bool = False) -> list[tuple[int, int]]:
+    """8 batches of 16 with a slow verifier (0.1 s a batch); (batch index, batches verified) per arrival.
+
+    ``hold_first``: the first verify also waits (30 s at most) until the last batch has
+    arrived, which only a prefill that is not paced can do.
+    """
     real = verifier_module.verify_batch
     BatchSeen.verified[0] = 0
 
     def slow_verify(*args: object) -> None:
         real(*args)  # type: ignore[arg-type]  # the verifier's own arguments, passed through
         time.sleep(0.1)
+        deadline = time.monotonic() + 30.0
+        while hold_first and BatchSeen.verified[0] == 0 and time.monotonic() < deadline:
+            seen = BatchSeen.latest.seen if BatchSeen.latest is not None else []
+            if any(k == 7 for k, _ in seen):
+                break
+            time.sleep(0.05)
         BatchSeen.verified[0] += 1  # before the credit for this batch is granted
 
     monkeypatch.setattr(verifier_module, "verify_batch", slow_verify)
@@ -120,8 +130,9 @@ def test_the_prefill_is_paced_by_the_decodes_credit(monkeypatch: pytest.MonkeyPa
 
 
 def test_pacing_negative_control_without_credit_the_prefill_runs_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A window as large as the run is no pacing at all: the check above then fails.
-    seen = _paced_run(monkeypatch, 1000)
+    # A window as large as the run is no pacing at all: the check above then fails (the
+    # last batch arrives while the first is still being verified).
+    seen = _paced_run(monkeypatch, 1000, hold_first=True)
     assert [(k, v) for k, v in seen if v < k - 1], "the slow verifier should have let the prefill run ahead"
 
 
