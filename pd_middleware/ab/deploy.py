@@ -148,7 +148,9 @@ def _drive(
 ) -> dict[str, Any] | None:
     """The decode loop: file outcomes, verify complete batches in order, until done or cancelled.
 
-    Returns the prefill's report (None when cancelled before it arrived).
+    ``timeout_s`` bounds each wait for progress (an outcome filed, a batch verified), not
+    the whole run, whose length grows with its size. Returns the prefill's report (None
+    when cancelled before it arrived).
     """
     plan = collector.plan
     deadline = time.monotonic() + timeout_s
@@ -160,6 +162,7 @@ def _drive(
         item = receiver.get(timeout=0.05)
         if item is not None:
             collector.add(item)
+            deadline = time.monotonic() + timeout_s  # progress: the wait starts again
         # Verify, in order, every batch whose arms are all assembled and whose targets exist.
         while next_k < plan.batches and collector.batch_ready(next_k):
             # Never block here: deliveries keep arriving while targets are generated.
@@ -179,7 +182,7 @@ def _drive(
         if stop.is_set():  # before judging the prefill: Ctrl-C reaches its process group too
             return prefill_report
         if time.monotonic() > deadline:
-            raise PDMiddlewareError(f"ab: timed out after {timeout_s:.0f}s waiting for batch {next_k}")
+            raise PDMiddlewareError(f"ab: nothing arrived for {timeout_s:.0f}s while waiting for batch {next_k}")
         # Batches every payload of which was sent and acknowledged: all of it (the
         # prefill's report) or, when the prefill waits for credit, those it published.
         acked = plan.batches if prefill_report is not None else credit.acknowledged
@@ -191,6 +194,7 @@ def _drive(
             late = receiver.get(timeout=0.5)
             if late is not None:  # still arriving: file it and keep going
                 collector.add(late)
+                deadline = time.monotonic() + timeout_s
                 continue
             # Everything was sent and acknowledged and nothing more arrives:
             # whatever is missing now never reached the decode. Fail it, never drop it.

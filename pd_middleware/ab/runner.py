@@ -47,7 +47,9 @@ def run_ab(
     The report is also written to ``out_dir`` (``report.json``, ``report.png``) unless
     ``out_dir`` is None. ``cancel``: when it is set, the job stops between batches,
     ends the prefill process and returns what it measured so far, marked
-    ``partial`` (within about a second). ``in_flight_batches``: the decode's credit,
+    ``partial`` (within about a second). ``timeout_s``: the longest wait for progress
+    (an outcome, a verified batch, the prefill's report), not a limit on the whole run.
+    ``in_flight_batches``: the decode's credit,
     how many batches of every arm may be between the prefill and the verifier
     (:mod:`~pd_middleware.ab.credit`; memory grows with it, not with ``requests``). Raises ConfigError/PluginError before
     anything starts, PDMiddlewareError when the deployment itself fails.
