@@ -4,11 +4,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup lint demo test bench reliability reliability-quick setup-sglang test-sglang setup-server test-server server-demo clean
+.PHONY: setup lint demo test test-wheel bench reliability reliability-quick setup-sglang test-sglang setup-server test-server server-demo clean
 
 # Create or update .venv: system library check, torch (CPU) if absent, the Mooncake
-# wheel that fits this machine, the project with its test extras and the plugin
-# distributions under plugins/, and the example third-party plugin (examples/, docs/plugins.md).
+# wheel that fits this machine, the project with its test extras (its first-party plugins,
+# the full-distribution pair included, ship in it), and the example third-party plugin
+# (examples/, docs/plugins.md). The full pair was once its own distribution
+# (pd-middleware-full): an older .venv has it uninstalled, or it would shadow the core's.
 setup:
 	@ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -17,8 +19,9 @@ setup:
 	  else echo "setup: the Mooncake engine needs libibverbs1: sudo apt-get install libibverbs1"; exit 1; fi; }
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "setup: installing $(TORCH) (CPU)"; $(PIP) install -q $(TORCH); }
+	@! $(PIP) show -q pd-middleware-full 2>/dev/null || $(PIP) uninstall -q -y pd-middleware-full
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then mc=mooncake; else mc=mooncake-cpu; fi; \
-	  $(PIP) install -q -e ".[test,lint,$$mc]" -e plugins/pd-middleware-full -e examples/pd-middleware-example-plugin
+	  $(PIP) install -q -e ".[test,lint,$$mc]" -e examples/pd-middleware-example-plugin
 	@echo "setup: $(VENV) ready"
 
 # Lint and types (pyproject.toml: [tool.ruff], [tool.mypy]): ruff's rules, ruff's format
@@ -33,6 +36,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The one-install bar (tests/test_wheel.py, marker `wheel`): a wheel built from a clean
+# checkout (git HEAD), installed by pip with its dependencies into a fresh venv that has
+# only torch, runs `pd-middleware ab --requests 50` from an empty directory. Needs the
+# package index (pip's configured one) and a few minutes.
+test-wheel: setup
+	$(PY) -m pytest -q -m wheel tests/test_wheel.py
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -36,6 +36,35 @@ from .contracts import CAPABILITIES, KIND_METHODS, PLUGIN_KINDS, NoOptions, Plug
 
 ENTRY_POINT_GROUP = "pd_middleware.plugins"
 
+#: Plugins a config may name that this registry can say where to get: first-party
+#: ones (absent only when pd-middleware runs from a source tree, not installed) and the
+#: documented example distribution (docs/plugins.md). ``(kind, name) -> (distribution,
+#: the install line)``; a name missing from the registry and listed here gets both in
+#: its error.
+_CORE = ("pd-middleware", "pip install pd-middleware")
+_EXAMPLE = (
+    "pd-middleware-example-plugin",
+    "pip install ./examples/pd-middleware-example-plugin  (from a pd-middleware checkout)",
+)
+KNOWN_PLUGINS: dict[tuple[str, str], tuple[str, str]] = {
+    **dict.fromkeys(
+        [
+            ("synthesizer", "one_hot"),
+            ("synthesizer", "sparse"),
+            ("synthesizer", "full_distribution"),
+            ("encoder", "softmax"),
+            ("encoder", "greedy"),
+            ("encoder", "sparse"),
+            ("encoder", "full"),
+            ("hook", "ab_split"),
+            ("hook", "record"),
+        ],
+        _CORE,
+    ),
+    ("hook", "arm_tally"): _EXAMPLE,
+    ("synthesizer", "min_prob_one_hot"): _EXAMPLE,
+}
+
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -315,8 +344,14 @@ class PluginRegistry:
         if info is None:
             known = sorted({n for k, n in self._specs if k == kind} | {n for k, n in self._pending if k == kind})
             hint = did_you_mean(name, known)
+            where = KNOWN_PLUGINS.get((kind, name))
+            install = (
+                f"; {kind} {name!r} comes with the distribution {where[0]}, which is not installed here: {where[1]}"
+                if where is not None
+                else ""
+            )
             raise PluginError(
-                f"no {kind} plugin named {name!r}{hint}; registered: {', '.join(known) or 'none'}",
+                f"no {kind} plugin named {name!r}{hint}; registered: {', '.join(known) or 'none'}{install}",
                 plugin=name,
                 key=key,
             )

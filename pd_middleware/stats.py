@@ -8,6 +8,8 @@
 - :func:`tv_distance`, :func:`chi_square` (its χ² tail through
   ``torch.special.gammaincc``, no scipy), :func:`wilson_interval` for acceptance rates
   and :func:`percentile` (``statistics.quantiles``) for latencies.
+- :class:`LogHistogram`: latencies in fixed memory (log-spaced bins), with quantiles
+  within a stated relative error of the exact order statistic.
 - :class:`ExactnessAccumulator`: an exactness test for committed tokens at a realistic
   vocabulary, where every request has its own target law p.
 """
@@ -238,6 +240,58 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(lo + (hi - lo) * (k - i))
 
 
+class LogHistogram:
+    """Counts of positive values in log-spaced bins: fixed memory whatever the count.
+
+    Bin ``i`` holds ``[lo·g^i, lo·g^(i+1))`` with ``g = (1 + rel_error)^2``, and a
+    quantile is reported as its bin's geometric centre ``lo·g^(i+½)``, so it is within a
+    factor ``1 + rel_error`` (relative error at most ``rel_error``, 1% by default) of the
+    exact nearest-rank order statistic. Values below ``lo`` or at or above ``hi`` are
+    counted apart (``under``, ``over``) and reported as ``lo`` and ``hi``: at most
+    ``ceil(log(hi/lo)/log(g)) + 2`` counters, 1,044 for the defaults (1 µs to 1000 s, in ms).
+    """
+
+    def __init__(self, lo: float = 1e-3, hi: float = 1e6, rel_error: float = 0.01) -> None:
+        if not 0 < lo < hi or not 0 < rel_error < 1:
+            raise ValueError(f"need 0 < lo < hi and 0 < rel_error < 1; got lo={lo}, hi={hi}, rel_error={rel_error}")
+        self.lo, self.hi, self.rel_error = lo, hi, rel_error
+        self._log_g = 2 * math.log1p(rel_error)
+        self.counts = [0] * math.ceil(math.log(hi / lo) / self._log_g)
+        self.under = 0
+        self.over = 0
+        self.n = 0
+
+    def add(self, value: float) -> None:
+        """Count one value (NaN is refused: it has no rank)."""
+        if value != value:
+            raise ValueError("LogHistogram.add: NaN has no rank")
+        self.n += 1
+        if value < self.lo:
+            self.under += 1
+            return
+        i = int(math.log(value / self.lo) / self._log_g)
+        if i >= len(self.counts):
+            self.over += 1
+        else:
+            self.counts[i] += 1
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-th percentile (0..100), nearest rank, within ``rel_error``; NaN if empty."""
+        if not 0 <= q <= 100:
+            raise ValueError(f"q must be in [0, 100], got {q}")
+        if self.n == 0:
+            return float("nan")
+        rank = max(1, math.ceil(q / 100 * self.n))  # 1-based nearest rank
+        seen = self.under
+        if rank <= seen:
+            return self.lo
+        for i, c in enumerate(self.counts):
+            seen += c
+            if rank <= seen:
+                return self.lo * math.exp((i + 0.5) * self._log_g)
+        return self.hi
+
+
 def normal_quantile(confidence: float) -> float:
     """Two-sided z for ``confidence`` (1.959964 at 0.95)."""
     return NormalDist().inv_cdf(0.5 + confidence / 2)
@@ -246,6 +300,7 @@ def normal_quantile(confidence: float) -> float:
 __all__: Sequence[str] = [
     "ExactnessAccumulator",
     "ExactnessCheck",
+    "LogHistogram",
     "chi_square",
     "chi_square_critical",
     "chi_square_sf",

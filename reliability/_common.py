@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def setup_env() -> None:
     """Put the checkout on ``sys.path`` and set the Mooncake variables (setdefault)."""
-    for p in (str(ROOT / "plugins" / "pd-middleware-full"), str(ROOT / "plugins"), str(ROOT)):
+    for p in (str(ROOT / "plugins"), str(ROOT)):
         if p not in sys.path:
             sys.path.insert(0, p)
     os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -40,7 +40,7 @@ def setup_env() -> None:
 def child_env() -> dict[str, str]:
     """Environment for a child Python process that imports the checkout."""
     env = dict(os.environ)
-    extra = [str(ROOT), str(ROOT / "plugins"), str(ROOT / "plugins" / "pd-middleware-full")]
+    extra = [str(ROOT), str(ROOT / "plugins")]
     env["PYTHONPATH"] = os.pathsep.join([*extra, env.get("PYTHONPATH", "")])
     env.setdefault("MC_FORCE_TCP", "1")
     env.setdefault("MC_LOG_LEVEL", "WARNING")

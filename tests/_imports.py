@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
     "pd_middleware": ROOT / "pd_middleware",
     "pd_middleware_plugins": ROOT / "plugins" / "pd_middleware_plugins",
-    "pd_middleware_full": ROOT / "plugins" / "pd-middleware-full" / "pd_middleware_full",
+    "pd_middleware_full": ROOT / "plugins" / "pd_middleware_full",
 }
 #: Subpackages drawn as one box each in the house diagram (``ab.config`` apart, see node()).
 GROUPED = ("ab", "transport", "integrations", "workloads")

@@ -9,6 +9,20 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+# ---- the `wheel` tier ----
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``wheel`` (a fresh venv, pip and its index, minutes) run only when a
+    ``-m`` expression names the marker (``make test-wheel``); the default suite skips them."""
+    if "wheel" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the wheel tier: run `make test-wheel` (pytest -m wheel)")
+    for item in items:
+        if "wheel" in item.keywords:
+            item.add_marker(skip)
+
+
 # ---- transport fixtures ----
 
 

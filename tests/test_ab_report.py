@@ -28,7 +28,8 @@ def _stats(
     st.first_accepted = st.accepted_sum = accepted
     st.expected_first_sum = st.exact_first_sum = exact_sum
     st.full_bound_sum = 0.8 * verified
-    st.latencies_ms = [1.0, 2.0, 3.0, 4.0]
+    for ms in (1.0, 2.0, 3.0, 4.0):
+        st.latency_ms.add(ms)
     st.first_t, st.last_t = 0.0, 1.0
     return st
 

@@ -1,4 +1,5 @@
-"""The A/B runner end to end: what hooks see, failures in the report, cancellation.
+"""The A/B runner end to end: what hooks see, failures in the report, cancellation,
+the decode's credit pacing the prefill, a payload that never arrives.
 
 Real ZMQ + Mooncake on 127.0.0.1 (the embedded deployment), tiny vocabulary. The
 ``arm_tally`` hook comes from the example plugin package (examples/, installed by
@@ -12,8 +13,10 @@ import time
 
 import msgspec
 import pytest
+from _ab_hooks import BatchSeen
 
 from pd_middleware import ConfigError
+from pd_middleware.ab import verifier as verifier_module
 from pd_middleware.ab.render import failure_lines, render
 from pd_middleware.ab.runner import run_ab
 from pd_middleware.config import load_config, parse_config
@@ -86,3 +89,67 @@ def test_roles_must_name_arms() -> None:
     data["ab"] = {**data["ab"], "reference": "nope"}
     with pytest.raises(ConfigError, match=r"at ab\.reference.*'nope' is not an arm"):
         run_ab(parse_config(data), requests=4, out_dir=None, progress=False)
+
+
+def _paced_run(monkeypatch: pytest.MonkeyPatch, window: int, hold_first: bool = False) -> list[tuple[int, int]]:
+    """8 batches of 16 with a slow verifier (0.1 s a batch); (batch index, batches verified) per arrival.
+
+    ``hold_first``: the first verify also waits (30 s at most) until the last batch has
+    arrived, which only a prefill that is not paced can do.
+    """
+    real = verifier_module.verify_batch
+    BatchSeen.verified[0] = 0
+
+    def slow_verify(*args: object) -> None:
+        real(*args)  # type: ignore[arg-type]  # the verifier's own arguments, passed through
+        time.sleep(0.1)
+        deadline = time.monotonic() + 30.0
+        while hold_first and BatchSeen.verified[0] == 0 and time.monotonic() < deadline:
+            seen = BatchSeen.latest.seen if BatchSeen.latest is not None else []
+            if any(k == 7 for k, _ in seen):
+                break
+            time.sleep(0.05)
+        BatchSeen.verified[0] += 1  # before the credit for this batch is granted
+
+    monkeypatch.setattr(verifier_module, "verify_batch", slow_verify)
+    data = _tiny(hooks=[{"name": "_ab_hooks:BATCH_SEEN"}])
+    report = run_ab(parse_config(data), requests=128, out_dir=None, progress=False, in_flight_batches=window)
+    assert report.lost == 0 and all(a.payloads.delivered == 128 for a in report.arms)
+    assert report.pipeline is not None and report.pipeline.in_flight_batches == window
+    assert BatchSeen.latest is not None
+    return BatchSeen.latest.seen
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_the_prefill_is_paced_by_the_decodes_credit(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+    # Batch k may be sent once batch k - window was verified: it never arrives earlier.
+    seen = _paced_run(monkeypatch, window)
+    early = [(k, v) for k, v in seen if v < k - window + 1]
+    assert not early, f"window {window}: batches arrived before their credit (batch, verified): {early[:5]}"
+    assert max(k for k, _ in seen) == 7
+
+
+def test_pacing_negative_control_without_credit_the_prefill_runs_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A window as large as the run is no pacing at all: the check above then fails (the
+    # last batch arrives while the first is still being verified).
+    seen = _paced_run(monkeypatch, 1000, hold_first=True)
+    assert [(k, v) for k, v in seen if v < k - 1], "the slow verifier should have let the prefill run ahead"
+
+
+def test_a_payload_that_never_arrives_fails_mid_run_without_stalling_the_credit() -> None:
+    # full_fp32's payloads need 4,224 bulk bytes, slots hold 2,048: every send of that arm
+    # fails at the prefill, so its batches never complete and no credit comes back until
+    # the prefill publishes what it sent (credit.py); the decode then fails the rest.
+    data = _tiny()
+    data["transport"] = {**data["transport"], "inline_threshold_bytes": 0, "slots": {"size_bytes": 2048}}
+    t0 = time.monotonic()
+    report = run_ab(parse_config(data), requests=48, out_dir=None, progress=False, timeout_s=120)
+    assert time.monotonic() - t0 < 60
+    arms = {a.name: a for a in report.arms}
+    full = arms["full_fp32"]
+    assert full.payloads.sent == 48 and full.payloads.delivered == 0 and full.payloads.failed == 48
+    assert full.failures[0].first_error == "never arrived at the decode"
+    assert full.send_failures is not None and full.send_failures.count == 48
+    assert "needs 4224 bulk bytes, slots hold 2048" in full.send_failures.first_error
+    assert arms["one_hot"].payloads.delivered == arms["sparse"].payloads.delivered == 48
+    assert report.lost == 0 and report.pipeline is not None and report.pipeline.credit_wait_s > 0

@@ -88,3 +88,19 @@ def test_sglang_inband_quick_mode_prints_its_figures():
         assert ratios == {"skipped": "SGLang is not installed"}
     else:
         assert set(ratios["sparse_floor"]) == {"B1", "B16"} and result["ratio_vs_sglang_builder_B16"] > 0
+
+
+def test_ab_memory_reports_both_processes_at_each_size():
+    """The main job's memory benchmark at two tiny sizes: one JSON line with both peaks per
+    size and the ratios (values are not asserted: RSS on a shared machine is not a fact)."""
+    proc = _run(str(BENCH / "ab_memory.py"), "--config", "configs/ab_tiny.toml", "--sizes", "16,32", timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "ab_memory" and result["sizes"] == [16, 32]
+    for run in result["runs"]:
+        assert set(run["peak_rss_mb"]) == {"decode", "prefill"} and min(run["peak_rss_mb"].values()) > 0
+        assert run["exact"] is True and run["lost"] == 0 and run["payloads_per_s"] > 0
+        assert abs(sum(run["cpu_share"].values()) - 1) < 0.01 and "decode.verify" in run["cpu_share"]
+    assert set(result["ratio"]) == {"decode", "prefill"} and isinstance(result["met"], bool)
+    bad = _run(str(BENCH / "ab_memory.py"), "--sizes", "0")
+    assert bad.returncode == 2 and "--sizes: need at least one size, each >= 1" in bad.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -193,13 +194,14 @@ def test_first_party_plugins_come_only_through_entry_points():
         assert "pd_middleware_plugins" not in text and "pd_middleware_full" not in text, f
 
 
-def test_separate_distribution_plugin_is_found():
-    """The full-distribution pair ships in its own distribution (plugins/pd-middleware-full)."""
+def test_the_full_distribution_pair_ships_with_the_core():
+    """One install runs the main job: ``full`` and ``full_distribution`` come with pd-middleware,
+    still found through the entry-point group, like every plugin."""
     reg = default_registry()
     infos = {(i.kind, i.name): i for i in reg.plugins()}
-    if ("synthesizer", "full_distribution") not in infos:
-        pytest.fail("pd-middleware-full is not installed: run `make setup`")
-    assert "[pd-middleware-full " in infos[("synthesizer", "full_distribution")].origin
+    for key in (("synthesizer", "full_distribution"), ("encoder", "full")):
+        assert key in infos, f"{key} is not registered: run `make setup`"
+        assert infos[key].origin.startswith("entry point ") and "[pd-middleware " in infos[key].origin, infos[key]
 
 
 def test_broken_entry_point_is_lazy_listed_and_only_breaks_its_users(tmp_path, monkeypatch):
@@ -227,3 +229,36 @@ def test_unknown_plugin_name_suggests_the_closest():
     with pytest.raises(PluginError, match=r"no synthesizer plugin named 'one_hto'; did you mean `one_hot`\?") as ei:
         default_registry().get("synthesizer", "one_hto", key="synthesizer.name")
     assert ei.value.key == "synthesizer.name"
+
+
+def test_a_known_plugin_that_is_not_installed_names_its_distribution_and_the_pip_line():
+    reg = PluginRegistry()  # nothing discovered: as if no distribution were installed
+    with pytest.raises(PluginError) as exc:
+        reg.get("synthesizer", "full_distribution", key="arms[1].synthesizer.name")
+    assert exc.value.key == "arms[1].synthesizer.name"
+    assert (
+        "no synthesizer plugin named 'full_distribution'; registered: none; synthesizer 'full_distribution' comes "
+        "with the distribution pd-middleware, which is not installed here: pip install pd-middleware"
+    ) in str(exc.value)
+    with pytest.raises(PluginError, match="comes with the distribution pd-middleware-example-plugin") as exc:
+        reg.get("hook", "arm_tally")
+    assert "pip install ./examples/pd-middleware-example-plugin" in str(exc.value)
+    with pytest.raises(PluginError) as exc:  # a name nobody documents gets no install line
+        reg.get("hook", "no_such_hook")
+    assert "comes with" not in str(exc.value) and "pip install" not in str(exc.value)
+
+
+def test_known_plugins_match_the_entry_points_their_distributions_declare():
+    import tomllib
+
+    from pd_middleware.registry import KNOWN_PLUGINS
+
+    root = Path(__file__).resolve().parent.parent
+    for dist, pyproject in (
+        ("pd-middleware", root / "pyproject.toml"),
+        ("pd-middleware-example-plugin", root / "examples" / "pd-middleware-example-plugin" / "pyproject.toml"),
+    ):
+        eps = tomllib.loads(pyproject.read_text())["project"]["entry-points"]["pd_middleware.plugins"]
+        declared = {tuple(k.split(".", 1)) for k in eps}
+        known = {key for key, (d, _) in KNOWN_PLUGINS.items() if d == dist}
+        assert declared == known, f"{dist}: entry points {sorted(declared)} vs KNOWN_PLUGINS {sorted(known)}"

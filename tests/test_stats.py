@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from fractions import Fraction
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from pd_middleware.stats import (
     ExactnessAccumulator,
+    LogHistogram,
     chi_square,
     chi_square_critical,
     chi_square_sf,
@@ -114,3 +116,43 @@ def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([4.0], 99) == 4.0 and math.isnan(percentile([], 50))
     with pytest.raises(ValueError, match=r"q must be in \[0, 100\]"):
         percentile(values, 101)
+
+
+def _nearest_rank(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[max(1, math.ceil(q / 100 * len(s))) - 1]
+
+
+def _worst_error(h: LogHistogram, values: list[float]) -> float:
+    for v in values:
+        h.add(v)
+    return max(abs(h.quantile(q) / _nearest_rank(values, q) - 1) for q in (1, 10, 50, 90, 99, 99.9, 100))
+
+
+def test_log_histogram_quantiles_within_the_stated_error_in_fixed_memory() -> None:
+    rng = random.Random(22)
+    # Latency-like: log-normal over four decades (0.1 ms .. 1 s).
+    values = [math.exp(rng.gauss(math.log(10.0), 1.5)) for _ in range(20_000)]
+    h = LogHistogram()
+    size = len(h.counts)
+    assert _worst_error(h, values) <= h.rel_error == 0.01
+    assert len(h.counts) == size and h.n == 20_000 and h.under == h.over == 0
+    # Negative control: the same check on 20%-wide bins fails.
+    assert _worst_error(LogHistogram(rel_error=0.1), values) > 0.01
+
+
+def test_log_histogram_edges() -> None:
+    h = LogHistogram(lo=1.0, hi=100.0)
+    assert math.isnan(h.quantile(50))
+    for v in (0.5, 0.5, 50.0, 1000.0):
+        h.add(v)
+    assert (h.under, h.over, h.n) == (2, 1, 4)
+    assert h.quantile(0) == h.quantile(50) == 1.0  # below lo reports lo
+    assert abs(h.quantile(75) / 50.0 - 1) <= 0.01
+    assert h.quantile(100) == 100.0  # at or above hi reports hi
+    with pytest.raises(ValueError, match="NaN has no rank"):
+        h.add(float("nan"))
+    with pytest.raises(ValueError, match=r"q must be in \[0, 100\], got 101"):
+        h.quantile(101)
+    with pytest.raises(ValueError, match="need 0 < lo < hi"):
+        LogHistogram(lo=2.0, hi=1.0)

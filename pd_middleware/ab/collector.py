@@ -16,6 +16,7 @@ from typing import Any
 from ..contracts import ReceiveContext
 from ..payload import Payload
 from ..pipeline import Delivery, Failure
+from ..stats import LogHistogram
 
 
 class RouteByRequestId:
@@ -54,7 +55,8 @@ class ArmStats:
     expected_first_sum: float = 0.0
     exact_first_sum: float = 0.0
     full_bound_sum: float = 0.0
-    latencies_ms: list[float] = field(default_factory=list)
+    # Receive-to-batch latency, ms: fixed memory, quantiles within 1% (stats.LogHistogram).
+    latency_ms: LogHistogram = field(default_factory=LogHistogram)
     first_t: float | None = None
     last_t: float | None = None
 
@@ -120,6 +122,7 @@ class Collector:
         self._assemble = assemble
         self._buckets: dict[tuple[str, int], list[Delivery | Failure]] = {}
         self.ready: dict[tuple[str, int], Assembled] = {}
+        self.cpu_s = 0.0  # thread CPU seconds spent closing and assembling batches
 
     def add(self, item: Delivery | Failure) -> None:
         """File one outcome; assemble its bucket once complete."""
@@ -132,7 +135,9 @@ class Collector:
         bucket.append(item)
         if len(bucket) == self.plan.size(k):
             del self._buckets[(arm, k)]
+            t0 = time.thread_time()
             self.ready[(arm, k)] = self._close(arm, k, bucket)
+            self.cpu_s += time.thread_time() - t0
 
     def batch_ready(self, k: int) -> bool:
         """Whether every arm's share of batch ``k`` is assembled."""
@@ -142,11 +147,13 @@ class Collector:
         """Every arm's share of batch ``k`` (call once :meth:`batch_ready`)."""
         return {a: self.ready.pop((a, k)) for a in self.plan.arm_names}
 
-    def fail_missing(self, from_batch: int) -> None:
-        """Everything was sent and nothing more arrives: fail what is missing, never drop it."""
+    def fail_missing(self, from_batch: int, upto: int | None = None) -> None:
+        """Batches ``from_batch`` .. ``upto - 1`` (default: the last) were sent and acknowledged
+        and nothing more arrives: fail what is missing, never drop it."""
         b = self.plan.batch_size
+        end = self.plan.batches if upto is None else min(upto, self.plan.batches)
         for arm in self.plan.arm_names:
-            for k in range(from_batch, self.plan.batches):
+            for k in range(from_batch, end):
                 if (arm, k) in self.ready:
                     continue
                 have = {x.request_id for x in self._buckets.get((arm, k), [])}
@@ -172,7 +179,8 @@ class Collector:
             return Assembled([], None, None)
         draft = self._assemble(deliveries)
         t_batch = time.perf_counter()
-        st.latencies_ms.extend((t_batch - d.received_at) * 1e3 for d in deliveries)
+        for d in deliveries:
+            st.latency_ms.add((t_batch - d.received_at) * 1e3)
         st.first_t = min(d.received_at for d in deliveries) if st.first_t is None else st.first_t
         st.last_t = t_batch
         # X' where the decode redrew it (recompute), else the prefill's X.

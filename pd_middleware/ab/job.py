@@ -12,6 +12,7 @@ import threading
 from typing import cast
 
 from ..config import load_config
+from .heap import return_big_blocks
 from .render import FORMATS, Format, render
 from .runner import run_ab
 
@@ -29,6 +30,7 @@ def run_ab_command(args: argparse.Namespace, cancel: threading.Event | None = No
     if fmt not in FORMATS:  # checked before the run, never after it
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     cfg = load_config(args.config)
+    return_big_blocks()  # RSS flat in the run's size (heap.py); this process is the job's own
     report = run_ab(
         cfg,
         requests=args.requests,

@@ -5,8 +5,11 @@ turns each encoded request into a :class:`~pd_middleware.Payload` and ships it t
 real :class:`~pd_middleware.transport.sender.PrefillSender` (ZMQ control plane, Mooncake
 bulk plane). Request ids are ``"<arm>/<index>"`` so the decode can route and match them.
 
-It reports per-arm bytes by plane and its sender's counters on a multiprocessing queue.
-Runs as a ``spawn`` child: everything it needs arrives as plain data.
+It starts each batch only with the decode's credit (:mod:`~pd_middleware.ab.credit`),
+so it never runs more than a bounded number of batches ahead of the verifier. It reports
+per-arm bytes by plane, its sender's counters, the CPU seconds of each of its stages and
+its peak RSS on a multiprocessing queue. Runs as a ``spawn`` child: everything it needs
+arrives as plain data (and the credit's shared semaphore).
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..payload import DenseEncoding, EncodedProposal, HiddenDType, Payload, SparseEncoding
+from .credit import Credit
+from .heap import return_big_blocks
+
+# Send errors kept verbatim per arm (all are counted): a run that fails every payload
+# must not grow a list per request.
+_MAX_ERRORS = 16
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,8 @@ class PrefillJob:
     seed: int
     batch_size: int
     arm_names: tuple[str, ...]
+    # Longest wait for the decode's credit before the prefill gives up.
+    timeout_s: float = 1800.0
 
 
 def combine_steps(parts: list[EncodedProposal | None]) -> EncodedProposal | None:
@@ -102,20 +113,27 @@ def build_payloads(arm: str, start: int, vocab: int, hidden: Any, enc: Any) -> l
     ]
 
 
-def run_prefill(job: PrefillJob, results: Any) -> None:
-    """Child-process entry point: send every arm's traffic, then report on ``results``."""
+def run_prefill(job: PrefillJob, results: Any, credit: Credit | None = None) -> None:
+    """Child-process entry point: send every arm's traffic, then report on ``results``.
+
+    ``credit``: the decode's credit (None: send as fast as the transport takes it).
+    """
     import signal
 
     # Ctrl-C reaches the whole process group; the parent decides (it returns a partial
     # report and terminates this process), so the child must not die on its own first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return_big_blocks()  # this process is ours: freed batches go back to the OS (heap.py)
     try:
-        results.put(("done", _run(job)))
+        results.put(("done", _run(job, credit)))
     except BaseException as exc:
         results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _run(job: PrefillJob) -> dict[str, Any]:
+def _run(job: PrefillJob, credit: Credit | None) -> dict[str, Any]:
+    import resource
+    import time
+
     import torch
 
     from ..config import parse_config
@@ -133,31 +151,66 @@ def _run(job: PrefillJob) -> dict[str, Any]:
     sender = open_sender(cfg.transport, job.address, name="ab-prefill")
     per_arm_bytes = {a: {"control": 0, "inline": 0, "bulk": 0} for a in job.arm_names}
     sent = dict.fromkeys(job.arm_names, 0)
-    send_errors: dict[str, list[str]] = {a: [] for a in job.arm_names}
+    send_errors: dict[str, list[str]] = {a: [] for a in job.arm_names}  # the first _MAX_ERRORS per arm
+    send_error_count = dict.fromkeys(job.arm_names, 0)
+    # Thread CPU seconds by stage (wall seconds for the credit wait).
+    cpu = {"generate": 0.0, "encode": 0.0, "send": 0.0}
+    waited = 0.0
     hidden_gen = torch.Generator().manual_seed(job.seed ^ 0x5EED)
+    n_batches = (job.requests + job.batch_size - 1) // job.batch_size
+    batches = wl.batches(job.requests, job.batch_size, job.seed)
+    clock = time.thread_time
     try:
-        for k, batch in enumerate(wl.batches(job.requests, job.batch_size, job.seed)):
+        for k in range(n_batches):
+            if credit is not None:
+                waited += credit.take(k, lambda t: sender.flush(timeout=t), job.timeout_s)
+            t0 = clock()
+            batch = next(batches)
+            t1 = clock()
+            cpu["generate"] += t1 - t0
             start = k * job.batch_size
             hidden = torch.randn(batch.batch_size, cfg.model.hidden_size, generator=hidden_gen).to(dtype)
             if batch.draft_state is not None:  # the workload's draft head reads it (workloads/heads.py)
                 write_state(hidden, batch.draft_state)
             for ai, arm in enumerate(job.arm_names):
+                t1 = clock()
                 # Each arm draws its X with its own stream, fixed by (seed, batch, arm).
                 gen = torch.Generator().manual_seed((job.seed * 1_000_003 + k * 1_009 + ai) & 0x7FFFFFFFFFFF)
                 enc = encode_batch(encoders[arm], batch, gen)
+                payloads = build_payloads(arm, start, wl.vocab_size, hidden, enc)
+                t2 = clock()
+                cpu["encode"] += t2 - t1
                 before = dict(sender.statuses()["bytes_by_plane"])
-                for p in build_payloads(arm, start, wl.vocab_size, hidden, enc):
+                for p in payloads:
                     try:
                         sender.send(p)
                         sent[arm] += 1
                     except Exception as exc:
                         sent[arm] += 1
-                        send_errors[arm].append(f"{p.request_id}: {type(exc).__name__}: {exc}")
+                        if len(send_errors[arm]) < _MAX_ERRORS:
+                            send_errors[arm].append(f"{p.request_id}: {type(exc).__name__}: {exc}")
+                        send_error_count[arm] += 1
+                del payloads, enc  # nothing of this batch is kept past its send
                 after = sender.statuses()["bytes_by_plane"]
                 for plane in per_arm_bytes[arm]:
                     per_arm_bytes[arm][plane] += after.get(plane, 0) - before.get(plane, 0)
+                cpu["send"] += clock() - t2
+            del batch, hidden
+        t0 = clock()
         sender.flush(timeout=60.0)
+        cpu["send"] += clock() - t0
         status = sender.statuses()
     finally:
         sender.close()
-    return {"sent": sent, "bytes": per_arm_bytes, "send_errors": send_errors, "sender": status}
+    return {
+        "sent": sent,
+        "bytes": per_arm_bytes,
+        "send_errors": send_errors,
+        "send_error_count": send_error_count,
+        "sender": status,
+        "cpu_s": cpu,
+        "process_cpu_s": time.process_time(),
+        "credit_wait_s": waited,
+        # ru_maxrss is in KiB on Linux.
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }

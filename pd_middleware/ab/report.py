@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from ..payload import ITEMSIZE
-from ..stats import percentile, wilson_interval
+from ..stats import wilson_interval
 from .collector import ArmStats
 from .effect import response_effect
 from .schema import (
@@ -32,6 +32,7 @@ from .schema import (
     HookFailures,
     Latency,
     Payloads,
+    Pipeline,
     Report,
     VsReference,
 )
@@ -77,6 +78,8 @@ class RunFacts(msgspec.Struct, frozen=True, kw_only=True):
     reference: str | None
     receiver: dict[str, Any]
     prefill: dict[str, Any] | None
+    # The decode's side of the pipeline (deploy.deploy), None when nothing started.
+    pipeline: dict[str, Any] | None = None
 
 
 def build_report(stats: dict[str, ArmStats], facts: RunFacts) -> Report:
@@ -106,6 +109,22 @@ def build_report(stats: dict[str, ArmStats], facts: RunFacts) -> Report:
         hook_failures=_hook_failures(stats),
         receiver=facts.receiver,
         sender=pre.get("sender"),
+        pipeline=_pipeline(facts.pipeline, facts.prefill),
+    )
+
+
+def _pipeline(dec: dict[str, Any] | None, pre: dict[str, Any] | None) -> Pipeline | None:
+    """Both processes' stage CPU seconds and peak RSS, once both have reported."""
+    if dec is None or pre is None or "cpu_s" not in dec or "cpu_s" not in pre:
+        return None
+    cpu = {f"prefill.{k}": v for k, v in pre["cpu_s"].items()}
+    cpu["prefill.rest"] = max(0.0, pre["process_cpu_s"] - sum(pre["cpu_s"].values()))
+    cpu.update({f"decode.{k}": v for k, v in dec["cpu_s"].items()})
+    return Pipeline(
+        in_flight_batches=dec["in_flight_batches"],
+        peak_rss_bytes={"decode": dec["peak_rss_bytes"], "prefill": pre["peak_rss_bytes"]},
+        cpu_s={k: round(v, 3) for k, v in cpu.items()},
+        credit_wait_s=round(pre["credit_wait_s"], 3),
     )
 
 
@@ -149,7 +168,7 @@ def _arm(st: ArmStats, cfg: Any, hidden_bytes: int, pre: dict[str, Any], facts: 
             # What the proposal itself costs: bulk bytes beyond the hidden state.
             proposal=max(0.0, bulk - hidden_bytes),
         ),
-        latency_ms=Latency(p50=_num(percentile(st.latencies_ms, 50)), p99=_num(percentile(st.latencies_ms, 99))),
+        latency_ms=Latency(p50=_num(st.latency_ms.quantile(50)), p99=_num(st.latency_ms.quantile(99))),
         throughput_per_s=(st.delivered / span) if span > 0 else None,
         payloads=Payloads(
             sent=sent,
@@ -163,7 +182,7 @@ def _arm(st: ArmStats, cfg: Any, hidden_bytes: int, pre: dict[str, Any], facts: 
         ],
         send_failures=FailureCount(
             kind="send",
-            count=len(errors),
+            count=pre.get("send_error_count", {}).get(st.name, len(errors)),
             first_error=errors[0].partition(": ")[2],
             first_request=errors[0].partition(": ")[0],
         )

@@ -1,20 +1,16 @@
 """``pd-middleware ab``: compare proposal strategies on the same seeded traffic.
 
-This process is the decode node of an embedded loopback deployment. It builds the
-decode side through the public :class:`~pd_middleware.middleware.DecodeMiddleware`
-(with a router that reads the arm from the request id), starts a real
-:class:`~pd_middleware.transport.receiver.DecodeReceiver` (ZMQ + Mooncake on TCP) and
-spawns a prefill process (:mod:`pd_middleware.ab.prefill`) that runs every arm's
-encoder on the same workload rows. Delivered payloads are filed and assembled per arm
-and batch (:mod:`~pd_middleware.ab.collector`), then verified against the workload's
-target rows, regenerated from the same seed (:mod:`~pd_middleware.ab.verifier`).
-:mod:`~pd_middleware.ab.report` turns the measurements into the typed report.
+This process is the decode node of an embedded loopback deployment. This module checks
+the config, builds the decode side through the public
+:class:`~pd_middleware.middleware.DecodeMiddleware` (with a router that reads the arm
+from the request id) and the per-arm statistics, runs the deployment
+(:mod:`~pd_middleware.ab.deploy`: a real receiver, the prefill process of
+:mod:`~pd_middleware.ab.prefill`, the bounded pipeline between them) and hands the
+measurements to :mod:`~pd_middleware.ab.report`, which turns them into the typed report.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import signal
 import threading
 import time
 from pathlib import Path
@@ -22,14 +18,14 @@ from typing import Any
 
 import msgspec
 
-from .._errors import ConfigError, PDMiddlewareError
+from .._errors import ConfigError
 from ..config import Config, resolve_plugins
 from ..metrics import Metrics
 from ..registry import default_registry
 from .collector import ArmStats, BatchPlan, Collector, RouteByRequestId
 from .config import arm_roles, workload_options
-from .prefill import PrefillJob, run_prefill
-from .progress import Progress
+from .credit import IN_FLIGHT_BATCHES
+from .deploy import deploy
 from .report import RunFacts, build_report
 from .schema import Report
 
@@ -44,13 +40,18 @@ def run_ab(
     source: str | None = None,
     timeout_s: float = 1800.0,
     cancel: threading.Event | None = None,
+    in_flight_batches: int = IN_FLIGHT_BATCHES,
 ) -> Report:
     """Run the A/B job and return its :class:`Report`.
 
     The report is also written to ``out_dir`` (``report.json``, ``report.png``) unless
     ``out_dir`` is None. ``cancel``: when it is set, the job stops between batches,
     ends the prefill process and returns what it measured so far, marked
-    ``partial`` (within about a second). Raises ConfigError/PluginError before
+    ``partial`` (within about a second). ``timeout_s``: the longest wait for progress
+    (an outcome, a verified batch, the prefill's report), not a limit on the whole run.
+    ``in_flight_batches``: the decode's credit,
+    how many batches of every arm may be between the prefill and the verifier
+    (:mod:`~pd_middleware.ab.credit`; memory grows with it, not with ``requests``). Raises ConfigError/PluginError before
     anything starts, PDMiddlewareError when the deployment itself fails.
     """
     import torch
@@ -95,9 +96,12 @@ def run_ab(
     stop = cancel if cancel is not None else threading.Event()
     t_start = time.perf_counter()
     prefill_report: dict[str, Any] | None = None
+    pipeline: dict[str, Any] | None = None
     try:
         if not stop.is_set():  # cancelled during set-up: start nothing
-            prefill_report = _deploy(cfg, mw, collector, wl, seed_v, progress, stop, timeout_s)
+            prefill_report, pipeline = deploy(
+                cfg, mw, collector, wl, seed_v, progress, stop, timeout_s, in_flight_batches
+            )
     finally:
         mw.close()
     facts = RunFacts(
@@ -111,75 +115,12 @@ def run_ab(
         reference=reference,
         receiver=metrics.snapshot(),
         prefill=prefill_report,
+        pipeline=pipeline,
     )
     report = build_report(stats, facts)
     if out_dir is not None:
         write_outputs(report, Path(out_dir))
     return report
-
-
-def _deploy(
-    cfg: Config,
-    mw: Any,
-    collector: Collector,
-    wl: Any,
-    seed: int,
-    progress: bool,
-    stop: threading.Event,
-    timeout_s: float,
-) -> dict[str, Any] | None:
-    """Open the receiver, spawn the prefill, drive the run; always tear everything down.
-
-    Returns the prefill's report (None when cancelled before it arrived).
-    """
-    import torch
-
-    from ..transport.receiver import open_receiver
-    from .verifier import TargetFeed, VerifyThread
-
-    plan = collector.plan
-    receiver = open_receiver(cfg.transport, mw.pipeline)
-    try:
-        mpctx = mp.get_context("spawn")
-        results = mpctx.Queue()
-        job = PrefillJob(
-            config_data=msgspec.to_builtins(cfg),
-            address=receiver.address,
-            requests=plan.requests,
-            seed=seed,
-            batch_size=plan.batch_size,
-            arm_names=plan.arm_names,
-        )
-        proc = mpctx.Process(target=run_prefill, args=(job, results), name="pd-middleware-ab-prefill", daemon=True)
-        # Target rows are regenerated from the seed, and batches verified, on their own
-        # threads, so that batch formation (receive -> assemble) never waits for either.
-        targets = TargetFeed(wl, plan.requests, plan.batch_size, seed)
-        verifier = VerifyThread(collector.stats, torch.Generator().manual_seed(seed ^ 0xC0FFEE))
-        bar = Progress(plan.requests * len(plan.arm_names), "ab", enabled=progress)
-        aborted = False
-        try:
-            if stop.is_set():
-                return None
-            _start_ignoring_sigint(proc)
-            targets.start()
-            verifier.start()
-            return _drive(receiver, collector, targets, verifier, results, proc, bar, stop, timeout_s)
-        except BaseException:
-            aborted = True  # failed or interrupted: end the prefill now, never wait for it
-            raise
-        finally:
-            bar.close()
-            fast = aborted or stop.is_set()
-            verifier.stop(timeout=1.0)
-            targets.stop()
-            if proc.pid is not None:  # started
-                if fast:
-                    proc.terminate()
-                proc.join(timeout=1.0 if fast else 10.0)
-                if proc.is_alive():
-                    proc.terminate()
-    finally:
-        receiver.stop()
 
 
 def write_outputs(report: Report, out: Path) -> None:
@@ -194,101 +135,6 @@ def write_outputs(report: Report, out: Path) -> None:
         from .plot import write_plot
 
         write_plot(report, out / "report.png")
-
-
-def _start_ignoring_sigint(proc: Any) -> None:
-    """Start the prefill process with SIGINT ignored from its first instruction.
-
-    Ctrl-C reaches the whole process group. The parent handles it (a partial report,
-    then it terminates the child), so the child must not die of it first, not even
-    while it is still importing; Python keeps an ignored SIGINT ignored in a child.
-    Only the main thread may touch signal handlers; elsewhere the child sets it itself.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        proc.start()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        proc.start()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _drive(
-    receiver: Any,
-    collector: Collector,
-    targets: Any,
-    verifier: Any,
-    results: Any,
-    proc: Any,
-    bar: Progress,
-    stop: threading.Event,
-    timeout_s: float,
-) -> dict[str, Any] | None:
-    """The decode loop: file outcomes, verify complete batches in order, until done or cancelled.
-
-    Returns the prefill's report (None when cancelled before it arrived).
-    """
-    plan = collector.plan
-    deadline = time.monotonic() + timeout_s
-    prefill_report: dict[str, Any] | None = None
-    next_k = 0
-    while next_k < plan.batches:
-        if stop.is_set():
-            return prefill_report
-        item = receiver.get(timeout=0.05)
-        if item is not None:
-            collector.add(item)
-        # Verify, in order, every batch whose arms are all assembled and whose targets exist.
-        while next_k < plan.batches and collector.batch_ready(next_k):
-            # Never block here: deliveries keep arriving while targets are generated.
-            batch = (
-                targets.poll(next_k)
-                if item is not None
-                else targets.get(next_k, min(deadline, time.monotonic() + 0.05))
-            )
-            if batch is None:
-                break
-            verifier.submit(batch, collector.take(next_k))
-            next_k += 1
-            bar.update(sum(st.delivered + st.failed for st in collector.stats.values()))
-        verifier.check()
-        if item is not None:
-            continue
-        if stop.is_set():  # before judging the prefill: Ctrl-C reaches its process group too
-            return prefill_report
-        if time.monotonic() > deadline:
-            raise PDMiddlewareError(f"ab: timed out after {timeout_s:.0f}s waiting for batch {next_k}")
-        if prefill_report is None and not results.empty():
-            prefill_report = _prefill_result(results.get())
-        elif prefill_report is None and not proc.is_alive():
-            raise PDMiddlewareError(f"ab: the prefill process died (exit code {proc.exitcode})")
-        elif prefill_report is not None:
-            late = receiver.get(timeout=0.5)
-            if late is not None:  # still arriving: file it and keep going
-                collector.add(late)
-                continue
-            # Everything was sent and acknowledged and nothing more arrives:
-            # whatever is missing now never reached the decode. Fail it, never drop it.
-            collector.fail_missing(next_k)
-    verifier.finish(max(1.0, deadline - time.monotonic()))
-    while prefill_report is None and not stop.is_set():
-        if time.monotonic() > deadline:
-            raise PDMiddlewareError(f"ab: timed out after {timeout_s:.0f}s waiting for the prefill's report")
-        try:
-            prefill_report = _prefill_result(results.get(timeout=0.2))
-        except Exception:
-            if not proc.is_alive() and results.empty():
-                raise PDMiddlewareError(f"ab: the prefill process died (exit code {proc.exitcode})") from None
-    return prefill_report
-
-
-def _prefill_result(msg: tuple[str, Any]) -> dict[str, Any]:
-    kind, value = msg
-    if kind == "error":
-        raise PDMiddlewareError(f"ab: the prefill process failed: {value}")
-    report: dict[str, Any] = value
-    return report
 
 
 def _check(

@@ -50,7 +50,7 @@ class BytesPerRequest(msgspec.Struct, **_S):
 
 
 class Latency(msgspec.Struct, **_S):
-    """Receive-to-batch latency percentiles (ms)."""
+    """Receive-to-batch latency percentiles (ms), nearest rank, from a log histogram: within 1%."""
 
     p50: float | None
     p99: float | None
@@ -133,6 +133,19 @@ class ArmReport(msgspec.Struct, **_S):
     vs_reference: VsReference | None
 
 
+class Pipeline(msgspec.Struct, **_S):
+    """How the run was paced, where its CPU time went and the memory each process peaked at."""
+
+    # Batches of every arm allowed between the prefill and the verifier (the decode's credit).
+    in_flight_batches: int
+    # Peak RSS of each process (``decode``, ``prefill``) since it started, bytes.
+    peak_rss_bytes: dict[str, int]
+    # CPU seconds by stage, ``<process>.<stage>``; see docs/report.md.
+    cpu_s: dict[str, float]
+    # Wall seconds the prefill waited for the decode's credit.
+    credit_wait_s: float
+
+
 class Report(msgspec.Struct, **_S):
     """One ``pd-middleware ab`` run."""
 
@@ -153,6 +166,8 @@ class Report(msgspec.Struct, **_S):
     hook_failures: list[HookFailures]
     receiver: dict[str, Any]
     sender: dict[str, Any] | None
+    # None in a partial report, or one cancelled before the prefill reported.
+    pipeline: Pipeline | None = None
 
     def to_json(self) -> bytes:
         """Indented JSON, as written to ``report.json``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import PDMiddlewareError
@@ -24,6 +25,7 @@ class TargetFeed:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=2)
         self._stop = threading.Event()
         self._held: Any = None
+        self.cpu_s = 0.0  # thread CPU seconds spent generating target rows
         self._thread = threading.Thread(target=self._run, name="ab-targets", daemon=True)
 
     def start(self) -> None:
@@ -31,7 +33,9 @@ class TargetFeed:
 
     def _run(self) -> None:
         try:
+            t0 = time.thread_time()
             for k, batch in enumerate(self._it):
+                self.cpu_s += time.thread_time() - t0
                 while not self._stop.is_set():
                     try:
                         self._q.put((k, batch), timeout=0.2)
@@ -40,6 +44,7 @@ class TargetFeed:
                         continue
                 if self._stop.is_set():
                     return
+                t0 = time.thread_time()
         except BaseException as exc:
             self._q.put(("error", exc))
 
@@ -69,21 +74,39 @@ class TargetFeed:
 
 
 class VerifyThread:
-    """Runs :func:`verify_batch` in order on a worker thread."""
+    """Runs :func:`verify_batch` in order on a worker thread, at most ``max_queued`` batches behind.
 
-    def __init__(self, stats: dict[str, ArmStats], gen: Any) -> None:
+    ``on_verified`` is called on the worker after each batch (the job grants the prefill
+    one batch of credit there). The job's credit keeps the queue short on its own; the
+    bound makes that a property of this class too.
+    """
+
+    def __init__(
+        self, stats: dict[str, ArmStats], gen: Any, on_verified: Callable[[], None] | None = None, max_queued: int = 2
+    ) -> None:
         self._stats = stats
         self._gen = gen
-        self._q: queue.Queue[Any] = queue.Queue()
+        self._on_verified = on_verified
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
         self._error: BaseException | None = None
         self._abort = threading.Event()
+        self.cpu_s = 0.0  # thread CPU seconds spent verifying
         self._thread = threading.Thread(target=self._run, name="ab-verify", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, batch: Any, assembled: dict[str, Assembled]) -> None:
-        self._q.put((batch, assembled))
+    def submit(self, batch: Any, assembled: dict[str, Assembled], timeout: float = 600.0) -> None:
+        """Queue one batch; waits (``timeout`` s at most) while ``max_queued`` are waiting."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            try:
+                self._q.put((batch, assembled), timeout=0.2)
+                return
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    raise PDMiddlewareError(f"ab: the verifier took no batch for {timeout:.0f}s") from None
 
     def _run(self) -> None:
         while True:
@@ -91,7 +114,12 @@ class VerifyThread:
             if item is None or self._abort.is_set():
                 return
             try:
+                t0 = time.thread_time()
                 verify_batch(item[0], item[1], self._stats, self._gen)
+                self.cpu_s += time.thread_time() - t0
+                del item  # nothing of the batch outlives its verification
+                if self._on_verified is not None:
+                    self._on_verified()
             except BaseException as exc:
                 self._error = exc
                 return
@@ -103,7 +131,10 @@ class VerifyThread:
 
     def finish(self, timeout: float) -> None:
         """Wait until every submitted batch is verified."""
-        self._q.put(None)
+        try:
+            self._q.put(None, timeout=timeout)
+        except queue.Full:
+            pass  # the worker is stuck or dead: the join below and check() say which
         self._thread.join(timeout)
         self.check()
         if self._thread.is_alive():
@@ -117,7 +148,10 @@ class VerifyThread:
         """
         if self._thread.is_alive():
             self._abort.set()
-            self._q.put(None)
+            try:
+                self._q.put_nowait(None)
+            except queue.Full:
+                pass  # the worker sees the abort flag when it takes the next batch
             self._thread.join(timeout)
 
 
@@ -134,6 +168,7 @@ def verify_batch(batch: Any, assembled: dict[str, Assembled], stats: dict[str, A
 
     full_rows = sum_min(batch.target_probs[:, 0], batch.draft_probs[:, 0])
     shared_law: dict[int, Any] = {}
+    shared_terms: dict[str, Any] = {}
     b = batch.batch_size
     for arm, asm in assembled.items():
         st = stats[arm]
@@ -151,7 +186,7 @@ def verify_batch(batch: Any, assembled: dict[str, Assembled], stats: dict[str, A
         # estimate of the same mean as the observed rate.
         draft3 = asm.draft_probs if asm.draft_probs.dim() == 3 else asm.draft_probs.unsqueeze(1)
         st.expected_first_sum += float(acceptance_probability(target, draft3, asm.tokens)[:, 0].sum())
-        st.exact_first_sum += paired_expectation(asm, draft3, batch, sel)
+        st.exact_first_sum += paired_expectation(asm, draft3, batch, sel, shared_terms)
         st.verified += len(asm.rows)
         st.first_accepted += int(res.first_accepted.sum())
         st.accepted_sum += int(res.accepted_lengths.sum())
@@ -170,29 +205,38 @@ def verify_batch(batch: Any, assembled: dict[str, Assembled], stats: dict[str, A
             st.exactness.update(rows, res.committed[live, pos], bin_law=law)
 
 
-def paired_expectation(asm: Assembled, draft3: Any, batch: Any, sel: Any) -> float:
+def paired_expectation(asm: Assembled, draft3: Any, batch: Any, sel: Any, cache: dict[str, Any] | None = None) -> float:
     """Sum over rows of the exact first-position acceptance given the workload rows.
 
     X ~ q' handed over: sum min(p, q'). X ~ draft q with one-hot q': sum q.p.
     X = argmax q: p(argmax q). Free of the sampling noise of X and u, and paired
     across arms (same contexts), so ratios between arms are precise.
+
+    ``cache``: one dict per workload batch, shared by its arms: the two terms that do
+    not depend on the arm (q.p and p(argmax q), float64 per row) are computed once.
+    min(p, q') is taken in fp32 (exact: it picks one of two fp32 values) and summed in
+    float64, with no V-wide float64 copy.
     """
     import torch
 
-    from ..verify import sum_min
+    from ..verify import sanitize_q
 
-    p0 = batch.target_probs[sel, 0].double()
-    q0 = batch.draft_probs[sel, 0].double()
+    cache = {} if cache is None else cache
+    if "qp" not in cache:
+        p0, q0 = batch.target_probs[:, 0], batch.draft_probs[:, 0]
+        cache["qp"] = (p0.double() * q0.double()).sum(dim=1)
+        cache["greedy"] = p0.gather(1, q0.argmax(1, keepdim=True))[:, 0].double()
     law = torch.tensor([k == "law" for k in asm.kinds])
     greedy = torch.tensor([k == "greedy" for k in asm.kinds])
     total = 0.0
     if bool(law.any()):
-        total += float(sum_min(p0[law], draft3[law, 0]).sum())
+        p_law = batch.target_probs[sel[law], 0]
+        total += float(torch.minimum(p_law, sanitize_q(draft3[law, 0])).sum(dtype=torch.float64))
     samp = ~(law | greedy)
     if bool(samp.any()):
-        total += float((p0[samp] * q0[samp]).sum())
+        total += float(cache["qp"][sel[samp]].sum())
     if bool(greedy.any()):
-        total += float(p0[greedy].gather(1, q0[greedy].argmax(1, keepdim=True)).sum())
+        total += float(cache["greedy"][sel[greedy]].sum())
     return total
 
 

@@ -52,6 +52,13 @@ Range = tuple[int, int, int]
 _ID_LIMIT = 1 << 63
 
 
+# What the engine's ``transfer_check_status(batch_id)`` returns (its Python binding):
+# still running, done, failed, or given up on by the engine's own timeout.
+_STATUS_PENDING = 0
+_STATUS_COMPLETED = 1
+_STATUS_FAILED = -1
+_STATUS_TIMEOUT = -2
+
 _STARTUP_LOCK = threading.Lock()
 _GLOG_FATAL = 3
 
@@ -257,18 +264,18 @@ class MooncakeEngine:
                     )
             for bid in batch_ids:
                 st = engine.transfer_check_status(bid)
-                if st == 0:
+                if st == _STATUS_PENDING:
                     pending.append(bid)
                 else:
                     live.discard(bid)
                     results.append(st)
         for st in results:
-            if st != 1 and error is None:
-                if st == -2:  # the engine's timeout: the write may still land (TransferAbandoned)
+            if st != _STATUS_COMPLETED and error is None:
+                if st == _STATUS_TIMEOUT:  # the write may still land (TransferAbandoned)
                     error = TransferAbandoned(
                         "transfer timed out in the engine", op="transfer_check_status", code=st, peer=peer
                     )
-                else:
+                else:  # _STATUS_FAILED, or a code this adapter does not know: a failure either way
                     error = TransferError("transfer failed", op="transfer_check_status", code=st, peer=peer)
         if error is not None:
             self._probed.discard(peer)
