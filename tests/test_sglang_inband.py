@@ -1074,6 +1074,7 @@ def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -
         check_registration(info, inst.channel)
     check_registration(info, inst.channel)  # negative control: the real one passes
 
+
 def test_a_fallback_row_counts_its_local_proposal_once() -> None:
     """A row that gave no payload (here not_sent) is counted once as proposal:local, not again at the builder."""
     from pd_middleware.inband import RowFault
