@@ -52,6 +52,7 @@ KNOWN_PLUGINS: dict[tuple[str, str], tuple[str, str]] = {
             ("synthesizer", "one_hot"),
             ("synthesizer", "sparse"),
             ("synthesizer", "full_distribution"),
+            ("synthesizer", "recompute"),
             ("encoder", "softmax"),
             ("encoder", "greedy"),
             ("encoder", "sparse"),

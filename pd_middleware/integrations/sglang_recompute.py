@@ -195,7 +195,17 @@ def check_placement(lp: Any, *, enable_overlap: bool) -> None:
 
 # The prebuilt batch's recomputed proposal, set by the build wrapper and read by the
 # pd_first_draft_proposal replacement within the same builder call.
-_current: contextvars.ContextVar[Recomputed | None] = contextvars.ContextVar("pd_middleware_recompute", default=None)
+# _OUTSIDE: no builder call in progress; None: in the builder, the batch fell back.
+_OUTSIDE: Any = object()
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar("pd_middleware_recompute", default=_OUTSIDE)
+
+
+def one_hot_at(topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 (b, n, V) one-hot at X (clamped into [0, V)), built here: it never depends on
+    SGLang's own ``pd_first_draft_proposal`` (exact for any X)."""
+    x = topk_index.to(torch.int64).clamp(0, int(vocab_size) - 1)
+    out = torch.zeros((*x.shape, int(vocab_size)), dtype=torch.float32, device=x.device)
+    return out.scatter_(-1, x.unsqueeze(-1), 1.0)
 
 
 class DecodeRecompute:
@@ -339,7 +349,7 @@ class DecodeRecompute:
     def proposal(self, rec: Recomputed, topk_index: torch.Tensor, vocab_size: int, first: Any) -> torch.Tensor:
         """(b, 1, V) q' for the builder: recomputed rows where valid, else SGLang's one-hot at X."""
         q = rec.probs.to(device=topk_index.device, dtype=torch.float32)
-        one_hot: torch.Tensor = first(topk_index, vocab_size)
+        one_hot = one_hot_at(topk_index, vocab_size)
         if q.shape != (topk_index.shape[0], vocab_size) or topk_index.shape[1] != 1:
             self._fallback("shape", int(topk_index.shape[0]))
             return one_hot
@@ -385,22 +395,24 @@ def wrap_proposal(first: Callable[..., Any], inst: Installation) -> Callable[...
     Guarded like every per-batch wrapper: a failure gives SGLang's one-hot at the X the
     builder read (X' where the recompute step wrote it: one-hot is exact for any X).
     """
-    from .sglang_patch import check_proposal, sglang_one_hot
+    from .sglang_patch import check_proposal
 
     recompute = inst.recompute
     assert recompute is not None
 
     def pd_first_draft_proposal(topk_index: Any, vocab_size: int) -> Any:
         rec = _current.get()
-        if rec is None:
-            return first(topk_index, vocab_size)
+        if rec is _OUTSIDE:
+            return first(topk_index, vocab_size)  # not the PD first draft input: not ours
+        if rec is None:  # the batch fell back (counted): one-hot at the builder's X
+            return one_hot_at(topk_index, vocab_size)
         try:
             out = recompute.proposal(rec, topk_index, vocab_size, first)
             check_proposal(out, topk_index, vocab_size)
             return out
         except Exception as exc:
-            inst.guard.failed("recompute_proposal", exc, "SGLang's one-hot proposal")
-            return sglang_one_hot(first, topk_index, vocab_size, inst.guard)
+            inst.guard.failed("recompute_proposal", exc, "a one-hot proposal at the builder's X")
+            return one_hot_at(topk_index, vocab_size)
 
     return pd_first_draft_proposal
 

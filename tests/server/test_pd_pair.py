@@ -47,7 +47,7 @@ def servers(
     server_models: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Servers]:
     models = h.Models(server_models["target"], server_models["eagle3"])
-    cfg = h.server_config(REPO / "configs" / "sglang.toml", tmp_path_factory.mktemp("cfg") / "sglang.toml")
+    cfg = h.server_config(REPO / "configs" / "sparse_floor.toml", tmp_path_factory.mktemp("cfg") / "sparse_floor.toml")
     metrics = ["--enable-metrics"]
     out: dict[str, object] = {}
     errors: list[BaseException] = []

@@ -23,18 +23,10 @@ N = 128
 Z_SAME, Z_BETTER = 3.29, 2.33
 
 
-def _recompute_registered() -> bool:
-    from pd_middleware.registry import default_registry
-
-    return ("synthesizer", "recompute") in default_registry()
-
-
 @pytest.fixture(scope="module")
 def servers(
     server_models: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, object]]:
-    if not _recompute_registered():
-        pytest.skip('no "recompute" synthesizer is registered (the recompute issue); nothing to serve')
     cfg = tmp_path_factory.mktemp("cfg") / "recompute.toml"
     cfg.write_text('[decode]\nrejection_sampling = true\n\n[synthesizer]\nname = "recompute"\n')
     models = h.Models(server_models["target"], server_models["eagle3"])
