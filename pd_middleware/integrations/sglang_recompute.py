@@ -275,7 +275,9 @@ class DecodeRecompute:
                 one = torch.ones(1, dtype=torch.int64, device=device)
                 sglang_draw(torch.full((1, 2), 0.5, device=device), one, one)
                 self._fast_sample, self.sampler = sglang_draw, "sglang.fast_sample"
-            except ImportError as exc:
+            except (ImportError, AttributeError, RuntimeError, NotImplementedError) as exc:
+                # A probe: ImportError without sgl-kernel, AttributeError/RuntimeError where its
+                # package is present but its CPU ops (murmur_hash32_cpu) are not built.
                 logger.warning(
                     "pd-middleware recompute: SGLang's seeded fast_sample is unavailable on %s (%s); drawing X' "
                     "with the seeded inverse-CDF draw of pd_middleware.recompute instead (same law, rank-agreed)",
