@@ -1,22 +1,25 @@
 """First-verify acceptance in a real SGLang PD pair on CPU: aggregated against PD, per decode strategy.
 
-The same seeded-order prompts (standard-library function openings) go through an
-aggregated server and through a PD pair (prefill + decode + sglang-router, Mooncake over
-TCP) once per decode strategy, all with EAGLE3 and rejection sampling, on the trained
-tiny models (tests/server: harness, CPU stand-ins, docs/server.md). Prints one JSON line:
+The same prompts (standard-library function openings) go through an aggregated server
+and through a PD pair (prefill + decode + sglang-router, Mooncake over TCP) once per
+decode strategy, all with EAGLE3 and rejection sampling, on the trained tiny models
+(tests/server: harness, CPU stand-ins, docs/server.md). Prints one JSON line:
 
 - ``first_verify``: P(the first verify accepts >= 1 draft) at T = 1, ``max_new_tokens = 2``
   (one verify a request), from SGLang's per-request ``spec_num_correct_drafts``, with
-  its standard error; for PD with the drop-in also from the decode's own counters in
-  SGLang's ``/metrics`` (``pd_middleware_first_verify_accepted_tokens``), no manual join;
+  its standard error; for the live A/B pair also per arm from the decode's own counters in
+  SGLang's ``/metrics`` (``pd_middleware_first_verify_accepted_tokens{arm}``);
 - ``accept_length``: SGLang's own mean ``spec_accept_length`` per request at T = 1,
   ``max_new_tokens = 16`` (accepted drafts + bonus per verify, every verify);
 - ``gap_won_back``: (PD strategy - PD one-hot) / (aggregated - PD one-hot) for first_verify.
 
-Strategies: ``none`` (no drop-in: SGLang's own one-hot), ``sglang`` (configs/sglang.toml),
-``sparse_floor``, ``full_fp32``, ``one_hot``. Usage::
+Strategies: ``none`` (no drop-in: SGLang's own one-hot), ``sglang`` (configs/sglang.toml,
+decode-only recompute: the decode alone runs it), ``sparse_floor``, ``full_fp32``,
+``one_hot``, ``live_ab`` (configs/sglang_live_ab.toml: arms sparse and one_hot on one
+pair). The models are ``PDM_SERVER_MODELS`` (a folder with target/ and eagle3/) or the
+tier's own trained pair (tests/server/models/build.py, cached under build/). Usage::
 
-    PDM_SERVER_MODELS=<dir with target/ and eagle3/> python benchmarks/server_acceptance.py [--n 128] [--strategies ...]
+    python benchmarks/server_acceptance.py [--n 128] [--strategies none sglang ...]
 """
 
 from __future__ import annotations
@@ -42,22 +45,38 @@ STRATEGIES = {
     "sparse_floor": "sparse_floor.toml",
     "full_fp32": "full_fp32.toml",
     "one_hot": "one_hot.toml",
+    "live_ab": "sglang_live_ab.toml",
 }
+#: Strategies whose config runs on the decode alone (the prefill is stock).
+DECODE_ONLY = {"sglang"}
 
 
 def _rate_json(r: w.Rate) -> dict[str, float | int]:
     return {"p": round(r.p, 4), "se": round(r.se, 4), "n": r.n}
 
 
-def _counters_rate(text: str) -> dict[str, float | int] | None:
-    buckets = h.metric_values(text, "pd_middleware_first_verify_accepted_tokens_bucket")
-    counts = h.metric_values(text, "pd_middleware_first_verify_accepted_tokens_count")
-    total = int(sum(counts.values()))
-    if not total:
+def _arm_rates(text: str) -> dict[str, dict[str, float | int]] | None:
+    """Per arm, P(first verify accepts >= 1) from the decode's first-verify histogram."""
+    from pd_middleware.live_ab import parse_prometheus
+
+    try:
+        arms = parse_prometheus(text)
+    except Exception:  # no [[arms]]: the histogram is not recorded
         return None
-    zero = sum(v for k, v in buckets.items() if 'le="0.0"' in k or 'le="0"' in k)
-    hits = total - int(zero)
-    return _rate_json(w.Rate(hits, total))
+    return {a: _rate_json(w.Rate(v.n - v.counts[0], v.n)) for a, v in sorted(arms.items()) if v.n}
+
+
+def _models() -> h.Models | None:
+    root = os.environ.get("PDM_SERVER_MODELS")
+    if root:
+        eagle3 = Path(root) / "eagle3"
+        if not eagle3.is_dir():
+            eagle3 = Path(root) / "eagle3-fullvocab"
+        return h.Models(Path(root) / "target", eagle3)
+    from server.models.build import build_models
+
+    built = build_models(REPO / "build" / "server-models")
+    return h.Models(Path(built["trained_target"]), Path(built["trained_eagle3"]))
 
 
 def measure(url: str, n: int) -> tuple[w.Rate, float]:
@@ -72,16 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=128, help="requests per mode at max_new_tokens = 2 (default 128)")
     ap.add_argument("--strategies", nargs="*", default=list(STRATEGIES), choices=list(STRATEGIES))
     args = ap.parse_args(argv)
-    root = os.environ.get("PDM_SERVER_MODELS")
-    if not root or importlib.util.find_spec("sglang_router") is None:
+    if importlib.util.find_spec("sglang_router") is None:
         # run_all.py shows a skipped row: this figure needs the server tier (make setup-server).
-        why = "needs PDM_SERVER_MODELS (target/, eagle3/) and make setup-server (docs/server.md)"
-        print(json.dumps({"bench": "server_acceptance", "skipped": why}))
+        print(json.dumps({"bench": "server_acceptance", "skipped": "needs make setup-server (docs/server.md)"}))
         return 0
-    eagle3 = Path(root) / "eagle3"
-    if not eagle3.is_dir():
-        eagle3 = Path(root) / "eagle3-fullvocab"
-    models = h.Models(Path(root) / "target", eagle3)
+    sys.path.insert(0, str(REPO / "tests" / "server" / "site"))
+    import cpu_gaps  # transformers (the model builder) imports torchvision: its CPU gap first
+
+    cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
+    models = _models()
     tmp = Path(tempfile.mkdtemp(prefix="server-acceptance-"))
     out: dict[str, object] = {"bench": "server_acceptance", "n": args.n, "temperature": 1.0}
     t0 = time.monotonic()
@@ -97,19 +115,23 @@ def main(argv: list[str] | None = None) -> int:
         cfg = None
         if STRATEGIES[name] is not None:
             cfg = h.server_config(REPO / "configs" / STRATEGIES[name], tmp / STRATEGIES[name])
-        pair = h.start_pair(models, tmp / name, prefill_config=cfg, decode_config=cfg, extra_args=["--enable-metrics"])
+        pair = h.start_pair(
+            models,
+            tmp / name,
+            prefill_config=None if name in DECODE_ONLY else cfg,
+            decode_config=cfg,
+            extra_args=["--enable-metrics"],
+        )
         try:
             first, length = measure(pair.router.url, args.n)  # type: ignore[union-attr]
             time.sleep(3)  # the counters' copy into SGLang's /metrics runs every sync_interval_s
-            counters = _counters_rate(h.get_text(pair.decode.url + "/metrics")) if cfg else None
+            arms = _arm_rates(h.get_text(pair.decode.url + "/metrics")) if cfg else None
         finally:
             pair.stop()
         rates[name] = first
-        pd[name] = {
-            "first_verify": _rate_json(first),
-            "accept_length": round(length, 3),
-            "first_verify_counters": counters,
-        }
+        pd[name] = {"first_verify": _rate_json(first), "accept_length": round(length, 3)}
+        if arms:
+            pd[name]["first_verify_by_arm"] = arms  # both runs of measure(): max_new_tokens 2 and 16
     base = rates.get("none")
     for name, r in rates.items():
         if base is not None and a_first.p != base.p:
@@ -117,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     out["pd"] = pd
     out["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(out))
+    print(f"server_acceptance: {out['wall_s']} s", file=sys.stderr)
     return 0
 
 

@@ -113,7 +113,8 @@ def serve(metrics: Metrics, config: Any) -> MetricsServer | None:
 
 
 class MultiprocessMirror:
-    """Copies :class:`Metrics` into ``prometheus_client``'s multiprocess files of this process.
+    """Copies :class:`Metrics` (or any object with its ``families(prefix)``) into
+    ``prometheus_client``'s multiprocess files of this process.
 
     Needs ``PROMETHEUS_MULTIPROC_DIR`` set before ``prometheus_client`` was first
     imported in this process (PluginError otherwise: the values would go nowhere).
@@ -121,7 +122,7 @@ class MultiprocessMirror:
     last one; a metric family that does not change costs no write.
     """
 
-    def __init__(self, metrics: Metrics, interval_s: float = 1.0, prefix: str = PREFIX) -> None:
+    def __init__(self, metrics: Metrics | Any, interval_s: float = 1.0, prefix: str = PREFIX) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         pc = _prometheus()

@@ -442,34 +442,53 @@ def test_a_recorder_that_raises_never_reaches_sglang() -> None:
 
 
 def test_a_failed_export_is_logged_and_serving_goes_on(monkeypatch, caplog) -> None:
-    """Stand-in processor (shaped like SGLang's: same method name and parameters), no SGLang needed."""
-    from pd_middleware.config import MetricsConfig
+    """A refused copy into SGLang's /metrics is logged once, returns None, and adds no exporter."""
+    from pd_middleware import metrics_export
     from pd_middleware.integrations import sglang_ab
 
-    class Processor:
-        def _resolve_spec_v2_tokens(self, result, batch):
-            result.num_correct_drafts_per_req_cpu = [n - 1 for n in result.accept_lens]
-            for r in batch.reqs:
-                r.spec_verify_ct += 1
-            return [[0]] * len(batch.reqs)
-
-    fake = SimpleNamespace(__name__="fake_brp", SchedulerBatchResultProcessor=Processor)
     calls = []
 
-    def refuse(metrics, interval_s, exporters):
+    def refuse(source, interval_s):
         calls.append(interval_s)
         raise PluginError("not in multiprocess mode", plugin="prometheus_client")
 
-    monkeypatch.setattr(sglang_ab, "start_sglang_export", refuse)
-    m, exporters = Metrics(), []
-    rec = sglang_ab.make_recorder(m, MetricsConfig(sync_interval_s=2.0), exporters)
-    owner, attr, orig, new = first_verify_patch(rec, fake)
-    assert owner is Processor and orig is Processor.__dict__[attr] and len(exporters) == 1
-    reqs = [SimpleNamespace(spec_verify_ct=0, pd_middleware=SimpleNamespace(arm="a")) for _ in range(3)]
-    batch = SimpleNamespace(reqs=reqs)
+    monkeypatch.setattr(metrics_export, "MultiprocessMirror", refuse)
+    exporters: list = []
     with caplog.at_level("ERROR", logger="pd_middleware.integrations.sglang"):
-        new(Processor(), SimpleNamespace(accept_lens=[1, 2, 3]), batch)
-        new(Processor(), SimpleNamespace(accept_lens=[3, 3, 3]), batch)  # later verifies: not counted
-    assert calls == [2.0]  # tried once, on the first batch
-    assert "counters not copied into SGLang's /metrics: plugin error: not in multiprocess mode" in caplog.text
-    assert m.snapshot()["first_verify_accepted_by_arm"]["a"][:3] == [1, 1, 1]
+        got = sglang_ab.start_sglang_export(Metrics(), 2.0, exporters, enabled=lambda: True)
+    assert got is None and exporters == [] and calls == [2.0]
+    assert caplog.text.count("counters not copied into SGLang's /metrics: plugin error: not in multiprocess mode") == 1
+    # Negative control: not enabled, nothing is tried.
+    assert sglang_ab.start_sglang_export(Metrics(), 2.0, exporters, enabled=lambda: False) is None and calls == [2.0]
+
+
+def test_the_integration_events_family_carries_every_part() -> None:
+    """CounterSource: the middleware's families plus pd_middleware_integration_events_total{part, event}."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pd_middleware.integrations.sglang_ab import CounterSource
+
+    m = Metrics()
+    m.received += 2
+    parts = {"decode": {"proposal:prefill": 2}, "prefill": {"published": 3}, "guard": {}}
+    src = CounterSource(m, lambda: parts)
+
+    class Collector:
+        def collect(self):
+            return src.families("pd_middleware")
+
+    reg = CollectorRegistry()
+    reg.register(Collector())
+    text = generate_latest(reg).decode()
+    assert "pd_middleware_payloads_received_total 2.0" in text
+    assert 'pd_middleware_integration_events_total{event="proposal:prefill",part="decode"} 2.0' in text
+    assert 'pd_middleware_integration_events_total{event="published",part="prefill"} 3.0' in text
+    # A copy racing the scheduler (a dict resized mid-copy) is retried, then left for the next sync.
+    tries = []
+
+    def racing():
+        tries.append(1)
+        raise RuntimeError("dictionary changed size during iteration")
+
+    racy = list(CounterSource(m, racing).families("pd_middleware"))
+    assert len(tries) == 3 and racy[-1].samples == []

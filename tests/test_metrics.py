@@ -377,6 +377,12 @@ def test_every_name_in_the_docs_and_dashboard_is_exported() -> None:
     for fam in text_string_to_metric_families(exposition(busy_metrics())):
         samples.add(fam.name)
         samples.update(s.name for s in fam.samples)
+    # The SGLang integration's own family (its copy into SGLang's /metrics carries it too).
+    from pd_middleware.integrations.sglang_ab import CounterSource
+
+    for fam in CounterSource(busy_metrics(), lambda: {"decode": {"probe": 1}}).families("pd_middleware"):
+        samples.add(fam.name)
+        samples.update(s.name for s in fam.samples)
     doc = Path(DOC).read_text(encoding="utf-8")
     used = set(re.findall(r"\bpd_middleware_[a-z_]+\b", doc + "\n".join(dashboard_promql())))
     used = {u for u in used if not u.startswith("pd_middleware_plugins")}

@@ -418,13 +418,17 @@ def _validate(sg, inst, local_aux, msg):
         return sg.mooncake.MooncakeKVManager._validate_peer_state_layout(mgr, info)
 
 
-def test_handshake_rejects_one_sided_drop_in_and_other_capacity(sg) -> None:
+def test_handshake_serves_a_decode_without_the_drop_in_and_rejects_other_layouts(sg) -> None:
     inst = activate(config(), role="prefill")
     mine = inst.channel.describe().encode()
     ok = _validate(sg, inst, 16, _registration([1] * 16, FRAME_MARK + mine))
     assert ok[1] is None
-    _, why = _validate(sg, inst, 16, _registration([1] * 15))
-    assert "the decode registered none (15 metadata buffers vs 16 here)" in why and "capacity=4096" in why
+    # A decode without the drop-in (no frame, exactly our one buffer fewer): served, counted.
+    assert _validate(sg, inst, 16, _registration([1] * 15))[1] is None
+    assert inst.channel.counts["inband:peer_without_dropin"] == 1
+    # No frame and another count (an optional SGLang buffer on one side too): rejected.
+    _, why = _validate(sg, inst, 16, _registration([1] * 14))
+    assert "the decode registered none (14 metadata buffers vs 16 here)" in why and "capacity=4096" in why
     theirs = b"rowv1 capacity=8192 vocab=64 steps=1 sig=0000000000000000"
     _, why = _validate(sg, inst, 16, _registration([1] * 16, FRAME_MARK + theirs))
     assert (
@@ -1131,3 +1135,23 @@ def test_sglang_warmups_and_health_checks_are_served_one_hot_and_never_counted(p
     user.spec_verify_ct = probe_req.spec_verify_ct = 1
     assert rec.after(batch, SimpleNamespace(num_correct_drafts_per_req_cpu=[1, 2]), before) == 1
     proposer.close()
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_activation_copies_every_counter_into_sglangs_metrics_without_arms(sg, role, monkeypatch) -> None:
+    """At scheduler start, on either role and with no [[arms]], the copy into SGLang's /metrics
+    starts with the integration's parts (not only once a live A/B hook runs)."""
+    from pd_middleware.integrations import sglang_ab
+
+    calls = []
+    monkeypatch.setattr(
+        sglang_ab, "start_sglang_export", lambda src, interval, exporters: calls.append((src, interval))
+    )
+    inst = activate(config(), role=role)
+    ((source, interval),) = calls
+    assert isinstance(source, sglang_ab.CounterSource) and interval == inst.config.metrics.sync_interval_s
+    assert inst.recorder is None  # no [[arms]]: no first-verify hook on every decode step
+    inst.channel.counts["inband:written"] += 2
+    parts = source.events()
+    assert parts["inband"]["inband:written"] == 2 and "decode" in parts and "guard" in parts
+    assert ("prefill" in parts) == (role == "prefill")

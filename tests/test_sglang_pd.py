@@ -342,19 +342,22 @@ def test_dropin_prefill_tp2_ranks_write_the_same_row_and_the_right_proposal(dep,
         assert torch.equal(b["draft_probs"], reference(room, got["row"][-1]))
 
 
-def test_dropin_on_the_prefill_only_fails_fast_naming_both_layouts(dep):
+def test_dropin_on_the_prefill_only_serves_with_sglangs_one_hot_and_says_so(dep):
+    """A decode without the drop-in behind a prefill with it: the session is served (SGLang
+    transfers its own buffers, the shorter list), the decode verifies with SGLang's own
+    one-hot at the X it committed, and the prefill counts and logs the peer."""
     dep.install(sparse_config(), None, V)
     dep.configure(1, 1)
     room = rooms()
-    out = dep.transfer(room, n_pages=N_PAGES, first=dropin_first(room))
+    out, (b,) = transfer_and_build(dep, room, dropin_first(room))
     (p,), (got,) = out["prefill"], out["decode"]
-    assert p["status"] == "Failed" and got["status"] == "Failed"
-    assert (
-        "proposal rows differ" in p["reason"] and "capacity=20480" in p["reason"] and "registered none" in p["reason"]
-    ), p["reason"]
-    assert out["seconds"] < 10, out["seconds"]
-    print(f"\nprefill-only drop-in: request failed after {1e3 * out['seconds']:.0f} ms: {p['reason']}")
-    assert H.gather(dep.prefill, "counters")[0]["inband"]["inband:peer_rejected"] >= 1
+    assert p["status"] == "Success", p
+    x = int(got["req"]["output_topk_index"][0])
+    assert x == p["x"]  # the prefill's X, drawn from its encoded law
+    assert torch.equal(b["draft_probs"], one_hot(x)) and got["req"]["attached"] is None
+    assert got["row"] == p["row"][:-1]  # SGLang's buffers, whole; the proposal row stayed home
+    counts = H.gather(dep.prefill, "counters")[0]["inband"]
+    assert counts["inband:peer_without_dropin"] >= 1 and counts.get("inband:peer_rejected", 0) == 0
 
 
 def test_dropin_on_the_decode_only_counts_not_sent_and_answers_one_hot(dep):

@@ -25,10 +25,12 @@ records the requests whose first verify this was. The arm is read from the reque
 ``ab_split`` hook routed its payload to). A request with no record counts as
 unattributed.
 
-On its first call (in the scheduler process, after SGLang has published its runtime
-context) the wrapper also starts the copy into SGLang's own ``/metrics`` when SGLang runs
-with ``--enable-metrics``, on the ranks where SGLang itself reports (attention-TP rank 0,
-or every scheduler with ``--enable-metrics-for-all-schedulers``).
+The copy into SGLang's own ``/metrics`` (:func:`start_sglang_export`, with or without
+arms, on the prefill and the decode) is started at scheduler start by the installation's
+activation, when SGLang runs with ``--enable-metrics``, on the ranks where SGLang itself
+reports (attention-TP rank 0, or every scheduler with
+``--enable-metrics-for-all-schedulers``). It carries the middleware's counters and the
+integration's own (:class:`CounterSource`: ``pd_middleware_integration_events_total``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +63,7 @@ class FirstVerifyRecorder:
 
     ``arm_of``: reads a request's arm (default :func:`arm_of`). ``log_path``: a JSON-lines
     file to append one ``{"request_id", "arm", "accepted", "t"}`` line per first verify
-    (``[metrics] first_verify_log``), or None. ``on_first_call``: run once, in the
-    scheduler process, before the first batch is recorded (starts the multiprocess copy).
+    (``[metrics] first_verify_log``), or None.
     """
 
     def __init__(
@@ -71,20 +72,15 @@ class FirstVerifyRecorder:
         *,
         arm_of: Callable[[Any], str | None] = arm_of,
         log_path: str | Path | None = None,
-        on_first_call: Callable[[], None] | None = None,
     ) -> None:
         self.metrics = metrics
         self.arm_of = arm_of
         self.log_path = log_path
         self._log: Any = None  # opened at the first line, so a refused install leaves no file open
-        self._on_first_call = on_first_call
         self._lock = threading.Lock()
 
     def before(self, batch: Any) -> list[int]:
         """Positions of the batch's requests not verified yet (``spec_verify_ct == 0``)."""
-        if self._on_first_call is not None:
-            hook, self._on_first_call = self._on_first_call, None
-            hook()
         # SGLang's warmups and health checks are not requests of any arm: never counted.
         return [i for i, r in enumerate(batch.reqs) if r.spec_verify_ct == 0 and not is_probe(r)]
 
@@ -152,19 +148,66 @@ def sglang_exports_metrics() -> bool:
         return False
 
 
+#: The integration's own counters, by part (decode, prefill, inband, recompute, guard).
+EVENTS_FAMILY = "integration_events"
+
+
+class CounterSource:
+    """What the copy into SGLang's ``/metrics`` carries: ``metrics``' families, and
+    ``pd_middleware_integration_events_total{part, event}`` from ``events()`` (the
+    installation's counters by part: ``decode.proposal:prefill``, ``prefill.published``,
+    ``inband:written``, ``guard:<wrapper>:<error>``...).
+
+    ``events`` runs on the copy's thread while the scheduler counts: a copy that meets a
+    dict being resized is retried, then skipped until the next sync.
+    """
+
+    def __init__(self, metrics: Metrics, events: Callable[[], dict[str, dict[str, int]]]) -> None:
+        self.metrics = metrics
+        self.events = events
+
+    def families(self, prefix: str) -> Iterator[Any]:
+        yield from self.metrics.families(prefix)
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily(
+            f"{prefix}_{EVENTS_FAMILY}",
+            "The SGLang integration's counters, by part and event",
+            labels=["part", "event"],
+        )
+        for _ in range(3):
+            try:
+                parts = self.events()
+                break
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+        else:
+            parts = {}
+        for part, counts in sorted(parts.items()):
+            for event, n in sorted(counts.items()):
+                fam.add_metric([part, event], float(n))
+        yield fam
+
+
 def start_sglang_export(
-    metrics: Metrics, interval_s: float, exporters: list[Any], *, enabled: Callable[[], bool] = sglang_exports_metrics
+    source: Any, interval_s: float, exporters: list[Any], *, enabled: Callable[[], bool] = sglang_exports_metrics
 ) -> Any:
-    """Start copying ``metrics`` into SGLang's ``/metrics`` when :func:`sglang_exports_metrics`.
+    """Start copying ``source`` (a :class:`Metrics` or a :class:`CounterSource`) into
+    SGLang's ``/metrics`` when :func:`sglang_exports_metrics`.
 
     The mirror joins ``exporters`` (a middleware's list: stopped by its ``close()``).
-    Returns it, or None when this process does not report.
+    Returns it, or None when this process does not report. A failed start is logged, once,
+    and returns None: metrics never stop a server.
     """
     if not enabled():
         return None
     from ..metrics_export import MultiprocessMirror
 
-    mirror = MultiprocessMirror(metrics, interval_s).start()
+    try:
+        mirror = MultiprocessMirror(source, interval_s).start()
+    except PDMiddlewareError as exc:
+        logger.error("pd-middleware: counters not copied into SGLang's /metrics: %s", exc)
+        return None
     exporters.append(mirror)
     logger.info("pd-middleware counters copied into SGLang's /metrics every %.2f s", interval_s)
     return mirror
@@ -174,19 +217,9 @@ def make_recorder(metrics: Metrics, config: Any, exporters: list[Any]) -> FirstV
     """The live A/B recorder of an SGLang installation (its wrapper: :mod:`.sglang_patch`).
 
     ``metrics``: the decode's counters; ``config``: its
-    :class:`~pd_middleware.config.MetricsConfig` (``first_verify_log``,
-    ``sync_interval_s``); ``exporters``: the list whose owner stops its entries on close.
-    The recorder joins ``exporters`` and starts the copy into SGLang's ``/metrics`` on
-    its first call.
+    :class:`~pd_middleware.config.MetricsConfig` (``first_verify_log``); ``exporters``:
+    the list whose owner stops its entries on close (the recorder joins it).
     """
-
-    def start_export() -> None:
-        # Metrics must never stop serving: a failed export is logged, once.
-        try:
-            start_sglang_export(metrics, config.sync_interval_s, exporters)
-        except PDMiddlewareError as exc:
-            logger.error("pd-middleware: counters not copied into SGLang's /metrics: %s", exc)
-
-    recorder = FirstVerifyRecorder(metrics, log_path=config.first_verify_log, on_first_call=start_export)
+    recorder = FirstVerifyRecorder(metrics, log_path=config.first_verify_log)
     exporters.append(recorder)
     return recorder

@@ -113,8 +113,12 @@ class Installation:
         return "metadata" if self.channel is not None else "sidechannel"
 
     def counters(self) -> dict[str, Any]:
-        """Integration counters plus the middleware's receive-path snapshot."""
-        out: dict[str, Any] = {"decode": dict(self.proposer.counts), "metrics": self.proposer.metrics.snapshot()}
+        """Integration counters (:meth:`parts`) plus the middleware's receive-path snapshot."""
+        return {**self.parts(), "metrics": self.proposer.metrics.snapshot()}
+
+    def parts(self) -> dict[str, dict[str, int]]:
+        """The integration's own counters by part: decode, prefill, inband, recompute, guard."""
+        out: dict[str, dict[str, int]] = {"decode": dict(self.proposer.counts)}
         if self.publisher is not None:
             out["prefill"] = dict(self.publisher.counts)
         if self.channel is not None:
@@ -179,6 +183,7 @@ class Installation:
                 self._warn_capacity(facts)
         if facts.role == "prefill" and facts.num_steps > 1:
             self._patch_chain()
+        self._export_counters()
         self.announce()
         logger.info(
             "pd-middleware active: %s node, channel %s, V=%d, S=%d",
@@ -200,6 +205,7 @@ class Installation:
             server = serve(self.proposer.metrics, self.config.metrics)
             if server is not None:
                 self.proposer.exporters.append(server)
+        self._export_counters()
         self.announce()
         logger.info(
             "pd-middleware active: %s node, decode-only recompute, V=%d, S=%d",
@@ -207,6 +213,14 @@ class Installation:
             facts.vocab_size,
             facts.num_steps,
         )
+
+    def _export_counters(self) -> None:
+        """Under SGLang's ``--enable-metrics``: copy the counters (the middleware's and
+        :meth:`counters`' parts) into SGLang's ``/metrics``, on the prefill and the decode."""
+        from .sglang_ab import CounterSource, start_sglang_export
+
+        source = CounterSource(self.proposer.metrics, self.parts)
+        start_sglang_export(source, self.config.metrics.sync_interval_s, self.proposer.exporters)
 
     def _patch_chain(self) -> None:
         """Multi-layer prefill: draw each chain step from its encoded law (.sglang_chain)."""

@@ -273,10 +273,27 @@ class MetadataChannel:
         return FRAME_MARK + self.describe().encode("ascii")
 
     def validate(self, manager: Any, info: Any) -> str | None:
-        """Prefill ``_validate_peer_state_layout`` tail: why this decode session must be rejected."""
-        mismatch = self.peer_mismatch(
-            len(manager.kv_args.aux_data_ptrs), len(info.dst_aux_ptrs), getattr(info, LAYOUT_ATTR, None)
-        )
+        """Prefill ``_validate_peer_state_layout`` tail: why this decode session must be rejected.
+
+        A decode without the drop-in (no layout frame, exactly our one buffer fewer) is
+        served, not rejected: SGLang transfers the shorter list (its own buffers, paired
+        by position, ours is last), so that decode verifies with SGLang's own exact
+        one-hot proposal. Counted ``inband:peer_without_dropin`` and logged per session.
+        """
+        local, remote = len(manager.kv_args.aux_data_ptrs), len(info.dst_aux_ptrs)
+        layout = getattr(info, LAYOUT_ATTR, None)
+        if layout is None and remote == local - 1:
+            with self._lock:
+                self.counts["inband:peer_without_dropin"] += 1
+            logger.warning(
+                "pd-middleware: decode session %s registered no proposal row (it runs without the drop-in): "
+                "serving it with SGLang's own buffers only, so its requests verify with SGLang's one-hot "
+                "proposal (exact, first-verify acceptance of one-hot); set PD_MIDDLEWARE_CONFIG on that decode "
+                "too (counted as inband:peer_without_dropin)",
+                info.mooncake_session_id,
+            )
+            return None
+        mismatch = self.peer_mismatch(local, remote, layout)
         if mismatch is not None:
             self._count("peer_rejected", mismatch)
             logger.error("pd-middleware: rejecting decode session %s: %s", info.mooncake_session_id, mismatch)

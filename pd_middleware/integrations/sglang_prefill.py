@@ -49,7 +49,7 @@ import torch
 from .._errors import ConfigError, PDMiddlewareError
 from ..contracts import EncodedBatch
 from ..payload import Payload
-from .sglang_decode import LOCAL_PROVENANCE, room_key
+from .sglang_decode import LOCAL_PROVENANCE, is_probe, room_key
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -249,7 +249,12 @@ class ProposalPublisher:
             if self.stage is not None:
                 for target, payload in zip(targets, payloads):
                     self.stage(target, payload)
-                self.counts["staged"] += len(payloads)
+                # SGLang's warmups and health checks are staged like any request (their
+                # row is harmless) but counted apart, as the decode does.
+                probes = sum(1 for t in targets[: len(payloads)] if is_probe(t))
+                self.counts["staged"] += len(payloads) - probes
+                if probes:
+                    self.counts["probe"] += probes
                 return
             sender = self.sender
             if sender is None:

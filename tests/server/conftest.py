@@ -83,11 +83,62 @@ def log_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 _SERVER_LOGS: list[object] = []
+_SHARED_LOGS: list[object] = []
 
 
 def attach_logs(servers: list[object]) -> None:
-    """Register running servers whose logs a failing test's report should carry."""
-    _SERVER_LOGS[:] = servers
+    """Register running servers whose logs a failing test's report should carry (with the shared ones)."""
+    _SERVER_LOGS[:] = [*_SHARED_LOGS, *servers]
+
+
+class Shared:
+    """The references every acceptance module compares with, started once per session:
+    ``agg`` (aggregated serving) and ``onehot`` (a PD pair without the drop-in, SGLang's
+    own one-hot proposal), both with ``--enable-metrics``."""
+
+    def __init__(self, agg: object, onehot: object) -> None:
+        self.agg, self.onehot = agg, onehot
+
+
+@pytest.fixture(scope="session")
+def shared(server_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    import threading
+
+    from . import harness as h
+
+    models = h.Models(server_models["target"], server_models["eagle3"])
+    logs = tmp_path_factory.mktemp("shared-logs")
+    metrics = ["--enable-metrics"]
+    out: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def run(key: str, fn: object) -> None:
+        try:
+            out[key] = fn()  # type: ignore[operator]
+        except BaseException as exc:  # re-raised below, after the others stop
+            errors.append(exc)
+
+    starts = {
+        "agg": lambda: h.start_server("aggregated", models, logs / "agg", extra_args=metrics),
+        "onehot": lambda: h.start_pair(models, logs / "onehot", extra_args=metrics),
+    }
+    threads = [threading.Thread(target=run, args=(k, f)) for k, f in starts.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    agg, onehot = out.get("agg"), out.get("onehot")
+    try:
+        if errors:
+            raise errors[0]
+        _SHARED_LOGS[:] = [agg, *onehot.servers]  # type: ignore[union-attr]
+        yield Shared(agg, onehot)
+    finally:
+        _SHARED_LOGS.clear()
+        if onehot is not None:
+            onehot.stop()  # type: ignore[attr-defined]
+        if agg is not None:
+            h.stop(agg)  # type: ignore[arg-type]
 
 
 @pytest.hookimpl(hookwrapper=True)

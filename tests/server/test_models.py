@@ -239,7 +239,14 @@ def _free_port() -> int:
 def test_sglang_classes_build_and_load_every_model(models: dict[str, Path]) -> None:
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("SGLang is not installed; run `make setup-sglang`")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    # The child imports transformers, which imports torchvision: its CPU gap (the servers'
+    # sitecustomize, limited to that override) must load first there too.
+    site = TESTS / "server" / "site"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "PDM_CPU_GAPS": "torchvision_meta",
+    }
     args = [f"{n}={p}" for n, p in models.items()]
     cmd = [sys.executable, "-m", "server.models.sglang_check", str(_free_port()), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)

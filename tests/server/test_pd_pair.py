@@ -1,92 +1,114 @@
 """A real PD pair (EAGLE3, rejection sampling, Mooncake over TCP, sglang-router) with the drop-in on.
 
-Started once for the module, side by side with an aggregated server (the reference) and
-a PD pair without the drop-in (SGLang's own one-hot proposal, the baseline). The decode
-with the drop-in also runs the seed's builder (``PDM_TEST_SEED_BUILDER=1``: SGLang's own
-PD proposal made inert, as before SGLang's fix): with the drop-in on, every request is
-served anyway (the negative control, the same decode without the drop-in, is
-test_seed.py).
+The pair runs ``configs/sglang_live_ab.toml``: the prefill ships a sparse distribution
+with a uniform floor (the ``sparse_floor.toml`` encoding) and the decode splits the
+traffic live between two arms, ``sparse`` (the shipped distribution) and ``one_hot``
+(the same payloads, the distribution ignored: SGLang's own baseline). It is compared with
+the session's aggregated server (the reference) and its PD pair without the drop-in
+(SGLang's own one-hot proposal): ``conftest.shared``. The decode also runs the seed's
+builder (``PDM_TEST_SEED_BUILDER=1``: SGLang's own PD proposal made inert, as before
+SGLang's fix): with the drop-in on, every request is served anyway (the negative
+control, the same decode without the drop-in, is test_seed.py).
 
 Statistics (fixed prompts; SGLang's sampling is not seeded across modes, so the modes are
 independent samples): first-verify acceptance is P(the first verify accepts >= 1 draft),
-read from SGLang's own per-request ``spec_num_correct_drafts`` at ``max_new_tokens = 2``.
+read from SGLang's own per-request ``spec_num_correct_drafts`` at ``max_new_tokens = 2``,
+and per arm from the decode's own ``/metrics`` (the first-verify histogram by arm, which
+must add up to SGLang's per-request figures exactly).
 """
 
 from __future__ import annotations
 
-import threading
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pd_middleware.live_ab import parse_prometheus
 from pd_middleware.stats import tv_bound
 from server import harness as h
 from server import workload as w
-from server.conftest import attach_logs
+from server.conftest import Shared, attach_logs
 
 pytestmark = pytest.mark.server
 
 REPO = Path(__file__).resolve().parents[2]
-N_ACCEPT = 128  # requests per mode at T = 1, max_new_tokens = 2
+ARMS = ("one_hot", "sparse")
+N_ACCEPT = 160  # requests at T = 1, max_new_tokens = 2 (about 80 per arm)
 N_GREEDY = 12
 N_EXACT = 192  # one prompt, T = 1, max_new_tokens = 2: the committed token after the bonus
 Z_SAME = 3.29  # two-sided alpha = 1e-3: "within the CI of aggregated"
 Z_BETTER = 2.33  # one-sided alpha = 1e-2: "above the one-hot baseline"
+SCRAPE_DEADLINE_S = 30.0  # the copy into SGLang's /metrics runs every sync_interval_s (1 s)
 
 
 class Servers:
-    def __init__(self, agg: h.Server, dropin: h.Pair, onehot: h.Pair) -> None:
-        self.agg, self.dropin, self.onehot = agg, dropin, onehot
+    def __init__(self, shared: Shared, dropin: h.Pair) -> None:
+        self.agg: h.Server = shared.agg  # type: ignore[assignment]
+        self.onehot: h.Pair = shared.onehot  # type: ignore[assignment]
+        self.dropin = dropin
         self.sent_dropin = 0
+
+    @property
+    def decode_metrics(self) -> str:
+        return self.dropin.decode.url + "/metrics"
 
 
 @pytest.fixture(scope="module")
 def servers(
-    server_models: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    shared: Shared, server_models: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Servers]:
     models = h.Models(server_models["target"], server_models["eagle3"])
-    cfg = h.server_config(REPO / "configs" / "sparse_floor.toml", tmp_path_factory.mktemp("cfg") / "sparse_floor.toml")
-    metrics = ["--enable-metrics"]
-    out: dict[str, object] = {}
-    errors: list[BaseException] = []
-
-    def run(key: str, fn: object) -> None:
-        try:
-            out[key] = fn()  # type: ignore[operator]
-        except BaseException as exc:  # re-raised below, after the others stop
-            errors.append(exc)
-
-    starts = {
-        "agg": lambda: h.start_server("aggregated", models, log_dir / "agg", extra_args=metrics),
-        "dropin": lambda: h.start_pair(
-            models,
-            log_dir / "dropin",
-            prefill_config=cfg,
-            decode_config=cfg,
-            decode_env={"PDM_TEST_SEED_BUILDER": "1"},
-            extra_args=metrics,
-        ),
-        "onehot": lambda: h.start_pair(models, log_dir / "onehot", extra_args=metrics),
-    }
-    threads = [threading.Thread(target=run, args=(k, f)) for k, f in starts.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for v in out.values():
-            v.stop() if isinstance(v, h.Pair) else h.stop(v)  # type: ignore[arg-type]
-        raise errors[0]
-    s = Servers(out["agg"], out["dropin"], out["onehot"])  # type: ignore[arg-type]
-    attach_logs([s.agg, *s.dropin.servers, *s.onehot.servers])
+    cfg = h.server_config(
+        REPO / "configs" / "sglang_live_ab.toml", tmp_path_factory.mktemp("cfg") / "sglang_live_ab.toml"
+    )
+    dropin = h.start_pair(
+        models,
+        log_dir / "dropin",
+        prefill_config=cfg,
+        decode_config=cfg,
+        decode_env={"PDM_TEST_SEED_BUILDER": "1"},
+        extra_args=["--enable-metrics"],
+    )
+    attach_logs(dropin.servers)
     try:
-        yield s
+        yield Servers(shared, dropin)
     finally:
-        s.dropin.stop()
-        s.onehot.stop()
-        h.stop(s.agg)
+        dropin.stop()
+
+
+def arm_counts(url: str) -> dict[str, tuple[int, ...]]:
+    """Per arm, the decode's first verifies by accepted length, scraped from ``url``."""
+    try:
+        arms = parse_prometheus(h.get_text(url))
+    except Exception:  # no first verify recorded yet: the family is absent
+        return {}
+    return {a: tuple(v.counts) for a, v in arms.items()}
+
+
+def arm_rates_since(url: str, before: dict[str, tuple[int, ...]], expected: int) -> dict[str, w.Rate]:
+    """Per arm, P(first verify accepts >= 1) over the first verifies recorded since ``before``.
+
+    Waits (bounded) until ``expected`` new first verifies are in, or the count stops changing.
+    """
+    deadline, last, rates = time.monotonic() + SCRAPE_DEADLINE_S, -1, {}
+    while True:
+        now = arm_counts(url)
+        rates = {}
+        for arm, counts in now.items():
+            old = before.get(arm, ())
+            delta = [c - (old[k] if k < len(old) else 0) for k, c in enumerate(counts)]
+            n = sum(delta)
+            rates[arm] = w.Rate(n - delta[0], n) if n else w.Rate(0, 0)
+        total = sum(r.n for r in rates.values())
+        if total >= expected or total == last or time.monotonic() > deadline:
+            return rates
+        last = total
+        time.sleep(2.5)
 
 
 def test_the_drop_in_serves_where_the_seed_builder_leaves_draft_probs_unset(servers: Servers) -> None:
@@ -109,23 +131,37 @@ def test_greedy_outputs_equal_aggregated(servers: Servers) -> None:
     assert [r.output_ids for r in base] == [r.output_ids for r in agg]
 
 
-def test_first_verify_acceptance_drop_in_matches_aggregated_and_beats_one_hot(servers: Servers) -> None:
+def test_first_verify_acceptance_shipped_arm_matches_aggregated_and_beats_one_hot(servers: Servers) -> None:
     texts = w.prompts(N_ACCEPT, offset=2)
     agg = w.first_verify_rate(w.generate(servers.agg.url, texts, temperature=1.0, max_new_tokens=2))
+    before = arm_counts(servers.decode_metrics)
     res = w.generate(servers.dropin.router.url, texts, temperature=1.0, max_new_tokens=2)  # type: ignore[union-attr]
     servers.sent_dropin += len(res)
+    assert all(r.status == 200 for r in res), [r.error for r in res if r.status != 200]
     pd = w.first_verify_rate(res)
     base = w.first_verify_rate(w.generate(servers.onehot.router.url, texts, temperature=1.0, max_new_tokens=2))  # type: ignore[union-attr]
-    print(f"first-verify acceptance: aggregated {agg}, PD + drop-in {pd}, PD one-hot {base}")
-    assert abs(w.z_diff(pd, agg)) <= Z_SAME, f"PD + drop-in {pd} vs aggregated {agg}: outside the 1e-3 band"
-    assert w.z_diff(pd, base) >= Z_BETTER, f"PD + drop-in {pd} not above one-hot {base} at alpha 1e-2"
+    arms = arm_rates_since(servers.decode_metrics, before, N_ACCEPT)
+    print(
+        f"first-verify acceptance: aggregated {agg}, PD + drop-in (both arms, SGLang's figures) {pd}, "
+        f"arm sparse {arms.get('sparse')}, arm one_hot {arms.get('one_hot')}, PD without the drop-in {base}"
+    )
+    assert sorted(arms) == sorted(ARMS)
+    # The decode's per-arm counts are SGLang's own per-request results, each request once.
+    assert sum(r.n for r in arms.values()) == N_ACCEPT
+    assert sum(r.hits for r in arms.values()) == pd.hits
+    shipped, onehot = arms["sparse"], arms["one_hot"]
+    assert abs(w.z_diff(shipped, agg)) <= Z_SAME, f"arm sparse {shipped} vs aggregated {agg}: outside the 1e-3 band"
+    assert w.z_diff(shipped, base) >= Z_BETTER, f"arm sparse {shipped} not above one-hot {base} at alpha 1e-2"
+    # The drop-in's one-hot arm is SGLang's own proposal: the same law as the pair without it.
+    assert abs(w.z_diff(onehot, base)) <= Z_SAME, f"arm one_hot {onehot} vs SGLang's one-hot {base}"
 
 
 def test_first_token_after_the_bonus_is_distributed_as_aggregated(servers: Servers) -> None:
     """At T = 1 the committed token after the prefill's bonus has the aggregated law (TV, alpha = 1e-6).
 
-    Both samples are compared with the same unknown law: P(TV(emp_a, emp_b) > 2 * bound) <= 2 alpha,
-    with bound = tv_bound(K, N, alpha) and K the categories seen in either sample.
+    Both arms are exact, so the mixed traffic is too. Both samples are compared with the
+    same unknown law: P(TV(emp_a, emp_b) > 2 * bound) <= 2 alpha, with bound =
+    tv_bound(K, N, alpha) and K the categories seen in either sample.
     """
     text = [w.prompts(1, offset=3)[0]] * N_EXACT
     agg = w.generate(servers.agg.url, text, temperature=1.0, max_new_tokens=2)
@@ -140,24 +176,12 @@ def test_first_token_after_the_bonus_is_distributed_as_aggregated(servers: Serve
     assert tv <= bound
 
 
-def test_live_ab_reads_the_running_decodes_metrics(servers: Servers) -> None:
-    """``pd-middleware live-ab --url <decode>/metrics``: per-arm first-verify acceptance with CIs, no manual join."""
-    import json
-    import subprocess
-    import sys
-
-    deadline = time.monotonic() + 30
+def test_live_ab_reports_both_arms_from_the_running_decode(servers: Servers) -> None:
+    """``pd-middleware live-ab --url <decode>/metrics --json``: per-arm acceptance with CIs, no manual join."""
+    deadline = time.monotonic() + SCRAPE_DEADLINE_S
     while True:
         out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pd_middleware.cli",
-                "live-ab",
-                "--url",
-                servers.dropin.decode.url + "/metrics",
-                "--json",
-            ],
+            [sys.executable, "-m", "pd_middleware.cli", "live-ab", "--url", servers.decode_metrics, "--json"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -167,28 +191,44 @@ def test_live_ab_reads_the_running_decodes_metrics(servers: Servers) -> None:
         n = sum(a["first_verifies"] for a in report["arms"])
         if n >= servers.sent_dropin or time.monotonic() > deadline:
             break
-        time.sleep(3)  # the copy into SGLang's /metrics runs every sync_interval_s
+        time.sleep(2.5)
     print(f"live-ab: {report}")
-    assert [a["arm"] for a in report["arms"]] == ["default"]
-    (arm,) = report["arms"]
-    assert arm["first_verifies"] == servers.sent_dropin  # each request's first verify, once
-    lo, hi = arm["acceptance_ci"]
-    assert 0.0 <= lo <= arm["acceptance"] <= hi <= 1.0
+    assert report["baseline"] == "one_hot"
+    assert sorted(a["arm"] for a in report["arms"]) == sorted(ARMS)
+    assert n == servers.sent_dropin  # each request's first verify, once; warmups and health checks excluded
+    by_arm = {a["arm"]: a for a in report["arms"]}
+    for arm in by_arm.values():
+        lo, hi = arm["acceptance_ci"]
+        assert 0.0 <= lo <= arm["acceptance"] <= hi <= 1.0
+    # The shipped arm's lower bound is above the one-hot arm's upper bound on these models.
+    assert by_arm["sparse"]["acceptance_ci"][0] > by_arm["one_hot"]["acceptance_ci"][1]
 
 
-def test_decode_counters_from_metrics_count_each_request_once(servers: Servers) -> None:
-    """Read from the outside (SGLang's /metrics, --enable-metrics): payloads = requests sent, no fallbacks."""
-    # The counters are copied into SGLang's /metrics every sync_interval_s: wait (bounded)
-    # until the copy holds every request sent, or stops changing.
-    received, last, deadline = -1.0, -2.0, time.monotonic() + 30
-    while time.monotonic() < deadline and received != servers.sent_dropin:
-        text = h.get_text(servers.dropin.decode.url + "/metrics")
-        received = sum(h.metric_values(text, "pd_middleware_payloads_received_total").values())
-        if received == last:
+def test_counters_on_both_nodes_count_each_request_once(servers: Servers) -> None:
+    """Read from the outside (SGLang's /metrics, --enable-metrics), on the decode and the prefill."""
+    sent = servers.sent_dropin
+    deadline = time.monotonic() + SCRAPE_DEADLINE_S
+    while True:
+        dec = h.get_text(servers.decode_metrics)
+        pre = h.get_text(servers.dropin.prefill.url + "/metrics")
+        received = sum(h.metric_values(dec, "pd_middleware_payloads_received_total").values())
+        events = h.metric_values(dec, "pd_middleware_integration_events_total")
+        published = h.metric_values(pre, "pd_middleware_integration_events_total")
+        if received >= sent or time.monotonic() > deadline:
             break
-        last = received
-        time.sleep(3)
-    fallbacks = h.metric_values(text, "pd_middleware_fallbacks_total")
-    print(f"decode: payloads_received {received}, fallbacks {fallbacks}, sent {servers.sent_dropin}")
-    assert received == servers.sent_dropin
+        time.sleep(2.5)
+    fallbacks = h.metric_values(dec, "pd_middleware_fallbacks_total")
+    print(f"decode: payloads_received {received}, fallbacks {fallbacks}, events {events}; prefill: {published}")
+    assert received == sent
     assert {k: v for k, v in fallbacks.items() if "sglang:" in k and v} == {}
+
+    def event(values: dict[str, float], part: str, name: str) -> float:
+        return sum(v for k, v in values.items() if f'part="{part}"' in k and f'event="{name}"' in k)
+
+    # Every request's proposal came from the prefill's payload (either arm), none from a fallback.
+    assert event(events, "decode", "proposal:prefill") == sent
+    assert event(events, "decode", "proposal:local") == 0
+    assert event(events, "inband", "inband:read") >= sent
+    # The prefill staged one payload per request (its warmups and health checks apart), and
+    # its own /metrics says so.
+    assert event(published, "prefill", "staged") == sent
