@@ -11,11 +11,13 @@ decode strategy, all with EAGLE3 and rejection sampling, on the trained tiny mod
   SGLang's ``/metrics`` (``pd_middleware_first_verify_accepted_tokens{arm}``);
 - ``accept_length``: SGLang's own mean ``spec_accept_length`` per request at T = 1,
   ``max_new_tokens = 16`` (accepted drafts + bonus per verify, every verify);
-- ``gap_won_back``: (PD strategy - PD one-hot) / (aggregated - PD one-hot) for first_verify.
+- ``gap_won_back``: (PD strategy - PD one-hot) / (aggregated - PD one-hot) for first_verify;
+- ``greedy_equal``: of 8 greedy requests (12 tokens), how many gave the aggregated
+  server's output ids exactly; ``errors``: requests not answered 200, of all sent.
 
 Strategies: ``none`` (no drop-in: SGLang's own one-hot), ``sglang`` (configs/sglang.toml,
 decode-only recompute: the decode alone runs it), ``sparse_floor``, ``full_fp32``,
-``one_hot``, ``live_ab`` (configs/sglang_live_ab.toml: arms sparse and one_hot on one
+``full_bf16``, ``sparse_topk``, ``sparse_topp``, ``one_hot``, ``live_ab`` (configs/sglang_live_ab.toml: arms sparse and one_hot on one
 pair). The models are ``PDM_SERVER_MODELS`` (a folder with target/ and eagle3/) or the
 tier's own trained pair (tests/server/models/build.py, cached under build/). Usage::
 
@@ -44,9 +46,14 @@ STRATEGIES = {
     "sglang": "sglang.toml",
     "sparse_floor": "sparse_floor.toml",
     "full_fp32": "full_fp32.toml",
+    "full_bf16": "full_bf16.toml",
+    "sparse_topk": "sparse_topk.toml",
+    "sparse_topp": "sparse_topp.toml",
     "one_hot": "one_hot.toml",
     "live_ab": "sglang_live_ab.toml",
 }
+#: Greedy prompts per mode, compared token for token with the aggregated server's outputs.
+N_GREEDY = 8
 #: Strategies whose config runs on the decode alone (the prefill is stock).
 DECODE_ONLY = {"sglang"}
 
@@ -79,11 +86,13 @@ def _models() -> h.Models | None:
     return h.Models(Path(built["trained_target"]), Path(built["trained_eagle3"]))
 
 
-def measure(url: str, n: int) -> tuple[w.Rate, float]:
-    first = w.first_verify_rate(w.generate(url, w.prompts(n, offset=2), temperature=1.0, max_new_tokens=2))
+def measure(url: str, n: int) -> tuple[w.Rate, float, list[w.Result]]:
+    """First-verify rate, mean accept length, and every result (greedy ones last)."""
+    fv = w.generate(url, w.prompts(n, offset=2), temperature=1.0, max_new_tokens=2)
     res = w.generate(url, w.prompts(min(n, 64), offset=4), temperature=1.0, max_new_tokens=16)
+    greedy = w.generate(url, w.prompts(N_GREEDY, offset=1), temperature=0.0, max_new_tokens=12)
     lengths = [r.accept_length for r in res if r.status == 200 and r.accept_length is not None]
-    return first, sum(lengths) / max(1, len(lengths))
+    return w.first_verify_rate(fv), sum(lengths) / max(1, len(lengths)), fv + res + greedy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     agg = h.start_server("aggregated", models, tmp / "agg")
     try:
-        a_first, a_len = measure(agg.url, args.n)
+        a_first, a_len, a_res = measure(agg.url, args.n)
     finally:
         h.stop(agg)
-    out["aggregated"] = {"first_verify": _rate_json(a_first), "accept_length": round(a_len, 3)}
+    a_greedy = [r.output_ids for r in a_res[-N_GREEDY:]]
+    out["aggregated"] = {
+        "first_verify": _rate_json(a_first),
+        "accept_length": round(a_len, 3),
+        "errors": f"{sum(r.status != 200 for r in a_res)}/{len(a_res)}",
+    }
     pd: dict[str, object] = {}
     rates: dict[str, w.Rate] = {}
     for name in args.strategies:
@@ -123,13 +137,19 @@ def main(argv: list[str] | None = None) -> int:
             extra_args=["--enable-metrics"],
         )
         try:
-            first, length = measure(pair.router.url, args.n)  # type: ignore[union-attr]
+            first, length, res = measure(pair.router.url, args.n)  # type: ignore[union-attr]
             time.sleep(3)  # the counters' copy into SGLang's /metrics runs every sync_interval_s
             arms = _arm_rates(h.get_text(pair.decode.url + "/metrics")) if cfg else None
         finally:
             pair.stop()
         rates[name] = first
-        pd[name] = {"first_verify": _rate_json(first), "accept_length": round(length, 3)}
+        same = sum(r.output_ids == g for r, g in zip(res[-N_GREEDY:], a_greedy))
+        pd[name] = {
+            "first_verify": _rate_json(first),
+            "accept_length": round(length, 3),
+            "greedy_equal": f"{same}/{N_GREEDY}",
+            "errors": f"{sum(r.status != 200 for r in res)}/{len(res)}",
+        }
         if arms:
             pd[name]["first_verify_by_arm"] = arms  # both runs of measure(): max_new_tokens 2 and 16
     base = rates.get("none")
