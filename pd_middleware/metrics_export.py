@@ -176,8 +176,14 @@ class MultiprocessMirror:
         return self
 
     def _run(self) -> None:
+        failed = False
         while not self._stop.wait(self.interval_s):
-            self.sync()
+            try:
+                self.sync()
+            except Exception as exc:  # a failed copy must not end the thread: retried next interval
+                if not failed:
+                    failed = True
+                    logger.error("pd-middleware: copying counters into the multiprocess files failed: %r", exc)
 
     def stop(self) -> None:
         """Stop the thread after one last sync (idempotent)."""

@@ -44,7 +44,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .._errors import PDMiddlewareError
 from ..metrics import Metrics
 from .sglang_decode import is_probe
 
@@ -205,7 +204,7 @@ def start_sglang_export(
 
     try:
         mirror = MultiprocessMirror(source, interval_s).start()
-    except PDMiddlewareError as exc:
+    except Exception as exc:  # metrics never stop a server: any failure is logged, once
         logger.error("pd-middleware: counters not copied into SGLang's /metrics: %s", exc)
         return None
     exporters.append(mirror)
