@@ -290,6 +290,50 @@ def test_multiprocess_files_merge_across_processes(tmp_path) -> None:
         assert out.returncode == 0, out.stdout + out.stderr
 
 
+FLAKY_SOURCE = textwrap.dedent(
+    """
+    import logging, sys, time
+    from pd_middleware.metrics import Metrics
+    from pd_middleware.metrics_export import MultiprocessMirror
+    logging.basicConfig(level=logging.ERROR, stream=sys.stdout, format="%(message)s")
+    m = Metrics()
+
+    class Flaky:
+        calls = 0
+        def families(self, prefix):
+            Flaky.calls += 1
+            if Flaky.calls in (2, 3):   # the thread's first two syncs fail
+                raise ValueError("boom")
+            return m.families(prefix)
+
+    mirror = MultiprocessMirror(Flaky(), interval_s=0.05).start()
+    m.received += 5
+    deadline = time.monotonic() + 20
+    while Flaky.calls < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print("alive", mirror._thread.is_alive(), "calls", Flaky.calls >= 6)
+    mirror.stop()
+    """
+)
+
+
+def test_a_failing_sync_is_logged_once_and_the_copy_goes_on(tmp_path) -> None:
+    """The mirror's thread survives a sync that raises: one log line, later syncs write the values."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    d = tmp_path / "prom"
+    d.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d), "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", FLAKY_SOURCE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("copying counters into the multiprocess files failed: ValueError('boom')") == 1, out.stdout
+    assert "alive True calls True" in out.stdout
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(d))
+    assert "pd_middleware_payloads_received_total 5.0" in generate_latest(reg).decode()
+
+
 def test_mirror_refuses_a_process_not_in_multiprocess_mode() -> None:
     from pd_middleware.metrics_export import MultiprocessMirror
 
