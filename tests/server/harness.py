@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -53,8 +54,35 @@ class ServerFailed(RuntimeError):
         self.returncode = returncode
 
 
+def _ephemeral_low() -> int:
+    """The low end of the kernel's ephemeral port range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS = random.Random()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's choice)."""
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range.
+
+    A server binds its port tens of seconds after the harness chose it. A port from the
+    ephemeral range can be handed, meanwhile, to any other socket the servers open (ZMQ,
+    Mooncake, HTTP clients), and the server then fails with "address already in use"
+    (seen in the tier). Ports below that range are given out only to explicit binds.
+    Falls back to the kernel's choice after 64 busy tries.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PORTS.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
