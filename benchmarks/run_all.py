@@ -142,6 +142,20 @@ FIGURES: dict[str, list[Figure]] = {
         ),
         Figure("recompute_over_full_ngram", ">= 0.999", "the same, ngram", lambda x: x >= 0.999),
     ],
+    "prefill_encode": [
+        *(
+            Figure(
+                f"per_request_over_batched_{st}",
+                "-",
+                f"{st}: the per-request encode (host copy, a generator each) over one batched call, largest B",
+            )
+            for st in ("sparse_floor", "one_hot", "full_fp32")
+        ),
+        *(
+            Figure(f"batched_over_floor_{st}", "-", f"{st}: the batched encode over the least work of its kind")
+            for st in ("sparse_floor", "one_hot", "full_fp32")
+        ),
+    ],
     "end_to_end": [],  # one row per (encoding, B) built in _end_to_end_rows
     "gpu_check": [],  # skipped on CPU; rows built in _gpu_rows
 }

@@ -127,8 +127,8 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
     # 20480 holds sparse_floor/sparse_topp at k_max 4000 (16 KB) at V = 152064;
     # full fp32 at that V needs 608,384, bf16 304,256 (docs/sglang.md, "Bytes").
     capacity_bytes: int = 20480
-    # Seed of the prefill encoder's draw; each request draws from a generator seeded
-    # from (seed, bootstrap room), so every prefill TP rank writes identical bytes.
+    # Seed of the prefill encoder's draw; each request's draws invert uniforms of
+    # (seed, bootstrap room, rid) alone, so every prefill TP rank writes identical bytes.
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -21,10 +21,13 @@ its methods are then called on the hot path.
     blocks; never builds a V-wide row for a one-hot or sparse proposal.
 
 ``encoder`` (:class:`ProposalEncoder`), **prefill side**
-    ``encode(probs, generator=...)`` runs once per batch of finished prefill requests.
+    ``encode(probs, uniforms=...)`` runs once per batch of finished prefill requests.
     It builds the distribution it will send, draws X from exactly that distribution
-    and returns X, q(X), the encoded proposal and the provenance. May use the
-    accelerator; does no I/O.
+    and returns X, q(X), the encoded proposal and the provenance. It runs where
+    ``probs`` lives (the accelerator on a server) and copies to the host only what it
+    sends; it does no I/O. Draw (b, s) inverts the CDF at ``uniforms[b, s]`` when
+    given (the engine's per-request randomness, :mod:`pd_middleware.draws`), else uses
+    ``generator``.
 
 **Engine capabilities.** A plugin that needs something only the engine has (the decode's
 own draft head, :class:`~pd_middleware.draft_head.DraftHead`, for the ``recompute``
@@ -132,11 +135,18 @@ class ProposalEncoder(Protocol):
     """Prefill side, per batch. See the module docstring.
 
     ``probs``: float (B, S, V) draft probabilities *after* temperature (rows sum to 1),
-    or (B, V) for single-layer; the encoder reports ``temperature`` in the provenance.
+    or (B, V) for single-layer, on any device; the encoder reports ``temperature`` in
+    the provenance. ``uniforms``: float64 (B, S) in [0, 1), one per draw; an encoder
+    without this parameter is still served (one call per request, on a host copy).
     """
 
     def encode(
-        self, probs: torch.Tensor, *, temperature: float = 1.0, generator: torch.Generator | None = None
+        self,
+        probs: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> EncodedBatch: ...
 
 

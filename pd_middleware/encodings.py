@@ -33,6 +33,7 @@ __all__ = [
     "SUM_TOLERANCE",
     "dense_law",
     "dense_law_tensor",
+    "draw_uniforms",
     "encoder_input",
     "sample_law",
     "sample_sparse_law",
@@ -94,22 +95,37 @@ def dense_law_tensor(enc: DenseEncoding, num_steps: int, vocab_size: int) -> tor
     return d.probs.float() * d.scale.view(-1, 1)
 
 
-def sample_law(law: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw_uniforms(
+    n: int, device: torch.device | str, generator: torch.Generator | None, uniforms: torch.Tensor | None
+) -> torch.Tensor:
+    """float64 (n,) on ``device``: ``uniforms`` flattened (row-major, n values in [0, 1)), or
+    n fresh draws from ``generator`` (on its device) when ``uniforms`` is None."""
+    import torch
+
+    if uniforms is not None:
+        u = uniforms.reshape(-1)
+        if u.numel() != n:
+            raise ValidationError(f"holds {u.numel()} values for {n} draws", field="uniforms")
+        return u.to(device=device, dtype=torch.float64)
+    gdev = generator.device if generator is not None else device
+    return torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).to(device)
+
+
+def sample_law(
+    law: torch.Tensor, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     """Draw one token per row of ``law`` (float (N, V), non-negative, rows with mass).
 
     Row i yields token j with probability ``law[i, j] / law[i].sum()``, computed in
     float64 by inverse CDF (:func:`pd_middleware.verify.sample_categorical`), so a
-    zero-mass token is never drawn. Uniforms come from ``generator`` (on its device).
-    Returns int64 (N,) on ``law.device``.
+    zero-mass token is never drawn. Row i's uniform is ``uniforms`` (N values, any
+    shape, row-major) or else a draw from ``generator``. Runs on ``law.device``, with
+    no host copy; returns int64 (N,) there.
     """
-    import torch
-
     from .verify import sample_categorical
 
-    n = law.shape[0]
-    gdev = generator.device if generator is not None else law.device
-    u = torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).to(law.device)
-    return sample_categorical(law.double(), u)
+    u = draw_uniforms(law.shape[0], law.device, generator, uniforms)
+    return sample_categorical(law, u)
 
 
 def encoder_input(probs: torch.Tensor, *, tolerance: float = 1e-3) -> torch.Tensor:
@@ -127,10 +143,12 @@ def encoder_input(probs: torch.Tensor, *, tolerance: float = 1e-3) -> torch.Tens
         probs = probs.unsqueeze(1)
     if probs.dim() != 3 or 0 in probs.shape:
         raise ValidationError(f"expected shape (B, V) or (B, S, V), got {tuple(probs.shape)}", field="probs")
-    # NaN fails both comparisons; inf fails the second.
-    if not bool(((probs >= 0) & (probs <= 1)).all()):
+    # One pass for both bounds: a NaN makes the min and max NaN, and NaN fails both
+    # comparisons; inf fails the second.
+    lo, hi = torch.aminmax(probs)
+    if not bool((lo >= 0) & (hi <= 1)):
         raise ValidationError("contains NaN, inf or values outside [0, 1]", field="probs")
-    sums = probs.float().sum(dim=-1).double()
+    sums = probs.sum(dim=-1, dtype=torch.float32).double()
     bad = (sums - 1.0).abs() > tolerance
     if bool(bad.any()):
         b, s = (int(i) for i in bad.nonzero()[0])
@@ -141,14 +159,18 @@ def encoder_input(probs: torch.Tensor, *, tolerance: float = 1e-3) -> torch.Tens
 
 
 def sample_sparse_law(
-    laws: list[SparseProposal], vocab_size: int, generator: torch.Generator | None = None
+    laws: list[SparseProposal],
+    vocab_size: int,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per step of each sparse law, without building V-wide rows.
 
     The row a step stands for is what the assembler writes: ``values`` at ``indices``
     and the fp32 ``floor`` on every other token. One float64 uniform per step picks,
     by inverse CDF over [listed entries, unlisted tokens in ascending order], either a
-    listed entry (zero values are never picked) or the j-th unlisted token.
+    listed entry (zero values are never picked) or the j-th unlisted token. The
+    uniforms are ``uniforms`` (N values, in step order) or else draws from ``generator``.
     Returns (tokens int64 (N,), their fp32 values in the row float32 (N,)), N = total
     steps, in order. Cost grows with the listed entries, not with V.
     """
@@ -170,8 +192,7 @@ def sample_sparse_law(
     floor = floor32.double()
     unlisted = (vocab_size - lengths).double()
     total = listed_mass + unlisted * floor
-    gdev = generator.device if generator is not None else torch.device("cpu")
-    x = torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).cpu() * total
+    x = draw_uniforms(n, "cpu", generator, uniforms) * total
     pick_listed = (x < listed_mass) | (floor <= 0)
     # Listed: first entry whose cumulative mass exceeds x (clamped for x == total).
     j = torch.searchsorted(

@@ -180,13 +180,14 @@ def _draw_residual(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, kernel: Ke
 def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: row i picks token j with probability ``weights[i, j] / sum``.
 
-    ``weights``: float64 (n, V), non-negative, every row with positive mass; ``u``:
+    ``weights``: float (n, V), non-negative, every row with positive mass, summed in
+    float64 (a float32 row is widened inside the running sum, not copied first); ``u``:
     float64 (n,) in [0, 1). Returns int64 (n,). ``right=True`` makes the pick the first
     token whose cumulative mass exceeds ``u * total``, which always has positive mass.
     """
     import torch
 
-    cdf = weights.cumsum(dim=1)
+    cdf = weights.cumsum(dim=1, dtype=torch.float64)
     total = cdf[:, -1:]
     idx = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1)
     over = idx >= weights.shape[1]

@@ -104,3 +104,16 @@ def test_ab_memory_reports_both_processes_at_each_size():
     assert set(result["ratio"]) == {"decode", "prefill"} and isinstance(result["met"], bool)
     bad = _run(str(BENCH / "ab_memory.py"), "--sizes", "0")
     assert bad.returncode == 2 and "--sizes: need at least one size, each >= 1" in bad.stderr
+
+
+def test_prefill_encode_quick_mode_prints_its_figures():
+    """The prefill encode benchmark runs in quick mode and reports both paths for every
+    strategy (values are not asserted: timings on a shared machine are not facts)."""
+    pytest.importorskip("torch")
+    proc = _run(str(BENCH / "prefill_encode.py"), "--quick", "--repeats", "1", timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "prefill_encode" and result["quick"] is True
+    for key in ("ms_per_batch", "ratio_per_request_over_batched", "ratio_vs_floor"):
+        assert set(result[key]) == {"sparse_floor", "one_hot", "full_fp32"}
+        assert all(set(v) == {"B1", "B16"} and all(x > 0 for x in v.values()) for v in result[key].values())

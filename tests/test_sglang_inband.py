@@ -25,12 +25,12 @@ import torch
 
 from pd_middleware import ConfigError
 from pd_middleware.config import parse_config
+from pd_middleware.draws import request_uniforms
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations import sglang_metadata
 from pd_middleware.integrations.sglang_metadata import FRAME_MARK
 from pd_middleware.integrations.sglang_patch import wrap_metadata_init, wrap_prefill_result, wrap_registration
-from pd_middleware.integrations.sglang_prefill import room_seed
 from pd_middleware.payload import Payload, Provenance
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
@@ -562,8 +562,8 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
         q = torch.softmax(mod.step_logits(prev, 2), -1)
         for i in range(2):
             salt = f"{getattr(reqs[i], 'rid', '')}:{k}"
-            g = torch.Generator().manual_seed(room_seed(SEED, rooms[i], salt))
-            e = inst.publisher.encoder.encode(q[i : i + 1], temperature=1.0, generator=g)
+            u = request_uniforms(SEED, [rooms[i]], [salt])
+            e = inst.publisher.encoder.encode(q[i : i + 1], temperature=1.0, uniforms=u)
             assert payloads[i].draft_tokens[k] == int(e.tokens[0, 0]) == int(di.topk_index[i, k]), (i, k)
             assert torch.equal(
                 sparse_law_tensor(payloads[i].proposal, STEPS, V)[k], sparse_law_tensor(e.proposals[0], 1, V)[0]

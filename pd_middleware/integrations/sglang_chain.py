@@ -17,9 +17,12 @@ when a prefill starts with S > 1) call this module:
   returned draft input (``next_draft_input.pd_middleware_payloads``: one per batch row,
   or None);
 - the REPLACE of ``sample_draft_proposal`` calls SGLang's function for q_k, then
-  :func:`draw_step` encodes each row's q_k with the configured encoder from a generator
-  seeded from (seed, room, rid:k), and returns SGLang's q_k with the encoder's q'_k(X_k)
-  and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's.
+  :func:`draw_step` encodes the batch's q_k with the configured encoder, in one call
+  where q_k lives, each row from its uniform of (seed, room, rid:k)
+  (:mod:`pd_middleware.draws`), and returns SGLang's q_k with the encoder's q'_k(X_k)
+  and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's. X_k stays on
+  the device: our code reads nothing back until the loop ends, so the chain syncs the
+  device only where the encoder must read its rows to pack them (``sparse``, ``full``).
 
 The prefill wrapper (:func:`~.sglang_prefill.publish_batch`) then publishes those
 payloads instead of encoding again. Each step is exact given the accepted prefix, so the
@@ -38,7 +41,6 @@ import torch
 
 from ..payload import DenseEncoding, Payload, SparseEncoding
 from .sglang_decode import room_key
-from .sglang_prefill import room_seed
 
 #: Draft-input attribute the finished payloads are left under (one per batch row).
 PAYLOADS_ATTR = "pd_middleware_payloads"
@@ -48,56 +50,62 @@ _chain: contextvars.ContextVar[ChainDraw | None] = contextvars.ContextVar("pd_mi
 
 @dataclass
 class ChainDraw:
-    """One batch's chain draws: per row, the per-step (X, q'(X), encoding, provenance)."""
+    """One batch's chain draws: per step, (X (b,), q'(X) (b,), b encodings, b provenances)."""
 
     publisher: Any
     rooms: list[Any]
     temperatures: list[float]
-    # Per-row SGLang request ids, mixed into each draw's seed (see room_seed).
+    # Per-row SGLang request ids, mixed into each draw's uniforms (pd_middleware.draws).
     salts: list[str] = field(default_factory=list)
-    steps: list[list[tuple[int, float, Any, Any]]] = field(default_factory=list)
+    steps: list[tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]] = field(default_factory=list)
     # A step failed or was SGLang's own: the chain is no longer the encoder's throughout.
     broken: bool = False
 
     def draw(self, step: int, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Encode step ``step`` of every row of ``probs`` (b, V); returns (q'(X) (b, 1), X (b, 1)) on CPU.
+        """Encode step ``step`` of every row of ``probs`` (b, V), in one encoder call where
+        ``probs`` lives; returns (q'(X) (b, 1), X (b, 1)) where the encoder left them.
 
         None when the batch's rows are not its requests (padding): SGLang's draw stands.
+        Nothing is read back to the host here: the payloads are built once, after the
+        loop (:meth:`payloads`).
         """
         b = probs.shape[0]
         if self.broken or b != len(self.rooms) or step != len(self.steps):
             self.broken = True
             return None
-        rows = probs.detach().to("cpu", torch.float32)
-        got: list[tuple[int, float, Any, Any]] = []
-        for i, room in enumerate(self.rooms):
-            salt = f"{self.salts[i] if i < len(self.salts) else ''}:{step}"
-            g = torch.Generator().manual_seed(room_seed(self.publisher.seed, room, salt))
-            e = self.publisher.encoder.encode(rows[i : i + 1], temperature=self.temperatures[i], generator=g)
-            got.append(
-                (int(e.tokens[0, 0]), min(1.0, max(0.0, float(e.token_probs[0, 0]))), e.proposals[0], e.provenance)
-            )
-        self.steps.append(got)
-        x = torch.tensor([[t[0]] for t in got], dtype=torch.int64)
-        p = torch.tensor([[t[1]] for t in got], dtype=torch.float32)
-        return p, x
+        salts = [f"{self.salts[i] if i < len(self.salts) else ''}:{step}" for i in range(b)]
+        x, p, proposals, provenances = self.publisher.encode_rows(self.rooms, probs.detach(), self.temperatures, salts)
+        x, p = x.reshape(b), p.reshape(b).clamp(0.0, 1.0)
+        self.steps.append((x, p, proposals, provenances))
+        return p.view(b, 1), x.view(b, 1)
 
     def payloads(self) -> list[Payload | None]:
         """One S-step payload per row (None for a row without a bootstrap room)."""
+        if not self.steps or self.broken:
+            return [None] * len(self.rooms)
+        s = len(self.steps)
+        # One host copy of the whole chain's X and q'(X) (X < 2**53 is exact in float64).
+        both = torch.cat(
+            [
+                torch.stack([st[0] for st in self.steps], 1).double(),
+                torch.stack([st[1] for st in self.steps], 1).double(),
+            ],
+            1,
+        ).cpu()
+        xs, ps = both[:, :s].to(torch.int64).tolist(), both[:, s:].tolist()
         out: list[Payload | None] = []
         for i, room in enumerate(self.rooms):
-            if room is None or not self.steps or self.broken:
+            if room is None:
                 out.append(None)
                 continue
-            per = [s[i] for s in self.steps]
             out.append(
                 Payload(
                     request_id=room_key(room) or "",
-                    draft_tokens=tuple(t[0] for t in per),
-                    draft_probs=tuple(t[1] for t in per),
+                    draft_tokens=tuple(xs[i]),
+                    draft_probs=tuple(float(v) for v in ps[i]),
                     vocab_size=self.publisher.vocab_size,
-                    provenance=per[0][3],
-                    proposal=join_steps([t[2] for t in per]),
+                    provenance=self.steps[0][3][i],
+                    proposal=join_steps([st[2][i] for st in self.steps]),
                 )
             )
         return out

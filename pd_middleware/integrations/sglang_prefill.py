@@ -11,10 +11,13 @@ string). Where the payload goes is the publisher's ``sink``:
   request's proposal row (:mod:`.sglang_metadata`);
 - the side channel: sent through a :class:`~pd_middleware.transport.PrefillSender`.
 
-**Each request draws from its own generator, seeded from (``seed``, room, rid)**
-(:func:`room_seed`), not from one per-process generator: every prefill TP rank that
-writes a request's row (several do under MHA TP) draws the same X, given identical draft
-distributions. That is not taken on trust: :func:`publish_batch` all-reduces, per batch,
+**Each request's draws are a function of (``seed``, room, rid) alone**
+(:func:`~pd_middleware.draws.request_uniforms`: counter-based uniforms, not one
+per-process generator), so every prefill TP rank that writes a request's row (several
+do under MHA TP) draws the same X, given identical draft distributions, whatever the
+batch around it. The batch is encoded in one call where the draft rows live; nothing
+V-wide reaches the host unless the encoder ships V-wide rows (``full``). That is not
+taken on trust: :func:`publish_batch` all-reduces, per batch,
 whether each rank encoded each request and which X it drew, and publishes a request only
 when all agree. **The caller must hand the decode the encoder's X** (``tokens``) and
 q'(X) (``token_probs``) instead of its own draw: the shipped proposal is exact only for
@@ -37,7 +40,6 @@ X_k). Without them SGLang's own chain stands and is sent X only (counted
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections import Counter
@@ -48,20 +50,11 @@ import torch
 
 from .._errors import ConfigError, PDMiddlewareError
 from ..contracts import EncodedBatch
+from ..draws import request_uniforms, room_seed, takes_uniforms
 from ..payload import Payload
 from .sglang_decode import LOCAL_PROVENANCE, is_probe, room_key
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
-
-
-def room_seed(seed: int, room: Any, salt: str = "") -> int:
-    """The generator seed of one request: a 63-bit digest of (``seed``, room, ``salt``), equal on every rank.
-
-    ``salt``: SGLang's request id (``req.rid``, the same on every TP rank and new for every
-    request), so a client that reuses a ``bootstrap_room`` does not get the same draw twice.
-    """
-    raw = f"{int(seed)}:{room}:{salt}".encode()
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"pd-mw-draw").digest(), "little") >> 1
 
 
 class ProposalPublisher:
@@ -72,7 +65,7 @@ class ProposalPublisher:
     returning one (connected lazily on first publish, so a prefill may start before its
     decode), or None with ``stage`` given; ``stage(req_or_room, payload)``: the
     metadata channel's sink (the wrapper passes SGLang's Req); ``vocab_size``: V;
-    ``seed``: mixed with each request's room and rid into its generator's seed (:func:`room_seed`).
+    ``seed``: mixed with each request's room and rid into its uniforms (:mod:`pd_middleware.draws`).
     """
 
     def __init__(
@@ -99,6 +92,7 @@ class ProposalPublisher:
         self._closed = threading.Event()
         # A factory's sender is ours to close; a connected one handed in stays the caller's.
         self._owns_sender = sender is not None and not hasattr(sender, "send")
+        self._uniform_check: tuple[Any, bool] = (None, False)
 
     @classmethod
     def from_config(
@@ -204,30 +198,32 @@ class ProposalPublisher:
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
         salts: Sequence[str] | None = None,
     ) -> tuple[EncodedBatch, list[Payload]]:
-        """Encode one batch, each request from its own (seed, room, salt) generator (salt: SGLang's rid).
+        """Encode one batch; each request's draws come from (seed, room, salt) alone (salt: SGLang's rid).
 
         ``rooms``: B bootstrap rooms (ints) or request ids; ``draft_probs``: float
         (B, V) or (B, S, V) draft probabilities after temperature, any device;
         ``temperature``: one value or B values (recorded in each provenance);
-        ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``). Returns the batch (X is ``tokens``) and one payload per request. Encoder errors raise.
+        ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``).
+
+        The encoder runs where ``draft_probs`` lives, once per distinct temperature, with
+        the batch's uniforms (:func:`~pd_middleware.draws.request_uniforms`); nothing
+        V-wide is copied to the host unless the encoder itself ships V-wide rows. An
+        encoder without a ``uniforms`` parameter is called per request on a host copy,
+        with a generator seeded from :func:`room_seed`. Returns the batch (X is
+        ``tokens``, on the host) and one payload per request. Encoder errors raise.
         """
-        probs = draft_probs.detach().to("cpu", torch.float32)
+        probs = draft_probs.detach()
         b = probs.shape[0]
         if len(rooms) != b:
             raise ValueError(f"{len(rooms)} rooms for {b} rows of draft_probs")
+        if salts is not None and len(salts) != b:
+            raise ValueError(f"{len(salts)} salts for {b} rows of draft_probs")
         temps = _temperatures(temperature, b)
-        encs = [
-            self.encoder.encode(
-                probs[i : i + 1],
-                temperature=temps[i],
-                generator=torch.Generator().manual_seed(
-                    room_seed(self.seed, rooms[i], salts[i] if salts is not None else "")
-                ),
-            )
-            for i in range(b)
-        ]
-        tokens = torch.cat([e.tokens for e in encs])
-        token_probs = torch.cat([e.token_probs for e in encs])
+        tokens, token_probs, proposals, provenances = self.encode_rows(rooms, probs, temps, salts)
+        # One host copy of X and q'(X) for the whole batch (X < 2**53 is exact in float64).
+        steps = tokens.shape[1]
+        both = torch.cat([tokens.double(), token_probs.double()], 1).cpu()
+        tokens, token_probs = both[:, :steps].to(torch.int64), both[:, steps:].float()
         rows_t, rows_p = tokens.tolist(), token_probs.tolist()
         payloads = [
             Payload(
@@ -235,13 +231,86 @@ class ProposalPublisher:
                 draft_tokens=tuple(rows_t[i]),
                 draft_probs=tuple(min(1.0, max(0.0, p)) for p in rows_p[i]),
                 vocab_size=self.vocab_size,
-                provenance=encs[i].provenance,
-                proposal=encs[i].proposals[0],
+                provenance=provenances[i],
+                proposal=proposals[i],
             )
             for i, room in enumerate(rooms)
         ]
-        batch = EncodedBatch(tokens, token_probs, [e.proposals[0] for e in encs], encs[0].provenance)
-        return batch, payloads
+        return EncodedBatch(tokens, token_probs, proposals, provenances[0]), payloads
+
+    def _takes_uniforms(self) -> bool:
+        # One call per batch with per-request uniforms, or the legacy call per request;
+        # looked up once per encoder (the attribute may be replaced).
+        enc = self.encoder
+        if self._uniform_check[0] is not enc:
+            self._uniform_check = (enc, takes_uniforms(enc))
+            if not self._uniform_check[1]:
+                logger.warning(
+                    "pd-middleware encoder %s.encode has no `uniforms` parameter: each request is encoded "
+                    "alone, on a host copy of its draft row (slower; see docs/plugins.md)",
+                    type(enc).__name__,
+                )
+        return self._uniform_check[1]
+
+    def encode_rows(
+        self, rooms: Sequence[Any], probs: torch.Tensor, temps: Sequence[float], salts: Sequence[str] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
+        """The encoder's draws for B rows: (X int64 (B, S), q'(X) (B, S), B proposals, B provenances).
+
+        X and q'(X) stay where the encoder left them (the device, for an encoder that
+        runs there): the multi-layer chain feeds X to the next step without a host copy.
+        """
+        if not self._takes_uniforms():
+            return self._encode_each(rooms, probs, temps, salts)
+        b = probs.shape[0]
+        steps = probs.shape[1] if probs.dim() == 3 else 1
+        u = request_uniforms(self.seed, rooms, salts, steps).to(probs.device)
+        groups: dict[float, list[int]] = {}
+        for i, t in enumerate(temps):
+            groups.setdefault(float(t), []).append(i)
+        if len(groups) == 1:
+            enc = self.encoder.encode(probs, temperature=float(temps[0]), uniforms=u)
+            return (
+                enc.tokens.reshape(b, steps),
+                enc.token_probs.reshape(b, steps),
+                list(enc.proposals),
+                [enc.provenance] * b,
+            )
+        proposals: list[Any] = [None] * b
+        provenances: list[Any] = [None] * b
+        tokens = torch.empty((b, steps), dtype=torch.int64, device=probs.device)
+        token_probs = torch.empty((b, steps), dtype=torch.float32, device=probs.device)
+        for t, rows in groups.items():
+            sel = torch.tensor(rows, device=probs.device)
+            enc = self.encoder.encode(probs.index_select(0, sel), temperature=t, uniforms=u[sel])
+            tokens[sel] = enc.tokens.reshape(len(rows), steps).to(probs.device, torch.int64)
+            token_probs[sel] = enc.token_probs.reshape(len(rows), steps).to(probs.device, torch.float32)
+            for j, i in enumerate(rows):
+                proposals[i] = enc.proposals[j]
+                provenances[i] = enc.provenance
+        return tokens, token_probs, proposals, provenances
+
+    def _encode_each(
+        self, rooms: Sequence[Any], probs: torch.Tensor, temps: Sequence[float], salts: Sequence[str] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
+        # An encoder from before ``uniforms``: one call per request, on a host copy.
+        host = probs.to("cpu", torch.float32)
+        encs = [
+            self.encoder.encode(
+                host[i : i + 1],
+                temperature=temps[i],
+                generator=torch.Generator().manual_seed(
+                    room_seed(self.seed, rooms[i], salts[i] if salts is not None else "")
+                ),
+            )
+            for i in range(host.shape[0])
+        ]
+        return (
+            torch.cat([e.tokens.to("cpu", torch.int64).reshape(1, -1) for e in encs]),
+            torch.cat([e.token_probs.to("cpu", torch.float32).reshape(1, -1) for e in encs]),
+            [e.proposals[0] for e in encs],
+            [e.provenance for e in encs],
+        )
 
     def deliver(self, targets: Sequence[Any], payloads: Sequence[Payload]) -> None:
         """Hand already-encoded payloads to the sink (``targets``: what ``stage`` receives)."""
@@ -339,8 +408,8 @@ def publish_batch(
     Every rank that runs the batch must hand the decode the same X for a request (under
     TP, the sharded target forward embeds each rank's own X). So, per batch:
 
-    1. each rank encodes each finishing request (its own generator, seeded from (seed,
-       room, rid)); a failure here is this rank's alone;
+    1. each rank encodes the finishing requests (each request's draws from (seed, room,
+       rid) alone); a failure here is this rank's alone;
     2. every rank, always, takes part in one all-reduce (MIN) of [encoded OK, X, -X]
        per request over ``group``;
     3. a request whose ranks all encoded, and all drew the same X, gets it: ``topk_index``

@@ -59,10 +59,16 @@ class FullEncoder:
         self.encoding_id = f"dense-{options.dtype}"
 
     def encode(
-        self, probs: torch.Tensor, *, temperature: float = 1.0, generator: torch.Generator | None = None
+        self,
+        probs: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> EncodedBatch:
         """``probs``: float (B, [S,] V) after temperature. Returns X int64 (B, S), q'(X)
-        float32 (B, S) and one :class:`DenseEncoding` per request."""
+        float32 (B, S) and one :class:`DenseEncoding` per request. The rows it sends are
+        copied to the host (this encoder's payload is V-wide)."""
         rows3 = encoder_input(probs)
         b, s, v = rows3.shape
         if v != self.vocab_size:
@@ -76,7 +82,7 @@ class FullEncoder:
             # The decode's own function on the very bytes sent: X ~ exactly what it rebuilds.
             laws.append(dense_law_tensor(enc, s, v))
         law = torch.cat(laws)
-        tokens = sample_law(law, generator)
+        tokens = sample_law(law, generator, uniforms)
         token_probs = law.gather(1, tokens.view(-1, 1)).view(b, s)
         return EncodedBatch(
             tokens=tokens.view(b, s),

@@ -24,9 +24,14 @@ class GreedyEncoder:
         self.vocab_size = context.vocab_size
 
     def encode(
-        self, probs: torch.Tensor, *, temperature: float = 1.0, generator: torch.Generator | None = None
+        self,
+        probs: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> EncodedBatch:
-        """``probs``: float (B, [S,] V); returns tokens int64 (B, S). ``generator`` is unused."""
+        """``probs``: float (B, [S,] V); returns tokens int64 (B, S) on its device. No randomness is used."""
         rows = encoder_input(probs)
         tokens = rows.argmax(dim=-1)
         return EncodedBatch(
@@ -38,19 +43,24 @@ class GreedyEncoder:
 
 
 class SoftmaxEncoder:
-    """X ~ q per step (float64 inverse CDF, seeded by ``generator``); q is not sent."""
+    """X ~ q per step (float64 inverse CDF at ``uniforms``, or seeded by ``generator``); q is not sent."""
 
     def __init__(self, options: NoOptions, context: PluginContext) -> None:
         self.vocab_size = context.vocab_size
 
     def encode(
-        self, probs: torch.Tensor, *, temperature: float = 1.0, generator: torch.Generator | None = None
+        self,
+        probs: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> EncodedBatch:
-        """``probs``: float (B, [S,] V) after temperature; returns tokens int64 (B, S)."""
+        """``probs``: float (B, [S,] V) after temperature; returns tokens int64 (B, S) on its device."""
         rows = encoder_input(probs)
         b, s, v = rows.shape
         flat = rows.reshape(b * s, v)
-        tokens = sample_law(flat, generator)
+        tokens = sample_law(flat, generator, uniforms)
         token_probs = flat.gather(1, tokens.view(-1, 1)).float().view(b, s)
         return EncodedBatch(
             tokens=tokens.view(b, s),

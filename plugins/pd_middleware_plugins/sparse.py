@@ -163,10 +163,16 @@ class SparseEncoder:
         return vals[:, :k], idx[:, :k], lengths
 
     def encode(
-        self, probs: torch.Tensor, *, temperature: float = 1.0, generator: torch.Generator | None = None
+        self,
+        probs: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> EncodedBatch:
         """``probs``: float (B, [S,] V) after temperature. Returns X int64 (B, S), q'(X)
-        float32 (B, S) and one :class:`SparseEncoding` per request."""
+        float32 (B, S) and one :class:`SparseEncoding` per request. The entries are
+        chosen where ``probs`` lives; only the listed ones are copied to the host."""
         rows3 = encoder_input(probs)
         b, s, v = rows3.shape
         if v != self.vocab_size:
@@ -215,7 +221,7 @@ class SparseEncoder:
             proposals.append(enc)
             # The decode's own function: X is drawn from exactly what it will rebuild.
             laws.append(sparse_law(enc, s, v))
-        tokens, token_probs = sample_sparse_law(laws, v, generator)
+        tokens, token_probs = sample_sparse_law(laws, v, generator, uniforms)
         return EncodedBatch(
             tokens=tokens.view(b, s),
             token_probs=token_probs.view(b, s),

@@ -1,0 +1,66 @@
+"""Per-request randomness of the prefill's draws: counter-based uniforms.
+
+Every rank that runs a prefill batch must draw the same X for a request, whatever the
+batch around it, so a draw's randomness is a function of the request alone: one
+float64 uniform per (request, step), the top 53 bits of a keyed BLAKE2b digest of
+(``seed``, room, salt). SGLang's request id is the salt (the same on every TP rank and
+new for every request), so a client that reuses a bootstrap room does not get the same
+draw twice. Step k of a multi-step chain mixes ``":k"`` into the salt.
+
+A whole batch is then one encoder call with a (B, S) tensor of uniforms
+(``encode(..., uniforms=u)``): no generator object per request, and the draws of a
+request do not depend on its neighbours or its row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: 2**-53: a 53-bit integer times this is a float64 in [0, 1), exactly.
+_UNIT = 2.0**-53
+
+
+def room_seed(seed: int, room: Any, salt: str = "") -> int:
+    """A 63-bit digest of (``seed``, room, ``salt``), equal on every rank."""
+    raw = f"{int(seed)}:{room}:{salt}".encode()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"pd-mw-draw").digest(), "little") >> 1
+
+
+def step_salt(salt: str, step: int, steps: int) -> str:
+    """The salt of step ``step`` of ``steps``: ``salt`` itself for one step, ``salt:step`` in a chain."""
+    return salt if steps == 1 else f"{salt}:{step}"
+
+
+def request_uniforms(
+    seed: int, rooms: Sequence[Any], salts: Sequence[str] | None = None, steps: int = 1
+) -> torch.Tensor:
+    """float64 (B, ``steps``) uniforms in [0, 1): row i, column k from (``seed``, rooms[i], salt of step k).
+
+    ``salts``: one string per request (SGLang's rid), or None for "". Each value is a
+    multiple of 2**-53, so it is exact in float64 on any device.
+    """
+    if salts is not None and len(salts) != len(rooms):
+        raise ValueError(f"{len(salts)} salts for {len(rooms)} rooms")
+    bits = [
+        room_seed(seed, room, step_salt(salts[i] if salts is not None else "", k, steps)) >> 10
+        for i, room in enumerate(rooms)
+        for k in range(steps)
+    ]
+    return torch.tensor(bits, dtype=torch.float64).mul_(_UNIT).view(len(rooms), steps)
+
+
+def takes_uniforms(encoder: Any) -> bool:
+    """Whether ``encoder.encode`` names a ``uniforms`` parameter (the batched, per-request draw).
+
+    An encoder without one is called once per request with a generator seeded from
+    :func:`room_seed`, on a host copy of its row, as before the parameter existed.
+    """
+    try:
+        return "uniforms" in inspect.signature(encoder.encode).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
