@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,6 +84,24 @@ def log_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 _SERVER_LOGS: list[object] = []
 _SHARED_LOGS: list[object] = []
+# The shared references are stopped right after the last test that uses them: an idle
+# SGLang PD server still polls (about 0.4 core each here), and the tests after the last
+# user (the seed control, the startup checks) start servers of their own.
+_SHARED_STOP: list[Callable[[], None]] = []
+_LAST_SHARED_USER: list[str] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [it.nodeid for it in session.items if "shared" in getattr(it, "fixturenames", ())]
+    _LAST_SHARED_USER[:] = users[-1:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    if _LAST_SHARED_USER and item.nodeid == _LAST_SHARED_USER[0]:
+        while _SHARED_STOP:
+            _SHARED_STOP.pop()()
 
 
 def attach_logs(servers: list[object]) -> None:
@@ -128,17 +146,23 @@ def shared(server_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     for t in threads:
         t.join()
     agg, onehot = out.get("agg"), out.get("onehot")
+
+    def stop_all() -> None:  # idempotent: after the last user, and again at session end
+        _SHARED_LOGS.clear()
+        if onehot is not None:
+            onehot.stop()  # type: ignore[attr-defined]
+        if agg is not None:
+            h.stop(agg)  # type: ignore[arg-type]
+
+    _SHARED_STOP[:] = [stop_all]
     try:
         if errors:
             raise errors[0]
         _SHARED_LOGS[:] = [agg, *onehot.servers]  # type: ignore[union-attr]
         yield Shared(agg, onehot)
     finally:
-        _SHARED_LOGS.clear()
-        if onehot is not None:
-            onehot.stop()  # type: ignore[attr-defined]
-        if agg is not None:
-            h.stop(agg)  # type: ignore[arg-type]
+        _SHARED_STOP.clear()
+        stop_all()
 
 
 @pytest.hookimpl(hookwrapper=True)
