@@ -8,8 +8,8 @@ new for every request), so a client that reuses a bootstrap room does not get th
 draw twice. Step k of a multi-step chain mixes ``":k"`` into the salt.
 
 A whole batch is then one encoder call with a (B, S) tensor of uniforms
-(``encode(..., uniforms=u)``): no generator object per request, and the draws of a
-request do not depend on its neighbours or its row.
+(``encode(..., uniforms=u)``, :func:`encode_requests`): no generator object per request,
+and the draws of a request do not depend on its neighbours or its row.
 """
 
 from __future__ import annotations
@@ -64,3 +64,64 @@ def takes_uniforms(encoder: Any) -> bool:
         return "uniforms" in inspect.signature(encoder.encode).parameters
     except (AttributeError, TypeError, ValueError):
         return False
+
+
+def encode_requests(
+    encoder: Any,
+    seed: int,
+    rooms: Sequence[Any],
+    probs: torch.Tensor,
+    temps: Sequence[float],
+    salts: Sequence[str] | None,
+    *,
+    batched: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
+    """``encoder``'s draws for B requests: (X int64 (B, S), q'(X) (B, S), B proposals, B provenances).
+
+    ``probs``: (B, V) or (B, S, V), any device; ``temps``: B temperatures; ``salts``: B
+    per-request strings (SGLang's rid) or None. ``batched``: one encoder call per
+    distinct temperature, where ``probs`` lives, at :func:`request_uniforms`; X and q'(X)
+    stay where the encoder left them. Else (an encoder without ``uniforms``) one call per
+    request on a host copy, with a generator seeded from :func:`room_seed`.
+    """
+    b = probs.shape[0]
+    if not batched:
+        host = probs.to("cpu", torch.float32)
+        encs = [
+            encoder.encode(
+                host[i : i + 1],
+                temperature=temps[i],
+                generator=torch.Generator().manual_seed(
+                    room_seed(seed, rooms[i], salts[i] if salts is not None else "")
+                ),
+            )
+            for i in range(b)
+        ]
+        return (
+            torch.cat([e.tokens.to("cpu", torch.int64).reshape(1, -1) for e in encs]),
+            torch.cat([e.token_probs.to("cpu", torch.float32).reshape(1, -1) for e in encs]),
+            [e.proposals[0] for e in encs],
+            [e.provenance for e in encs],
+        )
+    steps = probs.shape[1] if probs.dim() == 3 else 1
+    u = request_uniforms(seed, rooms, salts, steps).to(probs.device)
+    groups: dict[float, list[int]] = {}
+    for i, t in enumerate(temps):
+        groups.setdefault(float(t), []).append(i)
+    if len(groups) == 1:
+        enc = encoder.encode(probs, temperature=float(temps[0]), uniforms=u)
+        tokens, token_probs = enc.tokens.reshape(b, steps), enc.token_probs.reshape(b, steps)
+        return tokens, token_probs, list(enc.proposals), [enc.provenance] * b
+    proposals: list[Any] = [None] * b
+    provenances: list[Any] = [None] * b
+    tokens = torch.empty((b, steps), dtype=torch.int64, device=probs.device)
+    token_probs = torch.empty((b, steps), dtype=torch.float32, device=probs.device)
+    for t, rows in groups.items():
+        sel = torch.tensor(rows, device=probs.device)
+        enc = encoder.encode(probs.index_select(0, sel), temperature=t, uniforms=u[sel])
+        tokens[sel] = enc.tokens.reshape(len(rows), steps).to(probs.device, torch.int64)
+        token_probs[sel] = enc.token_probs.reshape(len(rows), steps).to(probs.device, torch.float32)
+        for j, i in enumerate(rows):
+            proposals[i] = enc.proposals[j]
+            provenances[i] = enc.provenance
+    return tokens, token_probs, proposals, provenances

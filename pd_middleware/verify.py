@@ -192,19 +192,14 @@ def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     import torch
 
     n, v = weights.shape
-    step = n if weights.device.type != "cpu" else max(1, _CPU_CDF_BYTES // (8 * v))
-    if step >= n:
-        cdf = weights.cumsum(dim=1, dtype=torch.float64)
-        idx = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
-    else:
-        # On the CPU, a few rows at a time: each float64 running sum stays in cache
-        # (one (64, 152064) sum is 78 MB). Rows are independent, so the draws are the same.
-        idx = torch.empty(n, dtype=torch.int64)
-        for a in range(0, n, step):
-            cdf = weights[a : a + step].cumsum(dim=1, dtype=torch.float64)
-            idx[a : a + step] = torch.searchsorted(cdf, u[a : a + step].unsqueeze(1) * cdf[:, -1:], right=True).squeeze(
-                1
-            )
+    # On the CPU, a few rows at a time: each float64 running sum stays in cache (one
+    # (64, 152064) sum is 78 MB). Rows are independent, so the draws are the same.
+    step = max(1, n) if weights.device.type != "cpu" else max(1, _CPU_CDF_BYTES // (8 * v))
+    parts = []
+    for a in range(0, n, step):
+        cdf = weights[a : a + step].cumsum(dim=1, dtype=torch.float64)
+        parts.append(torch.searchsorted(cdf, u[a : a + step].unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1))
+    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=weights.device)
     over = idx >= weights.shape[1]
     if bool(over.any()):
         # u * total rounded up to total (u within 2^-53 of 1): take the last token with mass.

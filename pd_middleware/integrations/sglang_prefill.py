@@ -50,7 +50,7 @@ import torch
 
 from .._errors import ConfigError, PDMiddlewareError
 from ..contracts import EncodedBatch
-from ..draws import request_uniforms, room_seed, takes_uniforms
+from ..draws import encode_requests, takes_uniforms
 from ..payload import Payload
 from .sglang_decode import LOCAL_PROVENANCE, is_probe, room_key
 
@@ -255,62 +255,10 @@ class ProposalPublisher:
     def encode_rows(
         self, rooms: Sequence[Any], probs: torch.Tensor, temps: Sequence[float], salts: Sequence[str] | None
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
-        """The encoder's draws for B rows: (X int64 (B, S), q'(X) (B, S), B proposals, B provenances).
-
-        X and q'(X) stay where the encoder left them (the device, for an encoder that
-        runs there): the multi-layer chain feeds X to the next step without a host copy.
-        """
-        if not self._takes_uniforms():
-            return self._encode_each(rooms, probs, temps, salts)
-        b = probs.shape[0]
-        steps = probs.shape[1] if probs.dim() == 3 else 1
-        u = request_uniforms(self.seed, rooms, salts, steps).to(probs.device)
-        groups: dict[float, list[int]] = {}
-        for i, t in enumerate(temps):
-            groups.setdefault(float(t), []).append(i)
-        if len(groups) == 1:
-            enc = self.encoder.encode(probs, temperature=float(temps[0]), uniforms=u)
-            return (
-                enc.tokens.reshape(b, steps),
-                enc.token_probs.reshape(b, steps),
-                list(enc.proposals),
-                [enc.provenance] * b,
-            )
-        proposals: list[Any] = [None] * b
-        provenances: list[Any] = [None] * b
-        tokens = torch.empty((b, steps), dtype=torch.int64, device=probs.device)
-        token_probs = torch.empty((b, steps), dtype=torch.float32, device=probs.device)
-        for t, rows in groups.items():
-            sel = torch.tensor(rows, device=probs.device)
-            enc = self.encoder.encode(probs.index_select(0, sel), temperature=t, uniforms=u[sel])
-            tokens[sel] = enc.tokens.reshape(len(rows), steps).to(probs.device, torch.int64)
-            token_probs[sel] = enc.token_probs.reshape(len(rows), steps).to(probs.device, torch.float32)
-            for j, i in enumerate(rows):
-                proposals[i] = enc.proposals[j]
-                provenances[i] = enc.provenance
-        return tokens, token_probs, proposals, provenances
-
-    def _encode_each(
-        self, rooms: Sequence[Any], probs: torch.Tensor, temps: Sequence[float], salts: Sequence[str] | None
-    ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
-        # An encoder from before ``uniforms``: one call per request, on a host copy.
-        host = probs.to("cpu", torch.float32)
-        encs = [
-            self.encoder.encode(
-                host[i : i + 1],
-                temperature=temps[i],
-                generator=torch.Generator().manual_seed(
-                    room_seed(self.seed, rooms[i], salts[i] if salts is not None else "")
-                ),
-            )
-            for i in range(host.shape[0])
-        ]
-        return (
-            torch.cat([e.tokens.to("cpu", torch.int64).reshape(1, -1) for e in encs]),
-            torch.cat([e.token_probs.to("cpu", torch.float32).reshape(1, -1) for e in encs]),
-            [e.proposals[0] for e in encs],
-            [e.provenance for e in encs],
-        )
+        """The encoder's draws for B rows (:func:`~pd_middleware.draws.encode_requests`):
+        X and q'(X) stay where the encoder left them, so the multi-layer chain feeds X to
+        the next step without a host copy."""
+        return encode_requests(self.encoder, self.seed, rooms, probs, temps, salts, batched=self._takes_uniforms())
 
     def deliver(self, targets: Sequence[Any], payloads: Sequence[Payload]) -> None:
         """Hand already-encoded payloads to the sink (``targets``: what ``stage`` receives)."""
