@@ -3,6 +3,12 @@
 Edge cases per op: an empty batch, one token, and the longest sequence the table holds.
 Runs without SGLang (the tree ops are also checked against SGLang's own Triton reference
 kernels, under Triton's interpreter, when SGLang is installed).
+
+The seeded hash ``murmur_hash32_cpu`` is checked against a byte-level MurmurHash3_x86_32
+(itself checked against the published test vectors), against SGLang's Triton kernel and
+the values SGLang's CPU kernel test pins, with wrong variants as negative controls; then
+SGLang's seeded ``fast_sample`` runs on it: deterministic per (seed, position), the draws'
+law by a chi-square test, and the same draws as with the GPU kernel's hash.
 """
 
 from __future__ import annotations
@@ -302,3 +308,294 @@ def test_tree_ops_match_sglang_triton_reference(bs: int, topk: int, steps: int, 
             res.append((pred, acc, num))
         for a, b in zip(*res):
             assert torch.equal(a, b), f"verify differs (seed {SEED}, trial {trial})"
+
+
+# ---- seeded sampling: murmur_hash32_cpu and SGLang's fast_sample on it ----------------------
+
+
+def _murmur3_x86_32(data: bytes, seed: int = 0) -> int:
+    """MurmurHash3_x86_32 of ``data`` (plain Python ints, byte level, with the tail): the reference.
+
+    Written from the algorithm's description, independently of the stand-in, and checked
+    against the published test vectors below before it is trusted.
+    """
+    mask = 0xFFFFFFFF
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & mask
+
+    h = seed & mask
+    nblocks = len(data) // 4
+    for i in range(nblocks):
+        k = int.from_bytes(data[4 * i : 4 * i + 4], "little")
+        k = rotl((k * 0xCC9E2D51) & mask, 15) * 0x1B873593 & mask
+        h = (rotl(h ^ k, 13) * 5 + 0xE6546B64) & mask
+    tail = data[4 * nblocks :]
+    if tail:
+        k = int.from_bytes(tail, "little")
+        k = rotl((k * 0xCC9E2D51) & mask, 15) * 0x1B873593 & mask
+        h ^= k
+    h ^= len(data)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & mask
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & mask
+    return h ^ (h >> 16)
+
+
+# Published MurmurHash3_x86_32 test vectors (as widely reproduced from SMHasher's
+# implementation): (message, seed, hash).
+_MURMUR3_VECTORS = [
+    (b"", 0, 0),
+    (b"", 1, 0x514E28B7),
+    (b"", 0xFFFFFFFF, 0x81F16F39),
+    (b"\xff\xff\xff\xff", 0, 0x76293B50),
+    (b"\x21\x43\x65\x87", 0, 0xF55B516B),
+    (b"\x21\x43\x65\x87", 0x5082EDEE, 0x2362F9DE),
+    (b"\x21\x43\x65", 0, 0x7E4A8634),
+    (b"\x21\x43", 0, 0xA0F7B07A),
+    (b"\x21", 0, 0x72661CF4),
+    (b"\x00\x00\x00\x00", 0, 0x2362F9DE),
+    (b"\x00\x00\x00", 0, 0x85F0B427),
+    (b"\x00\x00", 0, 0x30F4C306),
+    (b"\x00", 0, 0x514E28B7),
+    (b"aaaa", 0x9747B28C, 0x5A97808A),
+    (b"abcd", 0x9747B28C, 0xF0478627),
+    (b"abc", 0x9747B28C, 0xC84A62DD),
+    (b"ab", 0x9747B28C, 0x74875592),
+    (b"a", 0x9747B28C, 0x7FA09EA6),
+    (b"Hello, world!", 0x9747B28C, 0x24884CBA),
+    (b"a" * 256, 0x9747B28C, 0x37405BDC),
+    (b"The quick brown fox jumps over the lazy dog", 0x9747B28C, 0x2FA826CD),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "seed", "want"), _MURMUR3_VECTORS, ids=[f"v{i}" for i in range(len(_MURMUR3_VECTORS))]
+)
+def test_the_murmur3_reference_matches_the_published_vectors(data: bytes, seed: int, want: int) -> None:
+    assert _murmur3_x86_32(data, seed) == want, f"{data[:16]!r} seed {seed:#x}"
+
+
+def _hash_inputs(seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeds over all 64 bits (0, 2**64 - 1, SGLang's salted range), positions past 2**32, columns past 2**32."""
+    g = _gen(seed)
+    seeds = [0, 1, 2**64 - 1, 2**63, 0x44524146545F0000 + 7, *torch.randint(0, 2**62, (5,), generator=g).tolist()]
+    pos = [0, 1, 2**32 - 1, 2**32 + 5, 2**40 + 9, *torch.randint(0, 10_000, (5,), generator=g).tolist()]
+    cols = [0, 1, 2**32 - 1, 2**32 + 3, *torch.randint(0, 200_000, (8,), generator=g).tolist()]
+    return (
+        torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], dtype=torch.int64).view(torch.uint64),
+        torch.tensor(pos, dtype=torch.int64),
+        torch.tensor(cols, dtype=torch.int64),
+    )
+
+
+def _reference_grid(seeds: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> list[list[int]]:
+    """The reference on each 16-byte message: seed low, seed high, position, column (low 32 bits, LE)."""
+    rows = []
+    for s, p in zip(seeds.view(torch.int64).tolist(), pos.tolist()):
+        head = (s & 2**64 - 1).to_bytes(8, "little") + (p & 0xFFFFFFFF).to_bytes(4, "little")
+        rows.append([_murmur3_x86_32(head + (c & 0xFFFFFFFF).to_bytes(4, "little")) for c in cols.tolist()])
+    return rows
+
+
+def _mismatches(impl: object) -> int:
+    """Entries where ``impl(seed, positions, cols)`` differs from the reference, over :func:`_hash_inputs`."""
+    seeds, pos, cols = _hash_inputs()
+    got = impl(seeds, pos, cols)  # type: ignore[operator]
+    assert got.dtype == torch.uint32 and got.shape == (seeds.numel(), cols.numel())
+    want = _reference_grid(seeds, pos, cols)
+    return sum(a != b for ra, rb in zip(got.to(torch.int64).tolist(), want) for a, b in zip(ra, rb))
+
+
+@pytest.mark.parametrize("positions_dtype", [torch.int64, torch.uint64])
+def test_murmur_hash32_cpu_matches_murmur3_of_the_16_byte_message(positions_dtype: torch.dtype) -> None:
+    def impl(s: torch.Tensor, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return ops.murmur_hash32_cpu(s, p.view(positions_dtype), c)
+
+    assert _mismatches(impl) == 0, f"seed {SEED}"
+
+
+def _swapped_seed_words(s: torch.Tensor, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    w = s.view(torch.int64)
+    swapped = ((w << 32) | ((w >> 32) & 0xFFFFFFFF)).view(torch.uint64)  # high word first
+    return ops.murmur_hash32_cpu(swapped, p, c)
+
+
+@pytest.mark.parametrize(
+    ("variant", "constant", "value"),
+    [("rotation 13 in the block mix", "_R1", 13), ("length 12 bytes", "_MESSAGE_BYTES", 12),
+     ("a wrong finaliser constant", "_F2", 0xC2B2AE36), ("seed words swapped", None, None)],
+)  # fmt: skip
+def test_a_wrong_murmur_variant_fails_the_reference_check(
+    monkeypatch: pytest.MonkeyPatch, variant: str, constant: str | None, value: int | None
+) -> None:
+    """The negative control: each deliberately wrong variant differs from the reference almost everywhere."""
+    impl = _swapped_seed_words if constant is None else ops.murmur_hash32_cpu
+    if constant is not None:
+        monkeypatch.setattr(ops, constant, value)
+    seeds, _, cols = _hash_inputs()
+    assert _mismatches(impl) > seeds.numel() * cols.numel() // 2, variant
+
+
+def test_murmur_hash32_cpu_sglang_known_values() -> None:
+    """The values SGLang's own CPU kernel test pins (upstream ``test_murmur_hash32_cpu_known_values``)."""
+    seed = torch.tensor([0, 1, 42, 0x123456789ABCDEF0], dtype=torch.uint64)
+    pos = torch.tensor([0, 7, 123, 456], dtype=torch.int64)
+    cols = torch.tensor([0, 1, 2, 17], dtype=torch.int64)
+    want = [
+        [2167721464, 10027521, 2423355346, 2203067026],
+        [3755322398, 4196701286, 1002451629, 183234019],
+        [772287619, 548237471, 2740678348, 3656549299],
+        [3746406971, 2891010872, 104055988, 3372550890],
+    ]
+    assert ops.murmur_hash32_cpu(seed, pos, cols).to(torch.int64).tolist() == want
+
+
+def test_murmur_hash32_cpu_shapes_and_refusals() -> None:
+    u64 = torch.zeros(0, dtype=torch.uint64)
+    assert ops.murmur_hash32_cpu(u64, torch.zeros(0, dtype=torch.int64), torch.arange(5)).shape == (0, 5)
+    one = torch.ones(2, dtype=torch.uint64)
+    assert ops.murmur_hash32_cpu(one, torch.ones(2, dtype=torch.int64), torch.arange(0)).shape == (2, 0)
+    with pytest.raises(RuntimeError, match="seed must have dtype torch.uint64, got torch.int64"):
+        ops.murmur_hash32_cpu(torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), torch.arange(3))
+    with pytest.raises(RuntimeError, match="positions must have dtype torch.int64 or torch.uint64, got torch.int32"):
+        ops.murmur_hash32_cpu(one, torch.ones(2, dtype=torch.int32), torch.arange(3))
+    with pytest.raises(RuntimeError, match="seed and positions must have the same length"):
+        ops.murmur_hash32_cpu(one, torch.ones(3, dtype=torch.int64), torch.arange(3))
+    with pytest.raises(RuntimeError, match=r"col_indices must be 1-D, got shape \(1, 3\)"):
+        ops.murmur_hash32_cpu(one, torch.ones(2, dtype=torch.int64), torch.arange(3).view(1, 3))
+
+
+def _sglang_module(name: str) -> object:
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (make setup-sglang): no reference to compare with")
+    from _sglang_import import import_sglang
+
+    return import_sglang(name)
+
+
+@pytest.fixture
+def interpreted_murmur(monkeypatch: pytest.MonkeyPatch) -> object:
+    """SGLang's Triton ``murmur_hash32_kernel`` run by Triton's interpreter, as ``f(seed, positions, cols)``.
+
+    Its nested ``@triton.jit`` helpers are interpreted too (swapped in the module for the
+    test only): without ``TRITON_INTERPRET=1`` at import, Triton refuses to call them.
+    """
+    mh = _sglang_module("sglang.kernels.ops.sampling.murmur_hash")
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for helper in ("rotl32", "fmix32", "murmur3_mix"):
+        monkeypatch.setattr(mh, helper, InterpretedFunction(getattr(mh, helper).fn))
+    kernel = InterpretedFunction(mh.murmur_hash32_kernel.fn)  # type: ignore[attr-defined]
+
+    def run(seed: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        n, m = seed.numel(), cols.numel()
+        out = torch.empty((n, m), dtype=torch.uint32)
+        if n and m:
+            kernel[(n, triton.cdiv(m, 1024))](seed, positions, cols, out, n, m, BLOCK_SIZE=1024)
+        return out
+
+    return run
+
+
+@pytest.mark.sglang
+def test_murmur_hash32_cpu_matches_sglang_triton_kernel(interpreted_murmur: object) -> None:
+    """The stand-in equals SGLang's GPU hash (its Triton kernel, interpreted) bit for bit."""
+    seeds, pos, cols = _hash_inputs()
+    theirs = interpreted_murmur(seeds, pos, cols)  # type: ignore[operator]
+    assert torch.equal(ops.murmur_hash32_cpu(seeds, pos, cols), theirs), f"seed {SEED}"
+    assert _mismatches(interpreted_murmur) == 0  # and SGLang's kernel is the 16-byte MurmurHash3
+
+
+def _fast_sample() -> object:
+    """SGLang's ``spec_utils.fast_sample``, its CPU hash served by this stand-in (checked by call count)."""
+    spec = _sglang_module("sglang.srt.speculative.spec_utils")
+    import sgl_kernel  # noqa: F401  (its CPU fallback imports common_ops: the stand-ins, registered once)
+
+    if not hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu"):
+        pytest.fail("torch.ops.sgl_kernel.murmur_hash32_cpu is not registered after import sgl_kernel")
+
+    def draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        before = ops.CALLS.get("murmur_hash32_cpu", 0)
+        _, x = spec.fast_sample(probs, 1, sampling_seed=seeds, positions=positions)  # type: ignore[attr-defined]
+        assert ops.CALLS.get("murmur_hash32_cpu", 0) == before + 1, "fast_sample did not hash with the stand-in"
+        return x.view(-1)
+
+    return draw
+
+
+def _law(v: int = 16) -> torch.Tensor:
+    return torch.softmax(torch.linspace(-1.5, 1.5, v, dtype=torch.float64), dim=0).float()
+
+
+@pytest.mark.sglang
+def test_seeded_fast_sample_runs_on_cpu_and_is_deterministic_per_seed_and_position() -> None:
+    draw = _fast_sample()
+    g = _gen()
+    b, v = 64, 50
+    probs = torch.softmax(torch.randn(b, v, generator=g) * 2, dim=-1)
+    seeds = torch.randint(0, 2**62, (b,), generator=g)
+    pos = torch.randint(0, 4096, (b,), generator=g)
+    x = draw(probs, seeds, pos)  # type: ignore[operator]
+    assert x.dtype == torch.int64 and x.shape == (b,)
+    assert torch.equal(draw(probs, seeds, pos), x)  # type: ignore[operator]
+    perm = torch.randperm(b, generator=g)
+    assert torch.equal(draw(probs[perm], seeds[perm], pos[perm]), x[perm])  # type: ignore[operator]
+    # A request's draw does not depend on the rest of its batch.
+    other = torch.softmax(torch.randn(b, v, generator=g), dim=-1)
+    mixed = torch.where((torch.arange(b) % 2 == 0).view(-1, 1), probs, other)
+    assert torch.equal(draw(mixed, seeds, pos)[::2], x[::2])  # type: ignore[operator]
+    # Another position (or seed) of the same request is another draw: not all equal.
+    row = probs[:1].expand(256, v).contiguous()
+    at_positions = draw(row, seeds[:1].expand(256).contiguous(), torch.arange(256))  # type: ignore[operator]
+    at_seeds = draw(row, torch.arange(256), pos[:1].expand(256).contiguous())  # type: ignore[operator]
+    assert at_positions.unique().numel() > 10 and at_seeds.unique().numel() > 10
+
+
+CHI2_DF15_ALPHA_1E6 = 56.49  # Pearson chi-square critical value, 15 degrees of freedom, alpha = 1e-6
+
+
+def _chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
+    expected = law.double() * counts.sum()
+    return float(((counts.double() - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("over", ["positions", "seeds"])
+def test_seeded_fast_sample_draws_from_probs(over: str) -> None:
+    """Pearson chi-square over 16 outcomes (df 15): a sampler drawing from probs fails with
+    probability at most 1e-6 (critical value 56.49; fixed seeds, so the run is deterministic).
+    Power: the same draws fail against a law with two entries swapped."""
+    draw = _fast_sample()
+    n = 40_000
+    law = _law()
+    probs = law.view(1, -1).expand(n, -1).contiguous()
+    base = torch.full((n,), 987_654_321, dtype=torch.int64)
+    idx = torch.arange(n, dtype=torch.int64)
+    x = draw(probs, base, idx + 17) if over == "positions" else draw(probs, idx * 7919 + 3, base % 4096)  # type: ignore[operator]
+    counts = torch.bincount(x, minlength=16)
+    stat = _chi2(counts, law)
+    assert stat < CHI2_DF15_ALPHA_1E6, f"chi2 {stat:.1f} over {over} (n={n}, seed base 987654321)"
+    wrong = law.clone()
+    wrong[[2, 13]] = wrong[[13, 2]]
+    assert _chi2(counts, wrong) > CHI2_DF15_ALPHA_1E6, "the test cannot tell a swapped law apart"
+
+
+@pytest.mark.sglang
+def test_seeded_fast_sample_on_cpu_equals_the_gpu_hash_path(
+    interpreted_murmur: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fast_sample with the stand-in draws exactly what it draws with SGLang's Triton hash."""
+    draw = _fast_sample()
+    g = _gen()
+    probs = torch.softmax(torch.randn(12, 300, generator=g), dim=-1)
+    seeds = torch.randint(0, 2**62, (12,), generator=g)
+    pos = torch.randint(0, 4096, (12,), generator=g)
+    ours = draw(probs, seeds, pos)  # type: ignore[operator]
+    mh = _sglang_module("sglang.kernels.ops.sampling.murmur_hash")
+    monkeypatch.setattr(mh, "murmur_hash32", interpreted_murmur)
+    spec = _sglang_module("sglang.srt.speculative.spec_utils")
+    _, theirs = spec.fast_sample(probs, 1, sampling_seed=seeds, positions=pos)  # type: ignore[attr-defined]
+    assert torch.equal(ours, theirs.view(-1)), f"seed {SEED}"

@@ -8,9 +8,10 @@ and SGLang's ``intel_amx`` attention backend and EAGLE worker run on any CPU.
 
 Each function follows the op's schema (the argument order SGLang calls with; outputs are
 written in place where the schema marks them mutable). They favour clarity over speed:
-a Python loop per request, never per vocabulary entry. Not covered, and refused with a
-message: tree attention masks (``--speculative-eagle-topk > 1``), sliding windows,
-attention sinks and cross-attention.
+a Python loop per request, never per vocabulary entry (the seeded samplers' hash,
+``murmur_hash32_cpu``, is one tensor expression over the whole batch). Not covered, and
+refused with a message: tree attention masks (``--speculative-eagle-topk > 1``), sliding
+windows, attention sinks and cross-attention.
 
 Each op logs its first call on stderr (``[sgl_kernel stand-in] first call: <name>``), so a
 server log shows which stand-ins a run used. Tests: ``tests/server/test_cpu_ops.py``.
@@ -441,6 +442,86 @@ def extend_attention_cpu(
             logit_cap=logit_cap,
         )
         o_extend[start : start + ext] = o.to(o_extend.dtype)
+
+
+# ---- seeded sampling ---------------------------------------------------------------------
+#
+# SGLang's seeded samplers (``spec_utils.fast_sample`` with ``sampling_seed``, the verify's
+# ``_seeded_verify_coins``, ``sampler.multinomial_with_seed``) hash through
+# ``kernels/ops/sampling/murmur_hash.py: murmur_hash32``, which on a CPU tensor calls
+# ``torch.ops.sgl_kernel.murmur_hash32_cpu``. The hash is MurmurHash3 (x86, 32-bit, seed 0)
+# of a 16-byte message: the four little-endian 32-bit words seed_low, seed_high,
+# position and column. The constants below are the algorithm's; they are module globals
+# so that a test can break one and see its reference check fail.
+
+_MASK32 = 0xFFFFFFFF
+_C1, _C2 = 0xCC9E2D51, 0x1B873593
+_R1, _R2 = 15, 13
+_M, _N = 5, 0xE6546B64
+_F1, _F2 = 0x85EBCA6B, 0xC2B2AE35
+_MESSAGE_BYTES = 16
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 for int64 ``a`` in [0, 2**32) and a 32-bit constant, with no int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (a * lo + (((a * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) & _MASK32) | (x >> (32 - r))
+
+
+def _mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One 32-bit block into the hash state (both int64 in [0, 2**32), broadcast)."""
+    k = _mul32(_rotl32(_mul32(k, _C1), _R1), _C2)
+    return (_mul32(_rotl32(h ^ k, _R2), _M) + _N) & _MASK32
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, _F1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _F2)
+    return h ^ (h >> 16)
+
+
+def _low_words(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of each entry, as int64 (a C cast to uint32; uint64 read bit for bit)."""
+    if x.dtype == torch.uint64:
+        x = x.view(torch.int64)
+    return x.to(torch.int64) & _MASK32
+
+
+@_op("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """uint32 (n, m): MurmurHash3_x86_32 of (seed[i] low, seed[i] high, positions[i], col_indices[j]).
+
+    ``seed``: uint64 (n,); ``positions``: int64 or uint64 (n,), its low 32 bits hashed;
+    ``col_indices``: int64 (m,), low 32 bits. The dtypes the CPU kernel accepts; anything
+    else raises, as the kernel does. Vectorised: the three per-row blocks are mixed once
+    per row, the column block over the whole (n, m) grid at once.
+    """
+    for name, t in (("seed", seed), ("positions", positions), ("col_indices", col_indices)):
+        if t.dim() != 1:
+            raise RuntimeError(f"murmur_hash32_cpu: {name} must be 1-D, got shape {tuple(t.shape)}")
+    if seed.shape[0] != positions.shape[0]:
+        raise RuntimeError("murmur_hash32_cpu: seed and positions must have the same length")
+    if seed.dtype != torch.uint64:
+        raise RuntimeError(f"murmur_hash32_cpu: seed must have dtype torch.uint64, got {seed.dtype}")
+    if positions.dtype not in (torch.int64, torch.uint64):
+        raise RuntimeError(
+            f"murmur_hash32_cpu: positions must have dtype torch.int64 or torch.uint64, got {positions.dtype}"
+        )
+    if col_indices.dtype != torch.int64:
+        raise RuntimeError(f"murmur_hash32_cpu: col_indices must have dtype torch.int64, got {col_indices.dtype}")
+    s = seed.view(torch.int64)
+    h = torch.zeros_like(s)
+    h = _mix(h, s & _MASK32)
+    h = _mix(h, (s >> 32) & _MASK32)  # arithmetic shift: the mask keeps the 32 high bits
+    h = _mix(h, _low_words(positions))
+    grid = _mix(h.unsqueeze(1), _low_words(col_indices).unsqueeze(0))
+    return _fmix(grid ^ _MESSAGE_BYTES).to(torch.uint32)
 
 
 def register(namespace: str = "sgl_kernel", log: Callable[[str], None] | None = None) -> torch.library.Library:
