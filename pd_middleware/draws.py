@@ -1,4 +1,4 @@
-"""Per-request randomness of the prefill's draws: counter-based uniforms.
+"""Per-request randomness and the one categorical draw: counter-based uniforms, inverse CDF.
 
 Every rank that runs a prefill batch must draw the same X for a request, whatever the
 batch around it, so a draw's randomness is a function of the request alone: one
@@ -10,6 +10,12 @@ draw twice. Step k of a multi-step chain mixes ``":k"`` into the salt.
 A whole batch is then one encoder call with a (B, S) tensor of uniforms
 (``encode(..., uniforms=u)``, :func:`encode_requests`): no generator object per request,
 and the draws of a request do not depend on its neighbours or its row.
+
+The decode's redraw (:func:`~pd_middleware.recompute.inverse_cdf`, where SGLang's seeded
+sampler is unavailable) takes its uniforms from the same digest
+(:func:`seeded_uniforms`: of a request's sampling seed and position), and every
+categorical draw of the project, prefill encoders, decode redraw and the reference
+verifier's residual alike, inverts a CDF with :func:`sample_categorical`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from ._errors import ValidationError
 
 #: 2**-53: a 53-bit integer times this is a float64 in [0, 1), exactly.
 _UNIT = 2.0**-53
@@ -125,3 +133,58 @@ def encode_requests(
             proposals[i] = enc.proposals[j]
             provenances[i] = enc.provenance
     return tokens, token_probs, proposals, provenances
+
+
+#: Largest float64 running sum :func:`sample_categorical` builds at once on the CPU.
+_CPU_CDF_BYTES = 1 << 21
+
+
+def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: row i picks token j with probability ``weights[i, j] / sum``.
+
+    ``weights``: float (n, V), non-negative, every row with positive mass, summed in
+    float64 (a float32 row is widened inside the running sum, not copied first); ``u``:
+    float64 (n,) in [0, 1). Returns int64 (n,). ``right=True`` makes the pick the first
+    token whose cumulative mass exceeds ``u * total``, which always has positive mass.
+    """
+    n, v = weights.shape
+    # On the CPU, a few rows at a time: each float64 running sum stays in cache (one
+    # (64, 152064) sum is 78 MB). Rows are independent, so the draws are the same.
+    step = max(1, n) if weights.device.type != "cpu" else max(1, _CPU_CDF_BYTES // (8 * v))
+    parts = []
+    for a in range(0, n, step):
+        cdf = weights[a : a + step].cumsum(dim=1, dtype=torch.float64)
+        parts.append(torch.searchsorted(cdf, u[a : a + step].unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1))
+    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=weights.device)
+    over = idx >= weights.shape[1]
+    if bool(over.any()):
+        # u * total rounded up to total (u within 2^-53 of 1): take the last token with mass.
+        rows = over.nonzero().squeeze(1)
+        positive = (weights[rows] > 0).flip(1).to(torch.int8)
+        idx[rows] = weights.shape[1] - 1 - positive.argmax(dim=1)
+    return idx
+
+
+def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor, salt: str = "decode-redraw") -> torch.Tensor:
+    """float64 (B,) uniforms in [0, 1): row i from the digest of (``seeds[i]``, ``positions[i]``, ``salt``).
+
+    The decode's seeded redraw: the same on every rank that holds the same request (its
+    seed and position), independent of the batch around it. ``seeds``/``positions``:
+    int64 (B,) on any device; the result is on the host.
+    """
+    bits = [room_seed(int(s), int(p), salt) >> 10 for s, p in zip(seeds.tolist(), positions.tolist())]
+    return torch.tensor(bits, dtype=torch.float64).mul_(_UNIT)
+
+
+def law_uniforms(
+    n: int, device: torch.device | str, generator: torch.Generator | None, uniforms: torch.Tensor | None
+) -> torch.Tensor:
+    """float64 (n,) on ``device``: ``uniforms`` flattened (row-major, n values in [0, 1)), or
+    n fresh draws from ``generator`` (on its device) when ``uniforms`` is None."""
+    if uniforms is not None:
+        u = uniforms.reshape(-1)
+        if u.numel() != n:
+            raise ValidationError(f"holds {u.numel()} values for {n} draws", field="uniforms")
+        return u.to(device=device, dtype=torch.float64)
+    gdev = generator.device if generator is not None else device
+    return torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).to(device)

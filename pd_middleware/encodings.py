@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from ._buffers import tensor_from_buffer, torch_dtype
 from ._errors import ValidationError
+from .draws import law_uniforms, sample_categorical
 from .payload import ITEMSIZE, SUM_TOLERANCE, DenseEncoding
 from .proposal import DenseProposal, SparseProposal
 from .sparse_law import sparse_law, sparse_law_tensor
@@ -33,7 +34,6 @@ __all__ = [
     "SUM_TOLERANCE",
     "dense_law",
     "dense_law_tensor",
-    "draw_uniforms",
     "encoder_input",
     "sample_law",
     "sample_sparse_law",
@@ -95,36 +95,18 @@ def dense_law_tensor(enc: DenseEncoding, num_steps: int, vocab_size: int) -> tor
     return d.probs.float() * d.scale.view(-1, 1)
 
 
-def draw_uniforms(
-    n: int, device: torch.device | str, generator: torch.Generator | None, uniforms: torch.Tensor | None
-) -> torch.Tensor:
-    """float64 (n,) on ``device``: ``uniforms`` flattened (row-major, n values in [0, 1)), or
-    n fresh draws from ``generator`` (on its device) when ``uniforms`` is None."""
-    import torch
-
-    if uniforms is not None:
-        u = uniforms.reshape(-1)
-        if u.numel() != n:
-            raise ValidationError(f"holds {u.numel()} values for {n} draws", field="uniforms")
-        return u.to(device=device, dtype=torch.float64)
-    gdev = generator.device if generator is not None else device
-    return torch.rand(n, dtype=torch.float64, generator=generator, device=gdev).to(device)
-
-
 def sample_law(
     law: torch.Tensor, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Draw one token per row of ``law`` (float (N, V), non-negative, rows with mass).
 
     Row i yields token j with probability ``law[i, j] / law[i].sum()``, computed in
-    float64 by inverse CDF (:func:`pd_middleware.verify.sample_categorical`), so a
+    float64 by inverse CDF (:func:`pd_middleware.draws.sample_categorical`), so a
     zero-mass token is never drawn. Row i's uniform is ``uniforms`` (N values, any
     shape, row-major) or else a draw from ``generator``. Runs on ``law.device``, with
     no host copy; returns int64 (N,) there.
     """
-    from .verify import sample_categorical
-
-    u = draw_uniforms(law.shape[0], law.device, generator, uniforms)
+    u = law_uniforms(law.shape[0], law.device, generator, uniforms)
     return sample_categorical(law, u)
 
 
@@ -192,7 +174,7 @@ def sample_sparse_law(
     floor = floor32.double()
     unlisted = (vocab_size - lengths).double()
     total = listed_mass + unlisted * floor
-    x = draw_uniforms(n, "cpu", generator, uniforms) * total
+    x = law_uniforms(n, "cpu", generator, uniforms) * total
     pick_listed = (x < listed_mass) | (floor <= 0)
     # Listed: first entry whose cumulative mass exceeds x (clamped for x == total).
     j = torch.searchsorted(

@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from .events import Events
 from .metrics import Metrics
 from .payload import DenseEncoding, Payload
 from .proposal import DenseProposal, OneHotProposal, SparseProposal
@@ -92,10 +93,10 @@ class ProvenanceGuard:
     ) -> None:
         self.synthesizer = synthesizer
         self.accepts = frozenset(accepts)
-        self.metrics = metrics
         self.unsafe_disable_guard = bool(unsafe_disable_guard)
-        self.counts: Counter[str] = Counter()
-        self._logged: set[str] = set()
+        # Keys are the bare reasons, mirrored unprefixed into Metrics.fallbacks.
+        self.events = Events("guard", metrics=metrics, logger=logger)
+        self.counts: Counter[str] = self.events.counts
         if self.unsafe_disable_guard:
             logger.warning(
                 "provenance guard of %r is DISABLED (unsafe_disable_guard=True): biased "
@@ -103,9 +104,14 @@ class ProvenanceGuard:
                 synthesizer,
             )
 
+    @property
+    def metrics(self) -> Metrics | None:
+        m: Metrics | None = self.events.metrics
+        return m
+
     def attach_metrics(self, metrics: Metrics) -> None:
         """Also count fallbacks into ``metrics.fallbacks`` (keyed by reason)."""
-        self.metrics = metrics
+        self.events.attach_metrics(metrics)
 
     def check(self, payload: Payload) -> str | None:
         """``None`` if the attached proposal may be handed over, else the fallback reason."""
@@ -125,20 +131,15 @@ class ProvenanceGuard:
 
     def fallback(self, payload: Payload, reason: str) -> OneHotProposal:
         """Count ``reason``, log it the first time, and return the one-hot proposal at X."""
-        self.counts[reason] += 1
-        if self.metrics is not None:
-            self.metrics.fallbacks[reason] += 1
-        if reason not in self._logged:
-            self._logged.add(reason)
-            why = _WHY.get(reason.split(":", 1)[0], reason)
-            logger.warning(
-                "synthesizer %r falls back to one-hot for request %r: %s (%s); further "
-                "fallbacks for this reason are counted, not logged",
-                self.synthesizer,
-                payload.request_id,
-                reason,
-                why,
-            )
+        self.events.count(
+            reason,
+            fallback=True,
+            log=lambda: (
+                f"synthesizer {self.synthesizer!r} falls back to one-hot for request {payload.request_id!r}: "
+                f"{reason} ({_WHY.get(reason.split(':', 1)[0], reason)}); further fallbacks for this reason "
+                "are counted, not logged"
+            ),
+        )
         return OneHotProposal(payload.draft_tokens)
 
     def check_law(self, payload: Payload, law: DenseProposal | SparseProposal) -> str | None:

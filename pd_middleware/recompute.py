@@ -14,15 +14,17 @@ precisions (measured: never bit-exact on CPU). So the one way out of this module
 :class:`Recomputed`, which only :func:`draw_proposal` makes: it draws X' from the q' it
 keeps, and reads q'(X') back from that same tensor.
 
-Sampler semantics (an engine may inject its own draw; the SGLang drop-in injects
-SGLang's seeded ``fast_sample``, the exponential race argmax q'/E, E ~ Exp(1)):
+Sampler semantics (an engine may offer its own seeded draw, the :data:`SEEDED_DRAW`
+capability; the SGLang drop-in offers SGLang's seeded ``fast_sample``, the exponential
+race argmax q'/E, E ~ Exp(1), where it runs):
 
-- the default, :func:`inverse_cdf`, draws X' ~ q' with one uniform a request against the
-  row's running sum (:func:`exponential_race` is the fast_sample-style alternative, V
-  random numbers a request);
+- the default, :func:`inverse_cdf`, draws X' ~ q' with one uniform a request
+  (:func:`~pd_middleware.draws.seeded_uniforms`, the project's one per-request digest)
+  inverted against the row's running sum (:func:`~pd_middleware.draws.sample_categorical`,
+  the project's one categorical draw);
 - seeded per request by its sampling seed and position; without a seed, the engine
-  derives one from the request's room (:func:`seed_from_room`), so every TP rank draws
-  the same X';
+  derives one from the request's room (:func:`seed_from_room`, the same digest), so every
+  TP rank draws the same X';
 - a greedy request (SGLang: ``top_k == 1``) proposes its argmax.
 
 Fallbacks to one-hot at the prefill's X (always exact), counted by reason
@@ -35,19 +37,18 @@ once X changes), ``rejection_off`` (no proposal is used at all: nothing attached
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ExactnessError
 from .contracts import NoOptions, PluginContext, PluginSpec
 from .draft_head import DRAFT_HEAD, DraftHead
+from .events import Events
 from .proposal import OneHotProposal, RecomputedProposal
 
 if TYPE_CHECKING:
     import torch
 
-    from .metrics import Metrics
     from .payload import Payload
 
 logger = logging.getLogger("pd_middleware.recompute")
@@ -58,26 +59,23 @@ REASONS: tuple[str, ...] = ("no_hidden", "unknown_head", "shape", "multi_layer",
 #: A sampler: (probs (B, V), seeds int64 (B,), positions int64 (B,)) -> (q'(X') (B, 1), X' int64 (B, 1)).
 Draw = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], tuple["torch.Tensor", "torch.Tensor"]]
 
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit integers with good avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+#: The capability under which an engine offers its own seeded sampler (a :data:`Draw`),
+#: e.g. SGLang's ``fast_sample``; without it the synthesizer draws with :func:`inverse_cdf`.
+SEEDED_DRAW = "seeded_draw"
 
 
 def seed_from_room(rooms: Sequence[int]) -> torch.Tensor:
     """int64 (B,) sampling seeds derived from each request's room (or any integer id).
 
-    Deterministic and the same on every rank, so ranks that hold the same batch draw the
+    Deterministic and the same on every rank (the project's one per-request digest,
+    :func:`~pd_middleware.draws.room_seed`), so ranks that hold the same batch draw the
     same X' without a sampling seed; non-negative (63 bits), as SGLang's seeds are.
     """
     import torch
 
-    return torch.tensor([_mix64(int(r) & _MASK64) >> 1 for r in rooms], dtype=torch.int64)
+    from .draws import room_seed
+
+    return torch.tensor([room_seed(0, int(r), "decode-seed") for r in rooms], dtype=torch.int64)
 
 
 def proposal_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -92,69 +90,29 @@ def proposal_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Te
     return torch.softmax(logits.float() / t, dim=-1)
 
 
-def exponential_race(
-    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """X ~ probs by the exponential race (argmax probs / E, E ~ Exp(1), in float64), one
-    generator per row seeded by (seed, position): a loop over requests, never the vocab.
-
-    Returns (q(X) (B, 1), X int64 (B, 1)), like SGLang's ``fast_sample``.
-    """
+def _seeds_of_id(request_id: str) -> torch.Tensor:
     import torch
 
-    b, v = probs.shape
-    e = torch.empty(b, v, dtype=torch.float64, device=probs.device)
-    gen = torch.Generator(device=probs.device)
-    for i, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
-        gen.manual_seed(_mix64((int(s) & _MASK64) ^ _mix64(int(p) & _MASK64)) >> 1)
-        e[i].exponential_(1.0, generator=gen)
-    e.clamp_min_(torch.finfo(torch.float64).tiny)
-    x = (probs.double() / e).argmax(dim=-1, keepdim=True)
-    return probs.gather(1, x), x
+    from .draws import room_seed
+
+    return torch.tensor([room_seed(0, request_id, "decode-seed")], dtype=torch.int64)
 
 
 def inverse_cdf(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """X ~ probs by inversion: one uniform per row, from a generator seeded by (seed,
-    position), against the float64 running sum of the row (a zero-probability token is
-    never the first entry past the uniform). One random number a request instead of V:
-    the cheap seeded draw where SGLang's seeded ``fast_sample`` is unavailable.
+    """X ~ probs by inversion: one uniform a row, the digest of (seed, position)
+    (:func:`~pd_middleware.draws.seeded_uniforms`), against the float64 running sum of the
+    row (:func:`~pd_middleware.draws.sample_categorical`: the first token whose running
+    sum exceeds the uniform's share of the row's mass, which always has positive mass).
+    One random number a request instead of V: the seeded draw where the engine offers
+    none of its own.
 
     Returns (q(X) (B, 1), X int64 (B, 1)), like SGLang's ``fast_sample``.
     """
-    import torch
+    from .draws import sample_categorical, seeded_uniforms
 
-    b, v = probs.shape
-    u = torch.empty(b, dtype=torch.float64)
-    gen = torch.Generator()
-    for i, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
-        gen.manual_seed(_mix64((int(s) & _MASK64) ^ _mix64(int(p) & _MASK64)) >> 1)
-        u[i] = torch.rand((), generator=gen, dtype=torch.float64)
-    c = probs.double().cumsum(dim=-1)
-    t = (u.to(probs.device) * c[:, -1]).unsqueeze(1)
-    x = torch.searchsorted(c, t, right=True).clamp_max_(v - 1)
+    u = seeded_uniforms(seeds, positions).to(probs.device)
+    x = sample_categorical(probs, u).view(-1, 1)
     return probs.gather(1, x), x
-
-
-class Fallbacks:
-    """Fallbacks of the recompute path by reason (``counts``), also into
-    ``Metrics.fallbacks`` as ``recompute:<reason>`` once :meth:`attach_metrics` ran;
-    logged once per reason."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.metrics: Metrics | None = None
-        self._logged: set[str] = set()
-
-    def attach_metrics(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def count(self, reason: str, n: int = 1) -> None:
-        self.counts[reason] += n
-        if self.metrics is not None:
-            self.metrics.fallbacks[f"recompute:{reason}"] += n
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning("recompute falls back to one-hot (%s); further fallbacks are counted, not logged", reason)
 
 
 _MINT = object()
@@ -234,16 +192,17 @@ class RecomputeSynthesizer:
 
     name = "recompute"
 
-    def __init__(self, options: NoOptions, context: PluginContext, *, draw: Draw = inverse_cdf) -> None:
+    def __init__(self, options: NoOptions, context: PluginContext, *, draw: Draw | None = None) -> None:
         head = context.capabilities.get(DRAFT_HEAD)
         self.head: DraftHead | None = head if isinstance(head, DraftHead) else None
         self.vocab_size = context.vocab_size
         self.num_steps = context.num_steps
         self.enabled = context.rejection_sampling
-        self.draw = draw
-        # Counts (and logs once) every fallback by reason; DecodeMiddleware attaches its
-        # Metrics here, as it does to the shipped-law synthesizers' provenance guard.
-        self.guard = Fallbacks()
+        offered = context.capabilities.get(SEEDED_DRAW)
+        self.draw: Draw = draw if draw is not None else offered if callable(offered) else inverse_cdf
+        # Counts (and logs once) every fallback by reason, mirrored as recompute:<reason>;
+        # DecodeMiddleware attaches its Metrics here, as it does to the provenance guard.
+        self.guard = Events("recompute", source="recompute", logger=logger)
         self.counts = self.guard.counts
 
     def unusable(self, *, num_steps: int, vocab_size: int, hidden_size: int | None = None) -> str | None:
@@ -259,8 +218,13 @@ class RecomputeSynthesizer:
         return None
 
     def count(self, reason: str, n: int = 1) -> None:
-        """Count ``n`` fallbacks for ``reason`` (an engine falling back a whole batch)."""
-        self.guard.count(reason, n)
+        """Count ``n`` fallbacks for ``reason`` (an engine falling back a whole batch), logged once."""
+        self.guard.count(
+            reason,
+            n,
+            fallback=True,
+            log=f"recompute falls back to one-hot ({reason}); further fallbacks are counted, not logged",
+        )
 
     def recompute(
         self,
@@ -303,7 +267,8 @@ class RecomputeSynthesizer:
         out = self.recompute(
             hidden,
             temperatures=torch.tensor([prov.temperature if prov.temperature > 0 else 1.0]),
-            seeds=seed_from_room([_request_key(payload.request_id)]),
+            # The request id itself: a room's decimal id digests as the room does (seed_from_room).
+            seeds=_seeds_of_id(payload.request_id),
             positions=torch.zeros(1, dtype=torch.int64),
             greedy=torch.tensor([greedy]),
         )
@@ -311,15 +276,6 @@ class RecomputeSynthesizer:
             self.count("invalid_row")
             return OneHotProposal(payload.draft_tokens)
         return out.proposal(0)
-
-
-def _request_key(request_id: str) -> int:
-    """A 64-bit integer for a request id: the room itself when it is one, else a hash."""
-    if request_id.isdigit():
-        return int(request_id)
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
 
 
 def _factory(options: Any, context: PluginContext) -> RecomputeSynthesizer:

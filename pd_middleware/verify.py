@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._errors import ValidationError
+from .draws import sample_categorical
 from .stats import (
     ExactnessAccumulator,
     ExactnessCheck,
@@ -78,7 +79,6 @@ __all__ = [
     "chi_square_critical",
     "chi_square_sf",
     "complete_law",
-    "draw_uniforms",
     "exact_accept_probability",
     "exact_chain_law",
     "exact_residual",
@@ -92,6 +92,7 @@ __all__ = [
     "tv_bound",
     "tv_distance",
     "verify_chain",
+    "verify_coins",
     "wilson_interval",
 ]
 
@@ -177,38 +178,6 @@ def _draw_residual(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, kernel: Ke
     return out
 
 
-#: Largest float64 running sum :func:`sample_categorical` builds at once on the CPU.
-_CPU_CDF_BYTES = 1 << 21
-
-
-def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws: row i picks token j with probability ``weights[i, j] / sum``.
-
-    ``weights``: float (n, V), non-negative, every row with positive mass, summed in
-    float64 (a float32 row is widened inside the running sum, not copied first); ``u``:
-    float64 (n,) in [0, 1). Returns int64 (n,). ``right=True`` makes the pick the first
-    token whose cumulative mass exceeds ``u * total``, which always has positive mass.
-    """
-    import torch
-
-    n, v = weights.shape
-    # On the CPU, a few rows at a time: each float64 running sum stays in cache (one
-    # (64, 152064) sum is 78 MB). Rows are independent, so the draws are the same.
-    step = max(1, n) if weights.device.type != "cpu" else max(1, _CPU_CDF_BYTES // (8 * v))
-    parts = []
-    for a in range(0, n, step):
-        cdf = weights[a : a + step].cumsum(dim=1, dtype=torch.float64)
-        parts.append(torch.searchsorted(cdf, u[a : a + step].unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1))
-    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=weights.device)
-    over = idx >= weights.shape[1]
-    if bool(over.any()):
-        # u * total rounded up to total (u within 2^-53 of 1): take the last token with mass.
-        rows = over.nonzero().squeeze(1)
-        positive = (weights[rows] > 0).flip(1).to(torch.int8)
-        idx[rows] = weights.shape[1] - 1 - positive.argmax(dim=1)
-    return idx
-
-
 def _check_shapes(target: torch.Tensor, draft: torch.Tensor, tokens: torch.Tensor) -> None:
     if target.dim() != 3:
         raise ValidationError(f"expected (B, S+1, V), got shape {tuple(target.shape)}", field="target_probs")
@@ -228,7 +197,7 @@ def _check_shapes(target: torch.Tensor, draft: torch.Tensor, tokens: torch.Tenso
         raise ValidationError(f"token ids must lie in [0, {v})", field="draft_tokens")
 
 
-def draw_uniforms(
+def verify_coins(
     batch: int, num_steps: int, generator: torch.Generator | None, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 uniforms for one verify: (B, S) acceptance coins and (B, S+1) draw coins.
@@ -257,7 +226,7 @@ def verify_chain(
     X_<s, position S the bonus distribution given all S drafts. ``draft_probs``: float
     (B, S, V), the q' handed to the verifier (the assembler's buffer); (B, V) is
     accepted when S = 1. ``draft_tokens``: int64 (B, S) ((B,) when S = 1).
-    ``generator`` seeds the uniforms (:func:`draw_uniforms`); ``uniforms`` overrides
+    ``generator`` seeds the uniforms (:func:`verify_coins`); ``uniforms`` overrides
     them with explicit float64 ((B, S), (B, S+1)) tensors. ``kernel``: whose reading
     of invalid q' values to reproduce (``"flashinfer"`` or ``"sglang"``). Rows are
     independent: the loop runs over steps only, every step is a tensor operation over
@@ -276,7 +245,7 @@ def verify_chain(
     steps = s1 - 1
     device = target_probs.device
     draft_tokens = draft_tokens.to(device=device, dtype=torch.int64)
-    u_acc, u_draw = uniforms if uniforms is not None else draw_uniforms(b, steps, generator, device)
+    u_acc, u_draw = uniforms if uniforms is not None else verify_coins(b, steps, generator, device)
 
     committed = torch.full((b, s1), -1, dtype=torch.int64, device=device)
     accepted = torch.zeros(b, dtype=torch.int64, device=device)

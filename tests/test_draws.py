@@ -338,14 +338,14 @@ def test_chain_read_check_detects_a_per_step_read():
 def test_the_cpu_draw_in_row_chunks_equals_the_whole_batch_draw(monkeypatch):
     """``sample_categorical`` sums a few rows at a time on the CPU (cache); the draws are
     the same as one whole-batch sum, including u next to 1 and zero-mass tokens."""
-    from pd_middleware import verify
+    from pd_middleware import draws
 
     w = draft(37, v=257, sharp=3.0)
     w[:, ::5] = 0.0
     u = torch.cat([request_uniforms(SEED, list(range(35)))[:, 0], torch.tensor([0.0, 1.0 - 2.0**-53])])
-    monkeypatch.setattr(verify, "_CPU_CDF_BYTES", 1 << 40)
-    whole = verify.sample_categorical(w, u)
+    monkeypatch.setattr(draws, "_CPU_CDF_BYTES", 1 << 40)
+    whole = draws.sample_categorical(w, u)
     for rows in (1, 3, 8):
-        monkeypatch.setattr(verify, "_CPU_CDF_BYTES", rows * 8 * 257)
-        assert torch.equal(verify.sample_categorical(w, u), whole), rows
+        monkeypatch.setattr(draws, "_CPU_CDF_BYTES", rows * 8 * 257)
+        assert torch.equal(draws.sample_categorical(w, u), whole), rows
     assert bool((w.gather(1, whole.view(-1, 1)) > 0).all()), "a zero-mass token was drawn"

@@ -18,11 +18,11 @@ from pd_middleware.assembler import ProposalAssembler
 from pd_middleware.metrics import Metrics
 from pd_middleware.proposal import RecomputedProposal
 from pd_middleware.recompute import (
+    SEEDED_DRAW,
     SYNTHESIZER,
     Recomputed,
     RecomputeSynthesizer,
     draw_proposal,
-    exponential_race,
     inverse_cdf,
     proposal_probs,
     seed_from_room,
@@ -177,8 +177,8 @@ def test_guard_every_handed_over_pair_comes_from_one_draw():
 # ----------------------------------------------------------------------------- the sampler
 
 
-@pytest.mark.parametrize("draw", [inverse_cdf, exponential_race], ids=["inverse_cdf", "exponential_race"])
-def test_seeded_draws_follow_q_tv_bound(draw):
+def test_seeded_draws_follow_q_tv_bound():
+    draw = inverse_cdf
     """N seeded draws (one per room) against q': TV <= 1/2 sqrt((V-1)/N) + sqrt(ln(1/a)/2N), a = 1e-6."""
     q = proposal_probs(MatrixHead(_weight()).logits(HIDDEN.float()), torch.ones(1))
     n = 20000
@@ -188,8 +188,8 @@ def test_seeded_draws_follow_q_tv_bound(draw):
     assert tv_distance(freq, q[0].double()) <= tv_bound(V, n, 1e-6)
 
 
-@pytest.mark.parametrize("draw", [inverse_cdf, exponential_race], ids=["inverse_cdf", "exponential_race"])
-def test_draw_is_deterministic_per_seed_and_position(draw):
+def test_draw_is_deterministic_per_seed_and_position():
+    draw = inverse_cdf
     """Two ranks with the same batch draw the same X' (seed from the room when SGLang has none)."""
     probs = torch.full((4, V), 1.0 / V)
     seeds = seed_from_room([11, 12, 13, 14])
@@ -239,6 +239,36 @@ def test_refused_at_startup_without_the_engine_capability():
     with pytest.raises(ConfigError, match=r"at arms\[2\]\.synthesizer: .*needs the engine capability 'draft_head'"):
         reg.build(spec, None, ctx(None), "arms[2].synthesizer")
     assert isinstance(reg.build(spec, None, ctx(MatrixHead(_weight())), "synthesizer"), RecomputeSynthesizer)
+
+
+def test_the_engines_seeded_draw_is_the_synthesizers_draw():
+    """An engine that offers its own seeded sampler (SEEDED_DRAW: SGLang's fast_sample) gets
+    it used for X'; without one the synthesizer draws with inverse_cdf. Negative control:
+    the draw records its calls, so a synthesizer that ignored the offer would leave it empty."""
+    calls = []
+
+    def engine_draw(probs, seeds, positions):
+        calls.append(seeds.tolist())
+        x = probs.argmin(dim=1, keepdim=True)  # a recognisable choice: the least likely token
+        return probs.gather(1, x), x
+
+    c = ctx(MatrixHead(_weight()))
+    c = PluginContext(
+        vocab_size=c.vocab_size,
+        num_steps=c.num_steps,
+        rejection_sampling=c.rejection_sampling,
+        capabilities={**c.capabilities, SEEDED_DRAW: engine_draw},
+    )
+    synth = RecomputeSynthesizer(None, c)
+    out = synth.recompute(
+        HIDDEN.float().view(1, -1),
+        temperatures=torch.ones(1),
+        seeds=seed_from_room([5]),
+        positions=torch.zeros(1, dtype=torch.int64),
+    )
+    assert calls == [seed_from_room([5]).tolist()]
+    assert int(out.tokens[0]) == int(out.probs.argmin())
+    assert RecomputeSynthesizer(None, ctx(MatrixHead(_weight()))).draw is inverse_cdf
 
 
 def test_inverse_cdf_never_draws_a_zero_probability_token():
