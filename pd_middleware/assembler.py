@@ -3,10 +3,18 @@
 It owns persistent buffers of shape ``(max_batch, S, V)`` float32 (S = draft steps)
 and returns *views* of them: ``(B, V)`` for single-layer EAGLE (S = 1) and ``(B, S, V)``
 for a multi-layer chain. A CUDA graph captured on :meth:`ProposalAssembler.graph_buffer`
-therefore reads the values of the latest build at replay.
+therefore reads the values of the latest build at replay. :meth:`ProposalAssembler.build_fresh`
+writes a new tensor instead, for callers that keep the result.
+
+Both go through one write path (:meth:`ProposalAssembler._write`), and the "no stale
+value" rule lives there alone: a target (a persistent buffer, or a fresh tensor) knows
+what it may still hold, namely the entries and whole rows its previous build wrote, or
+every row of a ``torch.empty`` tensor. The write clears that, except the rows it is
+about to write whole, then fills floored rows, copies dense ones and scatters every
+one-hot and sparse entry.
 
 Cost per batch does not grow with V for one-hot and sparse rows: what the previous
-build wrote is remembered as flat indices and cleared by one ``index_fill_``; the new
+build wrote is remembered as flat positions and cleared by one indexed store; the new
 entries are written by one scatter. Only dense rows (and sparse rows with a uniform
 floor) touch a whole row, because their content is a whole row.
 
@@ -42,16 +50,91 @@ _INT_ONLY = {int}
 # (numpy's scalar store is ~0.1 us; building an index array costs more at that size).
 _SMALL_BATCH = 32
 
+# Flat positions in a buffer: Python ints for a few, else an int64 array.
+_Positions = list[int] | np.ndarray
+_NO_ROWS: frozenset[int] = frozenset()
 
-class _BufferState:
-    __slots__ = ("buf", "dirty_idx", "dirty_rows")
 
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        # Flat indices written by scatter in the last build of this buffer.
-        self.dirty_idx: torch.Tensor | None = None
-        # Flat row ids (b * S + s) written whole (dense or floor rows).
-        self.dirty_rows: list[int] = []
+class _Batch:
+    """One build's descriptors, every one checked: what the write path puts where.
+
+    Positions are flat offsets in a contiguous (B, S, V) layout, which is also the layout
+    of a persistent buffer's first B requests; row ``r = i * S + s`` is request i's step s.
+    """
+
+    __slots__ = ("dense", "floor_rows", "floor_vals", "ones", "runs", "size", "whole", "whole_rows")
+
+    def __init__(
+        self,
+        size: int,
+        ones: _Positions,
+        runs: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
+        dense: Sequence[tuple[int, DenseProposal]] = (),
+        floor_rows: Sequence[int] = (),
+        floor_vals: Sequence[float] = (),
+        num_steps: int = 1,
+    ) -> None:
+        self.size = size
+        # Positions of the one-hot entries (1.0); Python ints for a small batch.
+        self.ones = ones
+        # Sparse entries per request: (position of its (S, V) block, int64 offsets in
+        # the block, float32 values). The arrays may be views of the proposal's buffers.
+        self.runs = runs
+        # Dense rows: (request index, proposal); each of its S rows is written whole.
+        self.dense = dense
+        # Rows filled whole with a nonzero floor, and those floors.
+        self.floor_rows = floor_rows
+        self.floor_vals = floor_vals
+        # Rows written whole (dense, then floored): no clearing needed before their write.
+        self.whole_rows: Sequence[int] = ()
+        self.whole: set[int] | frozenset[int] = _NO_ROWS
+        if dense or floor_rows:
+            self.whole_rows = [i * num_steps + s for i, _ in dense for s in range(num_steps)] + list(floor_rows)
+            self.whole = set(self.whole_rows)
+
+    def entries(self) -> tuple[_Positions, np.ndarray | None]:
+        """Every scattered entry at once: (positions, float32 values, or None when all
+        are 1.0). Never a view of a proposal's buffers: a build may keep it."""
+        if not self.runs:
+            return self.ones, None
+        idx = np.concatenate([np.asarray(self.ones, dtype=np.int64), *(ix + base for base, ix, _ in self.runs)])
+        val = np.concatenate([np.ones(len(self.ones), dtype=np.float32), *(v for _, _, v in self.runs)])
+        return idx, val
+
+
+class _Target:
+    """A (N, S, V) float32 tensor the write path writes into, and what it may hold from
+    before: the positions and whole rows of its last write, or (``torch.empty``) every row."""
+
+    __slots__ = ("_flat", "_rows2d", "arr", "entries", "rows", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, host: bool, stale_rows: Sequence[int] = ()) -> None:
+        self.tensor = tensor
+        # On CPU (``host``) the entries go through numpy: a scalar or fancy store costs a
+        # fraction of torch's per-call dispatch (index_fill_ 3-4 us).
+        self.arr: np.ndarray | None = tensor.numpy().reshape(-1) if host else None
+        # Positions scattered by the last write (on a GPU, the index tensor already there).
+        self.entries: _Positions | torch.Tensor | None = None
+        # Rows that may hold values from before and are not covered by ``entries``.
+        self.rows: Sequence[int] = stale_rows
+        # Views made on first use (each torch call costs ~1 us on CPU, a fresh
+        # one-hot batch needs neither).
+        self._rows2d: torch.Tensor | None = None
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def rows2d(self) -> torch.Tensor:
+        """(N * S, V): one row per (request, step)."""
+        if self._rows2d is None:
+            self._rows2d = self.tensor.view(-1, self.tensor.shape[-1])
+        return self._rows2d
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """(N * S * V,): the positions' index space."""
+        if self._flat is None:
+            self._flat = self.tensor.view(-1)
+        return self._flat
 
 
 class ProposalAssembler:
@@ -76,8 +159,9 @@ class ProposalAssembler:
         self.num_steps = num_steps
         self.max_batch = max_batch
         self.device = torch.device(device)
-        self._states = [
-            _BufferState(torch.zeros(max_batch, num_steps, vocab_size, dtype=torch.float32, device=self.device))
+        self._host = self.device.type == "cpu"
+        self._buffers = [
+            _Target(torch.zeros(max_batch, num_steps, vocab_size, dtype=torch.float32, device=self.device), self._host)
             for _ in range(num_buffers)
         ]
         self._next = 0
@@ -93,11 +177,11 @@ class ProposalAssembler:
 
     @property
     def num_buffers(self) -> int:
-        return len(self._states)
+        return len(self._buffers)
 
     def graph_buffer(self, index: int = 0) -> torch.Tensor:
         """The whole persistent buffer ``index``: (max_batch, V) or (max_batch, S, V)."""
-        buf = self._states[index].buf
+        buf = self._buffers[index].tensor
         return buf.view(self.max_batch, self.vocab_size) if self.num_steps == 1 else buf
 
     def build(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
@@ -108,88 +192,155 @@ class ProposalAssembler:
         ``max_batch``, a mix of ``None`` and proposals, a wrong step count or an
         out-of-range index; the buffer is then left as the previous build left it.
         """
-        flat = self._flatten(proposals)
-        if flat is None:
+        batch = self._parse(proposals, limit=True)
+        if batch is None:
             return None
-        return self._write(*flat, len(proposals))
+        target = self._buffers[self._next]
+        self._next = (self._next + 1) % len(self._buffers)
+        self._write(target, batch, remember=True)
+        b, v = batch.size, self.vocab_size
+        if self.num_steps == 1:
+            return target.tensor.view(self.max_batch, v)[:b]
+        return target.tensor[:b]
 
     def build_fresh(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
         """Like :meth:`build`, but into a new (B, V) / (B, S, V) float32 tensor.
 
         For callers that keep the result past the next build (SGLang holds
-        ``draft_probs`` across its overlap relay). Every row is written exactly once:
-        zeroed, filled with its floor, or copied from a dense law; then the entries. So
-        the cost is that of ``torch.zeros`` of the same shape (SGLang's own builder; on
-        CPU a fresh tensor's cost is mostly its first write) plus the entries, and there
-        is no copy out of a persistent buffer. Any batch size is accepted; the
+        ``draft_probs`` across its overlap relay). Each row is written once (zeroed,
+        filled with its floor, or copied from a dense law; on CPU a floored batch's
+        dense rows are first part of one broadcast fill), then the entries; so the cost
+        is that of ``torch.zeros`` of the same shape (SGLang's own builder; on CPU a
+        fresh tensor's cost is mostly its first write) plus the entries, and there is no
+        copy out of a persistent buffer. An all-one-hot batch is exactly SGLang's
+        builder: one ``torch.zeros`` and B * S ones. Any batch size is accepted; the
         persistent buffers are not touched. Raises ValueError as :meth:`build` does,
         before anything is allocated.
         """
-        if self.device.type == "cpu":
-            return self._fresh_cpu(proposals)
-        flat = self._flatten(proposals, limit=False)
-        if flat is None:
+        batch = self._parse(proposals, limit=False)
+        if batch is None:
             return None
-        idx, val, dense, floor_rows, floor_vals = flat
-        b, s_steps, v = len(proposals), self.num_steps, self.vocab_size
-        dev = self.device
-        out = torch.empty(b, s_steps, v, dtype=torch.float32, device=dev)
-        rows2d = out.view(b * s_steps, v)
-        dense_rows = {i * s_steps + s for i, _ in dense for s in range(s_steps)}
-        whole = dense_rows.union(floor_rows)
-        if not whole:
-            rows2d.zero_()
+        b, s_steps, v = batch.size, self.num_steps, self.vocab_size
+        # Start from garbage only where that saves a write: rows written whole, on a GPU;
+        # on CPU floored ones (then every row is one broadcast copy, see _fill), since a
+        # row's index_fill_ there costs more than its share of torch.zeros' memset.
+        if batch.floor_rows or (batch.whole and self._pin):
+            out = torch.empty(b, s_steps, v, dtype=torch.float32, device=self.device)
+            target = _Target(out, self._host, range(b * s_steps))
         else:
-            zero_rows = [r for r in range(b * s_steps) if r not in whole]
-            if zero_rows:
-                rows2d.index_fill_(0, torch.tensor(zero_rows, device=dev), 0.0)
-            for i, p in dense:
+            out = torch.zeros(b, s_steps, v, dtype=torch.float32, device=self.device)
+            target = _Target(out, self._host)
+        self._write(target, batch, remember=False)
+        return out.view(b, v) if s_steps == 1 else out
+
+    def _write(self, target: _Target, batch: _Batch, *, remember: bool) -> None:
+        """The one write path: after it, ``target`` holds ``batch`` and 0.0 everywhere else.
+
+        1. Clear what ``target`` may hold from before: its last write's entries, and its
+           stale rows except those this batch writes whole.
+        2. Fill the floored rows with their floor (on CPU, when every row is written here,
+           the clear and the floors are one broadcast copy).
+        3. Copy and scale the dense rows.
+        4. Scatter every one-hot and sparse entry (a listed value overrides its floor).
+
+        With ``remember`` the target then knows what this write put there, for the
+        clear of its next one.
+        """
+        if target.entries is not None:
+            self._store(target, target.entries, 0.0)
+        whole = batch.whole
+        zero = [r for r in target.rows if r not in whole] if whole else list(target.rows)
+        if zero or batch.floor_rows:
+            self._fill(target.rows2d, zero, batch)
+        if batch.dense:
+            s_steps, dev, rows2d = self.num_steps, self.device, target.rows2d
+            for i, p in batch.dense:
                 dst = rows2d[i * s_steps : (i + 1) * s_steps]
                 dst.copy_(p.probs, non_blocking=True)
                 dst.mul_(p.scale.to(dev, non_blocking=True).view(-1, 1))
-            if floor_rows:
-                _fill_rows(rows2d, floor_rows, floor_vals)
-        if idx is not None:
-            flat_out = out.view(-1)
-            idx = self._host_to_device(idx)
-            if val is None:
-                flat_out.index_fill_(0, idx, 1.0)
-            else:
-                flat_out.index_copy_(0, idx, self._host_to_device(val))
-        return out.view(b, v) if s_steps == 1 else out
+        entries = self._scatter(target, batch, remember)
+        if remember:
+            target.entries = entries
+            target.rows = batch.whole_rows
 
-    def _fresh_cpu(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
-        """:meth:`build_fresh` on CPU: the same checks and the same bytes, with the
-        entries written through the tensor's numpy view.
+    def _fill(self, rows2d: torch.Tensor, zero: list[int], batch: _Batch) -> None:
+        """Steps 1 and 2 of :meth:`_write` for whole rows: ``zero`` rows become 0.0, each
+        floored row its floor."""
+        n = rows2d.shape[0]
+        floors = batch.floor_rows
+        if floors and self._host and len(zero) + len(batch.whole) == n:
+            # Every row is written here or by a dense copy next: one broadcast copy of each
+            # row's value (0 for the others) costs 2-3x less than a fill_ per row on CPU.
+            col = np.zeros((n, 1), dtype=np.float32)
+            for r, f in zip(floors, batch.floor_vals):
+                col[r, 0] = f
+            rows2d.copy_(torch.from_numpy(col).expand(n, rows2d.shape[1]))
+            return
+        if len(zero) == n:
+            rows2d.zero_()
+        elif zero:
+            rows2d.index_fill_(0, torch.tensor(zero, device=rows2d.device), 0.0)
+        if floors:
+            _fill_rows(rows2d, floors, batch.floor_vals)
 
-        Each torch call on CPU costs microseconds of dispatch, numpy's a fraction of
-        one, and at B = 1 SGLang's whole builder is about 10 us; so the tensor work is
-        the fresh tensor (``torch.zeros``, SGLang's own allocation, or one broadcast
-        copy of each row's floor) and, for dense rows, their copy. An all-one-hot
-        batch is exactly SGLang's builder: one ``torch.zeros`` and B * S ones.
-        """
-        b, s_steps, v = len(proposals), self.num_steps, self.vocab_size
-        stride = self._row_stride
+    def _scatter(self, target: _Target, batch: _Batch, remember: bool) -> _Positions | torch.Tensor | None:
+        """Step 4 of :meth:`_write`: every one-hot and sparse entry; returns their
+        positions when ``remember`` (None when there are none, on a GPU)."""
+        if self._host:
+            assert target.arr is not None
+            if not remember:  # per request into its block: no concatenated copy to keep
+                arr, stride = target.arr, self._row_stride
+                for base, ix, vals in batch.runs:
+                    arr[base : base + stride][ix] = vals
+                _put(arr, batch.ones, 1.0)
+                return None
+            idx, val = batch.entries()
+            _put(target.arr, idx, 1.0 if val is None else val)
+            return idx
+        idx, val = batch.entries()
+        if not len(idx):
+            return None
+        t = self._host_to_device(torch.from_numpy(np.asarray(idx, dtype=np.int64)))
+        if val is None:
+            target.flat.index_fill_(0, t, 1.0)
+        else:
+            target.flat.index_copy_(0, t, self._host_to_device(torch.from_numpy(val)))
+        return t
+
+    def _store(self, target: _Target, positions: _Positions | torch.Tensor, value: float) -> None:
+        """``value`` at the flat ``positions`` of ``target`` (what :meth:`_scatter` returned)."""
+        if isinstance(positions, torch.Tensor):
+            target.flat.index_fill_(0, positions, value)
+        else:
+            assert target.arr is not None
+            _put(target.arr, positions, value)
+
+    def _parse(self, proposals: Sequence[Proposal | None], *, limit: bool) -> _Batch | None:
+        """Check every descriptor and lay them out for the write path; ``None`` when no
+        proposal is attached. Raises ValueError (see :meth:`build`) before anything is
+        written; ``limit``: refuse a batch over ``max_batch``."""
+        b = len(proposals)
+        if limit and b > self.max_batch:
+            raise ValueError(f"batch of {b} exceeds max_batch={self.max_batch}")
         fast = self._one_hot_flat(proposals)
         if fast is not None:
-            out = torch.zeros(b, s_steps, v, dtype=torch.float32)
-            _put_ones(out, fast)
-            return out.view(b, v) if s_steps == 1 else out
+            return _Batch(b, fast)
         n_none = sum(1 for p in proposals if p is None)
         if n_none == b:
             return None
         if n_none:
             raise ValueError(f"{n_none} of {b} requests have no proposal; a batch needs all or none")
 
-        # Validate every descriptor before allocating (messages as in _flatten).
-        oh_idx: list[int] = []
-        sparse: list[tuple[int, np.ndarray, np.ndarray]] = []
-        floors: list[tuple[int, float]] = []
+        s_steps, v, stride = self.num_steps, self.vocab_size, self._row_stride
+        ones: list[int] = []
+        runs: list[tuple[int, np.ndarray, np.ndarray]] = []
+        floor_rows: list[int] = []
+        floor_vals: list[float] = []
         dense: list[tuple[int, DenseProposal]] = []
         steps_cache: dict[tuple[int, ...], np.ndarray] = {}
         for i, p in enumerate(proposals):
             if type(p) is OneHotProposal:
-                _one_hot_flat(i, p.tokens, s_steps, i * stride, v, oh_idx)
+                _one_hot_flat(i, p.tokens, s_steps, i * stride, v, ones)
             elif type(p) is SparseProposal:
                 lengths = p.lengths
                 if len(lengths) != s_steps:
@@ -201,95 +352,7 @@ class ProposalAssembler:
                         steps = np.repeat(np.arange(s_steps, dtype=np.int64) * v, lengths)
                         steps_cache[lengths] = steps
                     ix = ix + steps
-                sparse.append((i * stride, ix, vals))
-                for s, f in enumerate(p.floor):
-                    if f != 0.0:
-                        floors.append((i * s_steps + s, f))
-            elif type(p) is DenseProposal or type(p) is RecomputedProposal:
-                if tuple(p.probs.shape) != (s_steps, v):
-                    raise ValueError(
-                        f"request {i}: dense proposal has shape {tuple(p.probs.shape)}, expected ({s_steps}, {v})"
-                    )
-                dense.append((i, p))
-            else:
-                raise ValueError(f"request {i}: unknown proposal type {type(p).__name__}")
-
-        # 1. Every row once: zeros, or each row's floor (0 for the others) by one
-        #    broadcast copy (per-row fill_ calls cost 2-3x more on CPU); dense rows then
-        #    overwrite theirs.
-        if floors:
-            out = torch.empty(b, s_steps, v, dtype=torch.float32)
-            col = np.zeros((b * s_steps, 1), dtype=np.float32)
-            for r, f in floors:
-                col[r, 0] = f
-            out.view(b * s_steps, v).copy_(torch.from_numpy(col).expand(b * s_steps, v))
-        else:
-            out = torch.zeros(b, s_steps, v, dtype=torch.float32)
-        for i, p in dense:
-            dst = out[i]
-            dst.copy_(p.probs)
-            dst.mul_(p.scale.view(-1, 1))
-        # 2. The entries, per request (no concatenated index tensor): a listed value
-        #    overrides the floor, as in build().
-        flat = out.numpy().reshape(-1)
-        for base, ix, vals in sparse:
-            flat[base : base + stride][ix] = vals
-        if oh_idx:
-            _put_ones(out, oh_idx)
-        return out.view(b, v) if s_steps == 1 else out
-
-    def _flatten(
-        self, proposals: Sequence[Proposal | None], *, limit: bool = True
-    ) -> (
-        tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, DenseProposal]], list[int], list[float]] | None
-    ):
-        """Validate every descriptor and flatten them: (flat indices, values or None for
-        all-ones, dense rows, floor rows, floor values), in a contiguous (B, S, V)
-        layout; ``None`` when no proposal is attached. Raises ValueError (see build)."""
-        b = len(proposals)
-        if limit and b > self.max_batch:
-            raise ValueError(f"batch of {b} exceeds max_batch={self.max_batch}")
-        n_none = sum(1 for p in proposals if p is None)
-        if n_none == b:
-            return None
-        if n_none:
-            raise ValueError(f"{n_none} of {b} requests have no proposal; a batch needs all or none")
-
-        v, s_steps = self.vocab_size, self.num_steps
-        fast = self._one_hot_indices(proposals)
-        if fast is not None:
-            return fast, None, [], [], []
-
-        stride = self._row_stride
-        oh_idx: list[int] = []
-        sp_idx: list[torch.Tensor] = []
-        sp_raw: list[torch.Tensor] = []
-        sp_val: list[torch.Tensor] = []
-        floor_rows: list[int] = []
-        floor_vals: list[float] = []
-        dense: list[tuple[int, DenseProposal]] = []
-        steps_cache: dict[tuple[int, ...], torch.Tensor] = {}
-
-        # Validate and flatten every descriptor before touching the buffer.
-        for i, p in enumerate(proposals):
-            if type(p) is OneHotProposal:
-                _one_hot_flat(i, p.tokens, s_steps, i * stride, v, oh_idx)
-            elif type(p) is SparseProposal:
-                lengths = p.lengths
-                if len(lengths) != s_steps:
-                    raise ValueError(f"request {i}: sparse proposal has {len(lengths)} steps, expected {s_steps}")
-                offs: int | torch.Tensor
-                if s_steps == 1:
-                    offs = i * stride
-                else:
-                    steps = steps_cache.get(lengths)
-                    if steps is None:
-                        steps = torch.repeat_interleave(torch.arange(s_steps), torch.tensor(lengths)) * v
-                        steps_cache[lengths] = steps
-                    offs = steps + i * stride
-                sp_raw.append(p.indices)
-                sp_idx.append(p.indices + offs)
-                sp_val.append(p.values)
+                runs.append((i * stride, ix, vals))
                 for s, f in enumerate(p.floor):
                     if f != 0.0:
                         floor_rows.append(i * s_steps + s)
@@ -302,32 +365,9 @@ class ProposalAssembler:
                 dense.append((i, p))
             else:
                 raise ValueError(f"request {i}: unknown proposal type {type(p).__name__}")
+        return _Batch(b, ones, runs, dense, floor_rows, floor_vals, s_steps)
 
-        idx = None
-        val = None
-        if sp_idx:
-            raw = torch.cat(sp_raw)
-            # Flat indices cannot see row boundaries: check the per-row range first.
-            if raw.numel() and (int(raw.min()) < 0 or int(raw.max()) >= v):
-                raise ValueError("sparse proposal index outside [0, vocab_size)")
-            idx = torch.cat(sp_idx)
-            # float32 like the buffer (a no-op for sparse_law's values): index_copy_ below
-            # refuses another dtype, and it runs after the buffer was already cleared.
-            val = torch.cat(sp_val).float()
-            if oh_idx:
-                idx = torch.cat([torch.from_numpy(np.array(oh_idx, dtype=np.int64)), idx])
-                val = torch.cat([torch.ones(len(oh_idx), dtype=torch.float32), val])
-        elif oh_idx:
-            idx = torch.from_numpy(np.array(oh_idx, dtype=np.int64))
-        return idx, val, dense, floor_rows, floor_vals
-
-    def _one_hot_indices(self, proposals: Sequence[Proposal | None]) -> torch.Tensor | None:
-        """Flat buffer indices of an all-one-hot batch (int64 tensor), or ``None`` for
-        the general path; see :meth:`_one_hot_flat`."""
-        flat = self._one_hot_flat(proposals)
-        return None if flat is None else torch.from_numpy(np.asarray(flat, dtype=np.int64))
-
-    def _one_hot_flat(self, proposals: Sequence[Proposal | None]) -> np.ndarray | list[int] | None:
+    def _one_hot_flat(self, proposals: Sequence[Proposal | None]) -> _Positions | None:
         """Flat indices, in a contiguous (B, S, V) layout, of an all-one-hot batch, or
         ``None`` for the general path.
 
@@ -367,57 +407,8 @@ class ProposalAssembler:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _write(
-        self,
-        idx: torch.Tensor | None,
-        val: torch.Tensor | None,
-        dense: list[tuple[int, DenseProposal]],
-        floor_rows: list[int],
-        floor_vals: list[float],
-        b: int,
-    ) -> torch.Tensor:
-        """Clear the previous build of the next buffer, write this one, return its view."""
-        v, s_steps = self.vocab_size, self.num_steps
-        st = self._states[self._next]
-        self._next = (self._next + 1) % len(self._states)
-        flat = st.buf.view(-1)
-        rows2d = st.buf.view(self.max_batch * s_steps, v)
-        dev = self.device
 
-        # 1. Clear what the previous build of this buffer wrote.
-        if st.dirty_idx is not None:
-            flat.index_fill_(0, st.dirty_idx, 0.0)
-        dense_rows = {i * s_steps + s for i, _ in dense for s in range(s_steps)}
-        # Rows about to be written whole (dense copies, floors) need no clearing first.
-        whole = dense_rows.union(floor_rows)
-        stale_rows = [r for r in st.dirty_rows if r not in whole]
-        if stale_rows:
-            rows2d.index_fill_(0, torch.tensor(stale_rows, device=dev), 0.0)
-
-        # 2. Whole rows: dense copies and uniform floors.
-        for i, p in dense:
-            dst = rows2d[i * s_steps : (i + 1) * s_steps]
-            dst.copy_(p.probs, non_blocking=True)
-            dst.mul_(p.scale.to(dev, non_blocking=True).view(-1, 1))
-        if floor_rows:
-            _fill_rows(rows2d, floor_rows, floor_vals)
-
-        # 3. One scatter for every one-hot and sparse entry.
-        if idx is not None:
-            idx = self._host_to_device(idx)
-            if val is None:
-                flat.index_fill_(0, idx, 1.0)
-            else:
-                flat.index_copy_(0, idx, self._host_to_device(val))
-        st.dirty_idx = idx
-        st.dirty_rows = sorted(dense_rows) + floor_rows
-
-        if s_steps == 1:
-            return st.buf.view(self.max_batch, v)[:b]
-        return st.buf[:b]
-
-
-def _fill_rows(rows2d: torch.Tensor, rows: list[int], values: list[float]) -> None:
+def _fill_rows(rows2d: torch.Tensor, rows: Sequence[int], values: Sequence[float]) -> None:
     """Fill whole rows of ``rows2d`` (N, V) with one value each (the floors).
 
     On CPU one ``fill_`` per row: ``index_copy_`` from a stride-0 expanded source runs
@@ -433,14 +424,14 @@ def _fill_rows(rows2d: torch.Tensor, rows: list[int], values: list[float]) -> No
     rows2d.index_copy_(0, torch.tensor(rows, device=rows2d.device), fv)
 
 
-def _put_ones(out: torch.Tensor, flat: np.ndarray | list[int]) -> None:
-    """Write 1.0 at the flat positions ``flat`` of the contiguous CPU tensor ``out``."""
-    arr = out.numpy().reshape(-1)
-    if type(flat) is list:
-        for k in flat:
-            arr[k] = 1.0
+def _put(arr: np.ndarray, positions: _Positions, value: float | np.ndarray) -> None:
+    """``arr[positions] = value`` on a flat numpy view; Python ints one by one (a scalar
+    store is ~0.1 us, an index array costs more than that for a few)."""
+    if type(positions) is list:
+        for k in positions:
+            arr[k] = value
     else:
-        arr[flat] = 1.0
+        arr[positions] = value
 
 
 def _one_hot_flat(i: int, toks: tuple[int, ...], s_steps: int, base: int, v: int, out: list[int]) -> None:

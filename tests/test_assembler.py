@@ -122,6 +122,14 @@ def test_errors_leave_buffer_untouched():
         asm.build([bad])
     with pytest.raises(ValueError, match=r"dense proposal has shape \(1, 10\), expected \(1, 11\)"):
         asm.build([DenseProposal(torch.ones(1, 10), torch.ones(1))])
+    # build and build_fresh check descriptors in one place: a short or float index buffer
+    # is refused before the clear (it was once accepted, or failed in index_copy_ after it).
+    short = SparseProposal(lengths=(2,), indices=torch.tensor([1]), values=torch.tensor([1.0]), floor=(0.0,))
+    with pytest.raises(ValueError, match="request 0: sparse proposal has 1 indices and 1 values for 2 entries"):
+        asm.build([short])
+    floats = SparseProposal(lengths=(1,), indices=torch.tensor([1.0]), values=torch.tensor([1.0]), floor=(0.0,))
+    with pytest.raises(ValueError, match="request 0: sparse proposal indices must be integers"):
+        asm.build([floats])
     assert torch.equal(asm.graph_buffer()[:1], first)
 
 
@@ -203,3 +211,28 @@ def test_build_fresh_refuses_what_build_refuses():
     out = asm.build_fresh([sp, OneHotProposal((10,))])
     assert out[0].tolist() == [0.25, 0.03125, 0.03125, 0.5] + [0.03125] * 7
     assert out[1].tolist() == [0.0] * 10 + [1.0]
+
+
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_device_write_path_on_cpu_tensors(num_steps):
+    """The write path a GPU takes (index_fill_/index_copy_ on one concatenated index
+    tensor, kept on the device for the next clear) instead of the CPU's numpy stores,
+    run on CPU tensors: CI has no GPU, and both must write the same bytes."""
+    rng = random.Random(SEED + 11 * num_steps)
+    v, max_b = 37, 9
+    asm = ProposalAssembler(v, num_steps, max_b, num_buffers=2)
+    asm._host = False  # private switch: the device branch, on CPU memory (no pinning there)
+    for step in range(60):
+        b = rng.randint(1, max_b)
+        if step % 3 == 0:
+            props = [OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps))) for _ in range(b)]
+        else:
+            props = [_random_proposal(rng, num_steps, v) for _ in range(b)]
+        out = asm.build(props)
+        got = out if num_steps > 1 else out.unsqueeze(1)
+        assert torch.equal(got, _reference(props, b, num_steps, v)), f"seed={SEED} step={step}"
+        assert float(asm.graph_buffer(step % 2)[b:].abs().sum()) == 0.0, f"seed={SEED} step={step}: stale rows"
+        fresh = [_random_proposal(rng, num_steps, v) for _ in range(rng.randint(1, 2 * max_b))]
+        out = asm.build_fresh(fresh)
+        got = out if num_steps > 1 else out.unsqueeze(1)
+        assert torch.equal(got, _reference(fresh, len(fresh), num_steps, v)), f"seed={SEED} step={step}: fresh"
