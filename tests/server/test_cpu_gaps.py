@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import types
 
 import cpu_gaps  # tests/server/site is on sys.path (conftest.py)
@@ -66,7 +67,7 @@ def test_unknown_gap_names_are_refused() -> None:
     with pytest.raises(ValueError, match=r"PDM_CPU_GAPS: unknown override\(s\) \['rowargmax'\]"):
         cpu_gaps.selected({cpu_gaps.ENV_GAPS: "rowargmax"})
     names = [o.name for o in cpu_gaps.selected({})]
-    assert names[:7] == [o.name for o in cpu_gaps.GAPS] and "seed_builder" not in names
+    assert names[: len(cpu_gaps.GAPS)] == [o.name for o in cpu_gaps.GAPS] and "seed_builder" not in names
     assert "seed_builder" in [o.name for o in cpu_gaps.selected({cpu_gaps.ENV_SEED: "1"})]
 
 
@@ -91,3 +92,196 @@ def test_top_k_and_top_p_renorm_against_a_plain_reference(rows: int) -> None:
                 break
         want = torch.tensor([probs[i, j] if j in keep_p else 0.0 for j in range(12)])
         torch.testing.assert_close(got_p[i], want / want.sum())
+
+
+# ---- the deterministic-inference gaps (open only with --enable-deterministic-inference) ----
+
+
+def _gap(name: str) -> cpu_gaps.Override:
+    return next(o for o in cpu_gaps.GAPS if o.name == name)
+
+
+def test_deterministic_amx_adds_intel_amx_to_the_same_list(capsys: pytest.CaptureFixture[str]) -> None:
+    ov = _gap("deterministic_amx")
+    choices = ["fa3", "triton"]
+    mod = _module(DETERMINISTIC_ATTENTION_BACKEND_CHOICES=choices)
+    cpu_gaps.apply(ov, mod)
+    assert mod.DETERMINISTIC_ATTENTION_BACKEND_CHOICES is choices  # importers of the name see it too
+    assert choices == ["fa3", "triton", "intel_amx"]
+    assert "override deterministic_amx: sglang.srt.arg_groups.choices" in capsys.readouterr().err
+    with pytest.raises(cpu_gaps.OverrideRefused, match="has intel_amx already .*closed upstream"):
+        cpu_gaps.apply(ov, _module(DETERMINISTIC_ATTENTION_BACKEND_CHOICES=["intel_amx"]))
+    with pytest.raises(cpu_gaps.OverrideRefused, match="is tuple, not a list"):
+        cpu_gaps.apply(ov, _module(DETERMINISTIC_ATTENTION_BACKEND_CHOICES=("fa3",)))
+
+
+class _Args:
+    """A stand-in server_args: raw fields, and SGLang-style declarations (last writer wins)."""
+
+    def __init__(self, **raw: object) -> None:
+        self.raw = raw
+        self.declared: list[tuple[str, dict[str, object]]] = []
+
+
+class _View:
+    def __init__(self, args: _Args) -> None:
+        self._args = args
+
+    def __getattr__(self, name: str) -> object:
+        for _, d in reversed(self._args.declared):
+            if name in d:
+                return d[name]
+        return self._args.raw[name]
+
+
+def _eagle_family_module(seen: list[object]) -> types.ModuleType:
+    def resolving_view(server_args: _Args) -> _View:
+        return _View(server_args)
+
+    def declare_resolution(server_args: _Args, source: str, **fields: object) -> None:
+        server_args.declared.append((source, fields))
+
+    def _handle_eagle_family(server_args: _Args) -> None:  # SGLang 0.5.23's refusal, as it reads
+        cfg = resolving_view(server_args)
+        if cfg.speculative_use_rejection_sampling and (
+            cfg.enable_deterministic_inference and not cfg.device.startswith("cuda")
+        ):
+            raise ValueError("Deterministic rejection sampling is currently supported only on CUDA-compatible devices")
+        seen.append(cfg.enable_deterministic_inference)
+
+    return _module(
+        resolving_view=resolving_view, declare_resolution=declare_resolution, _handle_eagle_family=_handle_eagle_family
+    )
+
+
+@pytest.mark.parametrize(
+    ("device", "hash_op", "outcome"),
+    [("cpu", True, "runs"), ("cpu", False, "refused by SGLang"), ("cuda", False, "untouched")],
+)
+def test_deterministic_rejection_cpu_hides_the_flag_from_one_handler_only_on_cpu_with_the_hash(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], device: str, hash_op: bool, outcome: str
+) -> None:
+    seen: list[object] = []
+    mod = _eagle_family_module(seen)
+    cpu_gaps.apply(_gap("deterministic_rejection_cpu"), mod)
+    monkeypatch.setattr(cpu_gaps, "cpu_hash_registered", lambda: hash_op)
+    args = _Args(device=device, enable_deterministic_inference=True, speculative_use_rejection_sampling=True)
+    if outcome == "refused by SGLang":
+        with pytest.raises(ValueError, match="supported only on CUDA-compatible devices"):
+            mod._handle_eagle_family(args)
+        return
+    mod._handle_eagle_family(args)
+    assert _View(args).enable_deterministic_inference is True  # the resolved value is unchanged
+    if outcome == "runs":
+        assert seen == [False]  # hidden from that handler only
+        assert "deterministic rejection sampling on cpu" in capsys.readouterr().err
+    else:
+        assert seen == [True] and args.declared == []
+
+
+def test_deterministic_rejection_cpu_is_refused_once_sglang_drops_its_refusal() -> None:
+    def _handle_eagle_family(server_args: object) -> None:
+        return None
+
+    with pytest.raises(cpu_gaps.OverrideRefused, match="no longer refuses deterministic rejection sampling off CUDA"):
+        cpu_gaps.apply(_gap("deterministic_rejection_cpu"), _module(_handle_eagle_family=_handle_eagle_family))
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_batch_invariant_cpu_skips_the_gpu_kernels_only_off_an_accelerator(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], accelerator: bool
+) -> None:
+    calls: list[bool] = []
+
+    def enable_batch_invariant_mode(enable_bmm: bool = True) -> None:
+        calls.append(enable_bmm)
+
+    mod = _module(enable_batch_invariant_mode=enable_batch_invariant_mode)
+    cpu_gaps.apply(_gap("batch_invariant_cpu"), mod)
+    monkeypatch.setattr(cpu_gaps, "_on_accelerator", lambda: accelerator)
+    mod.enable_batch_invariant_mode(False)
+    assert calls == ([False] if accelerator else [])
+    assert ("batch-invariant mode skipped" in capsys.readouterr().err) is not accelerator
+
+
+def _sglang() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (make setup-sglang)")
+
+
+@pytest.mark.sglang
+def test_the_deterministic_targets_match_sglang_0_5_23() -> None:
+    """Each override's check passes on SGLang's real target, and the CPU gap it covers is real here."""
+    _sglang()
+    from _sglang_import import import_sglang
+
+    for ov in (_gap("deterministic_amx"), _gap("deterministic_rejection_cpu"), _gap("batch_invariant_cpu")):
+        mod = import_sglang(ov.module)
+        target = getattr(mod, ov.attr)
+        assert cpu_gaps._refusal(ov, target) == "", ov.name
+    common = import_sglang("sglang.srt.utils.common")
+    with pytest.raises(RuntimeError, match="No supported accelerator"):
+        common.get_dispatch_device_backend()
+
+
+_RESOLVE = r"""
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+m = sys.argv[1]
+argv = ["--model-path", m + "/target", "--device", "cpu", "--attention-backend", "intel_amx",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m + "/eagle3",
+        "--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4",
+        "--speculative-use-rejection-sampling", "--enable-deterministic-inference"]
+out = {}
+from sglang.srt.arg_groups.overrides import resolved_view
+def resolve():
+    args = prepare_server_args(argv)
+    args.resolve_once()
+    return resolved_view(args)
+v = resolve()
+out["with"] = [v.enable_deterministic_inference, v.attention_backend, v.disable_radix_cache]
+from sglang.srt.arg_groups import choices, speculative_hook
+choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES.remove("intel_amx")  # SGLang's own list again
+def attempt():
+    try:
+        resolve()
+        return "resolved"
+    except ValueError as exc:
+        return str(exc)
+out["amx"] = attempt()
+choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES.append("intel_amx")
+speculative_hook._handle_eagle_family = speculative_hook._handle_eagle_family.__wrapped__
+out["rejection"] = attempt()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+def test_sglang_resolves_the_tier_flags_with_deterministic_inference_only_with_the_overrides() -> None:
+    """SGLang's real argument resolution, in a fresh interpreter (the overrides apply at import):
+    the tier's flags with ``--enable-deterministic-inference`` resolve with the overrides; with
+    each undone, SGLang refuses with its own message (the negative control)."""
+    _sglang()
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    site = Path(cpu_gaps.__file__).resolve().parent
+    models = site.parent / "models" / "trained"
+    env = {k: v for k, v in os.environ.items() if k not in (cpu_gaps.ENV_GAPS, cpu_gaps.ENV_SEED)}
+    env.update(PYTHONPATH=str(site), SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, str(models)], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT ") :])
+    assert out["with"] == [True, "intel_amx", True]  # radix cache off: SGLang's rule for this backend
+    assert (
+        "attention backends are supported for deterministic inference, but you explicitly specified 'intel_amx'"
+        in (out["amx"])
+    )
+    assert out["rejection"].startswith("Deterministic rejection sampling is currently supported only on CUDA")
+    assert "[cpu-gaps] deterministic rejection sampling on cpu" in proc.stderr

@@ -599,3 +599,25 @@ def test_seeded_fast_sample_on_cpu_equals_the_gpu_hash_path(
     spec = _sglang_module("sglang.srt.speculative.spec_utils")
     _, theirs = spec.fast_sample(probs, 1, sampling_seed=seeds, positions=pos)  # type: ignore[attr-defined]
     assert torch.equal(ours, theirs.view(-1)), f"seed {SEED}"
+
+
+def test_a_compiled_caller_neither_traces_nor_recompiles_the_stand_ins() -> None:
+    """SGLang compiles some callers of the ops (``sampler.multinomial_with_seed`` hashes through
+    murmur_hash32_cpu): the stand-ins stay opaque, as compiled kernels are, so the caller
+    compiles once however often the ops run (their call counts change between calls)."""
+    from torch._dynamo.testing import CompileCounter
+
+    lib = ops.register("pdm_compile_probe", log=lambda message: None)  # kept: the ops live as long as it does
+    op = getattr(torch.ops, lib.ns).murmur_hash32_cpu
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, dynamic=True)
+    def hashed_plus_one(seed: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return op(seed, pos, cols).to(torch.int64) + 1
+
+    seeds, pos, cols = _hash_inputs()
+    want = ops.murmur_hash32_cpu(seeds, pos, cols).to(torch.int64) + 1
+    for _ in range(6):
+        assert torch.equal(hashed_plus_one(seeds, pos, cols), want)
+        ops.CALLS["decode_attention_cpu"] = ops.CALLS.get("decode_attention_cpu", 0) + 1  # other ops ran
+    assert counter.frame_count <= 2, f"{counter.frame_count} frames compiled over 6 calls"

@@ -1,6 +1,6 @@
 """Run-time overrides of the CPU gaps in SGLang 0.5.23 for the test servers (never site-packages).
 
-A real SGLang PD pair runs on a CPU-only machine with seven small overrides. Each is an
+A real SGLang PD pair runs on a CPU-only machine with ten small overrides. Each is an
 :class:`Override`: a name, the module and attribute it replaces, the parameters that
 attribute must have, and the replacement. A meta-path finder applies an override when
 its module is first imported, after the module's own code ran and before anyone imports
@@ -32,11 +32,35 @@ The gaps (file:line in SGLang 0.5.23):
    and ``top_p_renorm_prob`` None on the CPU, so a batch mixing greedy and sampled
    requests crashes ``eagle_utils.py`` around 729; torch versions serve.
 
+Three more open only under ``--enable-deterministic-inference`` (SGLang's seeded
+sampling: ``sampling_seed`` reaches the draft's ``fast_sample`` and the verify's coins),
+and do nothing without it:
+
+8. ``deterministic_amx``: ``arg_groups/overrides.py`` around 1093 refuses every attention
+   backend outside ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES`` (``arg_groups/choices.py``
+   around 113), ``intel_amx`` included; it is added to the list (SGLang's own
+   ``add_deterministic_attention_backend_choices`` does the same). The tier's stand-in
+   attention computes each request alone, so it is batch-invariant by construction;
+   SGLang's compiled AMX kernels are not vouched for here.
+9. ``deterministic_rejection_cpu``: ``arg_groups/speculative_hook.py`` around 1225 refuses
+   deterministic rejection sampling on any device but CUDA, "because draft proposal
+   sampling uses a Triton hash kernel"; on the CPU ``murmur_hash32`` dispatches to
+   ``torch.ops.sgl_kernel.murmur_hash32_cpu`` (``kernels/ops/sampling/murmur_hash.py``),
+   which the stand-ins provide. ``_handle_eagle_family`` runs with the flag hidden (a
+   declaration, undone by the next) only on CPU with rejection sampling and that op
+   registered; else SGLang refuses as before.
+10. ``batch_invariant_cpu``: ``model_executor/model_runner.py`` around 843 calls
+    ``enable_batch_invariant_mode``, whose ``get_dispatch_device_backend()``
+    (``utils/common.py`` around 620) raises on the CPU ("No supported accelerator"); on
+    the CPU it is skipped, logged. Its kernels are Triton GPU kernels: a CPU server
+    then runs torch's own CPU matmuls, deterministic for equal shapes from run to run
+    but not proven batch-invariant.
+
 And one test-only switch, off unless asked: ``seed_builder`` (``PDM_TEST_SEED_BUILDER=1``)
 makes SGLang's own PD proposal inert, so its builder leaves ``draft_probs`` unset as
 before SGLang's fix: the negative control of ``tests/server/test_seed.py``.
 
-``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all seven).
+``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all ten).
 """
 
 from __future__ import annotations
@@ -212,6 +236,92 @@ def _renorm_p(module: types.ModuleType, orig: Any) -> Any:
     return top_p_renorm_prob
 
 
+def _amx_absent(orig: Any) -> str:
+    if not isinstance(orig, list):
+        return f"DETERMINISTIC_ATTENTION_BACKEND_CHOICES is {type(orig).__name__}, not a list"
+    if "intel_amx" in orig:
+        return "DETERMINISTIC_ATTENTION_BACKEND_CHOICES has intel_amx already (the gap is closed upstream; drop the override)"
+    return ""
+
+
+def _add_amx(module: types.ModuleType, orig: Any) -> None:
+    orig.append("intel_amx")  # in place: server_args and overrides import this list object
+    return None
+
+
+#: The refusal ``deterministic_rejection_cpu`` lifts, as it reads in SGLang 0.5.23's source.
+DETERMINISTIC_REFUSAL = "Deterministic rejection sampling is currently supported only on"
+
+
+def _refusal_present(orig: Any) -> str:
+    try:
+        src = inspect.getsource(orig)
+    except (OSError, TypeError) as exc:
+        return f"_handle_eagle_family's source cannot be read ({exc})"
+    if DETERMINISTIC_REFUSAL not in src or 'not cfg.device.startswith("cuda")' not in src:
+        return "_handle_eagle_family no longer refuses deterministic rejection sampling off CUDA (drop the override)"
+    return ""
+
+
+def cpu_hash_registered() -> bool:
+    """Whether ``torch.ops.sgl_kernel.murmur_hash32_cpu`` resolves (``import sgl_kernel`` first)."""
+    import torch
+
+    try:
+        import sgl_kernel  # noqa: F401  (on a CPU its loader falls back to common_ops: the stand-ins)
+    except ImportError:
+        return False
+    return hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu")
+
+
+def _deterministic_rejection(module: types.ModuleType, orig: Any) -> Any:
+    source = "cpu_gaps.deterministic_rejection_cpu"
+
+    def _handle_eagle_family(server_args: Any) -> None:
+        cfg = module.resolving_view(server_args)
+        if not (
+            cfg.enable_deterministic_inference
+            and cfg.device == "cpu"
+            and cfg.speculative_use_rejection_sampling
+            and cpu_hash_registered()
+        ):
+            orig(server_args)
+            return
+        # The flag is hidden from this one handler (it reads it only for that refusal and
+        # for a ROCm-only default), then declared back: the resolved value is unchanged.
+        module.declare_resolution(server_args, source, enable_deterministic_inference=False)
+        try:
+            orig(server_args)
+        finally:
+            module.declare_resolution(server_args, source, enable_deterministic_inference=True)
+        _say("deterministic rejection sampling on cpu: murmur_hash32 -> torch.ops.sgl_kernel.murmur_hash32_cpu")
+
+    _handle_eagle_family.__wrapped__ = orig  # type: ignore[attr-defined]  # SGLang's own, for tests
+    return _handle_eagle_family
+
+
+def _on_accelerator() -> bool:
+    from sglang.srt.utils.common import get_dispatch_device_backend
+
+    try:
+        get_dispatch_device_backend()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _batch_invariant_off_cpu(module: types.ModuleType, orig: Any) -> Any:
+    def enable_batch_invariant_mode(enable_bmm: bool = True) -> None:
+        if _on_accelerator():
+            orig(enable_bmm)
+            return
+        _say(
+            "batch_invariant_cpu: batch-invariant mode skipped (its kernels are Triton GPU kernels; CPU torch ops run)"
+        )
+
+    return enable_batch_invariant_mode
+
+
 class _Inert:
     """What the inert proposal returns: ``[:, 0]`` of it is None, as if never built."""
 
@@ -256,6 +366,29 @@ GAPS: tuple[Override, ...] = (
         check=lambda fn: _interpreter_on(fn) or _params(fn, _CHAIN_PARAMS),
     ),
     Override("renorm", "sglang.kernels.ops.sampling.renorm", "top_k_renorm_prob", None, _renorm_k, check=_none_only),
+    Override(
+        "deterministic_amx",
+        "sglang.srt.arg_groups.choices",
+        "DETERMINISTIC_ATTENTION_BACKEND_CHOICES",
+        None,
+        _add_amx,
+        check=_amx_absent,
+    ),
+    Override(
+        "deterministic_rejection_cpu",
+        "sglang.srt.arg_groups.speculative_hook",
+        "_handle_eagle_family",
+        ("server_args",),
+        _deterministic_rejection,
+        check=_refusal_present,
+    ),
+    Override(
+        "batch_invariant_cpu",
+        "sglang.srt.batch_invariant_ops.batch_invariant_ops",
+        "enable_batch_invariant_mode",
+        ("enable_bmm",),
+        _batch_invariant_off_cpu,
+    ),
 )
 #: Applied with ``renorm`` (the same gap: both names are None on the CPU).
 RENORM_P = Override(

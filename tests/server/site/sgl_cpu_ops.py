@@ -538,6 +538,10 @@ def register(namespace: str = "sgl_kernel", log: Callable[[str], None] | None = 
 
 
 def _counted(name: str, fn: Callable[..., Any], say: Callable[[str], None]) -> Callable[..., Any]:
+    # Opaque to torch.compile, as a compiled kernel is: SGLang compiles some callers
+    # (sampler.multinomial_with_seed calls murmur_hash32_cpu), and dynamo would otherwise
+    # trace this wrapper and recompile it on every call (its guards read CALLS).
+    @torch.compiler.disable
     def call(*args: Any) -> Any:
         n = CALLS.get(name, 0) + 1
         CALLS[name] = n
