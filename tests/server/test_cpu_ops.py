@@ -621,3 +621,41 @@ def test_a_compiled_caller_neither_traces_nor_recompiles_the_stand_ins() -> None
         assert torch.equal(hashed_plus_one(seeds, pos, cols), want)
         ops.CALLS["decode_attention_cpu"] = ops.CALLS.get("decode_attention_cpu", 0) + 1  # other ops ran
     assert counter.frame_count <= 2, f"{counter.frame_count} frames compiled over 6 calls"
+
+
+CHI2_DF9_ALPHA_1E6 = 44.81  # Pearson chi-square critical value, 9 degrees of freedom, alpha = 1e-6
+
+
+def _independence_chi2(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
+    """Pearson's chi-square of independence of two outcomes in [0, k) (a k x k table)."""
+    table = torch.zeros(k, k, dtype=torch.float64)
+    table.index_put_((a, b), torch.ones(a.shape[0], dtype=torch.float64), accumulate=True)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("keyed", ["as SGLang draws X", "like the coins (negative control)"])
+def test_the_draft_draw_shares_no_randomness_with_the_verify_coins(keyed: str) -> None:
+    """X' = fast_sample(q', seed, positions=L), the decode's redraw keyed as SGLang's prefill
+    keys X (eagle_worker_v2 ``_draft_extend_for_prefill``), against the first verify's coins
+    from SGLang's own ``_seeded_verify_coins(seed, seq_lens=L)``: the same request and the same
+    position (the decode's prebuilt seq_lens is the first verify's). Each coin is independent
+    of X' by a 4 x 4 chi-square (df 9; a sampler with independent streams fails with
+    probability at most 1e-6 per table). Negative control: a draw keyed with the coins'
+    own seed (SGLang's draft salt taken off) shares their hashes, and the test sees it."""
+    draw = _fast_sample()
+    spec = _sglang_module("sglang.srt.speculative.spec_utils")
+    verify = _sglang_module("sglang.srt.speculative.eagle_utils")
+    n = 20_000
+    seeds = torch.arange(n, dtype=torch.int64) * 104_729 + 11
+    at = torch.full((n,), 57, dtype=torch.int64)
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1]).expand(n, 4).contiguous()
+    salt = int(spec._DRAFT_GUMBEL_SEED_SALT)  # type: ignore[attr-defined]
+    x = draw(q, seeds if keyed.startswith("as") else seeds - salt, at)  # type: ignore[operator]
+    coins, final = verify._seeded_verify_coins(sampling_seed=seeds, seq_lens=at, draft_token_num=4, device="cpu")  # type: ignore[attr-defined]
+    stats = [_independence_chi2(x, (c * 4).long().clamp_max(3), 4) for c in (*coins.T, final)]
+    if keyed.startswith("as"):
+        assert max(stats) < CHI2_DF9_ALPHA_1E6, f"chi2 per coin {[round(s, 1) for s in stats]} (n={n})"
+    else:
+        assert stats[0] > CHI2_DF9_ALPHA_1E6, f"the shared stream went unseen: chi2 {stats[0]:.1f}"
