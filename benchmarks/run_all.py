@@ -156,6 +156,17 @@ FIGURES: dict[str, list[Figure]] = {
             for st in ("sparse_floor", "one_hot", "full_fp32")
         ),
     ],
+    "cancel": [
+        Figure("ab_cancel_s", "<= 2", "run_ab: cancel.set() to the partial report, median", lambda x: x <= 2),
+        Figure("ctrl_c_exit_s", "<= 2", "pd-middleware ab: SIGINT to exit 130, median", lambda x: x <= 2),
+        Figure(
+            "ctrl_c_partial_share",
+            "1",
+            "Ctrl-C runs that wrote the partial report within the CLI's 1.8 s grace",
+            lambda x: x >= 1,
+        ),
+        Figure("yaml_bomb_refusal_s", "<= 1", "check-config on a billion-laughs YAML, median", lambda x: x <= 1),
+    ],
     "end_to_end": [],  # one row per (encoding, B) built in _end_to_end_rows
     "gpu_check": [],  # skipped on CPU; rows built in _gpu_rows
 }

@@ -13,12 +13,13 @@ import time
 
 import msgspec
 import pytest
-from _ab_hooks import BatchSeen
+from _ab_hooks import BatchSeen, SeeArm
 
 from pd_middleware import ConfigError
 from pd_middleware.ab import verifier as verifier_module
 from pd_middleware.ab.render import failure_lines, render
 from pd_middleware.ab.runner import run_ab
+from pd_middleware.ab.schema import Report
 from pd_middleware.config import load_config, parse_config
 
 pytest.importorskip("pd_middleware_example", reason="make setup installs examples/pd-middleware-example-plugin")
@@ -57,30 +58,46 @@ def test_hooks_see_each_payloads_arm_and_failures_reach_the_report() -> None:
     assert "on purpose" in render(report, "table", 120)
 
 
-def test_cancel_returns_a_partial_report_quickly() -> None:
+#: Only a cancel that is never observed crosses this; how long a cancel takes is measured
+#: by benchmarks/cancel.py (``ab_cancel_s``), and printed here (pytest -s or -rP).
+HANG_S = 120.0
+
+
+def test_cancel_returns_a_partial_report() -> None:
     cancel = threading.Event()
     box: dict[str, object] = {}
+    SeeArm.latest = None
+    # 20000 requests per arm take minutes: the run is surely not done when it is cancelled.
+    data = _tiny(hooks=[{"name": "_ab_hooks:SEE_ARM"}])
 
     def run() -> None:
-        box["report"] = run_ab(
-            parse_config(_tiny()), requests=20_000, seed=1, out_dir=None, progress=False, cancel=cancel
-        )
+        try:
+            box["report"] = run_ab(
+                parse_config(data), requests=20_000, seed=1, out_dir=None, progress=False, cancel=cancel
+            )
+        except BaseException as exc:  # shown by the assertion below, not lost in the thread
+            box["error"] = exc
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    # Let the deployment start and move (start-up is ~2 s here), then cancel mid-run:
-    # 20000 requests per arm take minutes, so the run is surely not done.
-    time.sleep(4.0)
+    # Cancel mid-run: once the decode has received its first payload (start-up is a few
+    # seconds, more on a loaded machine), not after a fixed sleep.
+    deadline = time.monotonic() + HANG_S
+    while (SeeArm.latest is None or not SeeArm.latest.seen) and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert t.is_alive(), f"the run ended before it was cancelled: {box!r}"
+    assert SeeArm.latest is not None and SeeArm.latest.seen, f"no payload reached the decode in {HANG_S:.0f} s"
     t_cancel = time.monotonic()
     cancel.set()
-    t.join(timeout=10)
+    t.join(timeout=HANG_S)
     took = time.monotonic() - t_cancel
-    assert not t.is_alive()
+    assert not t.is_alive(), f"run_ab still running {took:.0f} s after cancel was set: the cancel was not observed"
+    print(f"\ncancel: run_ab returned {took:.2f} s after cancel was set")
+    assert "error" not in box, f"the cancelled run raised: {box['error']!r}"
     report = box["report"]
-    assert report.partial, "a cancelled run must say so"
-    assert took < 2.0, f"cancel took {took:.2f}s"
+    assert isinstance(report, Report) and report.partial, "a cancelled run must say so"
     verified = sum(a.acceptance.n for a in report.arms)
-    assert verified < 3 * 20_000
+    assert verified < 3 * 20_000, "the run went to its end: the cancel was not observed"
     assert "PARTIAL" in render(report, "table", 120)
 
 
@@ -144,7 +161,10 @@ def test_a_payload_that_never_arrives_fails_mid_run_without_stalling_the_credit(
     data["transport"] = {**data["transport"], "inline_threshold_bytes": 0, "slots": {"size_bytes": 2048}}
     t0 = time.monotonic()
     report = run_ab(parse_config(data), requests=48, out_dir=None, progress=False, timeout_s=120)
-    assert time.monotonic() - t0 < 60
+    took = time.monotonic() - t0
+    print(f"\nnever-arrives run: {took:.1f} s")
+    # A bound only a stall crosses: a credit that waits for the 120 s progress timeout.
+    assert took < 60, f"the run took {took:.0f} s: the credit waited for a timeout instead of the prefill's report"
     arms = {a.name: a for a in report.arms}
     full = arms["full_fp32"]
     assert full.payloads.sent == 48 and full.payloads.delivered == 0 and full.payloads.failed == 48

@@ -206,10 +206,12 @@ def test_shipped_configs_list_and_show(tmp_path):
 
 def test_bad_out_fails_before_the_run(tmp_path):
     (tmp_path / "taken").write_text("a file")
-    t0 = time.monotonic()
     p = run(["ab", "ab_tiny", "--out", "taken"], tmp_path)
     assert p.returncode == 2 and "--out 'taken' exists and is not a directory" in p.stderr
-    assert time.monotonic() - t0 < 30, "the run started before --out was checked"
+    # A run that starts prints progress lines ("ab: N/M payloads", as the Ctrl-C test
+    # below waits for): none means --out was refused before the deployment started.
+    progress = [line for line in p.stderr.splitlines() if line.startswith("ab: ")]
+    assert not progress, f"the run started before --out was checked: {progress}"
     assert not (tmp_path / "taken").is_dir()
 
 
@@ -247,7 +249,11 @@ def test_default_ab_is_quiet_and_debug_shows_engine_logs(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_exits_130_quickly_with_a_partial_report(tmp_path):
+def test_ctrl_c_exits_130_with_a_partial_report(tmp_path):
+    # How long Ctrl-C takes to exit (the help's "within 2 s") is measured by
+    # benchmarks/cancel.py (``ctrl_c_exit_s``) and printed here (pytest -s or -rP); the
+    # only bound is one that an ignored Ctrl-C crosses.
+    hang_s = 60
     proc = subprocess.Popen(
         [*CLI, "ab", "ab_tiny", "--requests", "200000", "--out", "o"],
         cwd=tmp_path,
@@ -263,20 +269,24 @@ def test_ctrl_c_exits_130_quickly_with_a_partial_report(tmp_path):
             line = proc.stderr.readline()
             if line.startswith("ab: ") or not line:
                 break
-        time.sleep(1.0)
+        assert line.startswith("ab: "), f"no progress line before the run ended or 120 s passed: {line!r}"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=30)
+        try:
+            _out, err = proc.communicate(timeout=hang_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pd-middleware ab still running {hang_s} s after Ctrl-C: the interrupt was not observed")
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    print(f"\nCtrl-C: exit {proc.returncode} after {took:.2f} s")
     assert proc.returncode == 130, err
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    # Target 2 s; measured 0.97-0.98 s on the shared 2-core box; 0.5 s of slack for load.
-    assert took < 2.5, took
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    # The job must return within the CLI's grace (cli.interrupt_to_cancel, 1.8 s) or it
+    # is aborted without a report: say which happened.
+    assert "cancelled; the report is partial" in err, f"aborted, no partial report ({took:.2f} s): {err[-2000:]}"
     report = json.loads((tmp_path / "o" / "report.json").read_text())
     assert report["partial"] is True
     assert 0 < sum(a["payloads"]["delivered"] for a in report["arms"]) < 3 * 200000
-    assert "cancelled; the report is partial" in err

@@ -228,9 +228,11 @@ def test_idle_sender_notices_a_silent_decode_without_sending() -> None:
         tx._send_msg(wire.Heartbeat())  # something in flight nobody will acknowledge
         tx._outstanding[99] = "pending"  # a request awaiting its ack
         t0 = time.monotonic()
-        assert tx.flush(10.0) is False
+        assert tx.flush(60.0) is False
         waited = time.monotonic() - t0
-        assert waited < 2.0, f"flush waited {waited:.2f} s for a decode silent past peer_timeout_s=0.3"
+        print(f"\nsilent decode: flush() gave up after {waited:.2f} s (peer_timeout_s=0.3)")
+        # Noticed at peer_timeout_s, not at flush's own timeout: only the latter crosses half of it.
+        assert waited < 30.0, f"flush waited {waited:.1f} s of its 60 s for a decode silent past peer_timeout_s=0.3"
         assert tx.statuses()["connected"] is False
     finally:
         tx.close()

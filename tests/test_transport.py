@@ -230,7 +230,10 @@ def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
         with pytest.raises(NoSlotError) as info:
             tx.send(make(1, "fp32", "dense", rid="third"))
         waited = time.monotonic() - t0
-        assert 0.3 <= waited < 3.0 and "all 2 slots stayed in use for 0.3 s" in str(info.value)
+        print(f"\nslot exhaustion: NoSlotError after {waited:.2f} s (wait_s=0.3)")
+        # At least wait_s (a lower bound load cannot break); the upper one only a hang crosses.
+        assert 0.3 <= waited < 30.0, f"NoSlotError after {waited:.2f} s, wait_s=0.3"
+        assert "all 2 slots stayed in use for 0.3 s" in str(info.value)
         assert info.value.op == "send" and info.value.peer == rx.address
         # The held slots were not touched while in use.
         assert [bytes(d.payload.hidden) + bytes(d.payload.proposal.data) for d in held] == before
