@@ -337,7 +337,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow 'module:ATTR' plugins from DIR (repeatable); the working directory is never used implicitly",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_add_plugins, _add_check_config, _add_keys, _add_config, _add_ab):
+        add(sub)
+    from .live_ab import add_parser as add_live_ab
 
+    add_live_ab(sub)
+    return parser
+
+
+# One function per subcommand: its flags, its help, and the handler it runs. ``sub`` is
+# the parser's subparsers action (as live_ab.add_parser takes it).
+
+
+def _add_plugins(sub: Any) -> None:
     p = sub.add_parser(
         "plugins",
         help="list registered plugins (and broken entry points)",
@@ -349,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="also print each plugin's summary")
     p.set_defaults(func=_cmd_plugins)
 
+
+def _add_check_config(sub: Any) -> None:
     p = sub.add_parser(
         "check-config",
         help="validate a config: would it start?",
@@ -371,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-probe", action="store_true", help="skip running each encoder/synthesizer pair on random rows")
     p.set_defaults(func=_cmd_check_config)
 
+
+def _add_keys(sub: Any) -> None:
     p = sub.add_parser(
         "keys",
         help="CURVE key pairs for the side channel",
@@ -391,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--force", action="store_true", help="replace existing files of that name")
     k.set_defaults(func=_cmd_keys_new)
 
+
+def _add_config(sub: Any) -> None:
     p = sub.add_parser(
         "config", help="the shipped example configs", description="List or print the shipped example configs."
     )
@@ -401,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("name", metavar="NAME", help="e.g. ab or sparse_topk.toml")
     c.set_defaults(func=_cmd_config_show)
 
+
+def _add_ab(sub: Any) -> None:
     p = sub.add_parser(
         "ab",
         help="A/B-compare proposal strategies on the same seeded traffic (the main job)",
@@ -436,10 +456,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-on-loss", action="store_true", help="exit 1 when any payload failed (not only when one was lost)"
     )
     p.set_defaults(func=_cmd_ab)
-    from .live_ab import add_parser as add_live_ab
-
-    add_live_ab(sub)
-    return parser
 
 
 def _setup_logging(level: str) -> None:

@@ -71,6 +71,30 @@ def sparse_law(
     value of every unlisted token, ``scale`` the factor applied to the listed values.
     """
     rid = request_id
+    lengths, tail, u16 = _check_layout(enc, num_steps, vocab_size, rid)
+    idx = _u16_ids(enc, lengths, vocab_size, rid) if u16 else _int32_ids(enc, lengths, vocab_size, rid)
+    vals_t = _widened_values(enc)
+    vals = vals_t.numpy()
+    scales, floors = _normalisation(vals, lengths, tail, vocab_size, SUM_TOLERANCE[enc.value_dtype], rid)
+    # The values are scaled in fp32 (one rounding), as the law is defined.
+    if num_steps == 1:
+        sc = np.float32(scales[0])
+        vals *= sc
+        scale = (float(sc),)
+    else:
+        scale32 = np.asarray(scales, dtype=np.float32)
+        vals *= np.repeat(scale32, lengths)
+        scale = tuple(scale32.tolist())
+    return SparseProposal(
+        lengths=tuple(lengths), indices=torch.from_numpy(idx), values=vals_t, floor=tuple(floors), scale=scale
+    )
+
+
+def _check_layout(
+    enc: SparseEncoding, num_steps: int, vocab_size: int, rid: str | None
+) -> tuple[tuple[int, ...], tuple[float, ...], bool]:
+    """The encoding's shape before any buffer is read: lengths, dtypes, index format,
+    buffer sizes, tail masses. Returns ``(lengths, tail_mass per step, u16)``."""
     lengths = enc.lengths
     if len(lengths) != num_steps:
         raise _err(f"has {len(lengths)} steps, expected {num_steps}", "proposal.lengths", rid)
@@ -104,19 +128,34 @@ def sparse_law(
             raise _err(f"step {s}: {t!r} is not a probability in [0, 1)", "proposal.tail_mass", rid)
         if t > 0.0 and lengths[s] == vocab_size:
             raise _err(f"step {s} lists the whole vocab but spreads {t} over no token", "proposal.tail_mass", rid)
+    return lengths, tail, u16
 
-    idx = _u16_ids(enc, lengths, vocab_size, rid) if u16 else _int32_ids(enc, lengths, vocab_size, rid)
 
-    # One widening copy: the law's values, scaled in place below. torch widens fp16
-    # with the CPU's vector conversions, several times faster than numpy's astype. The
-    # widening makes a new tensor, so a writable fp16 buffer is read in place; fp32
-    # values are copied (the scaling below must never write into the encoding).
-    if vdt == "fp16":
-        vals_t = tensor_from_buffer(enc.values, vdt, copy=False).float()
-    else:
-        vals_t = tensor_from_buffer(enc.values, vdt)
-    vals = vals_t.numpy()
-    if num_steps == 1:
+def _widened_values(enc: SparseEncoding) -> torch.Tensor:
+    """The listed values as a new float32 tensor: the law's own, scaled in place after.
+
+    One widening copy: torch widens fp16 with the CPU's vector conversions, several times
+    faster than numpy's astype. The widening makes a new tensor, so a writable fp16
+    buffer is read in place; fp32 values are copied (the scaling must never write into
+    the encoding).
+    """
+    if enc.value_dtype == "fp16":
+        return tensor_from_buffer(enc.values, "fp16", copy=False).float()
+    return tensor_from_buffer(enc.values, enc.value_dtype)
+
+
+def _normalisation(
+    vals: np.ndarray,
+    lengths: tuple[int, ...],
+    tail: tuple[float, ...],
+    vocab_size: int,
+    tol: float,
+    rid: str | None,
+) -> tuple[list[float], list[float]]:
+    """Check the values' mass per step and return ``(scales, floors)``: the factor that
+    brings step s's listed mass to ``1 - tail[s]``, and the fp32 value of each of its
+    unlisted tokens."""
+    if len(lengths) == 1:
         sums = [float(vals.sum(dtype=np.float64))]
     else:
         starts = np.cumsum((0, *lengths[:-1]))
@@ -127,7 +166,6 @@ def sparse_law(
         raise _err("contains NaN or inf", "proposal.values", rid)
     if float(vals.min()) < 0.0:
         raise _err("contains negative values", "proposal.values", rid)
-    tol = SUM_TOLERANCE[vdt]
     scales: list[float] = []
     floors: list[float] = []
     for s, (m, t) in enumerate(zip(sums, tail)):
@@ -138,18 +176,7 @@ def sparse_law(
         scales.append((1.0 - t) / m)
         # fp32, as the assembler writes it: the law and the buffer hold the same number.
         floors.append(float(np.float32(t / (vocab_size - lengths[s]))) if t > 0.0 else 0.0)
-    # The values are scaled in fp32 (one rounding), as the law is defined.
-    if num_steps == 1:
-        sc = np.float32(scales[0])
-        vals *= sc
-        scale = (float(sc),)
-    else:
-        scale32 = np.asarray(scales, dtype=np.float32)
-        vals *= np.repeat(scale32, lengths)
-        scale = tuple(scale32.tolist())
-    return SparseProposal(
-        lengths=tuple(lengths), indices=torch.from_numpy(idx), values=vals_t, floor=tuple(floors), scale=scale
-    )
+    return scales, floors
 
 
 def _int32_ids(enc: SparseEncoding, lengths: tuple[int, ...], vocab_size: int, rid: str | None) -> np.ndarray:

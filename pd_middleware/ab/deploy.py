@@ -27,7 +27,7 @@ import msgspec
 
 from .._errors import PDMiddlewareError
 from ..config import Config
-from .collector import Collector
+from .collector import BatchPlan, Collector
 from .credit import IN_FLIGHT_BATCHES, Credit
 from .prefill import PrefillJob, run_prefill
 from .progress import Progress
@@ -62,18 +62,7 @@ def deploy(
         mpctx = mp.get_context("spawn")
         results = mpctx.Queue()
         credit = Credit(mpctx, in_flight)
-        job = PrefillJob(
-            config_data=msgspec.to_builtins(cfg),
-            address=receiver.address,
-            requests=plan.requests,
-            seed=seed,
-            batch_size=plan.batch_size,
-            arm_names=plan.arm_names,
-            timeout_s=timeout_s,
-        )
-        proc = mpctx.Process(
-            target=run_prefill, args=(job, results, credit), name="pd-middleware-ab-prefill", daemon=True
-        )
+        proc = _prefill_process(mpctx, cfg, receiver.address, plan, seed, timeout_s, results, credit)
         # Target rows are regenerated from the seed, and batches verified, on their own
         # threads, so that batch formation (receive -> assemble) never waits for either.
         targets = TargetFeed(wl, plan.requests, plan.batch_size, seed)
@@ -98,15 +87,7 @@ def deploy(
             raise
         finally:
             bar.close()
-            fast = aborted or stop.is_set()
-            verifier.stop(timeout=1.0)
-            targets.stop()
-            if proc.pid is not None:  # started
-                if fast:
-                    proc.terminate()
-                proc.join(timeout=1.0 if fast else 10.0)
-                if proc.is_alive():
-                    proc.terminate()
+            _stop_stages(proc, verifier, targets, fast=aborted or stop.is_set())
             stages = {"generate_targets": targets.cpu_s, "assemble": collector.cpu_s, "verify": verifier.cpu_s}
             stages["receive_and_rest"] = max(0.0, time.process_time() - cpu0 - sum(stages.values()))
             facts["cpu_s"] = stages
@@ -114,6 +95,35 @@ def deploy(
             facts["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     finally:
         receiver.stop()
+
+
+def _prefill_process(
+    mpctx: Any, cfg: Config, address: str, plan: BatchPlan, seed: int, timeout_s: float, results: Any, credit: Credit
+) -> Any:
+    """The prefill's ``spawn`` process (not started): everything it needs as plain data."""
+    job = PrefillJob(
+        config_data=msgspec.to_builtins(cfg),
+        address=address,
+        requests=plan.requests,
+        seed=seed,
+        batch_size=plan.batch_size,
+        arm_names=plan.arm_names,
+        timeout_s=timeout_s,
+    )
+    return mpctx.Process(target=run_prefill, args=(job, results, credit), name="pd-middleware-ab-prefill", daemon=True)
+
+
+def _stop_stages(proc: Any, verifier: Any, targets: Any, *, fast: bool) -> None:
+    """Stop the verifier and target threads and end the prefill process: at once when
+    ``fast`` (failed, interrupted or cancelled), else after it has had time to finish."""
+    verifier.stop(timeout=1.0)
+    targets.stop()
+    if proc.pid is not None:  # started
+        if fast:
+            proc.terminate()
+        proc.join(timeout=1.0 if fast else 10.0)
+        if proc.is_alive():
+            proc.terminate()
 
 
 def _start_ignoring_sigint(proc: Any) -> None:

@@ -14,9 +14,10 @@ first verify of a response uses the shipped proposal.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .render import fmt_bytes
-from .schema import Report
+from .schema import ArmReport, Report
 
 _MARKERS = "osD^vP*Xh<>p"
 
@@ -32,38 +33,60 @@ def write_plot(report: Report, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.9), dpi=110, gridspec_kw={"width_ratios": [1.15, 1]})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    most = max((a.bytes_per_request.proposal for a in report.arms), default=0.0)
     for i, a in enumerate(report.arms):
-        color, marker = colors[i % len(colors)], _MARKERS[i % len(_MARKERS)]
-        x = a.bytes_per_request.proposal
-        label = f"{a.name} ({a.encoding} → {a.synthesizer}{', ' + a.role if a.role != 'candidate' else ''})"
-        acc = a.acceptance
-        if acc.mean is not None and acc.ci95 is not None:
-            ax.errorbar(
-                [x],
-                [acc.mean],
-                yerr=[[acc.mean - acc.ci95[0]], [acc.ci95[1] - acc.mean]],
-                fmt=marker,
-                color=color,
-                capsize=4,
-                markersize=7,
-                label=label,
-            )
-        if acc.exact_expected is not None:
-            ax.plot([x], [acc.exact_expected], marker="x", markersize=9, color=color, linestyle="none")
-        pts = a.effect.by_response_length
-        if a.role != "baseline" and pts:
-            ax2.plot(
-                [p.response_tokens for p in pts],
-                [p.saved_pct_vs_baseline for p in pts],
-                marker=marker,
-                color=color,
-                label=a.name,
-            )
+        _plot_arm(ax, ax2, a, colors[i % len(colors)], _MARKERS[i % len(_MARKERS)])
+    _style_acceptance(ax, report)
+    _style_effect(ax2, report)
+    wl, m = report.workload, report.model
+    part = " (PARTIAL)" if report.partial else ""
+    fig.suptitle(
+        f"pd-middleware ab: {wl.get('name')} workload, V={m['vocab_size']}, S={m['num_steps']}, "
+        f"{report.requests_per_arm} requests/arm, seed {report.seed}{part}",
+        fontsize=10.5,
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_arm(ax: Any, ax2: Any, a: ArmReport, color: str, marker: str) -> None:
+    """One arm's points: acceptance with its CI and exact expectation (left), and the
+    effect over response lengths (right; not for the baseline)."""
+    x = a.bytes_per_request.proposal
+    label = f"{a.name} ({a.encoding} → {a.synthesizer}{', ' + a.role if a.role != 'candidate' else ''})"
+    acc = a.acceptance
+    if acc.mean is not None and acc.ci95 is not None:
+        ax.errorbar(
+            [x],
+            [acc.mean],
+            yerr=[[acc.mean - acc.ci95[0]], [acc.ci95[1] - acc.mean]],
+            fmt=marker,
+            color=color,
+            capsize=4,
+            markersize=7,
+            label=label,
+        )
+    if acc.exact_expected is not None:
+        ax.plot([x], [acc.exact_expected], marker="x", markersize=9, color=color, linestyle="none")
+    pts = a.effect.by_response_length
+    if a.role != "baseline" and pts:
+        ax2.plot(
+            [p.response_tokens for p in pts],
+            [p.saved_pct_vs_baseline for p in pts],
+            marker=marker,
+            color=color,
+            label=a.name,
+        )
+
+
+def _style_acceptance(ax: Any, report: Report) -> None:
+    """The left panel's legend entries, bound line, axes and title."""
+    from matplotlib.ticker import FuncFormatter
+
+    most = max((a.bytes_per_request.proposal for a in report.arms), default=0.0)
     ax.plot([], [], marker="x", color="black", linestyle="none", label="exact expectation (paired)")
     bound = next((a.full_distribution_bound for a in report.arms if a.full_distribution_bound is not None), None)
     if bound is not None:
@@ -79,6 +102,9 @@ def write_plot(report: Report, path: Path) -> None:
     ax.legend(fontsize=7.5, loc="lower right", framealpha=0.9)
     ax.set_title("acceptance against what the proposal costs", fontsize=10)
 
+
+def _style_effect(ax2: Any, report: Report) -> None:
+    """The right panel's axes, the constant saving per response, and its title."""
     ax2.axhline(0, color="gray", linewidth=1)
     ax2.set_xscale("log", base=2)
     ax2.set_xticks([16, 32, 64, 128, 256, 512, 1024], ["16", "32", "64", "128", "256", "512", "1024"])
@@ -108,13 +134,3 @@ def write_plot(report: Report, path: Path) -> None:
         f"effect over a response (later verifies: acceptance {report.ab['later_acceptance']}, same for every arm)",
         fontsize=9,
     )
-    wl, m = report.workload, report.model
-    part = " (PARTIAL)" if report.partial else ""
-    fig.suptitle(
-        f"pd-middleware ab: {wl.get('name')} workload, V={m['vocab_size']}, S={m['num_steps']}, "
-        f"{report.requests_per_arm} requests/arm, seed {report.seed}{part}",
-        fontsize=10.5,
-    )
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

@@ -130,6 +130,55 @@ def run_prefill(job: PrefillJob, results: Any, credit: Credit | None = None) -> 
         results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+class _Shipper:
+    """Encodes each batch with every arm's encoder and sends its payloads; owns what was
+    sent per arm (payloads, bytes by plane, send errors: each counted, the first
+    :data:`_MAX_ERRORS` kept verbatim) and adds its thread CPU seconds to ``cpu``."""
+
+    def __init__(self, job: PrefillJob, encoders: dict[str, Any], vocab_size: int, sender: Any, cpu: dict[str, float]):
+        self.job, self.encoders, self.vocab_size, self.sender, self.cpu = job, encoders, vocab_size, sender, cpu
+        arms = job.arm_names
+        self.sent = dict.fromkeys(arms, 0)
+        self.bytes = {a: {"control": 0, "inline": 0, "bulk": 0} for a in arms}
+        self.errors: dict[str, list[str]] = {a: [] for a in arms}
+        self.error_count = dict.fromkeys(arms, 0)
+
+    def ship(self, k: int, batch: Any, hidden: Any) -> None:
+        """Batch ``k`` of the workload, with ``hidden`` (B, H) of the wire dtype, for every arm."""
+        import time
+
+        import torch
+
+        clock, job = time.thread_time, self.job
+        for ai, arm in enumerate(job.arm_names):
+            t1 = clock()
+            # Each arm draws its X with its own stream, fixed by (seed, batch, arm).
+            gen = torch.Generator().manual_seed((job.seed * 1_000_003 + k * 1_009 + ai) & 0x7FFFFFFFFFFF)
+            enc = encode_batch(self.encoders[arm], batch, gen)
+            payloads = build_payloads(arm, k * job.batch_size, self.vocab_size, hidden, enc)
+            t2 = clock()
+            self.cpu["encode"] += t2 - t1
+            self._send(arm, payloads)
+            del payloads, enc  # nothing of this batch is kept past its send
+            self.cpu["send"] += clock() - t2
+
+    def _send(self, arm: str, payloads: list[Payload]) -> None:
+        """A failing send fails (and is counted for) its payload only."""
+        before = dict(self.sender.statuses()["bytes_by_plane"])
+        for p in payloads:
+            try:
+                self.sender.send(p)
+                self.sent[arm] += 1
+            except Exception as exc:
+                self.sent[arm] += 1
+                if len(self.errors[arm]) < _MAX_ERRORS:
+                    self.errors[arm].append(f"{p.request_id}: {type(exc).__name__}: {exc}")
+                self.error_count[arm] += 1
+        after = self.sender.statuses()["bytes_by_plane"]
+        for plane in self.bytes[arm]:
+            self.bytes[arm][plane] += after.get(plane, 0) - before.get(plane, 0)
+
+
 def _run(job: PrefillJob, credit: Credit | None) -> dict[str, Any]:
     import resource
     import time
@@ -140,7 +189,6 @@ def _run(job: PrefillJob, credit: Credit | None) -> dict[str, Any]:
     from ..middleware import build_encoders
     from ..transport.sender import open_sender
     from ..workloads import make_workload
-    from ..workloads.heads import write_state
     from .config import workload_options
 
     torch.set_num_threads(1)
@@ -149,12 +197,9 @@ def _run(job: PrefillJob, credit: Credit | None) -> dict[str, Any]:
     wl = make_workload(cfg.ab.workload.name, **workload_options(cfg))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.hidden_dtype]
     sender = open_sender(cfg.transport, job.address, name="ab-prefill")
-    per_arm_bytes = {a: {"control": 0, "inline": 0, "bulk": 0} for a in job.arm_names}
-    sent = dict.fromkeys(job.arm_names, 0)
-    send_errors: dict[str, list[str]] = {a: [] for a in job.arm_names}  # the first _MAX_ERRORS per arm
-    send_error_count = dict.fromkeys(job.arm_names, 0)
     # Thread CPU seconds by stage (wall seconds for the credit wait).
     cpu = {"generate": 0.0, "encode": 0.0, "send": 0.0}
+    shipper = _Shipper(job, encoders, wl.vocab_size, sender, cpu)
     waited = 0.0
     hidden_gen = torch.Generator().manual_seed(job.seed ^ 0x5EED)
     n_batches = (job.requests + job.batch_size - 1) // job.batch_size
@@ -166,36 +211,9 @@ def _run(job: PrefillJob, credit: Credit | None) -> dict[str, Any]:
                 waited += credit.take(k, lambda t: sender.flush(timeout=t), job.timeout_s)
             t0 = clock()
             batch = next(batches)
-            t1 = clock()
-            cpu["generate"] += t1 - t0
-            start = k * job.batch_size
-            hidden = torch.randn(batch.batch_size, cfg.model.hidden_size, generator=hidden_gen).to(dtype)
-            if batch.draft_state is not None:  # the workload's draft head reads it (workloads/heads.py)
-                write_state(hidden, batch.draft_state)
-            for ai, arm in enumerate(job.arm_names):
-                t1 = clock()
-                # Each arm draws its X with its own stream, fixed by (seed, batch, arm).
-                gen = torch.Generator().manual_seed((job.seed * 1_000_003 + k * 1_009 + ai) & 0x7FFFFFFFFFFF)
-                enc = encode_batch(encoders[arm], batch, gen)
-                payloads = build_payloads(arm, start, wl.vocab_size, hidden, enc)
-                t2 = clock()
-                cpu["encode"] += t2 - t1
-                before = dict(sender.statuses()["bytes_by_plane"])
-                for p in payloads:
-                    try:
-                        sender.send(p)
-                        sent[arm] += 1
-                    except Exception as exc:
-                        sent[arm] += 1
-                        if len(send_errors[arm]) < _MAX_ERRORS:
-                            send_errors[arm].append(f"{p.request_id}: {type(exc).__name__}: {exc}")
-                        send_error_count[arm] += 1
-                del payloads, enc  # nothing of this batch is kept past its send
-                after = sender.statuses()["bytes_by_plane"]
-                for plane in per_arm_bytes[arm]:
-                    per_arm_bytes[arm][plane] += after.get(plane, 0) - before.get(plane, 0)
-                cpu["send"] += clock() - t2
-            del batch, hidden
+            cpu["generate"] += clock() - t0
+            shipper.ship(k, batch, _hidden(batch, cfg.model.hidden_size, dtype, hidden_gen))
+            del batch  # nothing of this batch is kept past its send
         t0 = clock()
         sender.flush(timeout=60.0)
         cpu["send"] += clock() - t0
@@ -203,10 +221,10 @@ def _run(job: PrefillJob, credit: Credit | None) -> dict[str, Any]:
     finally:
         sender.close()
     return {
-        "sent": sent,
-        "bytes": per_arm_bytes,
-        "send_errors": send_errors,
-        "send_error_count": send_error_count,
+        "sent": shipper.sent,
+        "bytes": shipper.bytes,
+        "send_errors": shipper.errors,
+        "send_error_count": shipper.error_count,
         "sender": status,
         "cpu_s": cpu,
         "process_cpu_s": time.process_time(),
@@ -214,3 +232,16 @@ def _run(job: PrefillJob, credit: Credit | None) -> dict[str, Any]:
         # ru_maxrss is in KiB on Linux.
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def _hidden(batch: Any, hidden_size: int, dtype: Any, generator: Any) -> Any:
+    """The batch's hidden states, (B, H) of the wire dtype, with the workload's draft-head
+    state written into them where it has one (workloads/heads.py)."""
+    import torch
+
+    from ..workloads.heads import write_state
+
+    hidden = torch.randn(batch.batch_size, hidden_size, generator=generator).to(dtype)
+    if batch.draft_state is not None:
+        write_state(hidden, batch.draft_state)
+    return hidden

@@ -14,12 +14,12 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from .._errors import ConfigError
-from ..config import Config, resolve_plugins
+from ..config import Config, ResolvedConfig, resolve_plugins
 from ..metrics import Metrics
 from ..registry import default_registry
 from .collector import ArmStats, BatchPlan, Collector, RouteByRequestId
@@ -28,6 +28,9 @@ from .credit import IN_FLIGHT_BATCHES
 from .deploy import deploy
 from .report import RunFacts, build_report
 from .schema import Report
+
+if TYPE_CHECKING:
+    from ..middleware import DecodeMiddleware
 
 
 def run_ab(
@@ -56,10 +59,7 @@ def run_ab(
     """
     import torch
 
-    from ..assembler import ProposalAssembler
-    from ..middleware import DecodeMiddleware
-    from ..stats import ExactnessAccumulator
-    from ..workloads import make_workload, workload_draft_head
+    from ..workloads import make_workload
 
     cfg = config
     plan, seed_v, baseline, reference = _check(cfg, requests, seed, source)
@@ -70,28 +70,8 @@ def run_ab(
     torch.set_num_threads(1)
 
     metrics = Metrics()
-    mw = DecodeMiddleware.from_config(
-        cfg,
-        registry,
-        metrics,
-        router=RouteByRequestId(),
-        # One assembler for every arm: the collector copies each batch out at once.
-        assembler_factory=lambda c: ProposalAssembler(
-            c.model.vocab_size, c.model.num_steps, plan.batch_size, device=c.decode.device
-        ),
-        # The workload's draft head, for the recompute arm (workloads/heads.py).
-        capabilities={"draft_head": workload_draft_head(wl, seed_v, cfg.model.hidden_size)},
-    )
-    stats = {
-        a: ArmStats(
-            name=a,
-            synthesizer=resolved.synthesizers[a].spec.name,
-            encoder=resolved.encoders[a].spec.name,
-            encoder_options=_options(resolved.encoders[a].options),
-            exactness=ExactnessAccumulator(num_bins=16, alpha=1e-6),
-        )
-        for a in plan.arm_names
-    }
+    mw = _decode_side(cfg, registry, metrics, plan, wl, seed_v)
+    stats = _arm_stats(plan, resolved)
     collector = Collector(plan, stats, mw.assemble)
     stop = cancel if cancel is not None else threading.Event()
     t_start = time.perf_counter()
@@ -121,6 +101,43 @@ def run_ab(
     if out_dir is not None:
         write_outputs(report, Path(out_dir))
     return report
+
+
+def _decode_side(cfg: Config, registry: Any, metrics: Metrics, plan: BatchPlan, wl: Any, seed: int) -> DecodeMiddleware:
+    """The job's decode, built through the public composition path
+    (:meth:`DecodeMiddleware.from_config`) with the job's router, assembler and draft head."""
+    from ..assembler import ProposalAssembler
+    from ..middleware import DecodeMiddleware
+    from ..workloads import workload_draft_head
+
+    return DecodeMiddleware.from_config(
+        cfg,
+        registry,
+        metrics,
+        router=RouteByRequestId(),
+        # One assembler for every arm: the collector copies each batch out at once.
+        assembler_factory=lambda c: ProposalAssembler(
+            c.model.vocab_size, c.model.num_steps, plan.batch_size, device=c.decode.device
+        ),
+        # The workload's draft head, for the recompute arm (workloads/heads.py).
+        capabilities={"draft_head": workload_draft_head(wl, seed, cfg.model.hidden_size)},
+    )
+
+
+def _arm_stats(plan: BatchPlan, resolved: ResolvedConfig) -> dict[str, ArmStats]:
+    """One empty accumulator per arm, named by its plugins."""
+    from ..stats import ExactnessAccumulator
+
+    return {
+        a: ArmStats(
+            name=a,
+            synthesizer=resolved.synthesizers[a].spec.name,
+            encoder=resolved.encoders[a].spec.name,
+            encoder_options=_options(resolved.encoders[a].options),
+            exactness=ExactnessAccumulator(num_bins=16, alpha=1e-6),
+        )
+        for a in plan.arm_names
+    }
 
 
 def write_outputs(report: Report, out: Path) -> None:

@@ -83,6 +83,45 @@ def payload_from_header(
     (or raises :class:`WireError`). All bulk tensors of one payload must share one slot.
     """
     rid = h.request_id
+    _check_scalars(h, limits)
+    slot = -1
+    hidden: Buffer = b""
+    if h.hidden is not None:
+        hidden, slot = _resolve(h.hidden, "hidden", h.hidden_dtype, None, frames, limits, resolver, rid)
+    proposal: DenseEncoding | SparseEncoding | None = None
+    p = h.proposal
+    if isinstance(p, DenseMeta):
+        steps, vocab = len(h.draft_tokens), h.vocab_size
+        data, s = _resolve(p.data, "proposal.data", p.dtype, (steps, vocab), frames, limits, resolver, rid)
+        slot = _same_slot(slot, s, "proposal.data", rid)
+        proposal = DenseEncoding(dtype=p.dtype, data=data)
+    elif p is not None:
+        proposal, slot = _sparse_encoding(h, p, slot, frames, limits, resolver)
+    if len(frames) > 1:
+        _check_frames_named(h, len(frames), rid)
+    try:
+        prov = _provenance(h.provenance)
+        return (
+            Payload(
+                request_id=rid,
+                draft_tokens=h.draft_tokens,
+                draft_probs=h.draft_probs,
+                vocab_size=h.vocab_size,
+                hidden=hidden,
+                hidden_dtype=h.hidden_dtype,
+                provenance=prov,
+                proposal=proposal,
+            ),
+            slot,
+        )
+    except ValidationError as exc:
+        raise WireError(exc.detail, field=exc.field, request_id=rid) from None
+
+
+def _check_scalars(h: PayloadHeader, limits: LimitsConfig) -> None:
+    """The header's own fields against the limits, before any tensor is resolved:
+    request id length, step count, vocab size, the hidden state's dtype and width."""
+    rid = h.request_id
     if not 0 < len(rid) <= limits.max_request_id:
         raise WireError(
             f"length {len(rid)} is not in [1, {limits.max_request_id}]", field="request_id", request_id=rid[:64] or None
@@ -109,61 +148,42 @@ def payload_from_header(
                 field="hidden.shape",
                 request_id=rid,
             )
-    slot = -1
-    hidden: Buffer = b""
-    if h.hidden is not None:
-        hidden, slot = _resolve(h.hidden, "hidden", h.hidden_dtype, None, frames, limits, resolver, rid)
-    proposal: DenseEncoding | SparseEncoding | None = None
-    p = h.proposal
-    if p is not None:
-        if isinstance(p, DenseMeta):
-            data, s = _resolve(p.data, "proposal.data", p.dtype, (steps, vocab), frames, limits, resolver, rid)
-            slot = _same_slot(slot, s, "proposal.data", rid)
-            proposal = DenseEncoding(dtype=p.dtype, data=data)
-        else:
-            if len(p.lengths) != steps:
-                raise WireError(
-                    f"has {len(p.lengths)} steps, expected {steps}", field="proposal.lengths", request_id=rid
-                )
-            for n in p.lengths:
-                if not 1 <= n <= vocab:
-                    raise WireError(f"entry count {n} is not in [1, {vocab}]", field="proposal.lengths", request_id=rid)
-            total = sum(p.lengths)
-            _check_buckets(p, vocab, rid)
-            _check_tail(p.tail_mass, len(p.lengths), rid)
-            idx_dtype = "uint16" if p.index_format == "u16" else "int32"
-            idx, s = _resolve(p.indices, "proposal.indices", idx_dtype, (total,), frames, limits, resolver, rid)
-            slot = _same_slot(slot, s, "proposal.indices", rid)
-            vals, s = _resolve(p.values, "proposal.values", p.value_dtype, (total,), frames, limits, resolver, rid)
-            slot = _same_slot(slot, s, "proposal.values", rid)
-            proposal = SparseEncoding(
-                lengths=p.lengths,
-                indices=idx,
-                values=vals,
-                value_dtype=p.value_dtype,
-                tail_mass=p.tail_mass,
-                index_format=p.index_format,
-                bucket_counts=p.bucket_counts,
-            )
-    if len(frames) > 1:
-        _check_frames_named(h, len(frames), rid)
-    try:
-        prov = _provenance(h.provenance)
-        return (
-            Payload(
-                request_id=rid,
-                draft_tokens=h.draft_tokens,
-                draft_probs=h.draft_probs,
-                vocab_size=vocab,
-                hidden=hidden,
-                hidden_dtype=h.hidden_dtype,
-                provenance=prov,
-                proposal=proposal,
-            ),
-            slot,
-        )
-    except ValidationError as exc:
-        raise WireError(exc.detail, field=exc.field, request_id=rid) from None
+
+
+def _sparse_encoding(
+    h: PayloadHeader,
+    p: SparseMeta,
+    slot: int,
+    frames: Sequence[Buffer],
+    limits: LimitsConfig,
+    resolver: SlotResolver | None,
+) -> tuple[SparseEncoding, int]:
+    """The header's sparse proposal with its index and value buffers resolved; returns it
+    and the payload's slot (``slot``: the hidden state's, -1 for none)."""
+    rid, steps, vocab = h.request_id, len(h.draft_tokens), h.vocab_size
+    if len(p.lengths) != steps:
+        raise WireError(f"has {len(p.lengths)} steps, expected {steps}", field="proposal.lengths", request_id=rid)
+    for n in p.lengths:
+        if not 1 <= n <= vocab:
+            raise WireError(f"entry count {n} is not in [1, {vocab}]", field="proposal.lengths", request_id=rid)
+    total = sum(p.lengths)
+    _check_buckets(p, vocab, rid)
+    _check_tail(p.tail_mass, len(p.lengths), rid)
+    idx_dtype = "uint16" if p.index_format == "u16" else "int32"
+    idx, s = _resolve(p.indices, "proposal.indices", idx_dtype, (total,), frames, limits, resolver, rid)
+    slot = _same_slot(slot, s, "proposal.indices", rid)
+    vals, s = _resolve(p.values, "proposal.values", p.value_dtype, (total,), frames, limits, resolver, rid)
+    slot = _same_slot(slot, s, "proposal.values", rid)
+    enc = SparseEncoding(
+        lengths=p.lengths,
+        indices=idx,
+        values=vals,
+        value_dtype=p.value_dtype,
+        tail_mass=p.tail_mass,
+        index_format=p.index_format,
+        bucket_counts=p.bucket_counts,
+    )
+    return enc, slot
 
 
 def _check_buckets(p: SparseMeta, vocab: int, rid: str) -> None:

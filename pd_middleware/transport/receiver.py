@@ -269,17 +269,61 @@ class DecodeReceiver:
                 self._queue.notify()
 
     def _loop(self) -> None:
-        assert self._sock is not None and self._pipe is not None
-        assert self._admission is not None and self._handshake is not None
-        sock, rfd = self._sock, self._pipe[0]
-        admission, handshake, replies = self._admission, self._handshake, self._replies
+        assert self._sock is not None and self._pipe is not None and self._admission is not None
+        sock, admission = self._sock, self._admission
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(rfd, zmq.POLLIN)
+        poller.register(self._pipe[0], zmq.POLLIN)
         tick = min(0.05, self.config.heartbeat_s / 2)
         next_tick = self._clock()
-        batch = self.config.recv_batch
-        queue = self._queue
+        last_flush = self._clock()
+        reading = True
+        while self._running:
+            reading, ready = self._poll(poller, reading, next_tick, last_flush)
+            if ready:
+                self._read_batch(sock)
+            self._queue.notify()
+            admission.apply_releases()
+            now = self._clock()
+            if now >= next_tick:
+                self._tick(now)
+                next_tick = now + tick
+            if self._flush_acks(now, last_flush):
+                last_flush = now
+            self._queue.notify()  # outcomes of expiries found by _tick
+
+    def _poll(self, poller: zmq.Poller, reading: bool, next_tick: float, last_flush: float) -> tuple[bool, bool]:
+        """Wait for a message, a wake-up or the next deadline (a tick, an ack flush, a
+        release to look for); returns whether the socket is now read and has messages."""
+        assert self._sock is not None and self._pipe is not None and self._admission is not None
+        sock, rfd, admission = self._sock, self._pipe[0], self._admission
+        now = self._clock()
+        wait = next_tick - now
+        if self._peers.pending():
+            wait = min(wait, last_flush + ACK_INTERVAL_S - now)
+        elif admission.waiting:  # a release may come without a wake-up: look every interval
+            wait = min(wait, ACK_INTERVAL_S)
+        # Backpressure: with the scheduler this far behind, leave messages in libzmq
+        # (then TCP) until it catches up; get()/drain() wake the loop.
+        full = admission.full()
+        self._queue.backpressure = full
+        if full == reading:
+            reading = not full
+            poller.modify(sock, zmq.POLLIN if reading else 0)
+        events = dict(poller.poll(poll_ms(wait)))
+        if rfd in events:
+            try:
+                os.read(rfd, 4096)
+            except BlockingIOError:
+                pass
+        self._wake_armed = False
+        self._expects.apply()
+        return reading, sock in events
+
+    def _read_batch(self, sock: zmq.Socket[Any]) -> None:
+        """Read and handle up to ``recv_batch`` messages, or until admission is full."""
+        assert self._admission is not None and self._handshake is not None
+        admission, handshake = self._admission, self._handshake
         # Frames kept per message: past this the rest are counted, not copied (the message
         # fails as wire:frames; libzmq has buffered it already, Python need not double it).
         keep = self._limits.max_frames + 3
@@ -290,83 +334,57 @@ class DecodeReceiver:
         recv = sock.recv
         noblock = zmq.NOBLOCK
         curve = self._curve
-        last_flush = self._clock()
-        reading = True
-        while self._running:
-            now = self._clock()
-            wait = next_tick - now
-            if self._peers.pending():
-                wait = min(wait, last_flush + ACK_INTERVAL_S - now)
-            elif admission.waiting:  # a release may come without a wake-up: look every interval
-                wait = min(wait, ACK_INTERVAL_S)
-            # Backpressure: with the scheduler this far behind, leave messages in libzmq
-            # (then TCP) until it catches up; get()/drain() wake the loop.
-            full = admission.full()
-            queue.backpressure = full
-            if full == reading:
-                reading = not full
-                poller.modify(sock, zmq.POLLIN if reading else 0)
-            events = dict(poller.poll(poll_ms(wait)))
-            if rfd in events:
-                try:
-                    os.read(rfd, 4096)
-                except BlockingIOError:
-                    pass
-            self._wake_armed = False
-            self._expects.apply()
-            if sock in events:
-                for _ in range(batch):
-                    try:
-                        ident = recv(noblock)  # a ROUTER message: the routing id, then at least one frame
-                    except zmq.Again:
-                        break
-                    frames: list[Any] = [ident]
-                    extra = 0
-                    try:  # the rest arrived with it: libzmq delivers a message whole
-                        f = recv(noblock, copy=False)
-                        user: str | None = f.get("User-Id") if curve else None  # type: ignore[assignment]  # a str property
-                        frames.append(f.bytes)
-                        while f.more:
-                            f = recv(noblock, copy=False)
-                            if len(frames) < keep:  # tensor frames (or a signature): read-only views, no copy
-                                frames.append(f.buffer.toreadonly())
-                            else:
-                                extra += 1
-                    except zmq.ZMQError as exc:  # never seen; if it happens, it fails this message only
-                        self._discard_rest(sock)
-                        self._internal(frames, exc)
-                        continue
-                    try:
-                        if extra:
-                            admission.reject(
-                                frames[0],
-                                WireError(
-                                    f"{len(frames) - 1 + extra} frames is not in [1, {self._limits.max_frames}]",
-                                    field="frames",
-                                ),
-                                "wire",
-                                0,
-                            )
-                        else:
-                            handshake.handle(frames, user)
-                    except Exception as exc:
-                        self._internal(frames, exc)
-                    if admission.full():
-                        break
-            queue.notify()
-            admission.apply_releases()
-            now = self._clock()
-            if now >= next_tick:
-                self._tick(now)
-                next_tick = now + tick
-            # Outcome acks are coalesced: one per peer every ACK_INTERVAL_S (or
-            # ACK_BATCH outcomes), not one per poll wake-up. Freed slots go at once
-            # (a prefill may be waiting for one); pending outcomes ride along.
-            pending = self._peers.pending()
-            if pending and (pending >= ACK_BATCH or now - last_flush >= ACK_INTERVAL_S or self._peers.slots_freed()):
-                self._peers.flush(replies.send, self._limits.max_message_bytes)
-                last_flush = now
-            queue.notify()  # outcomes of expiries found by _tick
+        for _ in range(self.config.recv_batch):
+            try:
+                ident = recv(noblock)  # a ROUTER message: the routing id, then at least one frame
+            except zmq.Again:
+                break
+            frames: list[Any] = [ident]
+            extra = 0
+            try:  # the rest arrived with it: libzmq delivers a message whole
+                f = recv(noblock, copy=False)
+                user: str | None = f.get("User-Id") if curve else None  # type: ignore[assignment]  # a str property
+                frames.append(f.bytes)
+                while f.more:
+                    f = recv(noblock, copy=False)
+                    if len(frames) < keep:  # tensor frames (or a signature): read-only views, no copy
+                        frames.append(f.buffer.toreadonly())
+                    else:
+                        extra += 1
+            except zmq.ZMQError as exc:  # never seen; if it happens, it fails this message only
+                self._discard_rest(sock)
+                self._internal(frames, exc)
+                continue
+            try:
+                if extra:
+                    admission.reject(
+                        frames[0],
+                        WireError(
+                            f"{len(frames) - 1 + extra} frames is not in [1, {self._limits.max_frames}]",
+                            field="frames",
+                        ),
+                        "wire",
+                        0,
+                    )
+                else:
+                    handshake.handle(frames, user)
+            except Exception as exc:
+                self._internal(frames, exc)
+            if admission.full():
+                break
+
+    def _flush_acks(self, now: float, last_flush: float) -> bool:
+        """Send the coalesced outcome acks when they are due; True when sent.
+
+        One ack per peer every ACK_INTERVAL_S (or ACK_BATCH outcomes), not one per poll
+        wake-up. Freed slots go at once (a prefill may be waiting for one); pending
+        outcomes ride along.
+        """
+        pending = self._peers.pending()
+        if pending and (pending >= ACK_BATCH or now - last_flush >= ACK_INTERVAL_S or self._peers.slots_freed()):
+            self._peers.flush(self._replies.send, self._limits.max_message_bytes)
+            return True
+        return False
 
     def _tick(self, now: float) -> None:
         """Fail overdue expectations, drop silent peers, send heartbeats (the handshake's)."""
