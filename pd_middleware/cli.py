@@ -51,14 +51,6 @@ def _registry(args: argparse.Namespace) -> Any:
     return default_registry(plugin_paths=args.plugin_path)
 
 
-def _load(ref: str) -> tuple[Any, str]:
-    from .config import load_config
-    from .config_loader import find_config, source_name
-
-    path = find_config(ref)
-    return load_config(path), source_name(path)
-
-
 def _cmd_plugins(args: argparse.Namespace) -> int:
     reg = _registry(args)
     rows = [(i.kind, i.name, i.origin, i.summary) for i in reg.plugins()]

@@ -44,11 +44,6 @@ def is_inline(ref: str | Path) -> bool:
     return isinstance(ref, str) and ref.lstrip().startswith("{")
 
 
-def source_name(ref: str | Path) -> str:
-    """How errors name the document: the path, or ``<inline JSON>``."""
-    return "<inline JSON>" if is_inline(ref) else str(ref)
-
-
 def read_document(ref: str | Path) -> tuple[Any, str]:
     """Parse a config path or inline JSON text into plain data; return ``(data, source)``.
 

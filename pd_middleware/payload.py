@@ -45,9 +45,6 @@ def u16_buckets(vocab_size: int) -> int:
     return -(-vocab_size // U16_BUCKET)
 
 
-_MAX_TOKEN = 2**63
-
-
 def _as_tuple(value: Any, kind: type, field_name: str, request_id: str | None) -> tuple[Any, ...]:
     """Normalise a tensor, ndarray or sequence into a tuple of Python scalars."""
     if isinstance(value, tuple):

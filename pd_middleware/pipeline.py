@@ -83,8 +83,6 @@ class Failure:
         return f"{self.stage}:{self.field}" if self.field else self.stage
 
 
-Outcome = "Delivery | Failure"
-
 # Builds a Delivery without the keyword/default handling of its generated __new__.
 _new_tuple = tuple.__new__
 
