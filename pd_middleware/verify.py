@@ -56,7 +56,7 @@ from .verify_exact import (
     KERNELS,
     ChainLaw,
     Kernel,
-    _check_kernel,
+    check_kernel,
     complete_law,
     exact_accept_probability,
     exact_chain_law,
@@ -147,7 +147,7 @@ def residual_weights(p: torch.Tensor, q: torch.Tensor, kernel: Kernel = "flashin
     """
     import torch
 
-    _check_kernel(kernel)
+    check_kernel(kernel)
     p, q = p.double(), q.double()
     if kernel == "sglang":
         q = torch.where((q >= 0) & (q <= 1), q, torch.zeros((), dtype=q.dtype, device=q.device))
@@ -234,7 +234,7 @@ def verify_chain(
     """
     import torch
 
-    _check_kernel(kernel)
+    check_kernel(kernel)
 
     if draft_probs.dim() == 2 and target_probs.dim() == 3 and target_probs.shape[1] == 2:
         draft_probs = draft_probs.unsqueeze(1)
@@ -284,7 +284,7 @@ def acceptance_probability(
     """
     import torch
 
-    _check_kernel(kernel)
+    check_kernel(kernel)
 
     if draft_tokens.dim() == 1:
         draft_tokens = draft_tokens.unsqueeze(1)

@@ -21,7 +21,9 @@ Kernel = Literal["flashinfer", "sglang"]
 KERNELS: tuple[str, ...] = ("flashinfer", "sglang")
 
 
-def _check_kernel(kernel: str) -> None:
+def check_kernel(kernel: str) -> None:
+    """Refuse a ``kernel`` outside :data:`KERNELS` (ValidationError at field ``kernel``);
+    shared by this module and :mod:`pd_middleware.verify`."""
     if kernel not in KERNELS:
         raise ValidationError(f"must be one of {', '.join(KERNELS)}, got {kernel!r}", field="kernel")
 
@@ -57,7 +59,7 @@ def exact_accept_probability(p_x: Number, q_x: Number, kernel: Kernel = "flashin
     ``"flashinfer"``: min(1, p/q') for q' > 0 finite; 1 if q' = 0 and p > 0 (else 0);
     1 if q' < 0 or q' = -inf; 0 for NaN and +inf. ``"sglang"``: 0 unless 0 < q' <= 1.
     """
-    _check_kernel(kernel)
+    check_kernel(kernel)
     p = _frac(p_x)
     if isinstance(q_x, float) and not math.isfinite(q_x):
         return Fraction(1) if (kernel == "flashinfer" and q_x == -math.inf) else Fraction(0)
@@ -76,7 +78,7 @@ def exact_residual(p: Sequence[Number], q: Sequence[Number], kernel: Kernel = "f
     has no mass. ``"flashinfer"``: a NaN or +inf q' entry gives 0, and a -inf one makes
     the draw the last token with a positive residual; ``"sglang"``: q' outside [0, 1]
     counts 0."""
-    _check_kernel(kernel)
+    check_kernel(kernel)
     pf = [_frac(v) for v in p]
     r: list[Fraction] = []
     last_inf = False

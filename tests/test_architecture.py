@@ -1,7 +1,7 @@
 """docs/architecture.md matches the code: its diagram's edges are the real imports, every
 module is named on the page, and no import cycle exists (tests/_imports.py reads the
 imports with ``ast``). Also: no function of the shipped packages is longer than
-:data:`MAX_FUNCTION_LINES`."""
+:data:`MAX_FUNCTION_LINES`, and no private name crosses a module."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import ast
 import re
 import warnings
 
-from _imports import ROOT, cycles, house_edges, mermaid_edges, module_edges, modules  # tests/ is on sys.path
+import _imports  # tests/ is on sys.path
+from _imports import ROOT, cycles, house_edges, mermaid_edges, module_edges, modules
 
 DOC = ROOT / "docs" / "architecture.md"
 EDGE = re.compile(r"^\s*(\w+) (-->|-\.->) (\w+)\s*$")
@@ -155,3 +156,50 @@ def test_long_function_check_can_fail() -> None:
     assert {q for q, n in lengths.items() if n > MAX_FUNCTION_LINES} == {"A.long", "outer", "outer.inner"}
     # and the scan over the packages sees real functions (an empty read would pass trivially)
     assert long_functions(limit=40), "no function over 40 lines found: the scan read nothing"
+
+
+def private_imports(tree: ast.Module, *, inside: bool) -> list[str]:
+    """Imports of our own private names in ``tree``: ``from .x import _y`` anywhere, and,
+    for code outside pd_middleware (``inside`` False: plugins, examples), any import
+    from a private module (``pd_middleware._errors``). A package's private modules are
+    its own to share (``_errors``, ``_buffers``); their names reach others through the
+    public API."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if not (node.level or module.split(".")[0] in _imports.PACKAGES):
+            continue  # third-party (SGLang's private names are the drop-in's to read)
+        names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+        if not inside and any(part.startswith("_") for part in module.split(".")):
+            names = names or [a.name for a in node.names]
+        found += [f"{'.' * node.level}{module}:{n} (line {node.lineno})" for n in names]
+    return found
+
+
+def test_no_private_name_crosses_modules() -> None:
+    files = dict(modules())
+    files.update({str(p.relative_to(ROOT)): p for p in sorted((ROOT / "examples").rglob("*.py"))})
+    found = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        if hits := private_imports(tree, inside=name.split(".")[0] == "pd_middleware"):
+            found[name] = hits
+    assert not found, f"private names imported across modules (make them public, or export them): {found}"
+
+
+def test_private_import_check_can_fail() -> None:
+    """Negative control: each kind of private import is found; public ones are not."""
+    source = (
+        "from .verify_exact import _check_kernel, KERNELS\n"
+        "from pd_middleware._errors import OptionValueError\n"
+        "from pd_middleware import OptionValueError\n"
+        "from sglang.srt.plugins.hook_registry import _current_plugin_source\n"
+    )
+    tree = ast.parse(source)
+    assert private_imports(tree, inside=True) == [".verify_exact:_check_kernel (line 1)"]
+    assert private_imports(tree, inside=False) == [
+        ".verify_exact:_check_kernel (line 1)",
+        "pd_middleware._errors:OptionValueError (line 2)",
+    ]

@@ -29,7 +29,7 @@ from .._errors import IntegrityError, WireError
 from ..contracts import ReceiveContext
 from ..pipeline import Delivery, Failure, ReceivePipeline
 from . import payload_codec, wire
-from .auth import TO_PREFILL, Signer
+from .auth import NO_NONCE, TO_PREFILL, Signer
 from .config import TransportConfig
 from .expects import Expectations
 from .outcomes import OutcomeQueue
@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # annotation only: the pipeline owns (and imports) its metric
     from ..metrics import Metrics
 
 _perf_counter = time.perf_counter
-_NO_NONCE = bytes(16)
 # Failures whose request id is another delivery's or another peer's: never named in the Failure.
 _NOT_OWNED = frozenset(("duplicate", "peer"))
 # [peer, request id, seq, slot, slot generation, delivered?, inline bytes, released?, waited on?]
@@ -73,7 +72,7 @@ class Replies:
         self,
         ident: bytes,
         msg: wire.Message,
-        nonce: bytes = _NO_NONCE,
+        nonce: bytes = NO_NONCE,
         seq: int | None = None,
         signer: Signer | None = None,
     ) -> None:
@@ -174,7 +173,7 @@ class Admission:
         exc: WireError,
         code: str,
         nbytes: int,
-        nonce: bytes = _NO_NONCE,
+        nonce: bytes = NO_NONCE,
         peer: Peer | None = None,
         reply: bool = True,
     ) -> None:

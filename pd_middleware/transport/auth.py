@@ -51,6 +51,8 @@ SIGNATURE_BYTES = 32
 #: Length of the tail frame: nonce (16 bytes) then sequence number (8 bytes, big endian).
 TAIL_BYTES = 24
 NONCE_BYTES = 16
+#: The nonce recorded for a message that carried none (unsigned: no HMAC configured).
+NO_NONCE = bytes(NONCE_BYTES)
 #: A signed hello is accepted this long (seconds) either side of the decode's wall clock.
 HELLO_FRESH_S = 60.0
 #: Direction tags inside the MAC: a message cannot be reflected back to its sender.

@@ -22,8 +22,8 @@ from typing import Any
 
 from .._errors import WireError
 from . import integrity, wire
-from .admission import _NO_NONCE, Admission, Replies
-from .auth import TO_DECODE, CurveGate, HelloGuard, Signer
+from .admission import Admission, Replies
+from .auth import NO_NONCE, TO_DECODE, CurveGate, HelloGuard, Signer
 from .config import TransportConfig
 from .expects import Expectations
 from .mooncake import MooncakeEngine
@@ -90,7 +90,7 @@ class Handshake:
             )
             return
         peer = self._peers.by_ident.get(ident)
-        nonce, seq = _NO_NONCE, 0
+        nonce, seq = NO_NONCE, 0
         hello_signer: Signer | None = None
         if signed:
             if keyed:

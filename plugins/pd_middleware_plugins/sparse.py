@@ -36,6 +36,7 @@ import torch
 from pd_middleware import (
     DenseEncoding,
     EncodedBatch,
+    OptionValueError,
     PluginContext,
     PluginSpec,
     Provenance,
@@ -43,7 +44,6 @@ from pd_middleware import (
     SparseProposal,
     ValidationError,
 )
-from pd_middleware._errors import OptionValueError
 from pd_middleware.encodings import encoder_input, sample_sparse_law, sparse_law, torch_dtype
 from pd_middleware.guard import GuardedSynthesizer
 from pd_middleware.payload import u16_buckets
