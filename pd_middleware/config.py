@@ -30,12 +30,12 @@ import msgspec
 
 from . import config_loader
 from ._errors import ConfigError, ConfigIssue, OptionValueError, PluginError
-from .ab.config import ABConfig, check_workload_options  # the [ab] table belongs to the job
 from .contracts import NoOptions, PluginContext, PluginSpec
 from .transport.config import TransportConfig
 
 _STRUCT = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_ARM_REF_RE = re.compile(r"^[A-Za-z0-9_.\-]{0,64}$")
 
 
 class PluginRef(msgspec.Struct, **_STRUCT):
@@ -206,6 +206,58 @@ class MetricsConfig(msgspec.Struct, **_STRUCT):
             raise OptionValueError("sync_interval_s", f"must be in [0.05, 3600], got {self.sync_interval_s}")
 
 
+class WorkloadRef(msgspec.Struct, **_STRUCT):
+    """Which traffic the offline A/B job generates."""
+
+    # synthetic | ngram | trace
+    name: Literal["synthetic", "ngram", "trace"] = "synthetic"
+    # Workload options (see docs/workloads.md); typed by the workload, checked by
+    # resolve_plugins on the prefill side (check_workload_options).
+    options: dict[str, Any] = {}
+
+
+class ABConfig(msgspec.Struct, **_STRUCT):
+    """Defaults of ``pd-middleware ab`` (command-line flags override them).
+
+    The ``[ab]`` table's schema, pure data like every other section here, so that a
+    document is checked whole when it is loaded. The job's reading of it (which arms
+    the roles name, the workload's options with the model's facts) stays with the job,
+    in :mod:`pd_middleware.ab.config`.
+    """
+
+    workload: WorkloadRef = WorkloadRef()
+    # Requests per arm.
+    requests: int = 2000
+    # Seed of the workload and of every sampler.
+    seed: int = 0
+    # Requests per batch sent through the deployment.
+    batch_size: int = 32
+    # Tokens per response, for the whole-response effect-size estimate.
+    response_tokens: int = 256
+    # Acceptance rate of the later verifies (drafted on the decode node, same for all arms).
+    later_acceptance: float = 0.7
+    # Arm every other arm's verify steps are compared with (e.g. today's one-hot
+    # proposal); "" = the first [[arms]] entry.
+    baseline: str = ""
+    # Arm that ships the whole draft distribution, the upper bound that acceptance
+    # and bytes are shown as a share of; "" = none (acceptance is then shown as a
+    # share of the computed full-distribution bound).
+    reference: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.requests <= 10_000_000:
+            raise OptionValueError("requests", f"must be in [1, 10000000], got {self.requests}")
+        if not 1 <= self.batch_size <= 4096:
+            raise OptionValueError("batch_size", f"must be in [1, 4096], got {self.batch_size}")
+        if not 1 <= self.response_tokens <= 1 << 20:
+            raise OptionValueError("response_tokens", f"must be >= 1, got {self.response_tokens}")
+        if not 0.0 <= self.later_acceptance < 1.0:
+            raise OptionValueError("later_acceptance", f"must be in [0, 1), got {self.later_acceptance}")
+        for key in ("baseline", "reference"):
+            if not _ARM_REF_RE.match(getattr(self, key)):
+                raise OptionValueError(key, f"must be an arm name, got {getattr(self, key)!r}")
+
+
 class Config(msgspec.Struct, **_STRUCT):
     """The whole deployment: model facts, decode settings, plugins, transport, A/B."""
 
@@ -307,6 +359,20 @@ def load_config(path: str | Path) -> Config:
     """
     data, src = config_loader.read_document(path)
     return parse_config(data, src)
+
+
+def check_workload_options(config: Config, source: str | None) -> None:
+    """Convert ``ab.workload.options`` to the workload's options type (as make_workload will).
+
+    Like a plugin's options, a workload's are typed by their owner, so they are checked
+    when the config is resolved, not when it is loaded. Without this, a misspelled
+    workload option passed ``check-config`` and failed only when the A/B job started.
+    Paths match :func:`~pd_middleware.workloads.make_workload`.
+    """
+    from .workloads import workload_options_type  # the registry of workloads; their types load lazily
+
+    wl = config.ab.workload
+    config_loader.convert(dict(wl.options), workload_options_type(wl.name), "ab.workload.options", source)
 
 
 def convert_options(spec: PluginSpec, raw: dict[str, Any], key: str, source: str | None = None) -> Any:

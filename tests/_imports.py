@@ -21,7 +21,7 @@ PACKAGES = {
     "pd_middleware_plugins": ROOT / "plugins" / "pd_middleware_plugins",
     "pd_middleware_full": ROOT / "plugins" / "pd_middleware_full",
 }
-#: Subpackages drawn as one box each in the house diagram (``ab.config`` apart, see node()).
+#: Subpackages drawn as one box each in the house diagram.
 GROUPED = ("ab", "transport", "integrations", "workloads")
 
 
@@ -109,8 +109,6 @@ def node(module: str) -> str:
         return parts[0]
     if len(parts) == 1:
         return "api"
-    if parts[1:] == ["ab", "config"]:
-        return "ab_config"  # the [ab] table: config-layer, apart from the job it configures
     return parts[1]
 
 

@@ -60,6 +60,54 @@ def test_no_import_cycle() -> None:
     assert cycles(house_edges()) == [], "the one-way flow between the diagram's boxes is broken"
 
 
+#: The config layer (docs/architecture.md) and what sits above it: composition, jobs and
+#: tools, adapters, and the transport itself (its [transport] table is config-layer).
+CONFIG_LAYER = ("pd_middleware.config", "pd_middleware.config_loader", "pd_middleware.registry")
+_ABOVE_CONFIG = ("ab", "live_ab", "preflight", "cli", "workloads", "integrations", "middleware", "metrics_export")
+#: Deferred upward edges the page names as the places to watch: the workload's options
+#: type, looked up when resolve_plugins checks ab.workload.options on the prefill side.
+UPWARD_ALLOWED = {("pd_middleware.config", "pd_middleware.workloads")}
+
+
+def upward_from_config(edges: dict[tuple[str, str], bool]) -> list[tuple[str, str]]:
+    """Edges from the config layer to a module above it, the allowed deferred ones aside."""
+
+    def above(module: str) -> bool:
+        parts = module.split(".")
+        if parts[:2] == ["pd_middleware", "transport"]:
+            return parts[2:] != ["config"]
+        return len(parts) > 1 and parts[0] == "pd_middleware" and parts[1] in _ABOVE_CONFIG
+
+    layer = (*CONFIG_LAYER, "pd_middleware.transport.config")
+    return sorted(
+        (a, b) for (a, b), eager in edges.items() if a in layer and above(b) and (eager or (a, b) not in UPWARD_ALLOWED)
+    )
+
+
+def test_no_arrow_runs_up_from_the_config_layer() -> None:
+    """ab/ reads its [ab] table; the config layer never imports the job (or any other
+    module above it), so loading a config loads no job."""
+    assert upward_from_config(module_edges()) == []
+
+
+def test_upward_check_can_fail() -> None:
+    """Negative control: the arrow this rule removed (config -> ab.config), an eager use
+    of the allowed one, and a deferred import of the transport are all found."""
+    planted = {
+        ("pd_middleware.config", "pd_middleware.ab.config"): True,
+        ("pd_middleware.config", "pd_middleware.workloads"): True,
+        ("pd_middleware.registry", "pd_middleware.transport.receiver"): False,
+        ("pd_middleware.config", "pd_middleware.transport.config"): True,
+        ("pd_middleware.ab.config", "pd_middleware.config"): True,
+    }
+    assert upward_from_config(planted) == [
+        ("pd_middleware.config", "pd_middleware.ab.config"),
+        ("pd_middleware.config", "pd_middleware.workloads"),
+        ("pd_middleware.registry", "pd_middleware.transport.receiver"),
+    ]
+    assert upward_from_config({("pd_middleware.config", "pd_middleware.workloads"): False}) == []
+
+
 def test_cycle_check_can_fail() -> None:
     """Negative control: a planted cycle, eager on every edge, is found; deferred edges are not cycles."""
     planted = {("a", "b"): True, ("b", "c"): True, ("c", "a"): True, ("c", "d"): True}

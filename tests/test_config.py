@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from pd_middleware import ConfigError
@@ -46,6 +49,9 @@ def test_defaults():
             "duplicate arm name 'a'",
         ),
         ({"ab": {"later_acceptance": 1.5}}, "ab.later_acceptance", r"must be in \[0, 1\)"),
+        ({"ab": {"requestz": 10}}, "ab.requestz", "unknown field `requestz`; did you mean `requests`"),
+        ({"ab": {"workload": {"nmae": "ngram"}}}, "ab.workload.nmae", "did you mean `name`"),
+        ({"ab": {"baseline": "two words"}}, "ab.baseline", "must be an arm name"),
     ],
 )
 def test_errors_name_the_key_path(data, path, message):
@@ -54,6 +60,31 @@ def test_errors_name_the_key_path(data, path, message):
     assert ei.value.path == path
     if path:
         assert f"at {path}" in str(ei.value)
+
+
+def test_ab_table_is_checked_at_load_without_the_job(tmp_path):
+    """The [ab] table's schema lives in the config layer: a typo in a file fails at load
+    time at its full path, while loading a config imports nothing of the job (ab/), and
+    the job's names for the schema are the same classes."""
+    f = tmp_path / "c.toml"
+    f.write_text("[ab]\nrequests = 5\nrequestz = 10\n")
+    with pytest.raises(ConfigError, match="did you mean `requests`") as ei:
+        load_config(f)
+    assert ei.value.path == "ab.requestz" and str(f) in str(ei.value)
+    f.write_text("[ab]\nrequests = 5\n")
+    assert load_config(f).ab.requests == 5
+    code = (
+        "import sys, pd_middleware.config as c; c.load_config(sys.argv[1]);"
+        "print(sorted(m for m in sys.modules if m.startswith('pd_middleware.ab')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    import pd_middleware.ab
+    import pd_middleware.ab.config
+    from pd_middleware.config import ABConfig, WorkloadRef
+
+    assert pd_middleware.ab.ABConfig is ABConfig is pd_middleware.ab.config.ABConfig
+    assert pd_middleware.ab.WorkloadRef is WorkloadRef
 
 
 def test_one_hot_takes_no_options():
