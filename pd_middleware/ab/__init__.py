@@ -1,6 +1,7 @@
 """The A/B comparison job (``pd-middleware ab``): arms, effect size, typed report.
 
-Modules: :mod:`.config` (the ``[ab]`` table), :mod:`.prefill` (the spawned prefill),
+Modules: :mod:`.config` (the job's reading of the ``[ab]`` table, whose schema is a
+section of :mod:`pd_middleware.config`), :mod:`.prefill` (the spawned prefill),
 :mod:`.collector` (outcomes -> assembled batches), :mod:`.verifier` (targets and the
 reference verify), :mod:`.runner` (``run_ab``), :mod:`.schema` and :mod:`.report` (the
 typed :class:`Report`), :mod:`.render` and :mod:`.plot` (its outputs).
