@@ -1,6 +1,6 @@
 """The prefill's encode per batch: one encoder call where the rows live, against the per-request path.
 
-:meth:`ProposalPublisher.encode <pd_middleware.integrations.sglang_prefill.ProposalPublisher.encode>`
+:meth:`ProposalPublisher.encode <pd_middleware.integrations.sglang.prefill.ProposalPublisher.encode>`
 encodes a batch of B finished requests in one encoder call, on the device the draft rows
 live on, each row drawn at its counter-based uniform (:mod:`pd_middleware.draws`). The
 path it replaced (still used for an encoder without a ``uniforms`` parameter) copied the
@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from _common import emit, median_time
 
-from pd_middleware.integrations.sglang_prefill import ProposalPublisher
+from pd_middleware.integrations.sglang.prefill import ProposalPublisher
 
 V = 152064
 STRATEGIES = ("sparse_floor", "one_hot", "full_fp32")

@@ -1,9 +1,9 @@
 """Decode-side recompute: its cost against SGLang's own step-0 work, and its acceptance.
 
 ``ratio_vs_draft_head``: for a prebuilt batch of B requests, the decode's recompute
-(:class:`~pd_middleware.integrations.sglang_recompute.DecodeRecompute.prepare`: the
+(:meth:`~pd_middleware.integrations.sglang.recompute.RecomputeSource.prepare`: the
 head from SGLang's real ``LlamaForCausalLMEagle3`` with its norm, ``lm_head``, slice and
-fp32 cast, SGLang's ``sampling_softmax``, the seeded draw, q'(X') read back, X' written
+fp32 cast, the synthesizer's softmax, the seeded draw, q'(X') read back, X' written
 into the requests) against what SGLang's prefill runs for the same batch in
 ``_draft_extend_for_prefill`` after its draft forward: ``LogitsProcessor`` on the
 model's output, ``renorm_draft_probs`` and ``fast_sample``. Same process, same device,
@@ -19,8 +19,8 @@ runs only under Triton's interpreter, so the CPU run sets SGLang's own switch
 ``SGLANG_OPT_USE_GUMBEL_SAMPLE=0`` (its ``torch.multinomial`` path). Two draws differ: SGLang's own prefill draws *unseeded* (without
 ``--enable-deterministic-inference``) with fp32 exponentials; the recompute always
 draws *seeded* (every TP rank must draw the same X'): SGLang's seeded ``fast_sample``
-(float64 murmur hash) where its kernel exists, else the core's seeded exponential race
-(float64; on this CPU, where sgl-kernel's CPU build is missing).
+(float64 murmur hash) where its kernel exists, else the core's seeded inverse-CDF draw
+(one uniform a request; on a CPU without sgl-kernel's CPU build).
 
 ``acceptance``: the paired exact first-verify acceptance over the same requests, for
 one_hot (X ~ q, q' = delta: sum q.p), full_fp32 (sum min(p, q)) and recompute (sum
@@ -112,7 +112,7 @@ def cost(batches: list[int], hidden: int, repeats: int, device: str) -> dict[str
     import torch
 
     from pd_middleware.config import parse_config
-    from pd_middleware.integrations.sglang_recompute import DecodeRecompute, SGLangDraftHead
+    from pd_middleware.integrations.sglang.recompute import RecomputeSource, SGLangDraftHead
 
     dtype = torch.bfloat16
     m = _sglang_model(hidden, device, dtype)
@@ -120,8 +120,8 @@ def cost(batches: list[int], hidden: int, repeats: int, device: str) -> dict[str
     fb = sys.modules["sglang.srt.model_executor.forward_batch_info"]
     from sglang.srt.speculative.spec_utils import fast_sample, renorm_draft_probs
 
-    rc = DecodeRecompute(parse_config({"synthesizer": {"name": "recompute"}, "sglang": {"channel": "none"}}))
-    rc.bind(SGLangDraftHead(m, VOCAB), vocab_size=VOCAB, num_steps=1, rejection_sampling=True)
+    rc = RecomputeSource(parse_config({"synthesizer": {"name": "recompute"}, "sglang": {"channel": "none"}}))
+    rc.bind_head(SGLangDraftHead(m, VOCAB), vocab_size=VOCAB, num_steps=1, rejection_sampling=True)
     meta = lp_mod.LogitsMetadata(forward_mode=fb.ForwardMode.DECODE)
     out: dict[str, Any] = {}
     for b in batches:
@@ -134,7 +134,12 @@ def cost(batches: list[int], hidden: int, repeats: int, device: str) -> dict[str
             top_ks=torch.full((b,), 50, device=device),
         )
         reqs = [
-            SimpleNamespace(hidden_states_tensor=h[i], output_topk_index=None, output_topk_p=None, bootstrap_room=i)
+            SimpleNamespace(
+                hidden_states_tensor=h[i],
+                output_topk_index=torch.tensor([0]),
+                output_topk_p=torch.tensor([1.0]),
+                bootstrap_room=i,
+            )
             for i in range(b)
         ]
         batch = SimpleNamespace(

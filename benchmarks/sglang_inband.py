@@ -10,9 +10,9 @@ one run, with medians over repeats:
   mean over the requests; ``aux_capacity_needed``: the largest row, the capacity the
   config's ``capacity_bytes`` must hold.
 - ``ratio_vs_sglang_builder``: the decode's cost per batch of B requests, through the
-  drop-in's own SGLang decode code (:class:`~pd_middleware.integrations.sglang_decode.DecodeProposer`):
+  drop-in's own SGLang decode code (:class:`~pd_middleware.integrations.sglang.proposer.DecodeProposer`):
   at each request's transfer commit, read its row as SGLang's patched commit does
-  (:meth:`MetadataChannel.read <pd_middleware.integrations.sglang_metadata.MetadataChannel.read>`:
+  (:meth:`MetadataChannel.read <pd_middleware.integrations.sglang.metadata.MetadataChannel.read>`:
   one copy of the row, :func:`~pd_middleware.inband.read_row`, the binding tag beside
   X) and attach it (``on_row``: X checked against the engine's, the receive pipeline
   with the strategy's synthesizer), then build the
@@ -63,8 +63,8 @@ from _common import emit
 from pd_middleware import Payload
 from pd_middleware.config import load_config
 from pd_middleware.inband import RowLayout, row_bytes, write_row
-from pd_middleware.integrations.sglang_decode import DecodeProposer
-from pd_middleware.integrations.sglang_metadata import BUFFER_ATTR, TAG_COLUMN, MetadataChannel, row_tag
+from pd_middleware.integrations.sglang.metadata import BUFFER_ATTR, TAG_COLUMN, MetadataChannel, row_tag
+from pd_middleware.integrations.sglang.proposer import DecodeProposer
 from pd_middleware.middleware import build_encoders
 from pd_middleware.workloads import make_workload
 

@@ -32,9 +32,9 @@ from sglang.srt.speculative import eagle_disaggregation as ed
 
 from pd_middleware.config import parse_config
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang_patch import rank_group
-from pd_middleware.integrations.sglang_prefill import publish_batch
-from pd_middleware.integrations.sglang_startup import EngineFacts
+from pd_middleware.integrations.sglang.agreement import group_of
+from pd_middleware.integrations.sglang.prefill import publish_batch
+from pd_middleware.integrations.sglang.startup import EngineFacts
 
 #: Every module the drop-in patches except the scheduler's (no scheduler runs here, and
 #: its module needs packages this tier leaves out); activation comes from the facts.
@@ -69,7 +69,12 @@ def install(rank: Any, config: dict | None, vocab: int) -> dict:
     inst = S.install(parse_config(config), S.InstallOptions(facts=facts, modules=MODULES))
     if inst.recompute is not None:  # decode-only recompute: what the scheduler-start hook binds
         if rank.role == "decode":
-            inst.recompute.bind(MatrixHead(vocab, HEAD_HIDDEN), vocab_size=vocab, num_steps=1, rejection_sampling=True)
+            inst.recompute.bind_head(
+                MatrixHead(vocab, HEAD_HIDDEN),
+                vocab_size=vocab,
+                num_steps=1,
+                rejection_sampling=True,
+            )
         return {"installed": True, "channel": inst.channel_name}
     if rank.role == "prefill":
         rank.prepare_req = lambda req, first: _encode(rank, inst, req, first, vocab)
@@ -87,9 +92,13 @@ def _encode(rank: Any, inst: Any, req: Any, first: dict, vocab: int) -> None:
         topk_index=torch.tensor([[x]]), topk_p=torch.tensor([[float(q[0, x])]]), draft_probs=q
     )
     # The prefill's attention-TP CPU group, as the wrapper takes it from the Scheduler.
-    group = rank_group(rank.groups.get(rank.tp_size), inst)
+    group = group_of(rank.groups.get(rank.tp_size), inst.rank_agreement)
     publish_batch(
-        inst.publisher, SimpleNamespace(reqs=[req], sampling_info=None), draft_input, group=group, guard=inst.guard
+        inst.publisher,
+        SimpleNamespace(reqs=[req], sampling_info=None),
+        SimpleNamespace(next_draft_input=draft_input),
+        group=group,
+        events=inst.events,
     )
     # What SGLang's process_batch_result_disagg_prefill does next for a finished request.
     req.output_topk_p = draft_input.topk_p[0]
@@ -110,6 +119,11 @@ def _set_x(rank: Any, *, idx: int, x: int, **_: Any) -> None:
 def build(rank: Any, rooms: list[int]) -> dict:
     """Decode: SGLang's ``build_eagle_disagg_draft_input`` over the committed requests of ``rooms``."""
     reqs = [rank.committed.pop(r) for r in rooms]
+    inst = S.current()
+    if inst is not None and inst.recompute is not None:
+        # The decode ranks' attention-TP CPU group of this topology (SGLang's scheduler hands
+        # attn_tp_cpu_group at start; here the topology is configured after the install).
+        inst.recompute.group = group_of(rank.groups.get(rank.tp_size), inst.rank_agreement)
     batch = SimpleNamespace(
         reqs=reqs,
         device=torch.device("cpu"),

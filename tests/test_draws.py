@@ -1,7 +1,7 @@
 """The prefill's per-request draws: counter-based uniforms, one encoder call per batch, no V-wide host copy.
 
 ``ProposalPublisher.encode`` and the multi-layer chain (:mod:`pd_middleware.integrations.
-sglang_chain`) run the encoder once per batch where the draft rows live, each row drawn at
+sglang.chain`) run the encoder once per batch where the draft rows live, each row drawn at
 its uniform of (seed, room, rid). These tests check, on CPU tensors (no GPU here; the
 host-copy check counts the transfer *calls*, which are the same code on any device):
 
@@ -24,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 from pd_middleware import EncodedBatch, PluginContext, Provenance
 from pd_middleware.draws import request_uniforms, room_seed, takes_uniforms
 from pd_middleware.encodings import dense_law_tensor, encoder_input, sparse_law_tensor
-from pd_middleware.integrations import sglang_chain
-from pd_middleware.integrations.sglang_prefill import ProposalPublisher
+from pd_middleware.integrations.sglang import chain as sglang_chain
+from pd_middleware.integrations.sglang.prefill import ProposalPublisher
 from pd_middleware.stats import chi_square, chi_square_critical
 from pd_middleware_full.full import FullEncoder, FullEncoderOptions
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
@@ -283,15 +283,14 @@ def _chain(encoder, steps=3, b=4):
     pub = ProposalPublisher(encoder, vocab_size=V, seed=SEED, stage=lambda t, p: None)
     reqs = [SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}") for i in range(b)]
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones(b, 1)))
-    token = sglang_chain.open_chain(pub, batch)
-    return pub, token, b
+    return pub, sglang_chain.chain_for(pub, batch), b
 
 
 def test_the_chain_reads_nothing_back_between_steps_and_once_after():
-    _, token, b = _chain(TrustingArgmax(None, ctx()))
+    _, chain, b = _chain(TrustingArgmax(None, ctx()))
     out = SimpleNamespace()
     topk_p, topk_index = torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.int64)
-    with HostReads() as reads:
+    with HostReads() as reads, sglang_chain.CHAIN.enter(chain):
         xs = []
         for k in range(3):
             q = draft(b, seed=SEED + k)
@@ -299,7 +298,7 @@ def test_the_chain_reads_nothing_back_between_steps_and_once_after():
             assert got is not None
             xs.append(got[2])
         during = list(reads.calls)
-        sglang_chain.finish_chain(token, out)
+        sglang_chain.finish(chain, out)
     assert during == [], f"the draft loop must not wait on the device: {during}"
     payloads = getattr(out, sglang_chain.PAYLOADS_ATTR)
     assert [p.draft_tokens for p in payloads] == [tuple(int(x[i, 0]) for x in xs) for i in range(b)]
@@ -308,13 +307,13 @@ def test_the_chain_reads_nothing_back_between_steps_and_once_after():
 
 @pytest.mark.parametrize("name", ["softmax", "sparse-floor-u16"])
 def test_the_chain_reads_nothing_v_wide_back(name):
-    _, token, b = _chain(ENCODERS[name](ctx()))
+    _, chain, b = _chain(ENCODERS[name](ctx()))
     out = SimpleNamespace()
     topk_p, topk_index = torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.int64)
-    with HostReads() as reads:
+    with HostReads() as reads, sglang_chain.CHAIN.enter(chain):
         for k in range(3):
             assert sglang_chain.draw_step(k, draft(b, seed=SEED + k), topk_p, topk_index) is not None
-        sglang_chain.finish_chain(token, out)
+        sglang_chain.finish(chain, out)
     assert reads.wide() == [], reads.wide()
     assert all(p is not None and len(p.draft_tokens) == 3 for p in getattr(out, sglang_chain.PAYLOADS_ATTR))
 
@@ -327,11 +326,11 @@ def test_chain_read_check_detects_a_per_step_read():
         def encode(self, probs, **kw):
             return super().encode(encoder_input(probs), **kw)
 
-    _, token, b = _chain(Checking(None, ctx()))
-    with HostReads() as reads:
+    _, chain, b = _chain(Checking(None, ctx()))
+    with HostReads() as reads, sglang_chain.CHAIN.enter(chain):
         for k in range(3):
             sglang_chain.draw_step(k, draft(b, seed=SEED + k), torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.int64))
-    sglang_chain.finish_chain(token, SimpleNamespace())
+    sglang_chain.finish(chain, SimpleNamespace())
     assert len(reads.calls) >= 3
 
 

@@ -287,7 +287,7 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
     """
     import torch
 
-    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder
+    from pd_middleware.integrations.sglang.live_ab import FirstVerifyRecorder
     from pd_middleware.verify import verify_chain
 
     g = torch.Generator().manual_seed(SEED)
@@ -348,7 +348,7 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
 @pytest.mark.sglang
 @pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang`")
 def test_patch_refuses_a_changed_method(brp) -> None:
-    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder
+    from pd_middleware.integrations.sglang.live_ab import FirstVerifyRecorder
 
     fake = SimpleNamespace(__name__="fake_brp", SchedulerBatchResultProcessor=type("P", (), {}))
 
@@ -408,16 +408,18 @@ def test_install_patches_and_uninstall_restores(brp) -> None:
 
 def first_verify_patch(recorder, module):
     """The live A/B target of the drop-in's table, resolved in ``module`` and wrapped (not applied)."""
-    from pd_middleware.integrations.sglang_patch import FEATURES, Guard, build, resolve
+    from pd_middleware.events import Events
+    from pd_middleware.integrations.sglang.patching import FEATURES, build, resolve
 
     (target,) = FEATURES["live_ab"].targets
-    p = build(resolve(target, module), SimpleNamespace(recorder=recorder, guard=Guard()))
+    p = build(resolve(target, module), SimpleNamespace(recorder=recorder, events=Events("guard")))
     return p.owner, p.name, p.original, p.replacement
 
 
 def test_a_recorder_that_raises_never_reaches_sglang() -> None:
     """Fault injection: the recorder raises before and after; SGLang's result still comes back, counted."""
-    from pd_middleware.integrations.sglang_patch import FEATURES, Guard, build, resolve
+    from pd_middleware.events import Events
+    from pd_middleware.integrations.sglang.patching import FEATURES, build, resolve
 
     class Processor:
         def _resolve_spec_v2_tokens(self, result, batch):
@@ -431,9 +433,9 @@ def test_a_recorder_that_raises_never_reaches_sglang() -> None:
             raise ValueError("corrupt accept_lens")
 
     fake = SimpleNamespace(__name__="fake_brp", SchedulerBatchResultProcessor=Processor)
-    guard = Guard()
+    guard = Events("guard")
     (target,) = FEATURES["live_ab"].targets
-    new = build(resolve(target, fake), SimpleNamespace(recorder=Broken(), guard=guard)).replacement
+    new = build(resolve(target, fake), SimpleNamespace(recorder=Broken(), events=guard)).replacement
     assert new(Processor(), SimpleNamespace(), SimpleNamespace(reqs=[])) == ["sglang's"]
     assert guard.counts == {"guard:first_verify:KeyError": 1, "guard:first_verify:ValueError": 1}
     # Negative control: the same recorder called bare raises into the caller.
@@ -444,7 +446,7 @@ def test_a_recorder_that_raises_never_reaches_sglang() -> None:
 def test_a_failed_export_is_logged_and_serving_goes_on(monkeypatch, caplog) -> None:
     """A refused copy into SGLang's /metrics is logged once, returns None, and adds no exporter."""
     from pd_middleware import metrics_export
-    from pd_middleware.integrations import sglang_ab
+    from pd_middleware.integrations.sglang import live_ab as sglang_ab
 
     calls = []
 
@@ -466,7 +468,7 @@ def test_the_integration_events_family_carries_every_part() -> None:
     """CounterSource: the middleware's families plus pd_middleware_integration_events_total{part, event}."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from pd_middleware.integrations.sglang_ab import CounterSource
+    from pd_middleware.integrations.sglang.live_ab import CounterSource
 
     m = Metrics()
     m.received += 2

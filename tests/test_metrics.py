@@ -363,16 +363,18 @@ def test_counters_appear_in_sglangs_own_metrics_route(tmp_path, monkeypatch) -> 
 
 
 def test_sglang_export_gate_is_off_outside_a_metrics_scheduler(monkeypatch) -> None:
-    from pd_middleware.integrations.sglang_ab import (
+    from pd_middleware.integrations.sglang.live_ab import (
         sglang_exports_metrics,
         start_sglang_export,
     )
+    from pd_middleware.integrations.sglang.patching import Symbols
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    assert sglang_exports_metrics() is False
+    assert sglang_exports_metrics(Symbols()) is False
 
     exporters: list = []
-    assert start_sglang_export(Metrics(), 1.0, exporters) is None and exporters == []
+    gate = lambda: sglang_exports_metrics(Symbols())  # noqa: E731  # the installation's gate, without SGLang
+    assert start_sglang_export(Metrics(), 1.0, exporters, enabled=gate) is None and exporters == []
 
 
 # ----------------------------------------------------------------- docs and the dashboard
@@ -422,7 +424,7 @@ def test_every_name_in_the_docs_and_dashboard_is_exported() -> None:
         samples.add(fam.name)
         samples.update(s.name for s in fam.samples)
     # The SGLang integration's own family (its copy into SGLang's /metrics carries it too).
-    from pd_middleware.integrations.sglang_ab import CounterSource
+    from pd_middleware.integrations.sglang.live_ab import CounterSource
 
     for fam in CounterSource(busy_metrics(), lambda: {"decode": {"probe": 1}}).families("pd_middleware"):
         samples.add(fam.name)
@@ -519,11 +521,16 @@ def test_sglang_export_gate_follows_sglangs_own_rule(monkeypatch, tmp_path) -> N
 
     from _sglang_import import import_sglang  # tests/ is on sys.path (no __init__.py)
 
-    from pd_middleware.integrations.sglang_ab import sglang_exports_metrics
+    from pd_middleware.integrations.sglang.live_ab import sglang_exports_metrics
+    from pd_middleware.integrations.sglang.patching import FEATURES, Symbols, resolve
 
     rc = import_sglang("sglang.srt.runtime_context")
+
+    def symbols():  # the table's READ targets of the export, resolved in SGLang's module as it is now
+        return Symbols([resolve(t, rc) for t in FEATURES["metrics_export"].targets])
+
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    assert sglang_exports_metrics() is False  # no published context: not a scheduler
+    assert sglang_exports_metrics(symbols()) is False  # no published context: not a scheduler
     for enabled, rank, all_schedulers, want in (
         (True, 0, False, True),
         (True, 1, False, False),
@@ -531,6 +538,8 @@ def test_sglang_export_gate_follows_sglangs_own_rule(monkeypatch, tmp_path) -> N
         (False, 0, False, False),
     ):
         obs = SimpleNamespace(enable_metrics=enabled, enable_metrics_for_all_schedulers=all_schedulers)
-        monkeypatch.setattr(rc, "get_observability", lambda obs=obs: obs)
-        monkeypatch.setattr(rc, "get_parallel", lambda rank=rank: SimpleNamespace(attn_tp_rank=rank))
-        assert sglang_exports_metrics() is want, (enabled, rank, all_schedulers)
+        par = SimpleNamespace(attn_tp_rank=rank)
+        # Stand-ins with SGLang's own signature (no parameters): the table checks it.
+        monkeypatch.setattr(rc, "get_observability", (lambda o: lambda: o)(obs))
+        monkeypatch.setattr(rc, "get_parallel", (lambda p: lambda: p)(par))
+        assert sglang_exports_metrics(symbols()) is want, (enabled, rank, all_schedulers)

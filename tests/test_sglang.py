@@ -28,8 +28,8 @@ from pd_middleware.config import parse_config
 from pd_middleware.contracts import PluginContext
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang_decode import ProposalStore
-from pd_middleware.integrations.sglang_prefill import ProposalPublisher
+from pd_middleware.integrations.sglang.prefill import ProposalPublisher
+from pd_middleware.integrations.sglang.store import ProposalStore
 from pd_middleware.pipeline import Delivery, Failure
 from pd_middleware.verify import exact_verify_law
 
@@ -447,6 +447,7 @@ def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None
     x = tx.sent[0].draft_tokens[0]
     assert int(reqs[0].output_topk_index[0]) == x and x in q[0].topk(2).indices.tolist(), f"seed {SEED}"
     assert int(reqs[1].output_topk_index[0]) == 15 and int(reqs[2].output_topk_index[0]) == 15
+    pub.num_steps = 2  # a multi-layer engine (S comes from the engine at activation)
     di3 = SimpleNamespace(
         draft_probs=q.view(3, 1, V).expand(3, 2, V),
         topk_index=torch.tensor([[3, 4]] * 3),
@@ -966,7 +967,7 @@ def test_the_proposal_is_built_on_topk_index_device() -> None:
     # [decode].device says (no (b, n, V) host-to-device copy per prebuilt batch). The
     # "meta" device stands in for a GPU on this CPU machine: it has no values, only the
     # device and shape, which are what is bound here.
-    from pd_middleware.integrations.sglang_decode import DecodeProposer
+    from pd_middleware.integrations.sglang.proposer import DecodeProposer
 
     p = DecodeProposer(make_config())
     r = req([3])

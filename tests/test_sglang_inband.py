@@ -28,9 +28,9 @@ from pd_middleware.config import parse_config
 from pd_middleware.draws import request_uniforms
 from pd_middleware.encodings import sparse_law_tensor
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations import sglang_metadata
-from pd_middleware.integrations.sglang_metadata import FRAME_MARK
-from pd_middleware.integrations.sglang_patch import wrap_metadata_init, wrap_prefill_result, wrap_registration
+from pd_middleware.integrations.sglang import metadata as sglang_metadata
+from pd_middleware.integrations.sglang.metadata import FRAME_MARK, wrap_metadata_init, wrap_registration
+from pd_middleware.integrations.sglang.prefill import wrap_prefill_result
 from pd_middleware.payload import Payload, Provenance
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
@@ -618,6 +618,7 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
     inst = activate(config(capacity=8192), role="prefill", num_steps=1)
     inst.channel.bind(V, STEPS)
     inst.publisher.vocab_size = V
+    inst.publisher.num_steps = STEPS  # the engine's S (activation takes it from the facts)
     pbuf = buffers(sg)
     reqs = [prefill_req(601, 0)]
     di = SimpleNamespace(
@@ -878,10 +879,9 @@ def test_fault_x_outside_the_vocabulary_at_commit_and_build_never_raises(sg, bad
         inst.proposer.on_row(req, inst.channel.read(dbuf, 0, req))
     dreq = commit(sg, dbuf, 0, 41)  # SGLang's real commit, wrapped: no exception
     assert inst.guard.counts["guard:commit:ValidationError"] == 1
-    got = build(sg, [dreq])  # SGLang's own one-hot fails on X = V too: a one-hot in range
+    got = build(sg, [dreq])  # the drop-in's own one-hot, clamped into range (SGLang's fails on X = V)
     assert tuple(got.shape) == (1, V) and got.dtype == torch.float32 and float(got.sum()) == 1.0
     assert inst.guard.counts["guard:propose:ValidationError"] == 1
-    assert inst.guard.counts["guard:propose_fallback:RuntimeError"] == 1
 
 
 def test_fault_propose_corrupt_shape_gives_sglangs_one_hot(sg) -> None:
@@ -889,7 +889,7 @@ def test_fault_propose_corrupt_shape_gives_sglangs_one_hot(sg) -> None:
     req = decode_req([9])
     real = inst.proposer._assemble
     inst.proposer._assemble = lambda *a: real(*a)[..., :-1]  # one column short
-    from pd_middleware.integrations.sglang_patch import check_proposal
+    from pd_middleware.integrations.sglang.common import check_proposal
 
     bad = inst.proposer.propose(SimpleNamespace(reqs=[req]), torch.tensor([[9]]), V)
     with pytest.raises(ValueError, match=r"proposal shape torch.Size\(\[1, 1, 63\]\), expected \(1, 1, 64\)"):
@@ -948,7 +948,7 @@ def test_fault_metadata_wrappers_never_raise_and_sglangs_part_still_runs(sg) -> 
     assert int(pbuf.bootstrap_room[2, 0]) == 71
     pbuf.clear_slot(2)
     assert int(pbuf.bootstrap_room[2, 0]) == 0
-    from pd_middleware.integrations.sglang_patch import wrap_validate
+    from pd_middleware.integrations.sglang.metadata import wrap_validate
 
     msg = wrap_registration(lambda self: [b"None", b"x"], inst)(SimpleNamespace())
     assert msg == [b"None", b"x"]  # without our frame: the prefill rejects such a decode
@@ -964,7 +964,7 @@ def test_fault_metadata_wrappers_never_raise_and_sglangs_part_still_runs(sg) -> 
 
 def test_fault_from_zmq_with_a_corrupt_trailing_frame_reads_as_no_layout(sg) -> None:
     inst = activate(config(), role="prefill")
-    from pd_middleware.integrations.sglang_metadata import layout_of
+    from pd_middleware.integrations.sglang.metadata import layout_of
 
     msg = _registration([1, 2], object())  # not bytes: a corrupt frame
     with pytest.raises(TypeError):  # negative control
@@ -1021,7 +1021,7 @@ def test_patches_are_logged_once_in_hook_registrys_format(sg, caplog) -> None:
 
 def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -> None:
     from pd_middleware import PluginError
-    from pd_middleware.integrations.sglang_startup import check_layout, check_registration
+    from pd_middleware.integrations.sglang.startup import check_layout, check_registration
 
     inst = activate(config())  # activation ran the self-check on SGLang 0.5.23: it passed
     assert inst.self_checked
@@ -1068,9 +1068,10 @@ def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -
         got.dst_dcp_rank = len(msg)  # stands for "a new trailing field"
         return got
 
-    from pd_middleware.integrations.sglang_patch import Guard, wrap_from_zmq
+    from pd_middleware.events import Events
+    from pd_middleware.integrations.sglang.metadata import wrap_from_zmq
 
-    shim = classmethod(wrap_from_zmq(reads_frame_20, SimpleNamespace(guard=Guard())))
+    shim = classmethod(wrap_from_zmq(reads_frame_20, SimpleNamespace(events=Events("guard"))))
     with (
         patch.object(info, "from_zmq", shim),
         pytest.raises(PluginError, match=r"reads the drop-in's trailing registration frame into dst_dcp_rank"),
@@ -1082,7 +1083,7 @@ def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -
 def test_a_fallback_row_counts_its_local_proposal_once() -> None:
     """A row that gave no payload (here not_sent) is counted once as proposal:local, not again at the builder."""
     from pd_middleware.inband import RowFault
-    from pd_middleware.integrations.sglang_decode import DecodeProposer
+    from pd_middleware.integrations.sglang.proposer import DecodeProposer
 
     cfg = parse_config({"decode": {"rejection_sampling": True}, "synthesizer": {"name": "one_hot"}})
     proposer = DecodeProposer(cfg)
@@ -1111,8 +1112,8 @@ def test_a_fallback_row_counts_its_local_proposal_once() -> None:
 )
 def test_sglang_warmups_and_health_checks_are_served_one_hot_and_never_counted(probe) -> None:
     from pd_middleware.inband import RowFault
-    from pd_middleware.integrations.sglang_ab import FirstVerifyRecorder
-    from pd_middleware.integrations.sglang_decode import DecodeProposer
+    from pd_middleware.integrations.sglang.live_ab import FirstVerifyRecorder
+    from pd_middleware.integrations.sglang.proposer import DecodeProposer
 
     cfg = parse_config({"decode": {"rejection_sampling": True}, "synthesizer": {"name": "one_hot"}})
     proposer = DecodeProposer(cfg)
@@ -1141,11 +1142,11 @@ def test_sglang_warmups_and_health_checks_are_served_one_hot_and_never_counted(p
 def test_activation_copies_every_counter_into_sglangs_metrics_without_arms(sg, role, monkeypatch) -> None:
     """At scheduler start, on either role and with no [[arms]], the copy into SGLang's /metrics
     starts with the integration's parts (not only once a live A/B hook runs)."""
-    from pd_middleware.integrations import sglang_ab
+    from pd_middleware.integrations.sglang import live_ab as sglang_ab
 
     calls = []
     monkeypatch.setattr(
-        sglang_ab, "start_sglang_export", lambda src, interval, exporters: calls.append((src, interval))
+        sglang_ab, "start_sglang_export", lambda src, interval, exporters, enabled: calls.append((src, interval))
     )
     inst = activate(config(), role=role)
     ((source, interval),) = calls

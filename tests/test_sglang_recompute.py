@@ -30,7 +30,7 @@ import torch
 from pd_middleware import ConfigError
 from pd_middleware.config import load_config
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang_recompute import (
+from pd_middleware.integrations.sglang.recompute import (
     ARCHITECTURES,
     SGLangDraftHead,
     capture,
@@ -330,6 +330,7 @@ def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
     class: the real Scheduler's constructor needs a whole model runner); at start
     the decode captures the draft model, a prefill does nothing, a bad flag stops it."""
     import types
+    from importlib import import_module
 
     from sglang.srt.runtime_context import get_context
 
@@ -346,7 +347,9 @@ def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
 
     mod = types.ModuleType("scheduler_stand_in")
     mod.Scheduler = Scheduler
-    mods = S.SGLangModules(builder=sgl.builder, scheduler=mod, only_given=True)
+    # SGLang's own runtime context (the scheduler's READ targets), the builder, the stand-in class.
+    rc = import_module("sglang.srt.runtime_context")
+    mods = S.SGLangModules(builder=sgl.builder, scheduler=mod, only_given=True, extra={rc.__name__: rc})
     inst = S.install(load_config(CONFIG), S.InstallOptions(modules=mods))
     try:
         assert inst.channel_name == "none" and {p.name for p in inst.patches} == {
@@ -379,7 +382,7 @@ def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
         S.uninstall()
 
 
-@pytest.mark.parametrize("where", ["prepare", "proposal"])
+@pytest.mark.parametrize("where", ["prepare", "propose"])
 def test_a_failing_recompute_step_gives_sglang_its_one_hot_counted(sgl, installed, where):
     """Fault injection: the recompute step (or its proposal) raises inside SGLang's builder.
     SGLang still gets a valid EagleDraftInput with its own one-hot at the X the builder read,
@@ -398,5 +401,5 @@ def test_a_failing_recompute_step_gives_sglang_its_one_hot_counted(sgl, installe
     want = torch.zeros(3, V)
     want[torch.arange(3), x] = 1.0
     assert torch.equal(si.draft_probs, want)  # one-hot at the builder's X: exact for any X
-    key = "guard:recompute:RuntimeError" if where == "prepare" else "guard:recompute_proposal:RuntimeError"
+    key = f"guard:{where}:RuntimeError"
     assert installed.guard.counts[key] == 1

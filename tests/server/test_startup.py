@@ -32,7 +32,7 @@ def test_bad_config_and_topk_2_stop_the_decode_at_start(
         "topk-2": (
             h.start_server("topk-2", models, log_dir, role="decode", config=good, topk=2, wait=False),
             # SGLang 0.5.23 refuses the flag itself, before the drop-in's own check
-            # (sglang_startup.check: "--speculative-eagle-topk is 2; ...") is reached.
+            # (startup.check: "--speculative-eagle-topk is 2; ...") is reached.
             "--speculative-use-rejection-sampling requires --speculative-eagle-topk=1",
         ),
     }

@@ -18,8 +18,8 @@ for every request still running. A request's first verify is the call in which i
 ``spec_verify_ct`` goes from 0 to 1; a request that finished at the prebuilt step or
 was retracted is not counted (SGLang skips it too).
 
-The drop-in wraps that method (target ``live_ab`` in :mod:`.sglang_patch`'s table,
-installed only when the config has ``[[arms]]``): it reads each request's ``spec_verify_ct`` before the call and
+The drop-in wraps that method (feature ``live_ab`` of the table, declared at the end of
+this module, installed only when the config has ``[[arms]]``): it reads each request's ``spec_verify_ct`` before the call and
 records the requests whose first verify this was. The arm is read from the request:
 ``req.pd_middleware.arm``, the record the decode path attaches (the arm that the
 ``ab_split`` hook routed its payload to). A request with no record counts as
@@ -44,8 +44,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..metrics import Metrics
-from .sglang_decode import is_probe
+from ...metrics import Metrics
+from .common import is_probe
+from .patching import PROCESSOR_MODULE, RUNTIME_MODULE, Feature, Hook, Symbols, Target, read, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -125,25 +126,27 @@ class FirstVerifyRecorder:
             log.close()
 
 
-def sglang_exports_metrics() -> bool:
+def sglang_exports_metrics(symbols: Symbols) -> bool:
     """Whether this SGLang scheduler process reports to SGLang's ``/metrics``.
 
     True under ``--enable-metrics`` with ``PROMETHEUS_MULTIPROC_DIR`` set, on
     attention-TP rank 0 (or every scheduler with ``--enable-metrics-for-all-schedulers``),
     SGLang's own rule (``Scheduler.__init__``), so each DP group's first verifies are
     counted once, not once per TP rank. False outside a scheduler whose runtime context
-    is published.
+    is published (SGLang's ``runtime_context``, through the table's READ targets).
     """
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return False
+    get_observability = symbols.get(f"{RUNTIME_MODULE}.get_observability")
+    get_parallel = symbols.get(f"{RUNTIME_MODULE}.get_parallel")
+    if get_observability is None or get_parallel is None:
+        return False
     try:
-        from sglang.srt.runtime_context import get_observability, get_parallel
-
         obs = get_observability()
         if not obs.enable_metrics:
             return False
         return get_parallel().attn_tp_rank == 0 or bool(obs.enable_metrics_for_all_schedulers)
-    except (ImportError, AttributeError, ValueError):  # not a published scheduler context
+    except (AttributeError, ValueError):  # not a published scheduler context
         return False
 
 
@@ -188,11 +191,9 @@ class CounterSource:
         yield fam
 
 
-def start_sglang_export(
-    source: Any, interval_s: float, exporters: list[Any], *, enabled: Callable[[], bool] = sglang_exports_metrics
-) -> Any:
+def start_sglang_export(source: Any, interval_s: float, exporters: list[Any], *, enabled: Callable[[], bool]) -> Any:
     """Start copying ``source`` (a :class:`Metrics` or a :class:`CounterSource`) into
-    SGLang's ``/metrics`` when :func:`sglang_exports_metrics`.
+    SGLang's ``/metrics`` when ``enabled()`` (:func:`sglang_exports_metrics`).
 
     The mirror joins ``exporters`` (a middleware's list: stopped by its ``close()``).
     Returns it, or None when this process does not report. A failed start is logged, once,
@@ -200,7 +201,7 @@ def start_sglang_export(
     """
     if not enabled():
         return None
-    from ..metrics_export import MultiprocessMirror
+    from ...metrics_export import MultiprocessMirror
 
     try:
         mirror = MultiprocessMirror(source, interval_s).start()
@@ -213,7 +214,7 @@ def start_sglang_export(
 
 
 def make_recorder(metrics: Metrics, config: Any, exporters: list[Any]) -> FirstVerifyRecorder:
-    """The live A/B recorder of an SGLang installation (its wrapper: :mod:`.sglang_patch`).
+    """The live A/B recorder of an SGLang installation (its wrapper: :func:`wrap_first_verify`).
 
     ``metrics``: the decode's counters; ``config``: its
     :class:`~pd_middleware.config.MetricsConfig` (``first_verify_log``); ``exporters``:
@@ -222,3 +223,51 @@ def make_recorder(metrics: Metrics, config: Any, exporters: list[Any]) -> FirstV
     recorder = FirstVerifyRecorder(metrics, log_path=config.first_verify_log)
     exporters.append(recorder)
     return recorder
+
+
+# --------------------------------------------------------------------- the features
+
+
+def wrap_first_verify(original: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    recorder = inst.recorder
+
+    def _resolve_spec_v2_tokens(self: Any, result: Any, batch: Any) -> Any:
+        try:
+            before = recorder.before(batch)
+        except Exception as exc:
+            inst.events.failed("first_verify", exc, "no A/B record")
+            before = []
+        out = original(self, result, batch)
+        try:
+            recorder.after(batch, result, before)
+        except Exception as exc:
+            inst.events.failed("first_verify", exc, "no A/B record")
+        return out
+
+    return _resolve_spec_v2_tokens
+
+
+register_feature(
+    Feature(
+        "live_ab",
+        (
+            Target(
+                PROCESSOR_MODULE,
+                "SchedulerBatchResultProcessor._resolve_spec_v2_tokens",
+                ("self", "result", "batch"),
+                Hook.AROUND,
+                wrap_first_verify,
+            ),
+        ),
+        lambda plan: bool(plan.config.arms),
+        summary="the first-verify counter per arm (only with [[arms]])",
+    )
+)
+register_feature(
+    Feature(
+        "metrics_export",
+        (read(RUNTIME_MODULE, "get_observability", ()), read(RUNTIME_MODULE, "get_parallel", ())),
+        lambda plan: True,
+        summary="the counters copied into SGLang's /metrics (--enable-metrics), on the ranks SGLang reports from",
+    )
+)

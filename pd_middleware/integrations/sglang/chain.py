@@ -8,14 +8,13 @@ temperatures, top_ks=None, *, sampling_seed, positions, draft_step=k)``, which r
 drawn here, and an exact S-step proposal must draw X_k from the encoded q'_k *inside* the
 loop; redrawing the chain afterwards would pair q_{k+1} with another prefix.
 
-The two patches (targets in :mod:`.sglang_patch`'s table, feature ``chain``, applied
-when a prefill starts with S > 1) call this module:
+The two patches (feature ``chain`` of the table, declared at the end of this module,
+applied when a prefill starts with S > 1):
 
-- the AROUND wrapper of ``_draft_extend_for_prefill`` opens a :class:`ChainDraw` for
-  the batch (:func:`open_chain`: its requests' bootstrap rooms, temperatures and rids)
-  in a ContextVar, and :func:`finish_chain` leaves the finished S-step payloads on the
-  returned draft input (``next_draft_input.pd_middleware_payloads``: one per batch row,
-  or None);
+- the AROUND wrapper of ``_draft_extend_for_prefill`` puts a :class:`ChainDraw` for the
+  batch in scope (:func:`chain_for`: its requests' bootstrap rooms, temperatures and
+  rids), and leaves the finished S-step payloads on the returned draft input
+  (``next_draft_input.pd_middleware_payloads``: one per batch row, or None);
 - the REPLACE of ``sample_draft_proposal`` calls SGLang's function for q_k, then
   :func:`draw_step` encodes the batch's q_k with the configured encoder, in one call
   where q_k lives, each row from its uniform of (seed, room, rid:k)
@@ -24,28 +23,28 @@ when a prefill starts with S > 1) call this module:
   the device: our code reads nothing back until the loop ends, so the chain syncs the
   device only where the encoder must read its rows to pack them (``sparse``, ``full``).
 
-The prefill wrapper (:func:`~.sglang_prefill.publish_batch`) then publishes those
+The prefill wrapper (:func:`~.prefill.publish_batch`) then publishes those
 payloads instead of encoding again. Each step is exact given the accepted prefix, so the
-chain is. A step that fails (:func:`break_chain`) leaves SGLang's draw for it and every
+chain is. A step that fails leaves SGLang's draw for it and every
 later step, and the batch is sent X only.
 """
 
 from __future__ import annotations
 
-import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
-from ..payload import DenseEncoding, Payload, SparseEncoding
-from .sglang_decode import room_key
+from ...payload import DenseEncoding, Payload, SparseEncoding
+from .common import Scope, room_key
+from .patching import MULTI_LAYER_MODULE, Feature, Hook, Target, register_feature
+from .prefill import PAYLOADS_ATTR
 
-#: Draft-input attribute the finished payloads are left under (one per batch row).
-PAYLOADS_ATTR = "pd_middleware_payloads"
-
-_chain: contextvars.ContextVar[ChainDraw | None] = contextvars.ContextVar("pd_middleware_sglang_chain", default=None)
+#: The batch whose chain the prefill is drafting (set by the extend wrapper).
+CHAIN: Scope[ChainDraw] = Scope("pd_middleware_sglang_chain")
 
 
 @dataclass
@@ -130,47 +129,105 @@ def join_steps(encodings: list[Any]) -> Any:
     raise TypeError(f"unknown encoding {type(first).__name__}")
 
 
-def open_chain(publisher: Any, batch: Any) -> contextvars.Token[ChainDraw | None] | None:
-    """Start drawing ``batch``'s chain through ``publisher`` (None: no publisher yet)."""
-    if publisher is None:
-        return None
+def chain_for(publisher: Any, batch: Any) -> ChainDraw:
+    """A chain draw for ``batch`` through ``publisher``: its rooms, temperatures and rids."""
     temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
     n = len(batch.reqs)
     tl = temps.detach().to("cpu", torch.float64).reshape(-1).tolist() if isinstance(temps, torch.Tensor) else [1.0] * n
-    chain = ChainDraw(
+    return ChainDraw(
         publisher,
         [getattr(r, "bootstrap_room", None) for r in batch.reqs],
         (tl * n)[:n] if len(tl) == 1 else tl,
         [str(getattr(r, "rid", "")) for r in batch.reqs],
     )
-    return _chain.set(chain)
 
 
-def finish_chain(token: contextvars.Token[ChainDraw | None], out: Any) -> None:
-    """Close the chain opened by :func:`open_chain`; leave its payloads on ``out``."""
-    chain = _chain.get()
-    _chain.reset(token)
-    if chain is not None and out is not None and (len(chain.steps) > 1 or chain.broken):
+def finish(chain: ChainDraw, out: Any) -> None:
+    """Leave ``chain``'s payloads on the draft input ``out`` (a chain of more than one step, or broken)."""
+    if out is not None and (len(chain.steps) > 1 or chain.broken):
         setattr(out, PAYLOADS_ATTR, chain.payloads())
-
-
-def break_chain() -> None:
-    """Mark the open chain as not the encoder's (a step kept SGLang's draw)."""
-    chain = _chain.get()
-    if chain is not None:
-        chain.broken = True
 
 
 def draw_step(
     step: int, probs: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Inside an open chain: SGLang's q_k with the encoder's q'_k(X_k) and X_k (None: SGLang's draw stands)."""
-    chain = _chain.get()
+    """Inside a chain in scope: SGLang's q_k with the encoder's q'_k(X_k) and X_k (None: SGLang's draw stands)."""
+    chain = CHAIN.get()
     if chain is None:
         return None  # not the PD prefill chain
     got = chain.draw(step, probs)
     if got is None:
-        chain.publisher.counts["chain:padded_batch"] += 1
+        chain.publisher.events.count("chain:padded_batch")
         return None
     p, x = got
     return probs, p.to(topk_p.device, topk_p.dtype), x.to(topk_index.device, topk_index.dtype)
+
+
+# --------------------------------------------------------------------- the feature
+
+
+def wrap_extend_for_prefill(extend: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def _draft_extend_for_prefill(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        chain = None
+        try:
+            chain = chain_for(inst.publisher, batch) if inst.publisher is not None else None
+        except Exception as exc:
+            inst.events.failed("chain", exc, "SGLang's own chain")
+        if chain is None:
+            return extend(self, batch, *args, **kwargs)
+        out = None
+        with CHAIN.enter(chain):
+            try:
+                out = extend(self, batch, *args, **kwargs)
+            finally:
+                try:
+                    finish(chain, out)
+                except Exception as exc:
+                    inst.events.failed("chain", exc, "SGLang's own chain (X only)")
+        return out
+
+    return _draft_extend_for_prefill
+
+
+def wrap_sample(sample: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def sample_draft_proposal(next_token_logits: Any, temperatures: Any, top_ks: Any = None, **kwargs: Any) -> Any:
+        probs, topk_p, topk_index = sample(next_token_logits, temperatures, top_ks, **kwargs)
+        if top_ks is not None:
+            return probs, topk_p, topk_index  # greedy rows: SGLang's
+        try:
+            got = draw_step(int(kwargs.get("draft_step", 0)), probs, topk_p, topk_index)
+        except Exception as exc:
+            inst.events.failed("chain_step", exc, "SGLang's own draw (the chain is sent X only)")
+            chain = CHAIN.get()
+            if chain is not None:
+                chain.broken = True  # a step kept SGLang's draw: the chain is not the encoder's
+            return probs, topk_p, topk_index
+        return got if got is not None else (probs, topk_p, topk_index)
+
+    return sample_draft_proposal
+
+
+register_feature(
+    Feature(
+        "chain",
+        (
+            Target(
+                MULTI_LAYER_MODULE,
+                "sample_draft_proposal",
+                ("next_token_logits", "temperatures", "top_ks", "sampling_seed", "positions", "draft_step"),
+                Hook.REPLACE,
+                wrap_sample,
+            ),
+            Target(
+                MULTI_LAYER_MODULE,
+                "MultiLayerEagleDraftWorker._draft_extend_for_prefill",
+                ("self", "batch", "target_hidden_states", "next_token_ids", "kv_loc_plan"),
+                Hook.AROUND,
+                wrap_extend_for_prefill,
+            ),
+        ),
+        lambda plan: "prefill" in plan.features,
+        applied="multi_layer_prefill",
+        summary="the multi-layer prefill's per-step draw from the encoded law (applied when S > 1)",
+    )
+)

@@ -11,13 +11,33 @@ misconfigured node stops at startup instead of failing on its first batch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from .._errors import ConfigError, PluginError
+from ..._errors import ConfigError, PDMiddlewareError, PluginError
+from .patching import (
+    HOOKS_MODULE,
+    RUNTIME_MODULE,
+    SCHEDULER_MODULE,
+    Feature,
+    Hook,
+    Symbols,
+    Target,
+    read,
+    register_feature,
+)
+
+logger = logging.getLogger("pd_middleware.integrations.sglang")
+
+GET_SPEC = f"{RUNTIME_MODULE}.get_spec"
+GET_DISAGG = f"{RUNTIME_MODULE}.get_disagg"
+GET_PARALLEL = f"{RUNTIME_MODULE}.get_parallel"
+GET_OBSERVABILITY = f"{RUNTIME_MODULE}.get_observability"
 
 #: SGLang speculative algorithms whose PD first draft input goes through
 #: ``build_eagle_disagg_draft_input`` (EAGLE family). ``NEXTN`` (MTP) is not listed: SGLang
@@ -48,11 +68,10 @@ class EngineFacts:
     tp_rank: int = 0
 
 
-def facts_from_scheduler(scheduler: Any) -> EngineFacts:
-    """Read :class:`EngineFacts` from a starting SGLang ``Scheduler`` (runtime context + model config)."""
-    from sglang.srt.runtime_context import get_disagg, get_parallel, get_spec
-
-    spec, disagg = get_spec(), get_disagg()
+def facts_from_scheduler(scheduler: Any, symbols: Symbols) -> EngineFacts:
+    """Read :class:`EngineFacts` from a starting SGLang ``Scheduler`` (SGLang's runtime
+    context, through the table's READ targets, and the scheduler's model config)."""
+    spec, disagg = symbols[GET_SPEC](), symbols[GET_DISAGG]()
     # Read, not defaulted: an SGLang without the flag is another SGLang (AttributeError
     # stops the scheduler, naming it).
     multi = bool(spec.enable_multi_layer_eagle)
@@ -66,7 +85,7 @@ def facts_from_scheduler(scheduler: Any) -> EngineFacts:
         topk=int(spec.speculative_eagle_topk or 1),
         rejection_sampling=bool(spec.speculative_use_rejection_sampling),
         backend=str(disagg.disaggregation_transfer_backend),
-        tp_rank=int(get_parallel().tp_rank),
+        tp_rank=int(symbols[GET_PARALLEL]().tp_rank),
     )
 
 
@@ -138,7 +157,7 @@ def check_layout(buffers_cls: Any, channel: Any) -> None:
     its row size, our buffer LAST with ours, every list entry two rows of its item size.
     Raises PluginError naming the field that differs.
     """
-    from .sglang_metadata import BUFFER_ATTR
+    from .metadata import BUFFER_ATTR  # deferred: the channel's module imports this one's neighbours
 
     bufs = buffers_cls(2, 8, torch.float32, 16)
 
@@ -208,7 +227,7 @@ def check_registration(info_cls: Any, channel: Any) -> None:
     """Round-trip ``KVArgsRegisterInfo.from_zmq`` (ours around SGLang's) on a registration
     with and without our trailing frame: every SGLang field must be the same both ways, and
     our layout must come back. Raises PluginError naming the field."""
-    from .sglang_metadata import LAYOUT_ATTR
+    from .metadata import LAYOUT_ATTR  # deferred, as in check_layout
 
     frames = registration_frames()
     try:
@@ -238,3 +257,91 @@ def check_registration(info_cls: Any, channel: Any) -> None:
             f"sent {channel.describe()!r}",
             plugin="sglang",
         )
+
+
+# ----------------------------------------------------------------------- the draft's token map
+
+
+def draft_worker_of(scheduler: Any) -> Any:
+    """The decode's or prefill's EAGLE draft worker (``scheduler.draft_worker.draft_worker``:
+    SGLang's ``EagleDraftWorker``), or None (no speculative worker, not the last PP stage)."""
+    worker = getattr(scheduler, "draft_worker", None)
+    return getattr(worker, "draft_worker", None) if worker is not None else None
+
+
+def token_map_of(draft_worker: Any) -> torch.Tensor | None:
+    """The draft's ``hot_token_id`` map (draft id -> target id): the worker's
+    (``--speculative-token-map``, EAGLE) or the draft model's (EAGLE3); None without one."""
+    hot = getattr(draft_worker, "hot_token_id", None)
+    if hot is None:
+        runner = getattr(draft_worker, "draft_runner", None)
+        hot = getattr(getattr(runner, "model", None), "hot_token_id", None)
+    return hot if isinstance(hot, torch.Tensor) else None
+
+
+def check_token_map(hot: torch.Tensor | None, vocab_size: int) -> None:
+    """Refuse (ConfigError) a non-identity draft token map under rejection sampling.
+
+    SGLang 0.5.23 maps draft *tokens* through ``hot_token_id`` (``eagle_worker_v2.py``
+    around 757 and 897) but never its draft *probabilities*: every draft step's
+    ``draft_probs`` stays in draft-id order while the verify reads it at target ids, so a
+    map that is not the identity makes the verify inexact at every step, the ones SGLang
+    drafts on the decode included. No proposal the drop-in hands the first verify can
+    repair the later steps, so the deployment is refused at startup.
+    """
+    if hot is None:
+        return
+    flat = hot.reshape(-1).to("cpu", torch.int64)
+    if flat.numel() == vocab_size and torch.equal(flat, torch.arange(vocab_size)):
+        return
+    raise ConfigError(
+        f"the draft maps its {flat.numel()} ids through a token map that is not the identity (--speculative-token-map, "
+        f"or an EAGLE3 draft's d2t), target V={vocab_size}: SGLang 0.5.23 maps draft tokens but not draft "
+        "probabilities through it, so rejection sampling verifies every step against a proposal in the wrong order; "
+        "drop the token map (a full-vocabulary draft needs none) or run without --speculative-use-rejection-sampling",
+        path="sglang",
+    )
+
+
+# ----------------------------------------------------------------------- the features
+
+
+def wrap_scheduler_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def init_disaggregation(self: Any) -> Any:
+        # Startup: every failure stops the scheduler (SGLang then stops the server), with
+        # the reason. A server that is not a PD prefill or decode is refused here too.
+        try:
+            inst.activate(facts_from_scheduler(self, inst.symbols), scheduler=self)
+        except PDMiddlewareError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"pd-middleware could not start on this scheduler: {type(exc).__name__}: {exc}") from exc
+        out = orig(self)
+        inst.self_check()
+        return out
+
+    return init_disaggregation
+
+
+register_feature(
+    Feature(
+        "scheduler",
+        (
+            Target(SCHEDULER_MODULE, "Scheduler.init_disaggregation", ("self",), Hook.AROUND, wrap_scheduler_init),
+            read(RUNTIME_MODULE, "get_spec", ()),
+            read(RUNTIME_MODULE, "get_disagg", ()),
+            read(RUNTIME_MODULE, "get_parallel", ()),
+            read(RUNTIME_MODULE, "get_observability", ()),
+        ),
+        lambda plan: plan.options.facts is None and plan.options.hook_scheduler,
+        summary="scheduler start: the checks, the engine's shapes, the role's objects",
+    )
+)
+register_feature(
+    Feature(
+        "announce",
+        (read(HOOKS_MODULE, "_current_plugin_source"),),
+        lambda plan: True,
+        summary="who registered the hooks, in HookRegistry's log format",
+    )
+)

@@ -8,7 +8,7 @@ string). Where the payload goes is the publisher's ``sink``:
 
 - the metadata channel (``[sglang].channel = "metadata"``): staged on the request
   (``req.pd_middleware_row``) and written by SGLang's own ``set_buf`` into the
-  request's proposal row (:mod:`.sglang_metadata`);
+  request's proposal row (:mod:`.metadata`);
 - the side channel: sent through a :class:`~pd_middleware.transport.PrefillSender`.
 
 **Each request's draws are a function of (``seed``, room, rid) alone**
@@ -17,24 +17,25 @@ per-process generator), so every prefill TP rank that writes a request's row (se
 do under MHA TP) draws the same X, given identical draft distributions, whatever the
 batch around it. The batch is encoded in one call where the draft rows live; nothing
 V-wide reaches the host unless the encoder ships V-wide rows (``full``). That is not
-taken on trust: :func:`publish_batch` all-reduces, per batch,
-whether each rank encoded each request and which X it drew, and publishes a request only
-when all agree. **The caller must hand the decode the encoder's X** (``tokens``) and
-q'(X) (``token_probs``) instead of its own draw: the shipped proposal is exact only for
-the X that was drawn from it. The decode checks it and falls back to one-hot when the
-tokens differ.
+taken on trust: :func:`publish_batch` agrees, per batch, across the ranks
+(:func:`~.agreement.agree`) on whether each rank encoded each request and which X it
+drew, and publishes a request only when all agree. **The caller must hand the decode
+the encoder's X** (``tokens``) and q'(X) (``token_probs``) instead of its own draw: the
+shipped proposal is exact only for the X that was drawn from it. The decode checks it
+and falls back to one-hot when the tokens differ.
 
-:func:`publish_batch` is what the AROUND wrapper of SGLang's
-``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``
-(:mod:`.sglang_patch`) runs before SGLang's method, after ``copy_done``: that method
-copies ``next_draft_input.topk_p/topk_index`` into ``req.output_topk_p`` /
+The feature ``prefill`` of the table (declared at the end of this module) is the AROUND
+wrapper of SGLang's
+``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``: before
+SGLang's method it runs :func:`publish_batch`, after ``copy_done``. That method copies
+``next_draft_input.topk_p/topk_index`` into ``req.output_topk_p`` /
 ``req.output_topk_index`` for finished requests, right before ``send_kv_chunk`` writes
-them into the PD metadata buffers, so overwriting ``topk_index[:, 0]`` /
-``topk_p[:, 0]`` with the encoder's draw makes SGLang's own metadata carry it.
+them into the PD metadata buffers, so overwriting ``topk_index[:, 0]`` / ``topk_p[:, 0]``
+with the encoder's draw makes SGLang's own metadata carry it.
 
-Multi-layer EAGLE is published when the chain patches are active (:mod:`.sglang_chain`
-draws each step inside SGLang's draft loop, so step k+1 is conditioned on the encoded
-X_k). Without them SGLang's own chain stands and is sent X only (counted
+Multi-layer EAGLE is published when the chain patches are active (:mod:`.chain` draws
+each step inside SGLang's draft loop, so step k+1 is conditioned on the encoded X_k).
+Without them SGLang's own chain stands and is sent X only (counted
 ``skipped:multi_layer``; the decode answers one-hot, exact).
 """
 
@@ -44,17 +45,25 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._errors import ConfigError, PDMiddlewareError
-from ..contracts import EncodedBatch
-from ..draws import encode_requests, takes_uniforms
-from ..payload import Payload
-from .sglang_decode import LOCAL_PROVENANCE, is_probe, room_key
+from ..._errors import ConfigError, PDMiddlewareError
+from ...contracts import EncodedBatch
+from ...draws import encode_requests, takes_uniforms
+from ...events import Events
+from ...payload import Payload
+from .agreement import NEUTRAL, Verdict, agree, group_of
+from .common import LOCAL_PROVENANCE, is_probe, room_key
+from .patching import PREFILL_MODULE, Feature, Hook, Target, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
+
+#: Draft-input attribute the multi-layer chain leaves its finished payloads under
+#: (one per batch row; :mod:`.chain`).
+PAYLOADS_ATTR = "pd_middleware_payloads"
 
 
 class ProposalPublisher:
@@ -76,6 +85,7 @@ class ProposalPublisher:
         vocab_size: int,
         seed: int = 0,
         stage: Callable[[Any, Payload | None], None] | None = None,
+        num_steps: int = 1,
     ) -> None:
         if (sender is None) == (stage is None):
             raise ValueError("give exactly one of sender (side channel) and stage (metadata channel)")
@@ -83,9 +93,10 @@ class ProposalPublisher:
         self._sender = sender
         self.stage = stage
         self.vocab_size = vocab_size
+        self.num_steps = num_steps
         self.seed = seed
-        self.counts: Counter[str] = Counter()
-        self.logged: set[str] = set()
+        self.events = Events("prefill", logger=logger)
+        self.counts: Counter[str] = self.events.counts
         self._lock = threading.Lock()
         self._connector: threading.Thread | None = None
         self._connect_lock = threading.Lock()
@@ -117,8 +128,8 @@ class ProposalPublisher:
         """
         import msgspec
 
-        from ..config import Config, load_config
-        from ..middleware import build_encoders
+        from ...config import Config, load_config
+        from ...middleware import build_encoders
 
         cfg = config if isinstance(config, Config) else load_config(config)
         if vocab_size is not None or num_steps is not None:
@@ -136,7 +147,12 @@ class ProposalPublisher:
                 raise ConfigError(f"no arm named {arm!r}; arms: {sorted(encoders)}", path="arms")
             enc = encoders[arm]
         return cls(
-            enc, sender, vocab_size=cfg.model.vocab_size, seed=cfg.sglang.seed if seed is None else seed, stage=stage
+            enc,
+            sender,
+            vocab_size=cfg.model.vocab_size,
+            seed=cfg.sglang.seed if seed is None else seed,
+            stage=stage,
+            num_steps=cfg.model.num_steps,
         )
 
     #: Connect attempts of a lazily connected sender, and the longest pause between two.
@@ -269,9 +285,8 @@ class ProposalPublisher:
                 # SGLang's warmups and health checks are staged like any request (their
                 # row is harmless) but counted apart, as the decode does.
                 probes = sum(1 for t in targets[: len(payloads)] if is_probe(t))
-                self.counts["staged"] += len(payloads) - probes
-                if probes:
-                    self.counts["probe"] += probes
+                self.events.count("staged", len(payloads) - probes)
+                self.events.count("probe", probes)
                 return
             sender = self.sender
             if sender is None:
@@ -280,17 +295,12 @@ class ProposalPublisher:
             for payload in payloads:
                 try:
                     sender.send(payload)
-                    self.counts["published"] += 1
+                    self.events.count("published")
                 except PDMiddlewareError as exc:
                     self._note(f"send_failed:{type(exc).__name__}", 1, f"request {payload.request_id}: {exc}")
 
     def _note(self, key: str, n: int, detail: str) -> None:
-        self.counts[key] += n
-        if key not in self.logged:
-            self.logged.add(key)
-            logger.warning(
-                "publishing failed (%s); the decode will use one-hot (logged once; counted as %s)", detail, key
-            )
+        self.events.count(key, n, log=lambda: f"publishing failed ({detail}); the decode will use one-hot")
 
     def publish(
         self,
@@ -340,89 +350,22 @@ def unstage(publisher: ProposalPublisher, batch: Any) -> None:
             publisher.stage(req, None)
 
 
-#: Neutral element of the agreement's MIN (a rank with nothing to say for a request).
-_NEUTRAL = torch.iinfo(torch.int64).max
-
-
-def publish_batch(
-    publisher: ProposalPublisher, batch: Any, draft_input: Any, *, group: Any = None, guard: Any = None
-) -> None:
-    """Encode one prefill batch's finishing requests and give SGLang the encoder's X; never raises.
-
-    ``draft_input``: SGLang's ``result.next_draft_input`` (``draft_probs``, ``topk_index``,
-    ``topk_p``), after ``copy_done``; ``group``: the CPU group of the ranks that run this
-    batch (SGLang's attention TP), or None for one rank; ``guard``: counts our failures.
-
-    Every rank that runs the batch must hand the decode the same X for a request (under
-    TP, the sharded target forward embeds each rank's own X). So, per batch:
-
-    1. each rank encodes the finishing requests (each request's draws from (seed, room,
-       rid) alone); a failure here is this rank's alone;
-    2. every rank, always, takes part in one all-reduce (MIN) of [encoded OK, X, -X]
-       per request over ``group``;
-    3. a request whose ranks all encoded, and all drew the same X, gets it: ``topk_index``
-       / ``topk_p`` are overwritten and its payload is staged or sent. Any other request
-       keeps SGLang's own X, sent without a distribution (the decode answers one-hot),
-       counted ``agreement:<why>`` (``local_failed``, ``peer_failed``, ``x_differs``) and
-       logged once.
-
-    Multi-layer EAGLE: with the chain patches (:mod:`.sglang_chain`) the S-step payloads
-    were drawn inside SGLang's draft loop and X is already the encoder's; they are
-    published the same way. Without them (a step failed, a padded batch) SGLang's own
-    chain stands and is sent X only.
-    """
-    q = getattr(draft_input, "draft_probs", None)
-    if q is None:
-        return
-    rows = [
-        i for i, req in enumerate(batch.reqs) if _finishing(req) and getattr(req, "bootstrap_room", None) is not None
-    ]
-    if not rows:
-        return
-    try:
-        own = draft_input.topk_index[rows].detach().to("cpu", torch.int64)
-        steps = int(own.shape[1]) if q.dim() == 3 and q.shape[1] != 1 else 1
-        own = own[:, :steps]
-    except Exception as exc:  # SGLang's own X unreadable: nothing to agree on, SGLang's stands
-        _failed(guard, "prefill", exc)
-        return
-    local = None
-    try:
-        local = _encode_rows(publisher, batch, draft_input, q, rows, steps)
-    except Exception as exc:
-        _failed(guard, "prefill_encode", exc)
-    why = _agree(local, own, group, guard)
-    try:
-        _finish(publisher, batch, draft_input, rows, own, local, why)
-    except Exception as exc:
-        _failed(guard, "prefill_publish", exc)
-
-
-def _failed(guard: Any, where: str, exc: BaseException) -> None:
-    if guard is not None:
-        guard.failed(where, exc, "SGLang's own X (the decode answers one-hot)")
-    else:
-        logger.error("pd-middleware %s failed (%s); SGLang's own X is used", where, exc)
-
-
 def _encode_rows(
     publisher: ProposalPublisher, batch: Any, draft_input: Any, q: torch.Tensor, rows: list[int], steps: int
 ) -> tuple[torch.Tensor, torch.Tensor, list[Payload | None]]:
     """This rank's (X (r, S), q'(X) (r, S), payloads) for ``rows``; payloads[i] None: X only."""
     reqs = [batch.reqs[i] for i in rows]
     if steps > 1:
-        from .sglang_chain import PAYLOADS_ATTR
-
         chained = getattr(draft_input, PAYLOADS_ATTR, None)
         if chained is None or len(chained) != len(batch.reqs):
             # No chain drawn by the drop-in (its patches off, a padded batch, a failed
             # step): SGLang's own chain stands, sent X only.
-            publisher.counts["skipped:multi_layer"] += 1
+            publisher.events.count("skipped:multi_layer")
             chained = [None] * len(batch.reqs)
         got = [chained[i] for i in rows]
         x = draft_input.topk_index[rows, :steps].detach().to("cpu", torch.int64)
         p = draft_input.topk_p[rows, :steps].detach().to("cpu", torch.float32)
-        publisher.counts["chain:published"] += sum(g is not None for g in got)
+        publisher.events.count("chain:published", sum(g is not None for g in got))
         return x, p, list(got)
     q2 = q.reshape(q.shape[0], -1)[rows]
     temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
@@ -432,50 +375,121 @@ def _encode_rows(
     return enc.tokens.to(torch.int64), enc.token_probs, list(payloads)
 
 
-def _agree(
-    local: tuple[torch.Tensor, torch.Tensor, list[Payload | None]] | None,
-    own: torch.Tensor,
-    group: Any,
-    guard: Any,
-) -> list[str]:
-    """Per request, why it is not published ("" when every rank encoded it with one X)."""
-    r, steps = own.shape
-    if local is None:
-        mine = ["local_failed"] * r
-        x, ok = own, torch.zeros(r, dtype=torch.int64)
-    else:
-        mine = ["" if p is not None else "x_only" for p in local[2]]
-        x = local[0].reshape(r, steps)
-        ok = torch.tensor([0 if m else 1 for m in mine], dtype=torch.int64)
-    if group is None:
-        return mine
-    flat = torch.cat([ok, x.reshape(-1), -x.reshape(-1)])
+@dataclass
+class _Batch:
+    """One prefill batch as this rank sees it (filled in by :func:`_votes`)."""
+
+    rows: list[int] = field(default_factory=list)  # finishing requests with a room
+    own: torch.Tensor | None = None  # SGLang's own X of those rows (r, S), on the host
+    local: tuple[torch.Tensor, torch.Tensor, list[Payload | None]] | None = None
+    encode_error: BaseException | None = None
+    draft_input: Any = None
+
+
+def publish_batch(publisher: ProposalPublisher, batch: Any, result: Any, *, group: Any, events: Events) -> None:
+    """Encode one prefill batch's finishing requests and give SGLang the encoder's X; never raises.
+
+    ``result``: SGLang's batch result (``copy_done``, ``next_draft_input`` with
+    ``draft_probs``, ``topk_index``, ``topk_p``); ``group``: the CPU group of the ranks
+    that run this batch (SGLang's attention TP), or None for one rank; ``events``: counts
+    our failures (the installation's guard part).
+
+    Every rank that runs the batch must hand the decode the same X for a request (under
+    TP, the sharded target forward embeds each rank's own X). So, per batch with any
+    request in it (the same on every rank), every rank, always:
+
+    1. waits for ``copy_done``, clears what an earlier batch staged on these requests,
+       reads SGLang's own X and encodes the finishing requests (each request's draws from
+       (seed, room, rid) alone); **any failure here is this rank's "not ok" vote**;
+    2. takes part in the one agreement all-reduce (:func:`~.agreement.agree`) of
+       [encoded OK, X] per request;
+    3. a request whose ranks all encoded, and all drew the same X, gets it: ``topk_index``
+       / ``topk_p`` are overwritten and its payload is staged or sent. Any other request
+       keeps SGLang's own X, sent without a distribution (the decode answers one-hot),
+       counted ``agreement:<why>`` (``local_failed``, ``peer_failed``, ``x_differs``,
+       ``agreement_failed``) and logged once.
+    """
+    n = len(batch.reqs)
+    if n == 0:
+        return
+    steps = publisher.num_steps
+    seen = _Batch()
+    verdict = agree(n, steps, lambda: _votes(publisher, batch, result, steps, seen), group)
+    if verdict.error is not None:
+        events.failed("prefill", verdict.error, "SGLang's own X (the decode answers one-hot)")
+    if seen.encode_error is not None:
+        events.failed("prefill_encode", seen.encode_error, "SGLang's own X (the decode answers one-hot)")
+    if verdict.failed is not None:
+        events.failed("prefill_agreement", verdict.failed, "SGLang's own X (the decode answers one-hot)")
+    if not seen.rows or seen.own is None:
+        return
     try:
-        import torch.distributed as dist
-
-        dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
-    except Exception as exc:  # the group itself failed: publish nothing
-        _failed(guard, "prefill_agreement", exc)
-        return [m or "agreement_failed" for m in mine]
-    n = r * steps
-    same = (flat[r : r + n].reshape(r, steps) == -flat[r + n :].reshape(r, steps)).all(dim=1).tolist()
-    all_ok = flat[:r].tolist()
-    return [m or ("peer_failed" if not a else "" if eq else "x_differs") for m, a, eq in zip(mine, all_ok, same)]
+        _finish(publisher, batch, seen, _reasons(seen, verdict))
+    except Exception as exc:
+        events.failed("prefill_publish", exc, "SGLang's own X (the decode answers one-hot)")
 
 
-def _finish(
-    publisher: ProposalPublisher,
-    batch: Any,
-    draft_input: Any,
-    rows: list[int],
-    own: torch.Tensor,
-    local: tuple[torch.Tensor, torch.Tensor, list[Payload | None]] | None,
-    why: list[str],
-) -> None:
+def _votes(
+    publisher: ProposalPublisher, batch: Any, result: Any, steps: int, seen: _Batch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's votes over every request of the batch: (ok (n,), X (n, S))."""
+    n = len(batch.reqs)
+    ok = torch.zeros(n, dtype=torch.bool)
+    x = torch.full((n, steps), NEUTRAL, dtype=torch.int64)
+    # SGLang's own first step: the forward's results are on the host only after it.
+    copy_done = getattr(result, "copy_done", None)
+    if copy_done is not None:
+        copy_done.synchronize()
+    # Nothing staged by an earlier batch may be written next to this batch's X.
+    unstage(publisher, batch)
+    draft_input = getattr(result, "next_draft_input", None)
+    q = getattr(draft_input, "draft_probs", None)
+    rows = [
+        i for i, req in enumerate(batch.reqs) if _finishing(req) and getattr(req, "bootstrap_room", None) is not None
+    ]
+    if q is None or draft_input is None or not rows:
+        return ok, x
+    seen.draft_input = draft_input
+    seen.own = draft_input.topk_index[rows].detach().to("cpu", torch.int64)[:, :steps]
+    seen.rows = rows
+    try:
+        seen.local = _encode_rows(publisher, batch, draft_input, q, rows, steps)
+    except Exception as exc:  # encoding failed here: this rank votes "not ok" with SGLang's X
+        seen.encode_error = exc
+        x[rows] = seen.own
+        return ok, x
+    tokens, _, payloads = seen.local
+    x[rows] = tokens.reshape(len(rows), steps).to("cpu", torch.int64)
+    ok[rows] = torch.tensor([p is not None for p in payloads], dtype=torch.bool)
+    return ok, x
+
+
+def _reasons(seen: _Batch, verdict: Verdict) -> list[str]:
+    """Per finishing row, why it is not published ("" when every rank encoded it with one X)."""
+    idx = torch.tensor(seen.rows)
+    ok, same = verdict.ok[idx].tolist(), verdict.same[idx].tolist()
+    out = []
+    for j in range(len(seen.rows)):
+        if verdict.failed is not None:
+            out.append("agreement_failed")
+        elif seen.local is None:
+            out.append("local_failed")
+        elif seen.local[2][j] is None:
+            out.append("x_only")
+        elif not ok[j]:
+            out.append("peer_failed")
+        else:
+            out.append("" if same[j] else "x_differs")
+    return out
+
+
+def _finish(publisher: ProposalPublisher, batch: Any, seen: _Batch, why: list[str]) -> None:
+    rows, own, draft_input = seen.rows, seen.own, seen.draft_input
+    assert own is not None
     reqs = [batch.reqs[i] for i in rows]
     pub = [j for j, w in enumerate(why) if not w]
-    if local is not None and pub:
-        tokens, probs, payloads = local
+    if seen.local is not None and pub:
+        tokens, probs, payloads = seen.local
         if own.shape[1] == 1:
             # SGLang's metadata must carry the encoder's X: the shipped q' is exact only for it.
             dev = draft_input.topk_index.device
@@ -488,7 +502,16 @@ def _finish(
     if not bare:
         return
     for reason in sorted({why[j] for j in bare} - {"x_only"}):
-        _count_once(publisher, f"agreement:{reason}", sum(why[j] == reason for j in bare))
+        k = sum(why[j] == reason for j in bare)
+        publisher.events.count(
+            f"agreement:{reason}",
+            k,
+            log=(
+                f"pd-middleware prefill ranks did not all publish the same X for {k} request(s) "
+                f"(agreement:{reason}): every rank keeps SGLang's own X and the decode answers one-hot"
+            ),
+            level=logging.ERROR,
+        )
     # SGLang's own X, without a distribution, so the decode tells "X only" from "no drop-in".
     p_own = draft_input.topk_p[[rows[j] for j in bare]].detach().to("cpu", torch.float32).clamp(0.0, 1.0)
     publisher.deliver(
@@ -506,16 +529,34 @@ def _finish(
     )
 
 
-def _count_once(publisher: ProposalPublisher, key: str, n: int) -> None:
-    publisher.counts[key] += n
-    with publisher._lock:
-        first = key not in publisher.logged
-        publisher.logged.add(key)
-    if first:
-        logger.error(
-            "pd-middleware prefill ranks did not all publish the same X for %d request(s) (%s): every rank "
-            "keeps SGLang's own X and the decode answers one-hot (logged once; counted as %s)",
-            n,
-            key,
-            key,
-        )
+# --------------------------------------------------------------------- the feature
+
+
+def wrap_prefill_result(original: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def process_batch_result_disagg_prefill(self: Any, batch: Any, result: Any) -> Any:
+        publisher = inst.publisher
+        if publisher is not None:
+            # Never raises: a failure on this rank is its vote in the agreement, and SGLang's X stands.
+            group = group_of(getattr(self, "attn_tp_cpu_group", None), inst.rank_agreement)
+            publish_batch(publisher, batch, result, group=group, events=inst.events)
+        return original(self, batch, result)
+
+    return process_batch_result_disagg_prefill
+
+
+register_feature(
+    Feature(
+        "prefill",
+        (
+            Target(
+                PREFILL_MODULE,
+                "SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill",
+                ("self", "batch", "result"),
+                Hook.AROUND,
+                wrap_prefill_result,
+            ),
+        ),
+        lambda plan: "prefill" in plan.features,
+        summary="the prefill's batch result: each finishing request encoded, agreed across ranks",
+    )
+)

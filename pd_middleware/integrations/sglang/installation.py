@@ -1,31 +1,34 @@
 """One installation of the SGLang drop-in: its options, its objects, and its activation.
 
 :class:`InstallOptions` says how :func:`~pd_middleware.integrations.sglang.install`
-installs; :class:`Installation` is what it did, and :meth:`Installation.activate`
-finishes the job when the engine is known (a scheduler starts, or a harness passes
-:class:`~.sglang_startup.EngineFacts`): the checks, the shapes, the role's objects.
+installs; :class:`Installation` is what it did: the resolved table (its patches and its
+READ :class:`~.patching.Symbols`), the one :class:`~.sources.ProposalSource`, the guard's
+:class:`~pd_middleware.events.Events`. :meth:`Installation.activate` finishes the job
+when the engine is known (a scheduler starts, or a harness passes
+:class:`~.startup.EngineFacts`): the checks, the shapes, the source's objects for this
+node's role, the metrics.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from .._errors import ConfigError
-from .sglang_decode import DecodeProposer, ProposalStore
-from .sglang_metadata import MetadataChannel
-from .sglang_patch import Guard, Hook, Patch, SGLangModules, announce, apply, build, hook_source
-from .sglang_prefill import ProposalPublisher
-from .sglang_startup import EngineFacts, check, check_layout, check_registration
+from ..._errors import ConfigError
+from ...events import Events
+from ...metrics import Metrics
+from .patching import FEATURES, Hook, Patch, SGLangModules, Symbols, announce, apply, build, feature_of, hook_source
+from .prefill import ProposalPublisher
+from .sources import InBandSource, ProposalSource
+from .startup import EngineFacts, check, check_layout, check_registration
+from .store import ProposalStore
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
 ENV_CONFIG = "PD_MIDDLEWARE_CONFIG"
-ENV_DECODE_ADDRESS = "PD_MIDDLEWARE_DECODE_ADDRESS"
 ENV_ALLOW_UNSUPPORTED = "PD_MIDDLEWARE_ALLOW_UNSUPPORTED_SGLANG"
 
 
@@ -44,9 +47,9 @@ class InstallOptions:
     (signatures are still checked). ``modules``/``version``: stand-ins for tests.
     ``hook_scheduler``: False installs no scheduler-start hook (function-level use,
     e.g. SGLang's own unit tests of the builder: shapes are then taken per call and
-    the startup checks do not run). ``rank_agreement``: False skips the prefill's
-    per-batch agreement and the decode's X canary across TP ranks (a negative control
-    for tests; never turn it off on a server with TP > 1).
+    the startup checks do not run). ``rank_agreement``: False skips every cross-rank
+    agreement (the prefill's per batch, the decode's X canary and recompute vote): a
+    negative control for tests; never turn it off on a server with TP > 1.
     """
 
     channel: Literal["metadata", "sidechannel"] | None = None
@@ -67,72 +70,89 @@ class InstallOptions:
 class Installation:
     """What :func:`install` did; ``current()`` returns it while installed.
 
-    ``proposer``: decode-side proposer (its ``counts`` and the middleware's metrics
-    are the counters to watch); ``channel``: the metadata channel or None;
-    ``publisher``: prefill encoder/publisher once known; ``receiver``: the side
+    ``source``: where the decode's proposals come from (its counters by part:
+    :meth:`parts`); ``metrics``: the middleware's counters; ``events``: the guard of the
+    per-batch wrappers (``guard:<wrapper>:<error>``); ``symbols``: the READ targets;
+    ``publisher``: the prefill's encoder/publisher once known; ``receiver``: the side
     channel receiver this installation owns (stopped on uninstall); ``facts``: the
     engine, once a scheduler started; ``patches``: the applied :class:`Patch` list;
     ``deferred``: checked patches applied at activation (the multi-layer chain);
-    ``guard``: the per-batch wrappers' failure counts; ``recorder``: the live A/B
-    first-verify recorder (with ``[[arms]]`` only).
+    ``recorder``: the live A/B first-verify recorder (with ``[[arms]]`` only);
+    ``exporters``: metric exporters stopped on uninstall.
     """
 
     version: str
     config: Any
     options: InstallOptions
-    proposer: DecodeProposer
-    channel: MetadataChannel | None = None
+    source: ProposalSource
+    metrics: Metrics
+    symbols: Symbols = field(default_factory=Symbols)
     publisher: ProposalPublisher | None = None
     receiver: Any = None
     facts: EngineFacts | None = None
     patches: list[Patch] = field(default_factory=list)
     deferred: dict[str, list[Patch]] = field(default_factory=dict)
-    guard: Guard = field(default_factory=Guard)
+    events: Events = field(default_factory=lambda: Events("guard", source="sglang", logger=logger))
     recorder: Any = None
-    is_fake_transfer: Any = None
+    exporters: list[Any] = field(default_factory=list)
     announced: bool = False
     self_checked: bool = False
-    # The prefill's per-batch agreement and the decode's X canary across TP ranks
-    # (InstallOptions.rank_agreement; a harness's negative control turns it off).
+    # Every cross-rank agreement (InstallOptions.rank_agreement; a harness's negative control turns it off).
     rank_agreement: bool = True
-    # Decode-only recompute (synthesizer = "recompute"): its DecodeRecompute (.sglang_recompute).
-    recompute: Any = None
-
-    @property
-    def middleware(self) -> Any:
-        return self.proposer.middleware
-
-    @property
-    def store(self) -> ProposalStore | None:
-        return self.proposer.store
 
     @property
     def channel_name(self) -> str:
-        if self.recompute is not None:
-            return "none"  # decode-only recompute ships nothing
-        return "metadata" if self.channel is not None else "sidechannel"
+        """The channel proposals travel on: ``metadata``, ``sidechannel``, or ``none`` (decode-only)."""
+        return self.source.name
+
+    @property
+    def channel(self) -> Any:
+        """The in-band :class:`~.metadata.MetadataChannel`, or None for another source."""
+        return self.source.channel if isinstance(self.source, InBandSource) else None
+
+    @property
+    def proposer(self) -> Any:
+        """The decode's pipeline proposer (in-band and side channel), or None (recompute)."""
+        return getattr(self.source, "proposer", None)
+
+    @property
+    def recompute(self) -> Any:
+        """The decode-only recompute source, or None for a shipped-law source."""
+        return self.source if "recompute" in self.source.features else None
+
+    @property
+    def guard(self) -> Events:
+        """The per-batch wrappers' failures (an alias of :attr:`events`)."""
+        return self.events
+
+    @property
+    def middleware(self) -> Any:
+        return self.proposer.middleware if self.proposer is not None else None
+
+    @property
+    def store(self) -> ProposalStore | None:
+        return self.proposer.store if self.proposer is not None else None
+
+    @property
+    def is_fake_transfer(self) -> Any:
+        """SGLang's ``_is_fake_transfer`` (a READ target of the metadata feature), or None."""
+        from .metadata import IS_FAKE_TRANSFER
+
+        return self.symbols.get(IS_FAKE_TRANSFER)
 
     def counters(self) -> dict[str, Any]:
         """Integration counters (:meth:`parts`) plus the middleware's receive-path snapshot."""
-        return {**self.parts(), "metrics": self.proposer.metrics.snapshot()}
+        return {**self.parts(), "metrics": self.metrics.snapshot()}
 
     def parts(self) -> dict[str, dict[str, int]]:
-        """The integration's own counters by part: decode, prefill, inband, recompute, guard."""
-        out: dict[str, dict[str, int]] = {"decode": dict(self.proposer.counts)}
-        if self.publisher is not None:
-            out["prefill"] = dict(self.publisher.counts)
-        if self.channel is not None:
-            out["inband"] = dict(self.channel.counts)
-        if self.recompute is not None:
-            out["recompute"] = dict(self.recompute.counts)
-        out["guard"] = dict(self.guard.counts)
-        return out
+        """The integration's own counters by part: the source's, and the guard's."""
+        return {**self.source.parts(), "guard": self.events.snapshot()}
 
     def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0) -> Any:
         """Prefill, without a scheduler (a harness): what the prefill wrapper does for ``reqs``.
 
         ``reqs``: SGLang Reqs (``bootstrap_room`` set); ``draft_probs``: float (B, V)
-        after temperature. Encodes each request from its (seed, room, rid) generator,
+        after temperature. Encodes each request from its (seed, room, rid) uniforms,
         stages its row for ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index``
         / ``output_topk_p`` to the encoder's X and q'(X), as SGLang's
         ``process_batch_result_disagg_prefill`` would after the wrapper. Returns the
@@ -147,83 +167,55 @@ class Installation:
             r.output_topk_p = enc.token_probs[i].clone()
         return enc
 
+    # -- activation ------------------------------------------------------------------
     def activate(self, facts: EngineFacts, scheduler: Any = None) -> None:
         """Finish activation for the engine ``facts`` (called at scheduler start).
 
         Runs every check (raises ConfigError, also for a server that is not a PD prefill
-        or decode), binds V and S, builds the role's objects (the decode middleware, the
-        prefill encoder, the side channel's receiver or publisher), applies the deferred
-        patches it needs, and logs every patch once (:meth:`announce`).
+        or decode), binds the source for this node's role, applies the deferred patches
+        it needs, serves and copies the metrics, and logs every patch once
+        (:meth:`announce`).
         """
         check(self.config, facts, self.channel_name)
         self.facts = facts
-        if self.recompute is not None:
-            self._activate_recompute(facts, scheduler)
-            return
-        if self.channel is not None:
-            self.channel.bind(facts.vocab_size, facts.num_steps)
-        if facts.role == "decode":
-            self.proposer.bind(facts.vocab_size, facts.num_steps)
-            if facts.tp_rank == 0:
-                # One [metrics] endpoint per node (every TP rank would bind the same port).
-                from ..metrics_export import serve
-
-                server = serve(self.proposer.metrics, self.config.metrics)
-                if server is not None:
-                    self.proposer.exporters.append(server)
-            if self.channel is None and self.receiver is None and self.proposer.store is None and facts.tp_rank == 0:
-                from ..transport import open_receiver
-
-                self.receiver = open_receiver(self.config.transport, self.proposer.middleware.pipeline)
-                self.proposer.store = ProposalStore(self.receiver)
-                logger.info("pd-middleware decode receiver listening on %s", self.receiver.address)
-        elif self.publisher is None:
-            self._make_publisher(facts)
+        self.source.bind(facts, scheduler)
+        if facts.role == "prefill" and self.publisher is not None:
             if self.channel is not None:
                 self._warn_capacity(facts)
-        if facts.role == "prefill" and facts.num_steps > 1:
-            self._patch_chain()
-        self._export_counters()
-        self.announce()
-        logger.info(
-            "pd-middleware active: %s node, channel %s, V=%d, S=%d",
-            facts.role,
-            self.channel_name,
-            facts.vocab_size,
-            facts.num_steps,
-        )
-
-    def _activate_recompute(self, facts: EngineFacts, scheduler: Any) -> None:
-        """Decode-only recompute (``synthesizer = "recompute"``): capture the draft head from
-        ``scheduler`` (.sglang_recompute), serve the decode's metrics, announce."""
-        from .sglang_recompute import activate_recompute
-
-        activate_recompute(self, facts, scheduler)
+            if facts.num_steps > 1:
+                self._patch_chain()
         if facts.role == "decode" and facts.tp_rank == 0:
-            from ..metrics_export import serve
+            # One [metrics] endpoint per node (every TP rank would bind the same port).
+            from ...metrics_export import serve
 
-            server = serve(self.proposer.metrics, self.config.metrics)
+            server = serve(self.metrics, self.config.metrics)
             if server is not None:
-                self.proposer.exporters.append(server)
+                self.exporters.append(server)
         self._export_counters()
         self.announce()
         logger.info(
-            "pd-middleware active: %s node, decode-only recompute, V=%d, S=%d",
+            "pd-middleware active: %s node, %s, V=%d, S=%d",
             facts.role,
+            "decode-only recompute" if self.recompute is not None else f"channel {self.channel_name}",
             facts.vocab_size,
             facts.num_steps,
         )
 
     def _export_counters(self) -> None:
         """Under SGLang's ``--enable-metrics``: copy the counters (the middleware's and
-        :meth:`counters`' parts) into SGLang's ``/metrics``, on the prefill and the decode."""
-        from .sglang_ab import CounterSource, start_sglang_export
+        :meth:`parts`) into SGLang's ``/metrics``, on the prefill and the decode."""
+        from .live_ab import CounterSource, sglang_exports_metrics, start_sglang_export
 
-        source = CounterSource(self.proposer.metrics, self.parts)
-        start_sglang_export(source, self.config.metrics.sync_interval_s, self.proposer.exporters)
+        source = CounterSource(self.metrics, self.parts)
+        start_sglang_export(
+            source,
+            self.config.metrics.sync_interval_s,
+            self.exporters,
+            enabled=lambda: sglang_exports_metrics(self.symbols),
+        )
 
     def _patch_chain(self) -> None:
-        """Multi-layer prefill: draw each chain step from its encoded law (.sglang_chain)."""
+        """Multi-layer prefill: draw each chain step from its encoded law (:mod:`.chain`)."""
         patches = self.deferred.pop("chain", None)
         if patches is None:
             return  # stand-ins without the multi-layer module (only_given), or applied already
@@ -240,23 +232,14 @@ class Installation:
         if self.announced:
             return
         self.announced = True
-        announce(self.patches, hook_source())
+        announce(self.patches, hook_source(self.symbols))
         logger.info(
             "pd-middleware installed into SGLang %s: channel %s, %d patches, features %s",
             self.version,
             self.channel_name,
             len(self.patches),
-            ", ".join(sorted({self._feature_of(p) for p in self.patches})),
+            ", ".join(sorted({feature_of(p.target) for p in self.patches})),
         )
-
-    @staticmethod
-    def _feature_of(patch: Patch) -> str:
-        from .sglang_patch import FEATURES
-
-        for f in FEATURES.values():
-            if patch.target in f.targets:
-                return f.name
-        return "?"
 
     def self_check(self) -> None:
         """Startup self-check of SGLang's layout (metadata channel; once per process).
@@ -266,17 +249,18 @@ class Installation:
         ``KVArgsRegisterInfo.from_zmq`` with our trailing frame. Raises PluginError
         naming the field (which stops the scheduler, and SGLang with it).
         """
-        if self.self_checked or self.channel is None or self.channel.layout is None:
+        channel = self.channel
+        if self.self_checked or channel is None or channel.layout is None:
             return
         self.self_checked = True
         owners = {p.target.attr: p.owner for p in self.patches if p.target.hook is not Hook.READ}
         mb = owners.get("MetadataBuffers.__init__")
         if mb is not None:
-            check_layout(mb, self.channel)
+            check_layout(mb, channel)
         info = owners.get("KVArgsRegisterInfo.from_zmq")
         if info is not None:
-            check_registration(info, self.channel)
-        logger.info("pd-middleware: SGLang's PD metadata layout checked (%s)", self.channel.describe())
+            check_registration(info, channel)
+        logger.info("pd-middleware: SGLang's PD metadata layout checked (%s)", channel.describe())
 
     def _warn_capacity(self, facts: EngineFacts) -> None:
         """Prefill start: say once if the encoder's largest row exceeds ``capacity_bytes``.
@@ -285,18 +269,19 @@ class Installation:
         V wide and a sparse encoder keep its most entries (``k_max``/``k``). Such requests
         would be sent X-only (exact one-hot, counted ``inband:overflow``) on every batch.
         """
-        assert self.channel is not None and self.publisher is not None
-        from ..inband import row_bytes
+        channel, publisher = self.channel, self.publisher
+        assert channel is not None and publisher is not None
+        from ...inband import row_bytes
 
         shape = (1, facts.vocab_size) if facts.num_steps == 1 else (1, facts.num_steps, facts.vocab_size)
         flat = torch.full(shape, 1.0 / facts.vocab_size)
         try:
-            _, payloads = self.publisher.encode([0], flat)
+            _, payloads = publisher.encode([0], flat)
             need = row_bytes(payloads[0])
         except Exception as exc:  # a probe, not a gate: the first real batch reports encoder errors
             logger.warning("pd-middleware could not size the encoder's largest row (%s)", exc)
             return
-        cap = self.channel.capacity_bytes
+        cap = channel.capacity_bytes
         if need > cap:
             logger.warning(
                 "pd-middleware: the encoder's largest row is %d bytes (a flat draft), [sglang].capacity_bytes is %d: "
@@ -307,30 +292,20 @@ class Installation:
                 -(-need // 64) * 64,
             )
 
-    def _make_publisher(self, facts: EngineFacts) -> None:
-        """The prefill's encoder, fed to the metadata channel or the side channel."""
-        if self.channel is not None:
-            self.publisher = ProposalPublisher.from_config(
-                self.config,
-                stage=self.channel.stage,
-                vocab_size=facts.vocab_size,
-                num_steps=facts.num_steps,
-                registry=self.options.registry,
-            )
-        else:
-            addr = os.environ.get(ENV_DECODE_ADDRESS)
-            if not addr:
-                raise ConfigError(
-                    f'[sglang].channel = "sidechannel" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port',
-                    path="sglang.channel",
-                )
-            from ..transport import open_sender
+    def close(self) -> None:
+        """Uninstall: stop the exporters, the receiver and the publisher; close the source."""
+        exporters, self.exporters = self.exporters, []
+        for e in exporters:
+            e.stop()
+        if self.receiver is not None:
+            self.receiver.stop()
+        if self.store is not None:
+            self.store.clear()
+        if self.publisher is not None:
+            self.publisher.close()
+        self.source.close()
 
-            cfg = self.config
-            self.publisher = ProposalPublisher.from_config(
-                cfg,
-                lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
-                vocab_size=facts.vocab_size,
-                num_steps=facts.num_steps,
-                registry=self.options.registry,
-            )
+
+def deferred_features() -> set[str]:
+    """The features applied at activation rather than at install."""
+    return {f.name for f in FEATURES.values() if f.applied != "install"}

@@ -6,8 +6,8 @@ of ``get_buf_infos()`` with the KV manager, the prefill fills its row in
 ``set_buf(req)`` and ``send_aux`` copies row i of each buffer into the decode's row,
 buffer by buffer, in list order. :class:`MetadataChannel` appends ONE more buffer, a
 ``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.inband` rows. The
-wrappers around SGLang's methods are targets of :mod:`.sglang_patch`'s table (feature
-``metadata``); each calls one public method of :class:`MetadataChannel`:
+wrappers around SGLang's methods (feature ``metadata`` of the table, declared at the
+end of this module) each call one public method of :class:`MetadataChannel`:
 
 - ``MetadataBuffers.__init__``: allocate it (CPU) as ``self.pd_proposal``;
 - ``get_buf_infos``: append it at the very END of the lists (after ``kv_checksum``), so a
@@ -16,13 +16,15 @@ wrappers around SGLang's methods are targets of :mod:`.sglang_patch`'s table (fe
   (``req.pd_middleware_row``, a :class:`~pd_middleware.Payload`), or clear it;
 - ``clear_slot(idx)``: clear the row (zero magic reads as "not sent");
 - ``DecodeTransferQueue._commit_transfer_to_req`` (decode, every TP rank): after SGLang's
-  own commit, read the row and hand it to ``on_row(req, payload_or_fault)``, which runs
-  the middleware pipeline and attaches the result to the Req. Never raises.
+  own commit, the installation's proposal source (:class:`~.sources.InBandSource`)
+  agrees on X across the ranks, reads the row and hands it to
+  ``on_row(req, payload_or_fault)``, which runs the middleware pipeline and attaches the
+  result to the Req. Never raises.
 
 Layout handshake (Mooncake backend): the decode appends a trailing frame
 ``pd-middleware-row <layout>`` to its KV-args registration
 (``MooncakeKVManager.build_receiver_registration_message``); SGLang's parser reads
-fixed positions and ignores it (checked at scheduler start: :func:`~.sglang_startup.check_registration`
+fixed positions and ignores it (checked at scheduler start: :func:`~.startup.check_registration`
 round-trips ``KVArgsRegisterInfo.from_zmq`` with the frame). The prefill's ``_validate_peer_state_layout`` (SGLang's
 own per-session rejection hook) compares that layout and the aux buffer counts with
 its own; a difference rejects the session, and every transfer to it then fails with a
@@ -35,14 +37,15 @@ logged once naming its own layout (exact one-hot for those requests).
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..inband import (
+from ..._errors import ConfigError
+from ...events import Events
+from ...inband import (
     RowFault,
     RowLayout,
     RowOverflowError,
@@ -52,7 +55,8 @@ from ..inband import (
     row_digest,
     write_row,
 )
-from ..payload import Payload
+from ...payload import Payload
+from .patching import DECODE_QUEUE_MODULE, MOONCAKE_MODULE, UTILS_MODULE, Feature, Hook, Target, read, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -98,9 +102,8 @@ class MetadataChannel:
         self.capacity_bytes = capacity_bytes
         self.on_row = on_row
         self.layout: RowLayout | None = None
-        self.counts: Counter[str] = Counter()
-        self._logged: set[str] = set()
-        self._lock = threading.Lock()
+        self.events = Events("inband", logger=logger)
+        self.counts: Counter[str] = self.events.counts
 
     # -- shapes ---------------------------------------------------------------------
     def bind(self, vocab_size: int, num_steps: int) -> RowLayout:
@@ -110,8 +113,6 @@ class MetadataChannel:
         binding tag (S > 15).
         """
         if num_steps > TAG_COLUMN:
-            from .._errors import ConfigError
-
             raise ConfigError(
                 f"the metadata channel carries at most {TAG_COLUMN} draft steps (SGLang's output_topk_index row "
                 f"has 16 columns and one binds the proposal row), got {num_steps}",
@@ -127,13 +128,8 @@ class MetadataChannel:
         )
 
     def _count(self, event: str, detail: str = "") -> None:
-        key = f"inband:{event}"
-        with self._lock:
-            self.counts[key] += 1
-            first = key not in self._logged
-            self._logged.add(key)
-        if first and event not in ("written", "read"):
-            logger.warning("pd-middleware in-band %s: %s (logged once; counted as %s)", event, detail, key)
+        quiet = event in ("written", "read")
+        self.events.count(f"inband:{event}", log=None if quiet else f"pd-middleware in-band {event}: {detail}")
 
     # -- buffers --------------------------------------------------------------------
     def rows(self, buffers: Any) -> np.ndarray | None:
@@ -223,7 +219,7 @@ class MetadataChannel:
             self._count("read")
         return got
 
-    # -- what the wrappers (sglang_patch) call ------------------------------------------
+    # -- what the wrappers (below) call -------------------------------------------------
     def allocate(self, buffers: Any) -> None:
         """``MetadataBuffers.__init__`` tail: allocate the proposal buffer (CPU) on ``buffers``.
 
@@ -234,8 +230,6 @@ class MetadataChannel:
         if where.type != "cpu":
             # Our row is read with numpy on the scheduler thread; SGLang puts metadata
             # on a device only for NPU or a custom NVLink pool.
-            from .._errors import ConfigError
-
             raise ConfigError(
                 f"SGLang keeps its PD metadata on {where}; the metadata channel needs CPU metadata "
                 'buffers: use [sglang].channel = "sidechannel" on this deployment',
@@ -283,8 +277,7 @@ class MetadataChannel:
         local, remote = len(manager.kv_args.aux_data_ptrs), len(info.dst_aux_ptrs)
         layout = getattr(info, LAYOUT_ATTR, None)
         if layout is None and remote == local - 1:
-            with self._lock:
-                self.counts["inband:peer_without_dropin"] += 1
+            self.events.count("inband:peer_without_dropin")
             logger.warning(
                 "pd-middleware: decode session %s registered no proposal row (it runs without the drop-in): "
                 "serving it with SGLang's own buffers only, so its requests verify with SGLang's one-hot "
@@ -337,3 +330,138 @@ def _committed_tag(req: Any, buffers: Any, idx: int) -> int:
         # the tensor (a 0-d tensor per element, about 1.5 us on CPU).
         return int(got.tolist()[TAG_COLUMN])
     return int(got[TAG_COLUMN])
+
+
+# --------------------------------------------------------------------- the feature
+
+
+def wrap_metadata_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        inst.channel.allocate(self)  # startup: a non-CPU buffer is a ConfigError, on purpose
+
+    return __init__
+
+
+def wrap_buf_infos(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def get_buf_infos(self: Any) -> Any:
+        return inst.channel.append_info(self, orig(self))
+
+    return get_buf_infos
+
+
+def wrap_set_buf(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def set_buf(self: Any, req: Any) -> Any:
+        out = orig(self, req)
+        try:
+            inst.channel.write(self, req)
+        except Exception as exc:
+            inst.events.failed("set_buf", exc, "an unwritten row (the decode answers one-hot)")
+        return out
+
+    return set_buf
+
+
+def wrap_clear_slot(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def clear_slot(self: Any, idx: int) -> Any:
+        out = orig(self, idx)
+        try:
+            inst.channel.clear(self, idx)
+        except Exception as exc:
+            inst.events.failed("clear_slot", exc, "the row as it was (its room no longer matches)")
+        return out
+
+    return clear_slot
+
+
+def wrap_commit(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
+        out = orig(self, decode_req)
+        # Every rank, for every committed request: the source's X agreement is a collective,
+        # so it never returns early (``gloo_group``: SGLang's attention-TP CPU group, the one
+        # its metadata gate uses).
+        inst.source.on_commit(self, decode_req, getattr(self, "gloo_group", None))
+        return out
+
+    return _commit_transfer_to_req
+
+
+def wrap_registration(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def build_receiver_registration_message(self: Any) -> Any:
+        msg = orig(self)
+        try:
+            return [*msg, inst.channel.registration_frame()]
+        except Exception as exc:
+            inst.events.failed("registration", exc, "a registration without our frame (the prefill rejects it)")
+            return msg
+
+    return build_receiver_registration_message
+
+
+def wrap_from_zmq(func: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def from_zmq(cls: Any, msg: Any) -> Any:
+        info = func(cls, msg)
+        try:
+            layout = layout_of(msg)
+        except Exception as exc:
+            inst.events.failed("from_zmq", exc, "no layout (the session is rejected)")
+            layout = None
+        setattr(info, LAYOUT_ATTR, layout)
+        return info
+
+    return from_zmq
+
+
+def wrap_validate(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def _validate_peer_state_layout(self: Any, registration_info: Any) -> Any:
+        fully_checked, mismatch = orig(self, registration_info)
+        if mismatch is None:
+            try:
+                mismatch = inst.channel.validate(self, registration_info)
+            except Exception as exc:
+                inst.events.failed("validate_peer", exc, "rejecting the session")
+                mismatch = f"pd-middleware could not check the decode's proposal rows: {exc}"
+        return fully_checked, mismatch
+
+    return _validate_peer_state_layout
+
+
+#: SGLang's check that a request's transfer was a warmup's fake one (read at commit).
+IS_FAKE_TRANSFER = f"{UTILS_MODULE}._is_fake_transfer"
+
+register_feature(
+    Feature(
+        "metadata",
+        (
+            Target(UTILS_MODULE, "MetadataBuffers.__init__", None, Hook.AROUND, wrap_metadata_init),
+            Target(UTILS_MODULE, "MetadataBuffers.get_buf_infos", ("self",), Hook.AROUND, wrap_buf_infos),
+            Target(UTILS_MODULE, "MetadataBuffers.set_buf", ("self", "req"), Hook.AROUND, wrap_set_buf),
+            Target(UTILS_MODULE, "MetadataBuffers.clear_slot", ("self", "idx"), Hook.AROUND, wrap_clear_slot),
+            read(UTILS_MODULE, "_is_fake_transfer", ("req",)),
+            Target(
+                DECODE_QUEUE_MODULE,
+                "DecodeTransferQueue._commit_transfer_to_req",
+                ("self", "decode_req"),
+                Hook.AROUND,
+                wrap_commit,
+            ),
+            Target(
+                MOONCAKE_MODULE,
+                "MooncakeKVManager.build_receiver_registration_message",
+                ("self",),
+                Hook.AROUND,
+                wrap_registration,
+            ),
+            Target(MOONCAKE_MODULE, "KVArgsRegisterInfo.from_zmq", ("cls", "msg"), Hook.AROUND, wrap_from_zmq),
+            Target(
+                MOONCAKE_MODULE,
+                "MooncakeKVManager._validate_peer_state_layout",
+                ("self", "registration_info"),
+                Hook.AROUND,
+                wrap_validate,
+            ),
+        ),
+        lambda plan: "metadata" in plan.features,
+        summary='the in-band row in SGLang\'s PD metadata buffers ([sglang].channel = "metadata")',
+    )
+)

@@ -1,0 +1,670 @@
+"""SGLang decode-only recompute: the decode recomputes the first proposal with its own draft head.
+
+Chosen when the configured synthesizer declares that it needs the engine's draft head
+(``PluginSpec.needs`` holds ``draft_head``; the core ``recompute`` synthesizer does), the
+drop-in runs on the **decode only**; the prefill runs plain SGLang (no row, no handshake
+frame, no prefill patch). SGLang's prefill ships the draft model's hidden state at the
+last position (``EAGLEWorkerV2._draft_extend_for_prefill`` returns
+``hidden_states=logits_output.hidden_states``); the decode's builder reads it as
+``req.hidden_states_tensor``. Before SGLang's ``build_eagle_disagg_draft_input`` runs,
+:class:`RecomputeSource` computes, for the whole prebuilt batch at once, with the
+synthesizer's own law and draw (:meth:`~pd_middleware.recompute.RecomputeSynthesizer.recompute`):
+
+- q' = softmax(logits / T) with logits from :class:`SGLangDraftHead`, the decode's own
+  draft model with what its ``LogitsProcessor`` applies, run inside SGLang's draft TP
+  context (``draft_tp_context(draft_worker.parallel_layout)``, as SGLang wraps every draft
+  call), so its vocab-parallel gather uses the group SGLang uses for this draft;
+- X' drawn from q' by the engine's seeded sampler, offered to the synthesizer as its
+  ``seeded_draw`` capability: SGLang's ``fast_sample(q', sampling_seed, positions=seq_lens)``,
+  seeded by the request's sampling seed (``--enable-deterministic-inference``), or without
+  one by a seed derived from its bootstrap room, so every TP rank draws the same X'.
+  ``seq_lens`` of the prebuilt batch is the prompt length, the position the prefill drew
+  its own X at, with the draft stream's salt and draft step 0: the very stream aggregated
+  serving draws this token from, kept apart from the verify's coins by SGLang's domain
+  separation. Where SGLang's sampler cannot run (sgl-kernel without its CPU ops) the
+  synthesizer's own seeded draw is used (logged); a greedy row proposes its argmax;
+
+then **the ranks agree** (:func:`~.agreement.agree`) per request on (ok, X', the
+prefill's X): a request that any rank could not serve, or whose X' differs between
+ranks, falls back on every rank to the exact one-hot at the same X (the smallest
+prefill X any rank holds). A failure on one rank is its vote; the head's gather still
+runs on every rank. X' and q'(X') are written into each agreed request's
+``output_topk_index``/``output_topk_p`` (the fields the builder reads), and q' is the
+builder's ``pd_first_draft_proposal``. All of it happens inside the original builder's
+call, so **before** ``future_map.stash`` copies the draft input under the overlap
+scheduler.
+
+Where it runs, and what is refused at startup (:func:`capture`, ``docs/sglang.md``):
+the builder runs on the scheduler thread (``Scheduler.get_new_prebuilt_batch`` ->
+``process_prebuilt``). A head with no collective (TP 1, or DP attention with
+``--enable-dp-lm-head`` at attention-TP 1) is safe there. A vocab-parallel head (TP > 1)
+all-gathers its logits: from the scheduler thread that is only safe with
+``--disable-overlap-schedule`` (no forward in flight; every TP rank of a node builds the
+same prebuilt batch in the same order, since SGLang's transfer polls are all-reduced
+over the TP group), so it is refused with overlap on. A draft whose LogitsProcessor
+gathers hidden states over every DP rank (DP attention without ``--enable-dp-lm-head``,
+for a draft that shares the target's layout) is refused: DP ranks' prebuilt batches are
+not synchronised. A token map that is not the identity, and a draft vocabulary whose
+width is not the target's, are refused at startup too.
+
+:data:`ARCHITECTURES` is the table of DESIGN section 10, read in SGLang 0.5.23's model
+code: which hidden state the prefill ships, and so what the head applies to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..._errors import ConfigError, PluginError
+from ...draft_head import DRAFT_HEAD
+from ...events import Events
+from ...recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
+from .agreement import NEUTRAL, Verdict, agree, group_of
+from .common import one_hot_at
+from .patching import LOGITS_MODULE, SPEC_UTILS_MODULE, WORKER_MODULE, Feature, Symbols, read, register_feature
+from .proposer import request_tokens
+from .sources import ProposalSource
+from .startup import check_token_map, draft_worker_of, token_map_of
+
+logger = logging.getLogger("pd_middleware.integrations.sglang")
+
+#: The fault switch only the server tier sets (never a config key): ``<where>:<rank>``
+#: makes this decode's step ``where`` (``hidden``, ``head``, ``draw``) fail on TP rank
+#: ``rank``, to show that a failure on one rank becomes its vote (docs/server.md).
+ENV_TEST_FAULT = "PDM_TEST_RECOMPUTE_FAULT"
+
+LP = f"{LOGITS_MODULE}.LogitsProcessor"
+FAST_SAMPLE = f"{SPEC_UTILS_MODULE}.fast_sample"
+DRAFT_TP_CONTEXT = f"{SPEC_UTILS_MODULE}.draft_tp_context"
+FUSED_SOFTCAP = f"{LOGITS_MODULE}.fused_softcap"
+
+
+@dataclass(frozen=True)
+class HeadRule:
+    """How one draft architecture turns the shipped hidden state into logits.
+
+    ``norm``: attribute path of the norm applied before ``lm_head`` (None: ``lm_head(h)``);
+    ``normed_if``: a config flag under which the shipped h is already normed;
+    ``shipped``: what the prefill ships (for the docs and error messages).
+    """
+
+    norm: str | None
+    normed_if: str | None
+    shipped: str
+
+
+#: Draft architectures the head knows (SGLang 0.5.23; checked at startup).
+ARCHITECTURES: dict[str, HeadRule] = {
+    # llama_eagle3.py LlamaModel.forward: `_, aux = self.norm(hidden, residual)`; aux (the
+    # pre-norm residual sum) is captured unless config.norm_output.
+    "LlamaForCausalLMEagle3": HeadRule("model.norm", "norm_output", "pre-norm residual sum"),
+    # llama_eagle.py: the layer output goes to the LogitsProcessor unnormed.
+    "LlamaForCausalLMEagle": HeadRule(None, None, "layer output, no final norm"),
+    # deepseek_nextn.py: hidden_states after shared_head.norm go to the LogitsProcessor.
+    "DeepseekV3ForCausalLMNextN": HeadRule(None, None, "after shared_head.norm"),
+    # qwen3_next_mtp.py: the model's output, after its final norm.
+    "Qwen3NextForCausalLMMTP": HeadRule(None, None, "after the final norm"),
+}
+
+
+def _attr(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+class SGLangDraftHead:
+    """The decode's draft model as a :class:`~pd_middleware.draft_head.DraftHead`.
+
+    ``model``: the draft model (``scheduler.draft_worker.draft_worker.draft_runner.model``);
+    ``vocab_size``: the target's V; ``hot_token_id``: the draft's token map (draft id ->
+    target id: the worker's or the model's), None for none; ``scope``: a context manager
+    factory the head runs in (SGLang's draft TP context); ``symbols``: the table's READ
+    targets (``fused_softcap``). Applies, in ``LogitsProcessor._get_logits``' order: the
+    architecture's norm (:data:`ARCHITECTURES`), ``_compute_lm_head`` (quantised and LoRA
+    heads included), ``logit_scale``, the TP gather, the slice to the vocab and the fp32
+    cast (``_copy_logits_to_buffer``), softcapping; then scatters through the token map
+    into target ids. Raises PluginError for an unknown architecture.
+
+    **The gather runs on every rank, always**: a failure of this rank's part before it
+    (its norm or matmul) is remembered, the gather runs on zeros, and the failure is
+    raised after it, so no rank leaves the others waiting in the collective.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        vocab_size: int,
+        *,
+        hot_token_id: torch.Tensor | None = None,
+        scope: Callable[[], Any] = contextlib.nullcontext,
+        symbols: Symbols | None = None,
+    ) -> None:
+        arch = type(model).__name__
+        rule = ARCHITECTURES.get(arch)
+        if rule is None:
+            raise PluginError(
+                f"draft model {arch} is not in the recompute head table ({', '.join(ARCHITECTURES)})", plugin="sglang"
+            )
+        self.model = model
+        self.arch = arch
+        self.lp = model.logits_processor
+        self.lm_head = model.lm_head
+        self.scope = scope
+        self.symbols = symbols if symbols is not None else Symbols()
+        # The server tier's fault switch (ENV_TEST_FAULT = "head:<rank>"): this rank's part fails.
+        self.fault = False
+        cfg = getattr(model, "config", None)
+        normed = rule.normed_if is not None and bool(getattr(cfg, rule.normed_if, False))
+        self.norm: Callable[[torch.Tensor], torch.Tensor] | None = (
+            None if rule.norm is None or normed else _attr(model, rule.norm)
+        )
+        self.vocab_size = int(vocab_size)
+        weight = getattr(self.lm_head, "weight", None)
+        self.hidden_size = int(getattr(cfg, "hidden_size", 0) or (weight.shape[1] if weight is not None else 0))
+        self.local_width = int(weight.shape[0]) if weight is not None else self.vocab_size
+        self.dtype = weight.dtype if weight is not None else torch.bfloat16
+        self.device = weight.device if weight is not None else torch.device("cpu")
+        hot = hot_token_id if hot_token_id is not None else getattr(model, "hot_token_id", None)
+        self.hot_token_id: torch.Tensor | None = None
+        self.draft_id_of: torch.Tensor | None = None
+        if hot is not None:
+            hot = hot.to(self.device, torch.int64)
+            if hot.numel() != self.vocab_size:
+                # SGLang refuses this under rejection sampling (eagle_worker_v2.py, draft vocab != target).
+                raise PluginError(f"hot_token_id maps {hot.numel()} draft ids, target V={vocab_size}", plugin="sglang")
+            self.hot_token_id = hot
+            inv = torch.empty_like(hot)
+            inv[hot] = torch.arange(hot.numel(), device=hot.device)
+            self.draft_id_of = inv
+
+    @property
+    def logits_width(self) -> int:
+        """The width of the draft's logits after the gather and the slice: its LogitsProcessor's vocab."""
+        return int(getattr(self.lp, "vocab_size", self.local_width))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 (B, V) target-vocab logits for ``hidden`` (B, H)."""
+        lp = self.lp
+        with torch.no_grad(), self.scope():
+            failed: BaseException | None = None
+            try:
+                if self.fault:
+                    raise RuntimeError(f"injected by {ENV_TEST_FAULT}: the head fails on this rank")
+                h = hidden.to(self.device, self.dtype)
+                if self.norm is not None:
+                    h = self.norm(h)
+                logits = lp._compute_lm_head(h, self.lm_head)
+                if lp.logit_scale is not None:
+                    logits.mul_(lp.logit_scale)
+            except Exception as exc:  # this rank's part failed: the gather below still runs
+                failed = exc
+                logits = torch.zeros((hidden.shape[0], self.local_width), dtype=self.dtype, device=self.device)
+            if lp.do_tensor_parallel_all_gather:
+                # Placement checked at startup (check_placement): no forward in flight.
+                logits = lp._gather_attn_tp_logits(logits) if lp.use_attn_tp_group else lp._logits_gatherer(logits)
+            if failed is not None:
+                raise failed
+            logits = self._finish(logits)
+        out: torch.Tensor = logits
+        return out
+
+    def _finish(self, logits: torch.Tensor) -> torch.Tensor:
+        lp = self.lp
+        cap = lp.final_logit_softcapping
+        fuse = bool(cap) and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16)
+        logits = lp._copy_logits_to_buffer(logits, None, use_buffer=False, softcap=cap if fuse else None)
+        if cap and not fuse:
+            if logits.is_cuda:  # SGLang's in-place Triton kernel, as LogitsProcessor on CUDA
+                self.symbols[FUSED_SOFTCAP](logits, cap)
+            else:  # the CPU/NPU formula of LogitsProcessor._get_logits
+                logits = cap * torch.tanh(logits / cap)
+        if self.hot_token_id is not None:
+            logits = torch.empty_like(logits).scatter_(1, self.hot_token_id.expand_as(logits), logits)
+        return logits
+
+
+def find_draft_model(scheduler: Any) -> Any:
+    """The decode's draft model: ``scheduler.draft_worker`` (EAGLEWorkerV2) -> ``draft_worker``
+    (its EagleDraftWorker) -> ``draft_runner`` (ModelRunner) -> ``model``; None when absent
+    (no speculative worker, or not the last PP stage)."""
+    worker = getattr(scheduler, "draft_worker", None)
+    inner = draft_worker_of(scheduler)
+    runner = getattr(inner, "draft_runner", None) if inner is not None else None
+    if runner is None and worker is not None:
+        runner = getattr(worker, "draft_runner", None)
+    return getattr(runner, "model", None) if runner is not None else None
+
+
+def check_placement(lp: Any, *, enable_overlap: bool) -> None:
+    """Refuse (ConfigError) the setups where the head cannot run from the scheduler thread."""
+    if getattr(lp, "do_tensor_parallel_all_gather_dp_attn", False):
+        raise ConfigError(
+            'synthesizer = "recompute" under DP attention needs --enable-dp-lm-head: without it the draft head '
+            "gathers hidden states over every DP rank, whose prebuilt batches are not synchronised",
+            path="synthesizer",
+        )
+    if getattr(lp, "do_tensor_parallel_all_gather", False) and enable_overlap:
+        raise ConfigError(
+            'synthesizer = "recompute" with a vocab-parallel draft head (TP > 1) all-gathers its logits from the '
+            "scheduler thread, which is unsafe while an overlapped forward is in flight: run the decode with "
+            "--disable-overlap-schedule, or use a shipped strategy (configs/sparse_floor.toml)",
+            path="synthesizer",
+        )
+
+
+def check_width(head: SGLangDraftHead) -> None:
+    """Refuse (ConfigError) a draft whose logits are not the target's width, before any X' is drawn."""
+    if head.logits_width != head.vocab_size:
+        raise ConfigError(
+            f'synthesizer = "recompute": the draft {head.arch} produces logits over {head.logits_width} ids, the '
+            f"target's vocabulary is {head.vocab_size}; rejection sampling needs a full-vocabulary draft",
+            path="synthesizer",
+        )
+
+
+@dataclass
+class Prepared:
+    """One batch's recompute: ``rec`` (q', X', q'(X')) and ``agreed`` bool (B,), the rows
+    every rank serves with q'; the others verify the one-hot at the X the builder reads."""
+
+    rec: Recomputed
+    agreed: torch.Tensor
+
+
+class _Unknown:
+    """Offered as ``draft_head`` when the engine's draft model is not in the table: the
+    synthesizer builds, and every batch falls back to one-hot, counted ``unknown_head``."""
+
+
+class RecomputeSource(ProposalSource):
+    """The decode's recompute step for SGLang prebuilt batches (see the module docstring).
+
+    ``synth``: the configured synthesizer, built with SGLang's head (:meth:`bind_head`);
+    None until the scheduler starts, when every batch falls back to one-hot (counted
+    ``unknown_head``). ``group``: the CPU group of the ranks that build the same batch
+    (SGLang's attention TP), None for one rank. ``counts``: ``batches``,
+    ``recomputed`` (requests), ``fallback:<reason>``.
+    """
+
+    name = "none"
+    features = frozenset({"recompute"})
+
+    def __init__(self, config: Any, registry: Any = None, metrics: Any = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.synth: RecomputeSynthesizer | None = None
+        self.head: SGLangDraftHead | None = None
+        self.num_steps = 1
+        self.group: Any = None
+        self.tp_rank = 0
+        self.events = Events("recompute", logger=logger)
+        self.counts = self.events.counts
+        #: Which sampler draws X' (set at bind): SGLang's seeded fast_sample, or the core's.
+        self.sampler = ""
+        self._fault = ""
+
+    # -- scheduler start ---------------------------------------------------------------
+    def bind(self, facts: Any, scheduler: Any) -> None:
+        """Scheduler start: the decode captures its draft head (a prefill has nothing to do)."""
+        if facts.role == "prefill":
+            logger.info("pd-middleware recompute is decode-only: nothing to do on this prefill")
+            return
+        if facts.num_steps > 1:
+            logger.warning(
+                "pd-middleware recompute: a %d-step multi-layer chain cannot be recomputed (steps 1..S-1 "
+                "were drawn on the prefill given X); every request falls back to one-hot, counted. "
+                "Use a shipped strategy (configs/multi_layer.yaml) for chains",
+                facts.num_steps,
+            )
+        self.tp_rank = int(getattr(facts, "tp_rank", 0))
+        if scheduler is not None:
+            capture(
+                self, scheduler, vocab_size=facts.vocab_size, num_steps=facts.num_steps, rs=facts.rejection_sampling
+            )
+
+    def bind_head(
+        self,
+        head: Any,
+        *,
+        vocab_size: int,
+        num_steps: int,
+        rejection_sampling: bool,
+        group: Any = None,
+        draw: Any = None,
+    ) -> None:
+        """Build the synthesizer for the engine; ``head`` None: unknown head (every batch
+        falls back); ``group``: the ranks' agreement group; ``draw``: the engine's seeded
+        sampler (None: the synthesizer's own)."""
+        from ...config import resolve_plugins
+        from ...contracts import PluginContext
+        from ...registry import default_registry
+
+        reg = self.registry if self.registry is not None else default_registry()
+        resolved = resolve_plugins(self.config, reg, None, sides=("decode",))
+        r = resolved.synthesizers["default"]
+        caps: dict[str, Any] = {DRAFT_HEAD: head if head is not None else _Unknown()}
+        if draw is not None:
+            caps[SEEDED_DRAW] = draw
+        ctx = PluginContext(
+            vocab_size=vocab_size,
+            num_steps=num_steps,
+            rejection_sampling=rejection_sampling,
+            device=str(getattr(head, "device", "cpu")),
+            capabilities=caps,
+        )
+        synth = reg.build(r.spec, r.options, ctx, r.key)
+        if not callable(getattr(synth, "recompute", None)) or not callable(getattr(synth, "unusable", None)):
+            raise ConfigError(
+                f"synthesizer {r.spec.name!r} needs the draft head but has no recompute()/unusable() "
+                "(pd_middleware.recompute.RecomputeSynthesizer's batch form)",
+                path=r.key,
+            )
+        if self.metrics is not None:
+            synth.guard.attach_metrics(self.metrics)
+        self.synth, self.head, self.num_steps = synth, head, num_steps
+        self.group = group_of(group, self.inst.rank_agreement if self.inst is not None else True)
+        self.sampler = "sglang.fast_sample" if draw is not None else "pd_middleware.inverse_cdf"
+        self._fault = _fault_for(self.tp_rank)
+        if head is not None and hasattr(head, "fault"):
+            head.fault = self._fault == "head"
+
+    # -- per batch ---------------------------------------------------------------------
+    def _fallback(self, reason: str, n: int) -> None:
+        self.events.count(f"fallback:{reason}", n)
+        if self.synth is not None:
+            self.synth.count(reason, n)
+
+    def prepare(self, batch: Any) -> Prepared | None:
+        """Recompute q' and X' for ``batch``, agree across the ranks, and write X', q'(X')
+        into the agreed requests' fields. None: every request keeps its X, one-hot."""
+        reqs = list(batch.reqs)
+        b = len(reqs)
+        self.events.count("batches")
+        if b == 0:
+            return None
+        synth, head = self.synth, self.head
+        # Batch-wide decisions from the engine's fixed shapes: the same on every rank.
+        if synth is None or head is None:
+            self._fallback("unknown_head", b)
+            return None
+        reason = synth.unusable(
+            num_steps=self.num_steps, vocab_size=int(batch.model_config.vocab_size), hidden_size=head.hidden_size
+        )
+        if reason is not None:
+            self._fallback(reason, b)
+            return None
+        seen: dict[str, Any] = {}
+        verdict = agree(b, 2, lambda: self._votes(batch, reqs, seen), self.group)
+        return self._settle(reqs, verdict, seen)
+
+    def _votes(self, batch: Any, reqs: list[Any], seen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (ok (B,), [X', prefill X] (B, 2)); raises for a failure of this rank's own."""
+        assert self.synth is not None and self.head is not None
+        b, head = len(reqs), self.head
+        failed: BaseException | None = None
+        try:
+            seen["x"] = torch.tensor([request_tokens(r, 1)[0] for r in reqs], dtype=torch.int64)
+            hidden = self._hidden(reqs)
+        except Exception as exc:  # no usable hidden state: this rank votes "not ok", after the head
+            failed = exc
+            hidden = torch.zeros((b, head.hidden_size), dtype=head.dtype, device=head.device)
+        si = batch.sampling_info
+        seeds = si.sampling_seed
+        if seeds is None:
+            # Without --enable-deterministic-inference SGLang has no seed: derive it from the room,
+            # the same on every TP rank (rooms are unique per request).
+            seeds = seed_from_room([int(getattr(r, "bootstrap_room", 0) or 0) for r in reqs])
+        top_ks = getattr(si, "top_ks", None)
+        # The head (and its gather) runs whatever happened above.
+        rec = self.synth.recompute(
+            hidden,
+            temperatures=si.temperatures.to(head.device),
+            seeds=seeds.to(head.device),
+            positions=batch.seq_lens.to(head.device),
+            greedy=(top_ks <= 1).to(head.device) if top_ks is not None else None,
+        )
+        if failed is not None:
+            raise failed
+        tokens = rec.tokens
+        if head.draft_id_of is not None:
+            tokens = head.draft_id_of[tokens]  # the builder's X is a draft id: SGLang maps it through the map
+        seen["rec"], seen["tokens"] = rec, tokens.to("cpu", torch.int64)
+        self._faulty(None, "draw")
+        return rec.valid.cpu(), torch.stack([seen["tokens"], seen["x"]], 1)
+
+    def _hidden(self, reqs: list[Any]) -> torch.Tensor:
+        assert self.head is not None
+        hidden_list = [getattr(r, "hidden_states_tensor", None) for r in reqs]
+        if any(h is None for h in hidden_list) or "hidden" in self._fault:
+            raise _NoHidden("a request arrived without the prefill's hidden state")
+        hidden = torch.stack([torch.as_tensor(h).reshape(-1) for h in hidden_list]).to(self.head.device)
+        if hidden.shape[1] != self.head.hidden_size:
+            raise _Shape(f"hidden states of width {hidden.shape[1]}, the draft head reads {self.head.hidden_size}")
+        return hidden
+
+    def _faulty(self, value: Any, where: str) -> Any:
+        if self._fault == where:
+            raise RuntimeError(f"injected by {ENV_TEST_FAULT}: {where} fails on TP rank {self.tp_rank}")
+        return value
+
+    def _settle(self, reqs: list[Any], verdict: Verdict, seen: dict[str, Any]) -> Prepared | None:
+        """Apply the verdict: agreed rows get X', the others the agreed prefill X (one-hot)."""
+        agreed = verdict.ok & (verdict.lo[:, 0] == verdict.hi[:, 0]) & (verdict.lo[:, 0] != NEUTRAL)
+        self._count_fallbacks(verdict, seen, agreed)
+        x_agreed = verdict.lo[:, 1]
+        mine = seen.get("x")
+        for i in (~agreed).nonzero().view(-1).tolist():
+            # Every rank verifies the same X: the smallest any rank holds (they all hold it normally).
+            if x_agreed[i] != NEUTRAL and (mine is None or int(mine[i]) != int(x_agreed[i])):
+                reqs[i].output_topk_index = torch.tensor([int(x_agreed[i])], dtype=torch.int64)
+        rec = seen.get("rec")
+        n_ok = int(agreed.sum())
+        if rec is None or n_ok == 0:
+            return None
+        toks, tps = seen["tokens"].tolist(), rec.token_probs.float().cpu().tolist()
+        for i in agreed.nonzero().view(-1).tolist():
+            reqs[i].output_topk_index = torch.tensor([toks[i]], dtype=torch.int64)
+            reqs[i].output_topk_p = torch.tensor([tps[i]], dtype=torch.float32)
+        self.events.count("recomputed", n_ok)
+        return Prepared(rec, agreed)
+
+    def _count_fallbacks(self, verdict: Verdict, seen: dict[str, Any], agreed: torch.Tensor) -> None:
+        n_bad = int((~agreed).sum())
+        if n_bad == 0:
+            return
+        err = verdict.error
+        events = self.inst.events if self.inst is not None else self.events
+        if verdict.failed is not None:
+            events.failed("recompute_agreement", verdict.failed, "the prefill's X with a one-hot proposal")
+            self._fallback("agreement_failed", n_bad)
+        elif err is not None:
+            reason = "no_hidden" if isinstance(err, _NoHidden) else "shape" if isinstance(err, _Shape) else "failed"
+            if reason == "failed":
+                events.failed("recompute", err, "the prefill's X with a one-hot proposal (on every rank)")
+            self._fallback(reason, n_bad)
+        else:
+            rec = seen.get("rec")
+            valid = rec.valid.cpu() if rec is not None else torch.zeros_like(agreed)
+            invalid = int((~valid).sum())
+            peer = int((valid & ~verdict.ok).sum())
+            differs = n_bad - invalid - peer
+            if invalid:
+                self._fallback("invalid_row", invalid)
+            if peer:
+                self._fallback("peer_failed", peer)
+            if differs:
+                self._fallback("rank_mismatch", differs)
+
+    def propose(self, batch: Any, state: Any, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """(b, 1, V) q' for the builder: recomputed rows where agreed, else the one-hot at X."""
+        one_hot = one_hot_at(topk_index, vocab_size)
+        if not isinstance(state, Prepared):
+            return one_hot
+        q = state.rec.probs.to(device=topk_index.device, dtype=torch.float32)
+        if q.shape != (topk_index.shape[0], vocab_size) or topk_index.shape[1] != 1:
+            self._fallback("shape", int(topk_index.shape[0]))
+            return one_hot
+        keep = state.agreed.to(q.device).view(-1, 1)
+        out: torch.Tensor = torch.where(keep, q, one_hot[:, 0]).unsqueeze(1)
+        return out
+
+    def parts(self) -> dict[str, dict[str, int]]:
+        return {"recompute": dict(self.counts)}
+
+
+class _NoHidden(RuntimeError):
+    pass
+
+
+class _Shape(RuntimeError):
+    pass
+
+
+def _fault_for(tp_rank: int) -> str:
+    """The step the tier's fault switch breaks on this rank ("" for none)."""
+    raw = os.environ.get(ENV_TEST_FAULT, "")
+    where, _, rank = raw.partition(":")
+    if not where or (rank and rank != str(tp_rank)):
+        return ""
+    logger.warning("pd-middleware recompute: test fault %r is on for TP rank %d (%s)", where, tp_rank, ENV_TEST_FAULT)
+    return where
+
+
+# --------------------------------------------------------------------- scheduler start
+
+
+def capture(source: RecomputeSource, scheduler: Any, *, vocab_size: int, num_steps: int, rs: bool) -> None:
+    """At scheduler start (decode): find the draft model, check it and its placement, bind."""
+    model = find_draft_model(scheduler)
+    if model is None:
+        raise ConfigError(
+            'synthesizer = "recompute" needs the decode\'s EAGLE draft worker (scheduler.draft_worker), and this '
+            "scheduler has none (no speculative algorithm, or not the last pipeline stage); use a shipped strategy",
+            path="synthesizer",
+        )
+    symbols = source.inst.symbols if source.inst is not None else Symbols()
+    worker = draft_worker_of(scheduler)
+    if type(worker).__name__ == "EagleDraftWorker":
+        symbols.check_instance(worker, f"{WORKER_MODULE}.EagleDraftWorker")
+    hot = token_map_of(worker)
+    check_token_map(hot, vocab_size)
+    head: SGLangDraftHead | None
+    try:
+        head = SGLangDraftHead(
+            model, vocab_size, hot_token_id=hot, scope=_draft_scope(worker, symbols), symbols=symbols
+        )
+    except PluginError as exc:
+        logger.warning("pd-middleware recompute: %s; every request falls back to one-hot (counted)", exc)
+        head = None
+    if head is not None:
+        symbols.check_instance(head.lp, LP)
+        check_width(head)
+        check_placement(head.lp, enable_overlap=bool(getattr(scheduler, "enable_overlap", False)))
+    source.bind_head(
+        head,
+        vocab_size=vocab_size,
+        num_steps=num_steps,
+        rejection_sampling=rs,
+        group=getattr(scheduler, "attn_tp_cpu_group", None),
+        draw=_sglang_draw(symbols, head),
+    )
+    logger.info(
+        "pd-middleware recompute active on the decode: draft %s, V=%d, S=%d, X' drawn by %s",
+        head.arch if head is not None else type(model).__name__,
+        vocab_size,
+        num_steps,
+        source.sampler,
+    )
+
+
+def _draft_scope(worker: Any, symbols: Symbols) -> Callable[[], Any]:
+    """SGLang's draft TP context for ``worker``'s layout (a no-op without one)."""
+    ctx = symbols.get(DRAFT_TP_CONTEXT)
+    layout = getattr(worker, "parallel_layout", None)
+    if ctx is None or layout is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        with ctx(layout):
+            yield
+
+    return scope
+
+
+def _sglang_draw(symbols: Symbols, head: SGLangDraftHead | None) -> Any:
+    """SGLang's seeded ``fast_sample`` as a :data:`~pd_middleware.recompute.Draw`, probed once on
+    the head's device; None where it cannot run (sgl-kernel without its CPU ops: logged)."""
+    fast_sample = symbols.get(FAST_SAMPLE)
+    if fast_sample is None or head is None:
+        return None
+
+    def sglang_draw(probs: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out: tuple[torch.Tensor, torch.Tensor] = fast_sample(probs, 1, sampling_seed=s, positions=pos)
+        return out
+
+    try:
+        one = torch.ones(1, dtype=torch.int64, device=head.device)
+        sglang_draw(torch.full((1, 2), 0.5, device=head.device), one, one)
+    except (ImportError, AttributeError, RuntimeError, NotImplementedError) as exc:
+        # A probe: ImportError without sgl-kernel, AttributeError/RuntimeError where its
+        # package is present but its CPU ops (murmur_hash32_cpu) are not built.
+        logger.warning(
+            "pd-middleware recompute: SGLang's seeded fast_sample is unavailable on %s (%s); drawing X' "
+            "with the seeded inverse-CDF draw of pd_middleware.recompute instead (same law, rank-agreed)",
+            head.device,
+            exc,
+        )
+        return None
+    return sglang_draw
+
+
+register_feature(
+    Feature(
+        "recompute",
+        (
+            read(
+                SPEC_UTILS_MODULE, "fast_sample", ("probs", "num_samples", "sampling_seed", "positions", "draft_step")
+            ),
+            read(SPEC_UTILS_MODULE, "draft_tp_context", ("layout",)),
+            read(LOGITS_MODULE, "fused_softcap"),
+            read(
+                LOGITS_MODULE,
+                "LogitsProcessor._compute_lm_head",
+                ("self", "hidden_states", "lm_head", "embedding_bias", "out"),
+            ),
+            read(LOGITS_MODULE, "LogitsProcessor._gather_attn_tp_logits", ("self", "logits")),
+            read(
+                LOGITS_MODULE,
+                "LogitsProcessor._copy_logits_to_buffer",
+                ("self", "logits", "logits_metadata", "use_buffer", "softcap"),
+            ),
+            *(
+                read(LOGITS_MODULE, f"LogitsProcessor.{name}", instance=True)
+                for name in (
+                    "_logits_gatherer",
+                    "logit_scale",
+                    "do_tensor_parallel_all_gather",
+                    "do_tensor_parallel_all_gather_dp_attn",
+                    "use_attn_tp_group",
+                    "final_logit_softcapping",
+                    "vocab_size",
+                )
+            ),
+            read(WORKER_MODULE, "EagleDraftWorker.parallel_layout", instance=True),
+            read(WORKER_MODULE, "EagleDraftWorker.hot_token_id", instance=True),
+            read(WORKER_MODULE, "EagleDraftWorker.draft_runner", instance=True),
+        ),
+        lambda plan: "recompute" in plan.features,
+        summary="decode-only recompute: the draft head's logits, SGLang's seeded sampler, the draft TP context",
+    )
+)

@@ -1,0 +1,335 @@
+"""Where a decode's first-verify proposal comes from: one role with a lifecycle.
+
+Every installation has exactly one :class:`ProposalSource`, chosen once from the config
+by :func:`source_for`, and the drop-in's wrappers call it the same way whatever it is
+(no ``if kind == ...`` at a call site). Its methods are the lifecycle points, each with a
+no-op default (vLLM's ``KVConnectorBase_V1`` has this shape):
+
+- :meth:`~ProposalSource.bind` (both roles, scheduler start, before SGLang allocates its
+  buffers): take the engine's shapes and build what the role needs (the decode's
+  middleware, the prefill's publisher, the side channel's receiver, the draft head);
+- :meth:`~ProposalSource.on_commit` (decode, every TP rank, when a request's PD transfer
+  commits; the in-band channel only): agree on X across the ranks, read the request's row;
+- :meth:`~ProposalSource.prepare` (decode, scheduler thread, inside SGLang's
+  ``build_eagle_disagg_draft_input`` before its body): per prebuilt batch; what it
+  returns is in scope for the proposal;
+- :meth:`~ProposalSource.propose` (decode, the same call, when SGLang asks its
+  ``pd_first_draft_proposal``): the (b, n, V) float32 proposal;
+- :meth:`~ProposalSource.close` (uninstall).
+
+The sources:
+
+- :class:`InBandSource` (``[sglang].channel = "metadata"``, the default for shipped laws):
+  the prefill's row rides SGLang's PD metadata (:mod:`.metadata`);
+- :class:`SideChannelSource` (``channel = "sidechannel"``): the middleware's own transport;
+- :class:`~.recompute.RecomputeSource`: decode-only; chosen when the configured
+  synthesizer declares it needs the engine's draft head (the ``draft_head`` capability,
+  :mod:`pd_middleware.draft_head`), never by its name.
+
+The feature ``decode`` of the table (the builder and its proposal) is declared here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..._errors import ConfigError
+from ...draft_head import DRAFT_HEAD
+from .agreement import NEUTRAL, agree, group_of
+from .common import ATTACH_ATTR, RequestProposal, Scope, check_proposal, one_hot_at
+from .patching import BUILDER_MODULE, Feature, Hook, Target, register_feature
+from .prefill import ProposalPublisher
+from .proposer import DecodeProposer, request_tokens
+from .store import ProposalStore
+
+logger = logging.getLogger("pd_middleware.integrations.sglang")
+
+ENV_DECODE_ADDRESS = "PD_MIDDLEWARE_DECODE_ADDRESS"
+
+
+class ProposalSource:
+    """The decode's source of first-verify proposals (see the module docstring).
+
+    ``name``: the channel it uses (``metadata``, ``sidechannel``, ``none``);
+    ``features``: the table's features it needs beyond ``decode`` (``metadata``,
+    ``prefill``, ``recompute``). ``inst``: the installation, set by :meth:`attach`.
+    """
+
+    name = "none"
+    features: frozenset[str] = frozenset()
+    inst: Any = None
+
+    def attach(self, inst: Any) -> None:
+        """Install time: the installation this source serves (its events, symbols, options)."""
+        self.inst = inst
+
+    def bind(self, facts: Any, scheduler: Any) -> None:
+        """Scheduler start (both roles; ``scheduler`` None in a harness that passes facts)."""
+
+    def on_commit(self, queue: Any, decode_req: Any, group: Any) -> None:
+        """Decode, every rank: a request's PD transfer committed (in-band channel only)."""
+
+    def prepare(self, batch: Any) -> Any:
+        """Decode: the prebuilt ``batch``'s first draft input is about to be built."""
+        return None
+
+    def propose(self, batch: Any, state: Any, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Decode: float32 (b, n, V) for SGLang's ``pd_first_draft_proposal``; ``state``:
+        what :meth:`prepare` returned for this batch."""
+        return one_hot_at(topk_index, vocab_size)
+
+    def parts(self) -> dict[str, dict[str, int]]:
+        """This source's counters by part (SGLang's ``integration_events``)."""
+        return {}
+
+    def close(self) -> None:
+        """Uninstall: release what :meth:`bind` made."""
+
+
+class PipelineSource(ProposalSource):
+    """A shipped law, through the middleware's pipeline on the decode (:class:`DecodeProposer`)
+    and a :class:`ProposalPublisher` on the prefill; the two channels differ in transport."""
+
+    features = frozenset({"prefill"})
+
+    def __init__(self, proposer: DecodeProposer) -> None:
+        self.proposer = proposer
+
+    def propose(self, batch: Any, state: Any, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        return self.proposer.propose(batch, topk_index, vocab_size)
+
+    def bind(self, facts: Any, scheduler: Any) -> None:
+        if facts.role == "decode":
+            self.proposer.bind(facts.vocab_size, facts.num_steps)
+            self._bind_decode(facts)
+        elif self.inst.publisher is None:
+            self.inst.publisher = self._publisher(facts)
+
+    def _bind_decode(self, facts: Any) -> None:
+        pass
+
+    def _publisher(self, facts: Any) -> ProposalPublisher:
+        raise NotImplementedError
+
+    def parts(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {"decode": dict(self.proposer.counts)}
+        if self.inst.publisher is not None:
+            out["prefill"] = dict(self.inst.publisher.counts)
+        return out
+
+    def close(self) -> None:
+        self.proposer.close()
+
+
+class InBandSource(PipelineSource):
+    """The prefill's row rides SGLang's own PD metadata transfer (:class:`~.metadata.MetadataChannel`)."""
+
+    name = "metadata"
+    features = frozenset({"prefill", "metadata"})
+
+    def __init__(self, proposer: DecodeProposer, channel: Any) -> None:
+        super().__init__(proposer)
+        self.channel = channel
+        channel.on_row = proposer.on_row
+
+    def bind(self, facts: Any, scheduler: Any) -> None:
+        self.channel.bind(facts.vocab_size, facts.num_steps)
+        super().bind(facts, scheduler)
+
+    def _publisher(self, facts: Any) -> ProposalPublisher:
+        return ProposalPublisher.from_config(
+            self.inst.config,
+            stage=self.channel.stage,
+            vocab_size=facts.vocab_size,
+            num_steps=facts.num_steps,
+            registry=self.inst.options.registry,
+        )
+
+    def on_commit(self, queue: Any, decode_req: Any, group: Any) -> None:
+        # Every rank, for every committed request, before anything may return early: the
+        # X agreement is a collective.
+        if self.agree_on_x(decode_req.req, group_of(group, self.inst.rank_agreement)):
+            return  # the ranks disagreed on X: one-hot at the agreed X is attached
+        try:
+            self.channel.commit(queue, decode_req, self.inst.is_fake_transfer)
+        except Exception as exc:
+            self.inst.events.failed("commit", exc, "a one-hot proposal")
+
+    def agree_on_x(self, req: Any, group: Any) -> bool:
+        """The X canary: compare this request's X across the ranks of ``group``.
+
+        Returns False when the ranks agree (or ``group`` is None). Otherwise every rank
+        adopts the smallest X seen, writes it into ``req.output_topk_index`` (what SGLang
+        verifies), attaches a one-hot proposal for it (exact: a one-hot proposal is exact
+        for any X chosen before the verify), counts ``fallback:rank_mismatch``, logs once,
+        and returns True. A rank with no readable X takes part without a say.
+        """
+        if group is None:
+            return False
+        n = self.proposer.bound[1] if self.proposer.bound is not None else 1
+
+        def votes() -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.full((1, n), NEUTRAL, dtype=torch.int64)
+            if getattr(req, "finished_reason", None) is None:
+                mine = torch.tensor(request_tokens(req, n), dtype=torch.int64)
+                if mine.numel() == n:
+                    x[0] = mine
+            return torch.ones(1, dtype=torch.bool), x
+
+        verdict = agree(1, n, votes, group)
+        if verdict.failed is not None:
+            self.inst.events.failed("x_canary", verdict.failed, "no cross-rank check for this request")
+            return False
+        lo, hi = verdict.lo[0], verdict.hi[0]
+        if bool((lo == NEUTRAL).any()) or bool((lo == hi).all()):
+            return False  # agreed (or no rank had an X)
+        agreed = tuple(int(t) for t in lo.tolist())
+        try:
+            row = req.output_topk_index
+            row[:n] = torch.tensor(agreed, dtype=row.dtype)
+            setattr(req, ATTACH_ATTR, RequestProposal(agreed, _one_hot_descriptor(agreed), None, "rank_mismatch"))
+        except Exception as exc:
+            self.inst.events.failed("x_canary", exc, "this rank's own X")
+            return False
+        self.proposer.report(
+            "rank_mismatch",
+            f"pd-middleware: decode ranks received different X for request room={getattr(req, 'bootstrap_room', None)} "
+            f"(smallest {list(agreed)}, largest {hi.tolist()}); every rank verifies the smallest with a one-hot proposal",
+        )
+        return True
+
+    def parts(self) -> dict[str, dict[str, int]]:
+        return {**super().parts(), "inband": dict(self.channel.counts)}
+
+
+def _one_hot_descriptor(tokens: tuple[int, ...]) -> Any:
+    from ...proposal import OneHotProposal
+
+    return OneHotProposal(tokens)
+
+
+class SideChannelSource(PipelineSource):
+    """The prefill's payloads go through the middleware's own transport: a receiver on the
+    decode's TP rank 0 (or the one given at install), a sender on the prefill."""
+
+    name = "sidechannel"
+
+    def _bind_decode(self, facts: Any) -> None:
+        inst = self.inst
+        if inst.receiver is None and self.proposer.store is None and facts.tp_rank == 0:
+            from ...transport import open_receiver
+
+            inst.receiver = open_receiver(inst.config.transport, self.proposer.middleware.pipeline)
+            self.proposer.store = ProposalStore(inst.receiver)
+            logger.info("pd-middleware decode receiver listening on %s", inst.receiver.address)
+
+    def _publisher(self, facts: Any) -> ProposalPublisher:
+        addr = os.environ.get(ENV_DECODE_ADDRESS)
+        if not addr:
+            raise ConfigError(
+                f'[sglang].channel = "sidechannel" on a prefill needs {ENV_DECODE_ADDRESS}=tcp://host:port',
+                path="sglang.channel",
+            )
+        from ...transport import open_sender
+
+        cfg = self.inst.config
+        return ProposalPublisher.from_config(
+            cfg,
+            lambda: open_sender(cfg.transport, addr, name=f"sglang-prefill-{os.getpid()}"),
+            vocab_size=facts.vocab_size,
+            num_steps=facts.num_steps,
+            registry=self.inst.options.registry,
+        )
+
+
+def needs_draft_head(config: Any, registry: Any) -> bool:
+    """Whether the config's decode synthesizer declares it needs the engine's draft head
+    (``PluginSpec.needs`` holds ``draft_head``): such a synthesizer recomputes on the
+    decode alone. Resolved from the registry, never from the plugin's name."""
+    spec = registry.get("synthesizer", config.synthesizer.name)
+    return DRAFT_HEAD in tuple(getattr(spec, "needs", ()))
+
+
+# --------------------------------------------------------------------- the decode feature
+
+
+@dataclass
+class Building:
+    """The prebuilt batch whose first draft input SGLang is building, and what its source prepared."""
+
+    batch: Any
+    state: Any
+
+
+#: Set by the builder's wrapper, read by the proposal's replacement within the same call.
+BUILDING: Scope[Building] = Scope("pd_middleware_sglang_building")
+
+
+def wrap_build(build: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    """``build_eagle_disagg_draft_input``: the source prepares the batch inside the call
+    (before SGLang's body, so before the overlap scheduler's stash copies the draft input).
+
+    Guarded: a failure of ``prepare`` is counted (``guard:prepare:<error>``) and the batch
+    keeps the prefill's X with the drop-in's one-hot proposal (exact for any X).
+    """
+
+    def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
+        try:
+            state = inst.source.prepare(batch)
+        except Exception as exc:
+            inst.events.failed("prepare", exc, "the prefill's X with a one-hot proposal")
+            state = None
+        with BUILDING.enter(Building(batch, state)):
+            return build(batch, last_tokens_tensor, future_map)
+
+    return build_eagle_disagg_draft_input
+
+
+def wrap_proposal(first: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    """``pd_first_draft_proposal``: the source's proposal for the batch being built.
+
+    Guarded like every per-batch wrapper: a failure gives the drop-in's one-hot at the X
+    the builder read (never SGLang's own function, which a server may have made inert).
+    Called from anywhere but the PD first draft input, it is SGLang's.
+    """
+
+    def pd_first_draft_proposal(topk_index: Any, vocab_size: int) -> Any:
+        building = BUILDING.get()
+        if building is None:
+            return first(topk_index, vocab_size)  # not the PD first draft input: not ours
+        try:
+            out = inst.source.propose(building.batch, building.state, topk_index, vocab_size)
+            check_proposal(out, topk_index, vocab_size)
+            return out
+        except Exception as exc:
+            inst.events.failed("propose", exc, "a one-hot proposal at the builder's X")
+            return one_hot_at(topk_index, vocab_size)
+
+    return pd_first_draft_proposal
+
+
+register_feature(
+    Feature(
+        "decode",
+        (
+            Target(
+                BUILDER_MODULE,
+                "build_eagle_disagg_draft_input",
+                ("batch", "last_tokens_tensor", "future_map"),
+                Hook.AROUND,
+                wrap_build,
+            ),
+            Target(
+                BUILDER_MODULE, "pd_first_draft_proposal", ("topk_index", "vocab_size"), Hook.REPLACE, wrap_proposal
+            ),
+        ),
+        lambda plan: True,
+        summary="the PD decode's first draft input and its proposal: the source's",
+    )
+)
