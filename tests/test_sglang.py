@@ -980,3 +980,50 @@ def test_the_proposal_is_built_on_topk_index_device() -> None:
     p.propose(batch_of([req([3])]), torch.tensor([[3]], device="meta"), V)
     assert len(p._assemblers) == 1
     p.close()
+
+
+def test_docs_show_the_whole_table_generated_from_the_code() -> None:
+    """docs/sglang.md's target table is the code's (``patching.table_markdown``): every
+    entry the drop-in patches or reads, nothing else. Regenerate it with
+    ``python -c "import pd_middleware.integrations.sglang as S; print(S.patching.table_markdown())"``."""
+    import re
+    from pathlib import Path
+
+    from pd_middleware.integrations.sglang.patching import FEATURES, table_markdown
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "sglang.md").read_text(encoding="utf-8")
+    (shown,) = re.findall(r"<!-- table:start -->\n(.*?)\n<!-- table:end -->", page, re.S)
+    assert shown == table_markdown()
+    rows = [line for line in shown.splitlines()[2:] if line.startswith("| `")]
+    assert len(rows) == sum(len(f.targets) for f in FEATURES.values()) > 20  # the reader found the entries
+    # Negative control: a page that lost one row no longer matches.
+    assert "\n".join(line for line in shown.splitlines() if "fast_sample" not in line) != table_markdown()
+
+
+def _sglang_imports(path) -> list[str]:
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "sglang"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "sglang":
+            out.append(node.module or "")
+    return out
+
+
+def test_only_the_machinery_imports_sglang(tmp_path) -> None:
+    """Every SGLang symbol reaches a feature module through the table: ``patching.py`` is the
+    one module of the package that imports SGLang (by name, at install). Negative control:
+    the scan finds an import where one is planted."""
+    from pathlib import Path
+
+    import pd_middleware.integrations.sglang as pkg
+
+    here = Path(pkg.__file__).parent
+    found = {p.name: _sglang_imports(p) for p in sorted(here.glob("*.py"))}
+    assert len(found) > 10 and {k: v for k, v in found.items() if v} == {}
+    assert "importlib.import_module(name)" in (here / "patching.py").read_text(encoding="utf-8")
+    planted = tmp_path / "planted.py"
+    planted.write_text("import torch\nfrom sglang.srt.runtime_context import get_spec\n", encoding="utf-8")
+    assert _sglang_imports(planted) == ["sglang.srt.runtime_context"]
