@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from ..._errors import ConfigError, PluginError
+from ..._errors import ConfigError, PluginError, ValidationError
 from ...draft_head import DRAFT_HEAD
 from ...events import Events
 from ...recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
@@ -445,10 +445,13 @@ class RecomputeSource(ProposalSource):
         assert self.head is not None
         hidden_list = [getattr(r, "hidden_states_tensor", None) for r in reqs]
         if any(h is None for h in hidden_list) or "hidden" in self._fault:
-            raise _NoHidden("a request arrived without the prefill's hidden state")
+            raise _NoHidden("a request arrived without the prefill's hidden state", field="hidden_states_tensor")
         hidden = torch.stack([torch.as_tensor(h).reshape(-1) for h in hidden_list]).to(self.head.device)
         if hidden.shape[1] != self.head.hidden_size:
-            raise _Shape(f"hidden states of width {hidden.shape[1]}, the draft head reads {self.head.hidden_size}")
+            raise _Shape(
+                f"hidden states of width {hidden.shape[1]}, the draft head reads {self.head.hidden_size}",
+                field="hidden_states_tensor",
+            )
         return hidden
 
     def _faulty(self, value: Any, where: str) -> Any:
@@ -521,12 +524,12 @@ class RecomputeSource(ProposalSource):
         return {"recompute": dict(self.counts)}
 
 
-class _NoHidden(RuntimeError):
-    pass
+class _NoHidden(ValidationError):
+    """A request of the batch arrived without the prefill's hidden state (fallback ``no_hidden``)."""
 
 
-class _Shape(RuntimeError):
-    pass
+class _Shape(ValidationError):
+    """The hidden states are not the draft head's width (fallback ``shape``)."""
 
 
 def _fault_for(tp_rank: int) -> str:
