@@ -40,7 +40,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if missing:
         skip = pytest.mark.skip(reason=f"server packages absent ({', '.join(missing)}): run `make setup-server`")
     elif "server" not in (config.option.markexpr or ""):
-        skip = pytest.mark.skip(reason="starts SGLang servers: run with -m server (make test-server)")
+        skip = pytest.mark.skip(
+            reason="the server tier (starts SGLang servers or needs their packages): run with -m server (make test-server)"
+        )
     else:
         return
     for item in items:

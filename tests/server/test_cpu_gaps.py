@@ -257,6 +257,7 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.mark.sglang
+@pytest.mark.server  # SGLang's argument resolution imports torchvision: make setup-server
 def test_sglang_resolves_the_tier_flags_with_deterministic_inference_only_with_the_overrides() -> None:
     """SGLang's real argument resolution, in a fresh interpreter (the overrides apply at import):
     the tier's flags with ``--enable-deterministic-inference`` resolve with the overrides; with

@@ -531,6 +531,7 @@ def _law(v: int = 16) -> torch.Tensor:
 
 
 @pytest.mark.sglang
+@pytest.mark.server  # sgl-kernel's Python package: make setup-server
 def test_seeded_fast_sample_runs_on_cpu_and_is_deterministic_per_seed_and_position() -> None:
     draw = _fast_sample()
     g = _gen()
@@ -563,6 +564,7 @@ def _chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
 
 
 @pytest.mark.sglang
+@pytest.mark.server  # sgl-kernel's Python package: make setup-server
 @pytest.mark.parametrize("over", ["positions", "seeds"])
 def test_seeded_fast_sample_draws_from_probs(over: str) -> None:
     """Pearson chi-square over 16 outcomes (df 15): a sampler drawing from probs fails with
@@ -584,6 +586,7 @@ def test_seeded_fast_sample_draws_from_probs(over: str) -> None:
 
 
 @pytest.mark.sglang
+@pytest.mark.server  # sgl-kernel's Python package: make setup-server
 def test_seeded_fast_sample_on_cpu_equals_the_gpu_hash_path(
     interpreted_murmur: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -635,6 +638,7 @@ def _independence_chi2(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
 
 
 @pytest.mark.sglang
+@pytest.mark.server  # sgl-kernel's Python package: make setup-server
 @pytest.mark.parametrize("keyed", ["as SGLang draws X", "like the coins (negative control)"])
 def test_the_draft_draw_shares_no_randomness_with_the_verify_coins(keyed: str) -> None:
     """X' = fast_sample(q', seed, positions=L), the decode's redraw keyed as SGLang's prefill
