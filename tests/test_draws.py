@@ -6,6 +6,9 @@ its uniform of (seed, room, rid). These tests check, on CPU tensors (no GPU here
 host-copy check counts the transfer *calls*, which are the same code on any device):
 
 - the uniforms are uniform (DKW bound) and a request's X does not depend on its batch;
+- the uniforms of one request's chain steps are pairwise independent (a grid chi-square
+  of the pairs and (u_j - u_i) mod 1, family-wise false-positive bound 1e-6), and they are
+  what the multi-layer chain hands its encoder;
 - X is drawn from the very law that is sent (chi-square, false-positive bound 1e-6);
 - nothing V-wide is read back to the host unless the encoder ships V-wide rows.
 Each has a negative control that makes it fail.
@@ -113,6 +116,88 @@ def test_dkw_check_detects_biased_uniforms():
     u = request_uniforms(SEED, list(range(n)), [str(i) for i in range(n)])[:, 0]
     assert ks_distance(u**1.1) > dkw_eps(n)
     assert ks_distance(request_uniforms(SEED, [5] * n)[:, 0]) > dkw_eps(n), "no salt: one value n times"
+
+
+# ----------------------------------------------------------------------------- a chain's steps are independent
+
+N_PAIRS, GRID = 40_000, 8
+
+
+def grid_chi_square(a, b, k=GRID):
+    """Pearson chi-square of the pairs (a_i, b_i) on the k x k grid of [0, 1)^2 against the
+    uniform law (what two independent uniforms give): (statistic, df = k^2 - 1)."""
+    cell = (a * k).long().clamp(max=k - 1) * k + (b * k).long().clamp(max=k - 1)
+    return chi_square(torch.bincount(cell, minlength=k * k), [1.0 / (k * k)] * (k * k))
+
+
+def independence_failures(u, alpha=1e-6):
+    """Every pair of steps (i, j) of ``u`` (n, S), two checks each: the k x k grid chi-square
+    of (u_i, u_j), and the DKW band of (u_j - u_i) mod 1 (uniform when u_j is independent of
+    u_i). Bonferroni over the 2 * C(S, 2) checks: a correct generator fails any with
+    probability at most ``alpha``. Returns the failed checks (empty: all passed)."""
+    n, s = u.shape
+    pairs = [(i, j) for i in range(s) for j in range(i + 1, s)]
+    each = alpha / (2 * len(pairs))
+    crit, eps = chi_square_critical(GRID * GRID - 1, each), dkw_eps(n, each)
+    out = []
+    for i, j in pairs:
+        stat, df = grid_chi_square(u[:, i], u[:, j])
+        if not stat < crit:
+            out.append(f"grid chi2 of steps ({i}, {j}): {stat:.1f} >= {crit:.1f} (df {df})")
+        ks = ks_distance(torch.remainder(u[:, j] - u[:, i], 1.0))
+        if not ks < eps:
+            out.append(f"KS of (u{j} - u{i}) mod 1: {ks:.4f} >= {eps:.4f}")
+    return out
+
+
+def chain_uniforms(n=N_PAIRS, steps=4, seed=SEED):
+    return request_uniforms(seed, [1000 + i for i in range(n)], [f"rid-{i}" for i in range(n)], steps=steps)
+
+
+def test_the_uniforms_of_a_requests_chain_steps_are_independent():
+    """Steps 0..3 of 40,000 requests, every pair: the 8 x 8 grid chi-square and (u_j - u_i)
+    mod 1 against uniform, family-wise false-positive bound 1e-6 (seed shown on failure).
+    Unlike (u0 + u1) mod 1, these see two equal steps (the negative controls below)."""
+    u = chain_uniforms()
+    assert independence_failures(u) == [], f"seed {SEED}"
+
+
+def test_the_chain_draws_step_k_at_column_k_of_the_request_uniforms():
+    """What the multi-layer chain hands its encoder at step k (salt ``rid:k``, one step at a
+    time) is column k of ``request_uniforms(steps=S)``: the columns tested above."""
+    seen = []
+
+    class Recording(TrustingArgmax):
+        def encode(self, probs, *, temperature=1.0, generator=None, uniforms=None):
+            seen.append(uniforms.clone())
+            return super().encode(probs, temperature=temperature)
+
+    _, chain, b = _chain(Recording(None, ctx()), steps=3)
+    topk_p, topk_index = torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.int64)
+    with sglang_chain.CHAIN.enter(chain):
+        for k in range(3):
+            assert sglang_chain.draw_step(k, draft(b, seed=SEED + k), topk_p, topk_index) is not None
+    want = request_uniforms(SEED, [100 + i for i in range(b)], [f"r{i}" for i in range(b)], steps=3)
+    assert torch.equal(torch.cat([s.reshape(b, 1) for s in seen], 1), want)
+
+
+def test_independence_check_detects_a_step_that_reuses_or_shifts_step_0():
+    """Negative controls: step 1 reusing step 0's uniform (as a salt without the step would),
+    step 1 = step 0 + 0.01 mod 1, and the real request_uniforms with its step salt dropped,
+    all fail the check; the sum mod 1 alone passes the reused step (why it is not the test)."""
+    u = chain_uniforms(steps=2)
+    reused = torch.stack([u[:, 0], u[:, 0]], 1)
+    shifted = torch.stack([u[:, 0], torch.remainder(u[:, 0] + 0.01, 1.0)], 1)
+    for name, bad in (("reused", reused), ("shifted", shifted)):
+        failed = independence_failures(bad)
+        assert len(failed) == 2, f"{name}: {failed}"
+    assert ks_distance(torch.remainder(reused[:, 0] + reused[:, 1], 1.0)) < dkw_eps(N_PAIRS), "the sum is blind to it"
+    from pd_middleware import draws
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(draws, "step_salt", lambda salt, step, steps: salt)
+        unsalted = chain_uniforms(steps=2)
+    assert torch.equal(unsalted[:, 0], unsalted[:, 1]) and len(independence_failures(unsalted)) == 2
 
 
 # ----------------------------------------------------------------------------- batch invariance

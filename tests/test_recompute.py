@@ -1,5 +1,6 @@
 """The ``recompute`` synthesizer: exact enumeration, the negative control, the guard,
-the sampler's law and the capability check.
+the sampler's law, the temperature (q' = softmax(logits / T) up to fp32, X' drawn from
+it) and the capability check.
 
 A stand-in head stands for the engine's draft head (the real SGLang head is tested in
 ``tests/test_sglang_recompute.py``): a fixed fp32 matrix over a tiny vocabulary.
@@ -62,7 +63,7 @@ def fr(t: torch.Tensor) -> list[Fraction]:
     return [Fraction(float(x)) for x in t.double().tolist()]
 
 
-def payload(rid="7", hidden=HIDDEN, tokens=(0,), rule="sampled", steps=1) -> Payload:
+def payload(rid="7", hidden=HIDDEN, tokens=(0,), rule="sampled", steps=1, temperature=1.0) -> Payload:
     raw = hidden.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if hidden is not None else b""
     return Payload(
         request_id=rid,
@@ -71,7 +72,7 @@ def payload(rid="7", hidden=HIDDEN, tokens=(0,), rule="sampled", steps=1) -> Pay
         vocab_size=V,
         hidden=raw,
         hidden_dtype="bf16",
-        provenance=Provenance(rule=rule, temperature=1.0),
+        provenance=Provenance(rule=rule, temperature=temperature),
     )
 
 
@@ -199,6 +200,96 @@ def test_draw_is_deterministic_per_seed_and_position():
     assert torch.equal(a, b)
     assert seed_from_room([11]).tolist() == seed_from_room([11]).tolist()
     assert int(seed_from_room([2**64 - 1])[0]) >= 0
+
+
+# ----------------------------------------------------------------------------- temperature
+
+TEMPERATURES = (0.5, 2.0)
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def fp32_tolerance(logits64: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Relative error an fp32 softmax(logits / T) may carry against float64, per row: the
+    fp32 logits (a few ulps of their size) amplified by exp through max|logit| / T, 8 ulps
+    per unit, plus V ulps for the normaliser. Far below any change of T (checked)."""
+    return EPS32 * (8 * (1 + logits64.abs().amax(dim=1, keepdim=True) / t.view(-1, 1)) + V)
+
+
+def fits(probs: torch.Tensor, want: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """bool (B,): every entry of the row within ``tol`` relative of ``want``."""
+    return ((probs.double() - want).abs() <= tol * want).all(dim=1)
+
+
+@pytest.mark.parametrize("t", TEMPERATURES)
+def test_q_prime_is_softmax_of_logits_over_t_up_to_fp32(t):
+    """The core synthesizer's q' at T != 1, rows of T and of T = 1 mixed in one batch (each
+    row its own T), against float64 softmax(logits / T) from float64 logits; and the
+    payload path (the A/B job) at provenance temperature T. Negative control: the T = 1
+    law fails the same check on every row drawn at T."""
+    head = MatrixHead(_weight())
+    synth = RecomputeSynthesizer(None, ctx(head))
+    hidden = torch.randn(64, H, generator=torch.Generator().manual_seed(SEED + 3))
+    temps = torch.tensor([t, 1.0] * 32)
+    rec = synth.recompute(
+        hidden,
+        temperatures=temps.view(-1, 1),
+        seeds=seed_from_room(range(64)),
+        positions=torch.zeros(64, dtype=torch.int64),
+    )
+    logits64 = hidden.double() @ head.weight.double().T
+    t64 = temps.double()
+    tol = fp32_tolerance(logits64, t64)
+    assert bool(fits(rec.probs, torch.softmax(logits64 / t64.view(-1, 1), dim=1), tol).all()), f"T={t}"
+    at_t = temps == t
+    assert not bool(fits(rec.probs, torch.softmax(logits64, dim=1), tol)[at_t].any()), "control: the T=1 law"
+    # X' and q'(X') are read from that q'.
+    assert torch.equal(rec.token_probs, rec.probs.gather(1, rec.tokens.view(-1, 1)).view(-1))
+
+    prop = synth.synthesize(payload(temperature=t))
+    assert isinstance(prop, RecomputedProposal)
+    row = assembled_row(prop).view(1, V)
+    one64 = HIDDEN.double() @ head.weight.double().T
+    tol1 = fp32_tolerance(one64, torch.tensor([t], dtype=torch.float64))
+    assert bool(fits(row, torch.softmax(one64 / t, dim=1), tol1).all())
+    assert not bool(fits(row, torch.softmax(one64, dim=1), tol1).any())
+
+
+@pytest.mark.parametrize("t", TEMPERATURES)
+def test_x_prime_follows_softmax_over_t_tv_bound(t):
+    """20,000 seeded draws (one per room) at temperature T against float64 softmax(logits / T):
+    TV <= 1/2 sqrt((V-1)/N) + sqrt(ln(1/a)/2N), false-positive bound a = 1e-6. Negative
+    control: the same draws against the T = 1 law exceed the bound."""
+    head = MatrixHead(_weight())
+    synth = RecomputeSynthesizer(None, ctx(head))
+    n = 20_000
+    rec = synth.recompute(
+        HIDDEN.float().expand(n, H).contiguous(),
+        temperatures=torch.full((n, 1), t),
+        seeds=seed_from_room(range(n)),
+        positions=torch.full((n,), 17, dtype=torch.int64),
+    )
+    assert bool(rec.valid.all())
+    freq = torch.bincount(rec.tokens, minlength=V).double() / n
+    logits64 = (HIDDEN.double() @ head.weight.double().T)[0]
+    bound = tv_bound(V, n, 1e-6)
+    assert tv_distance(freq, torch.softmax(logits64 / t, dim=0)) <= bound, f"seed {SEED}, T={t}"
+    assert tv_distance(freq, torch.softmax(logits64, dim=0)) > bound, "control: the T=1 law must fail"
+
+
+def test_x_prime_drawn_at_t_is_exact_only_with_the_q_prime_of_t_exact_enumeration():
+    """With Fractions: X' ~ q'_T handed with q'_T commits p exactly; handed with the T = 1 law
+    instead (a synthesizer that ignored T when building q', but drew at T) it is biased."""
+    head = MatrixHead(_weight())
+    logits = head.logits(HIDDEN.float())
+
+    def law(t):
+        q = fr(proposal_probs(logits, torch.tensor([t]))[0])
+        return [v / sum(q) for v in q]
+
+    for t in TEMPERATURES:
+        assert exact_verify_law(P, law(t), law(t)) == P
+        biased = exact_verify_law(P, law(1.0), law(t))
+        assert sum(abs(a - b) for a, b in zip(biased, P)) > Fraction(1, 1000), t
 
 
 # ----------------------------------------------------------------------------- fallbacks and refusal

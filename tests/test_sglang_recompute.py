@@ -9,6 +9,14 @@ SGLang's real ``build_eagle_disagg_draft_input`` builds the first draft input: i
 carries X' drawn by SGLang's real ``fast_sample`` from q' = SGLang's real
 ``sampling_softmax`` of the head's logits.
 
+Through the same real builder: a non-identity, full-size token map (the builder's X is
+the draft id of X', q' is over target ids); invalid rows (a NaN q' row, q'(X') = 0) get
+the one-hot at their own X; with SGLang's own ``pd_first_draft_proposal`` made inert, a
+fallen-back batch still gets the drop-in's one-hot, X outside [0, V) included. At
+scheduler start, ``capture`` refuses a token map that is not the identity (the EAGLE
+worker's ``--speculative-token-map`` and the EAGLE3 model's own) and a draft whose
+logits are not the target's width. Each test carries a negative control.
+
 Two stand-ins, because the real part cannot run here: the rotary embedding's
 constructor picks a vLLM kernel unless SGLang's CPU engine flag is set (the CPU engine
 itself needs sgl-kernel's CPU build, not installable here), so the flag of that one
@@ -79,6 +87,7 @@ def sgl(sglang_importable):
     rb._is_cpu = True  # see the module docstring: the native rotary path, never called by the head
     return SimpleNamespace(
         eagle3=import_sglang("sglang.srt.models.llama_eagle3"),
+        eagle1=import_sglang("sglang.srt.models.llama_eagle"),
         lp=import_sglang("sglang.srt.layers.logits_processor"),
         fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
         spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
@@ -87,10 +96,10 @@ def sgl(sglang_importable):
     )
 
 
-def eagle3(sgl, *, dtype=torch.float32, seed=0, norm_output=False, vocab=V):
+def llama_config(vocab=V, **extra):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=H,
         intermediate_size=64,
@@ -99,15 +108,30 @@ def eagle3(sgl, *, dtype=torch.float32, seed=0, norm_output=False, vocab=V):
         num_key_value_heads=2,
         max_position_embeddings=128,
         rms_norm_eps=1e-6,
+        **extra,
     )
-    cfg.draft_vocab_size = vocab
-    cfg.norm_output = norm_output
-    m = sgl.eagle3.LlamaForCausalLMEagle3(cfg)
+
+
+def randomized(m, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m.to(dtype)
+    return m
+
+
+def eagle3(sgl, *, dtype=torch.float32, seed=0, norm_output=False, vocab=V, draft_vocab=None):
+    """SGLang's real EAGLE3 draft; ``draft_vocab``: its own vocabulary (lm_head and
+    LogitsProcessor width), the target's ``vocab`` unless given."""
+    cfg = llama_config(vocab)
+    cfg.draft_vocab_size = vocab if draft_vocab is None else draft_vocab
+    cfg.norm_output = norm_output
+    return randomized(sgl.eagle3.LlamaForCausalLMEagle3(cfg), seed).to(dtype)
+
+
+def eagle1(sgl, *, seed=0):
+    """SGLang's real EAGLE (not EAGLE3) draft, ``LlamaForCausalLMEagle``: lm_head(h), no final norm."""
+    return randomized(sgl.eagle1.LlamaForCausalLMEagle(llama_config(tie_word_embeddings=False)), seed)
 
 
 def own_logits(sgl, m, hidden):
@@ -403,3 +427,264 @@ def test_a_failing_recompute_step_gives_sglang_its_one_hot_counted(sgl, installe
     assert torch.equal(si.draft_probs, want)  # one-hot at the builder's X: exact for any X
     key = f"guard:{where}:RuntimeError"
     assert installed.guard.counts[key] == 1
+
+
+# ----------------------------------------------------------------------------- token maps, invalid rows, an inert SGLang
+
+
+def reference_draw(rc, q, seeds, positions):
+    """(q(X), X) as the bound source draws them: SGLang's fast_sample where it runs, else
+    the core's seeded inverse-CDF draw (this CPU: no sgl-kernel murmur_hash32_cpu)."""
+    if rc.sampler == "sglang.fast_sample":
+        from sglang.srt.speculative.spec_utils import fast_sample
+
+        return fast_sample(q, 1, sampling_seed=seeds, positions=positions)
+    assert rc.sampler == "pd_middleware.inverse_cdf", rc.sampler
+    return inverse_cdf(q, seeds, positions)
+
+
+def one_hots(xs, v=V):
+    out = torch.zeros(len(xs), v)
+    out[torch.arange(len(xs)), torch.tensor(xs)] = 1.0
+    return out
+
+
+def test_builder_with_a_non_identity_hot_map_hands_the_draft_id_of_x_prime_and_q_prime_over_target_ids(sgl, installed):
+    """A full-size, non-identity EAGLE3 map (draft id -> target id), bound directly (capture
+    refuses it at startup, see below): the builder's topk_index is the draft id of X', so
+    SGLang's own mapping (hot[topk_index], eagle_worker_v2.py around 757) gives back
+    exactly the X' drawn from q'; draft_probs is q' over target ids, and q'(X') = topk_p.
+    Negative controls: a head that forgets the inverse map, or the scatter into target ids,
+    fails these checks."""
+    m = eagle3(sgl)
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(5))
+    assert not torch.equal(perm, torch.arange(V))
+    m.hot_token_id = perm  # where SGLang's EAGLE3 keeps its map
+    head = SGLangDraftHead(m, V)
+    rc = installed.recompute
+    rc.bind_head(head, vocab_size=V, num_steps=1, rejection_sampling=True)
+    seeds = torch.arange(16, dtype=torch.int64) + 100
+
+    b = batch(16, seeds=seeds)
+    hidden = torch.stack([r.hidden_states_tensor for r in b.reqs])
+    si = build(sgl, b)
+
+    draft_logits = own_logits(sgl, m, hidden)  # over draft ids
+    target_logits = torch.empty_like(draft_logits)
+    target_logits[:, perm] = draft_logits  # target id hot[j] carries draft id j's logit
+    temps = b.sampling_info.temperatures
+    q = sgl.spec_utils.sampling_softmax(target_logits, temperatures=temps)
+    # q' at target id hot[j] is the draft's probability of draft id j (any summation order).
+    torch.testing.assert_close(q[:, perm], sgl.spec_utils.sampling_softmax(draft_logits, temperatures=temps))
+    _, x = reference_draw(rc, q, seeds, b.seq_lens)  # X' over target ids
+
+    assert torch.equal(si.draft_probs, q)
+    assert torch.equal(perm[si.topk_index], x), "SGLang's map of the builder's X must be the X' drawn from q'"
+    assert torch.equal(si.topk_p, q.gather(1, x))
+    assert torch.equal(si.topk_p, si.draft_probs.gather(1, perm[si.topk_index]))
+    assert (si.topk_index != x).any(), "the map moves this batch's tokens, so the check can see a missing inverse"
+    assert rc.counts["recomputed"] == 16
+
+    inverse = head.draft_id_of
+    head.draft_id_of = None  # negative control: X' handed over as a target id, SGLang maps it again
+    bad = build(sgl, batch(16, seeds=seeds))
+    assert not torch.equal(perm[bad.topk_index], x)
+    head.draft_id_of, hot = inverse, head.hot_token_id
+    head.hot_token_id = None  # negative control: q' left in draft order
+    bad = build(sgl, batch(16, seeds=seeds))
+    assert not torch.equal(bad.draft_probs, q)
+    head.hot_token_id = hot
+
+
+def test_invalid_rows_go_through_the_builder_as_the_one_hot_at_their_prefill_x(sgl, installed):
+    """Row 1's hidden state is NaN (its q' row is NaN); row 2's sampler returns a token q'
+    gives 0 (a near-greedy T underflows q' to exact zeros, and the engine's seeded draw
+    offered to the synthesizer returns the least likely one). Through the real builder the
+    verifier gets, for those rows, the one-hot at the request's own X (the prefill's),
+    never the row; rows 0 and 3 of the same batch keep q' and X'. Counted invalid_row.
+    The controls inside: the two rows really are invalid (NaN, q'(X') == 0)."""
+    m = eagle3(sgl)
+    rc = installed.recompute
+    zero_row = 2
+
+    def draws_a_zero(probs, seeds, positions):
+        _, x = inverse_cdf(probs, seeds, positions)
+        x = x.clone()
+        x[zero_row, 0] = probs[zero_row].argmin()
+        return probs.gather(1, x), x
+
+    rc.bind_head(SGLangDraftHead(m, V), vocab_size=V, num_steps=1, rejection_sampling=True, draw=draws_a_zero)
+    seeds = torch.tensor([21, 22, 23, 24], dtype=torch.int64)
+    b = batch(4, seeds=seeds, temps=torch.tensor([0.8, 0.8, 1e-3, 0.8]))
+    prefill_x = [3, 4, 5, 6]
+    for r, x in zip(b.reqs, prefill_x):
+        r.output_topk_index = torch.tensor([x])
+    b.reqs[1].hidden_states_tensor = torch.full((H,), float("nan"))
+    hidden = torch.stack([r.hidden_states_tensor for r in b.reqs])
+    q = sgl.spec_utils.sampling_softmax(own_logits(sgl, m, hidden), temperatures=b.sampling_info.temperatures)
+    _, x = draws_a_zero(q, seeds, b.seq_lens)
+    assert bool(torch.isnan(q[1]).all()), "control: the NaN row's q' is NaN"
+    assert float(q[zero_row, x[zero_row, 0]]) == 0.0, "control: the sampler's X' has q'(X') = 0"
+    assert bool(torch.isfinite(q[[0, 3]]).all()) and bool((q.gather(1, x)[[0, 3]] > 0).all())
+
+    si = build(sgl, b)
+
+    for i in (1, zero_row):
+        assert torch.equal(si.draft_probs[i], one_hots([prefill_x[i]])[0]), f"row {i}"
+        assert int(si.topk_index[i, 0]) == prefill_x[i]
+        assert float(si.topk_p[i, 0]) == 0.5  # the prefill's own q(X), untouched
+    for i in (0, 3):
+        assert torch.equal(si.draft_probs[i], q[i]) and torch.equal(si.topk_index[i], x[i])
+        assert torch.equal(si.topk_p[i], q[i].gather(0, x[i]))
+    assert bool(torch.isfinite(si.draft_probs).all())
+    assert rc.counts["fallback:invalid_row"] == 2 and rc.counts["recomputed"] == 2
+    assert rc.synth.counts["invalid_row"] == 2
+
+
+def _boom(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
+@pytest.mark.parametrize("fallback", ["unknown_head", "prepare"])
+@pytest.mark.parametrize("inert", ["returns_none", "raises"])
+def test_an_inert_sglang_proposal_still_gets_the_drop_ins_one_hot_even_for_x_out_of_range(
+    sgl, monkeypatch, inert, fallback
+):
+    """SGLang's own pd_first_draft_proposal made inert before the drop-in wraps it (as the
+    server tier's seed_builder override does): a fallen-back batch (no head bound, or a
+    prepare that raises) still gets the drop-in's own one-hot at X, float32, each row
+    summing to 1, even for X = V and X = -1 (clamped into [0, V)), with no exception into
+    SGLang, and SGLang's function is never called. Controls: the wrapped function is the
+    inert one, it gives nothing usable, and SGLang's real one raises for X = V or -1."""
+    real = sgl.builder.pd_first_draft_proposal
+    for bad in (V, -1):
+        with pytest.raises((RuntimeError, IndexError)):
+            real(torch.tensor([[bad]]), V)
+    calls = []
+
+    def pd_first_draft_proposal(topk_index, vocab_size):
+        calls.append(topk_index)
+        if inert == "raises":
+            raise RuntimeError("SGLang's own proposal made inert")
+        return None
+
+    monkeypatch.setattr(sgl.builder, "pd_first_draft_proposal", pd_first_draft_proposal)
+    inst = S.install(load_config(CONFIG), S.InstallOptions(hook_scheduler=False))
+    try:
+        (wrapped,) = [p for p in inst.patches if p.name == "pd_first_draft_proposal"]
+        assert wrapped.original is pd_first_draft_proposal
+        if inert == "raises":
+            with pytest.raises(RuntimeError, match="made inert"):
+                wrapped.original(torch.tensor([[5]]), V)
+        else:
+            assert wrapped.original(torch.tensor([[5]]), V) is None
+        calls.clear()
+        rc = inst.recompute
+        if fallback == "prepare":
+            start(sgl, inst, eagle3(sgl))
+            monkeypatch.setattr(rc, "prepare", _boom)
+        for x in (5, V, -1):
+            b = batch(3)
+            for r in b.reqs:
+                r.output_topk_index = torch.tensor([x])
+            si = build(sgl, b)
+            p = si.draft_probs
+            assert p.dtype == torch.float32 and p.shape == (3, V), (x, p.dtype, p.shape)
+            assert torch.equal(p, one_hots([min(max(x, 0), V - 1)] * 3)), x
+            assert torch.equal(p.sum(dim=1), torch.ones(3)), x
+            assert si.topk_index.view(-1).tolist() == [x] * 3
+        assert calls == [], "the fallback must never reach SGLang's own (inert) function"
+        if fallback == "unknown_head":
+            assert rc.counts["fallback:unknown_head"] == 9
+        else:
+            assert inst.guard.counts["guard:prepare:RuntimeError"] == 3
+        assert not [k for k in inst.guard.counts if k.startswith("guard:propose")]
+    finally:
+        S.uninstall()
+
+
+# ----------------------------------------------------------------------------- startup refusals: token map, width
+
+
+class EagleDraftWorker:
+    """Scheduler-shaped stand-in for SGLang's EagleDraftWorker (named like it, so capture checks
+    its attributes against the table): EAGLE keeps --speculative-token-map here
+    (eagle_worker_v2.py around 332 and 372), not on the model."""
+
+    def __init__(self, model, hot_token_id):
+        self.hot_token_id = hot_token_id
+        self.draft_runner = SimpleNamespace(model=model)
+        self.parallel_layout = None
+
+
+TOKEN_MAPS = {
+    "permutation": lambda: torch.randperm(V, generator=torch.Generator().manual_seed(9)),
+    "partial": lambda: torch.arange(V - 33),  # a hot vocabulary smaller than the target's
+    "identity": lambda: torch.arange(V),
+    "none": lambda: None,
+}
+
+
+@pytest.mark.parametrize("hot", list(TOKEN_MAPS))
+def test_a_worker_level_token_map_is_refused_at_start_unless_it_is_the_identity(sgl, installed, hot):
+    """EAGLE with --speculative-token-map keeps hot_token_id on the worker; the head read only
+    the model's, so q' stayed in draft order while SGLang mapped X' (defect 4). capture
+    refuses a map that is not the identity, naming the flag, and binds nothing; an identity
+    map and no map are accepted, and the EAGLE head then serves q' = softmax of the model's
+    own LogitsProcessor output (no norm), X' drawn from it."""
+    m = eagle1(sgl)
+    worker = EagleDraftWorker(m, TOKEN_MAPS[hot]())
+    assert getattr(m, "hot_token_id", None) is None, "the map is the worker's alone"
+    sched = SimpleNamespace(draft_worker=SimpleNamespace(draft_worker=worker), enable_overlap=False)
+    rc = installed.recompute
+    if hot in ("permutation", "partial"):
+        with pytest.raises(ConfigError, match=r"not the identity \(--speculative-token-map"):
+            capture(rc, sched, vocab_size=V, num_steps=1, rs=True)
+        assert rc.head is None and rc.synth is None  # nothing bound: no X' is ever drawn
+        return
+    capture(rc, sched, vocab_size=V, num_steps=1, rs=True)
+    assert rc.head is not None and rc.head.arch == "LlamaForCausalLMEagle"
+    seeds = torch.arange(6, dtype=torch.int64) + 40
+    b = batch(6, seeds=seeds)
+    hidden = torch.stack([r.hidden_states_tensor for r in b.reqs])
+    meta = sgl.lp.LogitsMetadata(forward_mode=sgl.fb.ForwardMode.DECODE)
+    with torch.no_grad():
+        logits = m.logits_processor(torch.zeros(6, dtype=torch.long), hidden, m.lm_head, meta).next_token_logits
+    q = sgl.spec_utils.sampling_softmax(logits, temperatures=b.sampling_info.temperatures)
+    p_x, x = reference_draw(rc, q, seeds, b.seq_lens)
+    si = build(sgl, b)
+    assert torch.equal(si.draft_probs, q) and torch.equal(si.topk_index, x) and torch.equal(si.topk_p, p_x)
+    assert rc.counts["recomputed"] == 6
+
+
+def test_an_eagle3_models_own_non_identity_map_is_refused_at_start(sgl, installed):
+    """The same refusal for the map SGLang's EAGLE3 keeps on the model (its d2t)."""
+    m = eagle3(sgl)
+    m.hot_token_id = TOKEN_MAPS["permutation"]()
+    with pytest.raises(ConfigError, match="not the identity"):
+        start(sgl, installed, m)
+    assert installed.recompute.head is None
+    m.hot_token_id = torch.arange(V)  # control: the identity is accepted
+    start(sgl, installed, m)
+    assert installed.recompute.head is not None
+
+
+def test_a_draft_whose_logits_are_not_the_target_width_is_refused_at_start(sgl, installed):
+    """The draft logits' real width (its LogitsProcessor's vocab_size, what the head's slice
+    leaves) is checked at startup, before any X' can be drawn or written (defect 5: the old
+    check compared the target V with itself, head.vocab_size being V). Negative control:
+    the same model at the target's width is accepted."""
+    narrow = eagle3(sgl, draft_vocab=V - 8)
+    probe = SGLangDraftHead(narrow, V)
+    assert probe.vocab_size == V and probe.logits_width == V - 8
+    assert probe.logits(torch.randn(2, H)).shape == (2, V - 8), "the real width of the draft's logits"
+    rc = installed.recompute
+    with pytest.raises(ConfigError, match=rf"logits over {V - 8} ids, the target's vocabulary is {V}"):
+        start(sgl, installed, narrow)
+    assert rc.head is None and rc.synth is None
+    b = batch(3)
+    si = build(sgl, b)  # nothing bound: every request keeps the prefill's X, one-hot
+    assert si.topk_index.view(-1).tolist() == [5, 5, 5] and torch.equal(si.draft_probs, one_hots([5] * 3))
+    assert [r.output_topk_index.tolist() for r in b.reqs] == [[5]] * 3
+    start(sgl, installed, eagle3(sgl, draft_vocab=V))
+    assert rc.head is not None and rc.head.logits_width == V

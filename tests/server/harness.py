@@ -18,6 +18,14 @@ What makes SGLang 0.5.23 run on a CPU without a GPU (docs/server.md):
   ``--disable-overlap-schedule``, on the decode ``--disaggregation-decode-retraction-backup
   cpu_tensor`` (the defaults call CUDA).
 
+Beyond TP 1 (``tp=``, ``dp=`` on :func:`start_server` and :func:`start_pair`): ``--tp-size``
+(and ``--dp-size``) with ``SGLANG_CPU_OMP_THREADS_BIND`` set to one core per rank, wrapping
+round this machine's cores (``"0|1"`` for TP 2 on 2 cores; SGLang asserts when it is unset
+and the ranks outnumber the NUMA nodes). Without sgl-kernel's AMX ops the binding is only
+checked, never applied, and the all-reduce falls back to gloo (``parallel_state.py``
+around 696). ``sleep_on_idle=True`` passes ``--sleep-on-idle``: an idle scheduler then
+blocks on its sockets instead of polling.
+
 Every wait is bounded; every port is on 127.0.0.1.
 """
 
@@ -65,8 +73,17 @@ def _ephemeral_low() -> int:
 _PORTS = random.Random()
 
 
+#: Where SGLang 0.5.23 picks the ports it binds later itself (``utils/network.py``
+#: ``get_free_port_below_ephemeral``: nccl / dist-init ports, one more per TP server), and
+#: the window above it that DP attention derives from a server's port (port + 233 + 0..7,
+#: ``server_args.py`` ``ZMQ_TCP_PORT_DELTA``). The harness keeps out of it: a decode once
+#: lost its HTTP port to another server's socket in that range ("address already in use").
+SGLANG_PORT_RANGE = (22000, 29999 + 241)
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range.
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range and outside
+    the range where SGLang picks its own ports (:data:`SGLANG_PORT_RANGE`).
 
     A server binds its port tens of seconds after the harness chose it. A port from the
     ephemeral range can be handed, meanwhile, to any other socket the servers open (ZMQ,
@@ -75,8 +92,18 @@ def free_port() -> int:
     Falls back to the kernel's choice after 64 busy tries.
     """
     low = _ephemeral_low()
+    lo, hi = max(1024, low - 12000), low
+    ranges = [(a, b) for a, b in ((lo, min(hi, SGLANG_PORT_RANGE[0])), (max(lo, SGLANG_PORT_RANGE[1]), hi)) if a < b]
+    if not ranges:
+        ranges = [(lo, hi)]
+    sizes = [b - a for a, b in ranges]
     for _ in range(64):
-        port = _PORTS.randrange(max(1024, low - 12000), low)
+        i = _PORTS.randrange(sum(sizes))
+        for (a, _b), n in zip(ranges, sizes):
+            if i < n:
+                port = a + i
+                break
+            i -= n
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((HOST, port))
@@ -107,6 +134,10 @@ class Server:
     log_path: Path
     port: int
     bootstrap_port: int | None = None
+    #: ``time.monotonic()`` when the process was started, and seconds until it answered
+    #: its health check (None until :func:`wait_healthy` saw it healthy).
+    started_at: float = 0.0
+    healthy_after_s: float | None = None
 
     def log(self, tail: int = 20000) -> str:
         """The last ``tail`` characters of the log."""
@@ -140,6 +171,34 @@ def server_env(config: str | os.PathLike[str] | None, extra: Mapping[str, str] |
     if extra:
         env.update(extra)
     return env
+
+
+def omp_threads_bind(ranks: int, cpus: Sequence[int] | None = None) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks: one core each, wrapping round ``cpus``
+    (this process's affinity by default): ``"0|1"`` for 2 ranks on cores 0 and 1."""
+    if cpus is None:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = list(range(os.cpu_count() or 1))
+    cpus = list(cpus) or [0]
+    return "|".join(str(cpus[i % len(cpus)]) for i in range(ranks))
+
+
+def parallel_args(tp: int = 1, dp: int = 1) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment of a server with ``tp`` TP ranks and ``dp`` DP replicas."""
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
+    args: list[str] = []
+    env: dict[str, str] = {}
+    if tp > 1:
+        args += ["--tp-size", str(tp)]
+    if dp > 1:
+        args += ["--dp-size", str(dp)]
+    if tp * dp > 1:
+        # SGLang sizes the bind list by dp * tp * pp (its numa_index is the rank's gpu_id).
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tp * dp)
+    return args, env
 
 
 def spec_args(models: Models, *, rejection_sampling: bool = True, topk: int = 1) -> list[str]:
@@ -176,12 +235,20 @@ def start_server(
     topk: int = 1,
     max_total_tokens: int = 8192,
     wait: bool = True,
+    tp: int = 1,
+    dp: int = 1,
+    sleep_on_idle: bool = False,
 ) -> Server:
     """Start one SGLang server (``role``: ``null`` aggregated, ``prefill`` or ``decode``).
+
+    ``tp``/``dp``: ``--tp-size``/``--dp-size`` with one core per rank
+    (``SGLANG_CPU_OMP_THREADS_BIND``; a value in ``env_extra`` wins). ``sleep_on_idle``:
+    ``--sleep-on-idle``.
 
     Raises :class:`ServerFailed` (with its log) when it exits or is not healthy within
     ``START_TIMEOUT_S``; the process is stopped first.
     """
+    par_args, par_env = parallel_args(tp, dp)
     port = free_port()
     cmd = [
         sys.executable,
@@ -204,7 +271,10 @@ def start_server(
         "8",
         "--skip-server-warmup",
         *spec_args(models, rejection_sampling=rejection_sampling, topk=topk),
+        *par_args,
     ]
+    if sleep_on_idle:
+        cmd.append("--sleep-on-idle")
     boot = None
     if role != "null":
         cmd += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "mooncake"]
@@ -219,10 +289,15 @@ def start_server(
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
+        started_at = time.monotonic()
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(config, env_extra), start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=server_env(config, {**par_env, **(env_extra or {})}),
+            start_new_session=True,
         )
-    srv = Server(name, f"http://{HOST}:{port}", proc, log_path, port, boot)
+    srv = Server(name, f"http://{HOST}:{port}", proc, log_path, port, boot, started_at)
     if wait:
         wait_healthy(srv)
     return srv
@@ -255,8 +330,9 @@ def start_router(pair_prefill: Server, pair_decode: Server, log_dir: Path, *, wa
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
+        started_at = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(None), start_new_session=True)
-    srv = Server("router", f"http://{HOST}:{port}", proc, log_path, port)
+    srv = Server("router", f"http://{HOST}:{port}", proc, log_path, port, started_at=started_at)
     if wait:
         wait_healthy(srv, path="/readiness")
     return srv
@@ -278,6 +354,8 @@ def wait_healthy(srv: Server, timeout_s: float = START_TIMEOUT_S, path: str = "/
         try:
             with urllib.request.urlopen(srv.url + path, timeout=5) as r:
                 if r.status == 200:
+                    if srv.healthy_after_s is None and srv.started_at:
+                        srv.healthy_after_s = time.monotonic() - srv.started_at
                     return
         except (urllib.error.URLError, OSError):
             pass
@@ -319,6 +397,27 @@ def stop(srv: Server, grace_s: float = 15.0) -> None:
             return
 
 
+def group_cpu_seconds(srv: Server) -> float:
+    """CPU seconds (user + system, all threads) used so far by the live processes of the
+    server's process group (its scheduler ranks, detokenizer, ...): sample it twice and
+    divide the difference by the wall time for the group's CPU use in cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after "(comm)": state ppid pgrp session tty tpgid flags minflt cminflt
+        # majflt cmajflt utime stime ...
+        rest = stat.rpartition(")")[2].split()
+        if len(rest) > 12 and int(rest[2]) == srv.proc.pid:
+            total += int(rest[11]) + int(rest[12])
+    return total / tick
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -357,8 +456,18 @@ def start_pair(
     router: bool = True,
     max_total_tokens: int = 8192,
     extra_args: Sequence[str] = (),
+    tp: int = 1,
+    prefill_tp: int | None = None,
+    decode_tp: int | None = None,
+    prefill_args: Sequence[str] = (),
+    decode_args: Sequence[str] = (),
+    sleep_on_idle: bool = False,
 ) -> Pair:
     """Prefill, decode (started together) and, with ``router``, the router; all healthy, or ServerFailed.
+
+    ``tp`` is both nodes' TP size unless ``prefill_tp``/``decode_tp`` say otherwise;
+    ``prefill_args``/``decode_args`` go to one node after ``extra_args``;
+    ``sleep_on_idle`` passes ``--sleep-on-idle`` to both.
 
     On failure every process started so far is stopped before the error propagates.
     """
@@ -372,8 +481,10 @@ def start_pair(
             config=prefill_config,
             env_extra=prefill_env,
             max_total_tokens=max_total_tokens,
-            extra_args=extra_args,
+            extra_args=[*extra_args, *prefill_args],
             wait=False,
+            tp=tp if prefill_tp is None else prefill_tp,
+            sleep_on_idle=sleep_on_idle,
         )
         started.append(p)
         d = start_server(
@@ -384,8 +495,10 @@ def start_pair(
             config=decode_config,
             env_extra=decode_env,
             max_total_tokens=max_total_tokens,
-            extra_args=extra_args,
+            extra_args=[*extra_args, *decode_args],
             wait=False,
+            tp=tp if decode_tp is None else decode_tp,
+            sleep_on_idle=sleep_on_idle,
         )
         started.append(d)
         wait_healthy(p)

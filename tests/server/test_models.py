@@ -5,7 +5,12 @@
 - The tokenizer round-trips text; its training is deterministic.
 - The shipped trained pair accepts, offline at T = 1 on held-out stdlib text, with
   probability strictly between 0.1 and 0.9 (printed), and a reversed draft falls outside
-  that band (the negative control).
+  that band (the negative control); so does every chain step of the distilled multi-layer
+  MTP and EAGLE-1 drafts.
+- The EAGLE-1 draft's ``--speculative-token-map`` loads as SGLang loads it and is a
+  non-identity permutation of the whole vocabulary; the drafts carry the target's
+  embedding and head; the multi-layer draft's layer ``k`` reads the ids the worker's
+  rotation gives it.
 - Tests marked ``sglang``: SGLang's own classes build from the configs and their
   ``load_weights`` fill every parameter (``models/sglang_check.py``, in a child process).
 
@@ -34,8 +39,11 @@ pytest.importorskip("tokenizers", reason="the model builders need tokenizers (ma
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaForCausalLM
 
-from server.models import MODEL_NAMES, build_models, corpus, evaluate, spec
+from server.models import MODEL_NAMES, build_models, corpus, evaluate, spec, token_map_path
+from server.models.build import token_map
+from server.models.eagle1 import Eagle1Draft
 from server.models.eagle3 import Eagle3Draft
+from server.models.mtp import MtpDraft
 from server.models.tokenizer import load_tokenizer, train_tokenizer
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -45,6 +53,8 @@ SHAPES = {
     "eagle1": spec.RANDOM,
     "trained_target": spec.TRAINED,
     "trained_eagle3": spec.TRAINED,
+    "trained_multi_layer": spec.TRAINED,
+    "trained_eagle1_token_map": spec.TRAINED,
 }
 TABLES = {
     "target": spec.target_tensors,
@@ -52,6 +62,8 @@ TABLES = {
     "eagle1": spec.eagle1_tensors,
     "trained_target": spec.target_tensors,
     "trained_eagle3": spec.eagle3_tensors,
+    "trained_multi_layer": spec.mtp_tensors,
+    "trained_eagle1_token_map": spec.eagle1_tensors,
 }
 ARCHITECTURES = {
     "target": "LlamaForCausalLM",
@@ -59,8 +71,18 @@ ARCHITECTURES = {
     "eagle1": "LlamaForCausalLMEagle",
     "trained_target": "LlamaForCausalLM",
     "trained_eagle3": "LlamaForCausalLMEagle3",
+    "trained_multi_layer": "MiMoV2MTP",
+    "trained_eagle1_token_map": "LlamaForCausalLMEagle",
 }
-DRAFT_OF = {"eagle3": "target", "eagle1": "target", "trained_eagle3": "trained_target"}
+DRAFT_OF = {
+    "eagle3": "target",
+    "eagle1": "target",
+    "trained_eagle3": "trained_target",
+    "trained_multi_layer": "trained_target",
+    "trained_eagle1_token_map": "trained_target",
+}
+#: The drafts distil.py made from the trained target.
+DISTILLED = ("trained_multi_layer", "trained_eagle1_token_map")
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +134,15 @@ def test_config_says_what_sglang_reads(models: dict[str, Path], name: str) -> No
         assert all(0 <= i + 1 < target.num_hidden_layers for i in ids)
         fc = load_file(str(models[name] / "model.safetensors"))["fc.weight"]
         assert fc.shape == (cfg.hidden_size, len(ids) * target.hidden_size)
+    if ARCHITECTURES[name] == "MiMoV2MTP":
+        # One MTP layer per chain step; full attention (-1: no window); MiMo-V2's attention
+        # fields, which the class reads instead of the Llama ones.
+        assert cfg.num_nextn_predict_layers == spec.MTP_DEPTH
+        assert cfg.sliding_window_size == -1
+        assert (cfg.swa_num_attention_heads, cfg.swa_num_key_value_heads) == (s.heads, s.heads)
+        assert (cfg.swa_head_dim, cfg.swa_v_head_dim) == (s.head_dim, s.head_dim)
+        assert cfg.layernorm_epsilon == s.rms_eps
+        assert not cfg.add_swa_attention_sink_bias
 
 
 @pytest.mark.parametrize("name", ["target", "trained_target"])
@@ -191,42 +222,117 @@ def test_trained_pair_accepts_neither_never_nor_always(models: dict[str, Path], 
     assert not 0.1 < control["sum_min_pq"] < 0.9, control
 
 
-def _one_anchor(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, t: int, steps: int) -> list[torch.Tensor]:
+@pytest.mark.parametrize("name", DISTILLED)
+def test_distilled_drafts_accept_neither_never_nor_always_at_every_step(models: dict[str, Path], name: str) -> None:
+    figures = evaluate.measure(models["trained_target"], models[name], windows=16)
+    print(f"{name}, held-out stdlib text:", json.dumps(figures))
+    per_step = figures["sum_min_pq_per_step_T=1"]
+    assert len(per_step) == 3
+    assert all(0.1 < a < 0.9 for a in per_step), per_step
+    assert figures["T=1.0"]["sum_min_pq"] == per_step[0]
+
+
+def test_token_map_is_a_non_identity_permutation_as_sglang_loads_it(models: dict[str, Path]) -> None:
+    path = token_map_path(models)
+    assert path.parent == models["trained_eagle1_token_map"] and path.name == spec.TOKEN_MAP_FILE
+    # SGLang's load_token_map (speculative/spec_utils.py): torch.load, then an int64 tensor.
+    hot = torch.tensor(torch.load(str(path), weights_only=True), dtype=torch.int64)
+    assert hot.shape == (spec.VOCAB,)
+    assert torch.equal(hot.sort().values, torch.arange(spec.VOCAB)), "not a permutation of the vocabulary"
+    moved = (hot != torch.arange(spec.VOCAB)).sum().item()
+    assert moved > spec.VOCAB // 2, f"only {moved} ids moved"
+    assert hot.tolist() == token_map()  # the fixed seed's permutation, every build
+
+
+def test_distilled_drafts_carry_the_targets_embedding_and_head(models: dict[str, Path]) -> None:
+    target = load_file(str(models["trained_target"] / "model.safetensors"))
+    mtp = load_file(str(models["trained_multi_layer"] / "model.safetensors"))
+    eagle1 = load_file(str(models["trained_eagle1_token_map"] / "model.safetensors"))
+    assert torch.equal(mtp["model.embed_tokens.weight"], target["model.embed_tokens.weight"])
+    assert torch.equal(mtp["lm_head.weight"], target["lm_head.weight"])
+    assert torch.equal(eagle1["embed_tokens.weight"], target["model.embed_tokens.weight"])
+    # The layers are trained, and each its own: no two MTP layers share a projection.
+    eh = [mtp[f"model.mtp.layers.{k}.eh_proj.weight"] for k in range(spec.MTP_DEPTH)]
+    assert not any(torch.equal(eh[i], eh[j]) for i in range(len(eh)) for j in range(i))
+
+
+def _one_anchor(
+    draft: Eagle3Draft | Eagle1Draft, tokens: torch.Tensor, hidden: torch.Tensor, t: int, steps: int
+) -> list[torch.Tensor]:
     """What SGLang runs for one request whose prompt ends at ``x_{t+1}``: a draft extend over
-    positions 0..t with a KV cache, then ``steps - 1`` single-token draft steps appending to
-    it (teacher-forced tokens here). Returns the logits of each step at this anchor."""
+    positions 0..t with a KV cache (``hidden`` [B, >t, H]: what the extend reads), then
+    ``steps - 1`` single-token draft steps appending to it (teacher-forced tokens here).
+    Returns the logits of each step at this anchor."""
     scale = 1.0 / math.sqrt(draft.shape.head_dim)
-    hidden = draft.fc(aux[:, : t + 1])
-    q, k, v = draft.qkv(tokens[:, 1 : t + 2], hidden, torch.arange(t + 1))
+    q, k, v, residual = draft.step_inputs(tokens[:, 1 : t + 2], hidden[:, : t + 1], torch.arange(t + 1))
     mask = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()
     attn = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1) @ v
-    logits, out = draft.finish(attn, hidden)
+    logits, out = draft.finish(attn, residual)
     result, h = [logits[:, t]], out[:, t : t + 1]
     for step in range(1, steps):
-        q1, k1, v1 = draft.qkv(tokens[:, t + 1 + step : t + 2 + step], h, torch.tensor([t + step]))
+        q1, k1, v1, residual = draft.step_inputs(tokens[:, t + 1 + step : t + 2 + step], h, torch.tensor([t + step]))
         k, v = torch.cat([k, k1], 2), torch.cat([v, v1], 2)
         a = ((q1 @ k.transpose(-1, -2)) * scale).softmax(-1) @ v
-        logits, h = draft.finish(a, h)
+        logits, h = draft.finish(a, residual)
         result.append(logits[:, 0])
     return result
 
 
-def test_unrolled_draft_equals_extend_then_steps_with_a_kv_cache() -> None:
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_unrolled_draft_equals_extend_then_steps_with_a_kv_cache(kind: str) -> None:
     # The batched training/evaluation forward against SGLang's order of work, per anchor.
     torch.manual_seed(0)
     s = spec.RANDOM
     embed = torch.nn.Embedding(s.vocab, s.hidden)
-    draft = Eagle3Draft(s, embed).eval()
     T, steps = 10, 3
     tokens = torch.randint(0, s.vocab, (2, T))
-    aux = torch.randn(2, T, len(spec.AUX_LAYER_IDS) * s.hidden)
     with torch.no_grad():
-        outs = draft.unroll(tokens, aux, steps)
+        if kind == "eagle3":
+            draft: Eagle3Draft | Eagle1Draft = Eagle3Draft(s, embed).eval()
+            aux = torch.randn(2, T, len(spec.AUX_LAYER_IDS) * s.hidden)
+            outs, hidden = draft.unroll(tokens, aux, steps), draft.fc(aux)
+        else:
+            draft = Eagle1Draft(s, embed, torch.nn.Linear(s.hidden, s.vocab, bias=False)).eval()
+            hidden = torch.randn(2, T, s.hidden)
+            outs = draft.unroll(tokens, hidden, steps)
         for t in range(T - steps):
-            for k, want in enumerate(_one_anchor(draft, tokens, aux, t, steps)):
+            for k, want in enumerate(_one_anchor(draft, tokens, hidden, t, steps)):
                 torch.testing.assert_close(outs[k][:, t], want, rtol=1e-4, atol=1e-4)
         # Negative control: the anchor's step-1 logits differ from a neighbour's.
         assert not torch.allclose(outs[1][:, 0], outs[1][:, 1], atol=1e-3)
+
+
+def _rotate(ids: torch.Tensor, new: int) -> torch.Tensor:
+    """SGLang's ``rotate_input_ids`` on one request: shift left by one, ``new`` last."""
+    return torch.cat([ids[1:], torch.tensor([new])])
+
+
+def test_mtp_layer_k_reads_the_ids_rotated_k_plus_one_times() -> None:
+    # The multi-layer worker's prefill (_draft_extend_for_prefill): the prompt's ids rotated
+    # once with the target's next token for layer 0, then once more per layer with the
+    # previous layer's token, every layer at positions 0..n-1 with the target's h_0..h_{n-1}.
+    # Teacher-forced (the true next tokens), the last position of layer k is unroll's entry
+    # n - 1 of step k.
+    torch.manual_seed(0)
+    s = spec.RANDOM
+    embed, head = torch.nn.Embedding(s.vocab, s.hidden), torch.nn.Linear(s.hidden, s.vocab, bias=False)
+    draft = MtpDraft(s, spec.MTP_DEPTH, embed, head).eval()
+    T = 12
+    tokens = torch.randint(0, s.vocab, (1, T))
+    hidden = torch.randn(1, T, s.hidden)
+    n = T - 1 - spec.MTP_DEPTH  # prompt length, so that every layer's true next token exists
+    with torch.no_grad():
+        outs = draft.unroll(tokens, hidden)
+        ids = tokens[0, :n]
+        for k, layer in enumerate(draft.model.mtp.layers):
+            ids = _rotate(ids, int(tokens[0, n + k]))
+            got = head(layer(embed(ids)[None], hidden[:, :n], s))[0, n - 1]
+            torch.testing.assert_close(got.float(), outs[k][0, n - 1], rtol=1e-4, atol=1e-4)
+        # Negative control: one rotation too few gives layer 1 other logits.
+        stale = head(
+            draft.model.mtp.layers[1](embed(_rotate(tokens[0, :n], int(tokens[0, n])))[None], hidden[:, :n], s)
+        )
+        assert not torch.allclose(stale[0, n - 1].float(), outs[1][0, n - 1], atol=1e-3)
 
 
 def _free_port() -> int:
@@ -266,6 +372,10 @@ def test_sglang_classes_build_and_load_every_model(models: dict[str, Path]) -> N
             assert r["fc_in_features"] == len(spec.AUX_LAYER_IDS) * s.hidden
             assert r["hot_token_id_is_identity"] and r["lm_head_rows"] == s.vocab
             assert r["load_lm_head_from_target"] is False  # its own head, the full vocabulary
+        if r["architecture"] == "MiMoV2MTP":
+            # One model per chain step (draft_model_idx), each holding its own layer.
+            assert len(r["steps"]) == spec.MTP_DEPTH
+            assert all(st["eh_proj_is_layer"] for st in r["steps"]), r["steps"]
         if r["architecture"] == "LlamaForCausalLM":
             assert r["layers_to_capture"] == [i + 1 for i in spec.AUX_LAYER_IDS]
             assert max(r["layers_to_capture"]) < r["num_hidden_layers"]

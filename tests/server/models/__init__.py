@@ -6,6 +6,6 @@ shipped trained weights under ``trained/``.
 
 from __future__ import annotations
 
-from .build import MODEL_NAMES, build_models, default_build_dir
+from .build import MODEL_NAMES, build_models, default_build_dir, token_map_path
 
-__all__ = ["MODEL_NAMES", "build_models", "default_build_dir"]
+__all__ = ["MODEL_NAMES", "build_models", "default_build_dir", "token_map_path"]

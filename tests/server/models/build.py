@@ -7,7 +7,13 @@
 - ``eagle3``: a random EAGLE3 draft for it, full vocabulary, 3 aux states;
 - ``eagle1``: a random EAGLE-1 draft for it;
 - ``trained_target``, ``trained_eagle3``: the shipped trained pair (``trained/``, made by
-  ``train.py``), whose first-step acceptance is neither 0 nor 1.
+  ``train.py``), whose first-step acceptance is neither 0 nor 1;
+- ``trained_multi_layer``: a multi-layer MTP draft for ``trained_target`` (``MiMoV2MTP``,
+  ``spec.MTP_DEPTH`` layers, served with ``--enable-multi-layer-eagle``), distilled by
+  ``distil.py``;
+- ``trained_eagle1_token_map``: an EAGLE-1 draft for ``trained_target``, distilled by
+  ``distil.py``, with a non-identity full-size ``--speculative-token-map`` beside its weights
+  (``token_map_path``): a fixed-seed permutation of the 1024 ids.
 
 The random weights come from fixed seeds (one ``torch.Generator`` per model, tensors filled
 in name order), so every build is the same bytes: torch's CPU generator is deterministic
@@ -31,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from . import spec
@@ -40,8 +46,16 @@ from .spec import RANDOM, Shape
 HERE = Path(__file__).resolve().parent
 TRAINED = HERE / "trained"
 TOKENIZER = TRAINED / "tokenizer"
-MODEL_NAMES = ("target", "eagle3", "eagle1", "trained_target", "trained_eagle3")
-SEEDS = {"target": 0, "eagle3": 1, "eagle1": 2}
+MODEL_NAMES = (
+    "target",
+    "eagle3",
+    "eagle1",
+    "trained_target",
+    "trained_eagle3",
+    "trained_multi_layer",
+    "trained_eagle1_token_map",
+)
+SEEDS = {"target": 0, "eagle3": 1, "eagle1": 2, "token_map": 3}
 INIT_STD = 0.02
 HEAD_LOGIT_STD = 3.0  # std of a random head's logits over a unit-RMS hidden state
 # The sources whose change changes what is built, and the shipped inputs.
@@ -51,6 +65,17 @@ _SOURCES = ("build.py", "spec.py", "tokenizer.py")
 def default_build_dir() -> Path:
     """``build/server-models`` at the repository root (gitignored)."""
     return HERE.parents[2] / "build" / "server-models"
+
+
+def token_map_path(paths: dict[str, Path]) -> Path:
+    """The ``--speculative-token-map`` file of ``trained_eagle1_token_map`` in a ``build_models`` answer."""
+    return paths["trained_eagle1_token_map"] / spec.TOKEN_MAP_FILE
+
+
+def token_map(vocab: int = spec.VOCAB) -> list[int]:
+    """The map's content: ``hot[i]`` is the target id of draft id ``i``, a permutation of
+    ``range(vocab)`` from a fixed seed (not the identity)."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(SEEDS["token_map"])).tolist()
 
 
 def build_models(out_dir: Path) -> dict[str, Path]:
@@ -85,16 +110,19 @@ def cache_key() -> str:
 
 
 def _shipped_files() -> list[Path]:
-    need = [
-        TOKENIZER / "tokenizer.json",
-        TRAINED / "target" / "model.safetensors",
-        TRAINED / "eagle3" / "model.safetensors",
-    ]
-    missing = [str(p.relative_to(HERE)) for p in need if not p.is_file()]
+    need = {
+        TOKENIZER / "tokenizer.json": "train",
+        TRAINED / "target" / "model.safetensors": "train",
+        TRAINED / "eagle3" / "model.safetensors": "train",
+        TRAINED / "multi_layer" / "model.safetensors": "distil",
+        TRAINED / "eagle1" / "model.safetensors": "distil",
+    }
+    missing = {str(p.relative_to(HERE)): how for p, how in need.items() if not p.is_file()}
     if missing:
-        raise FileNotFoundError(
-            f"shipped model files missing: {', '.join(missing)}; remake them with `python -m tests.server.models.train`"
+        how = " then ".join(
+            f"`python -m tests.server.models.{m}`" for m in ("train", "distil") if m in missing.values()
         )
+        raise FileNotFoundError(f"shipped model files missing: {', '.join(missing)}; remake them with {how}")
     return sorted(p for p in TRAINED.rglob("*") if p.is_file())
 
 
@@ -114,6 +142,22 @@ def _build_into(root: Path, key: str) -> None:
     for name, sub in (("trained_target", "target"), ("trained_eagle3", "eagle3")):
         shutil.copytree(TRAINED / sub, root / name)
         _copy_tokenizer(root / name)
+    # The distilled drafts ship their own tensors only; each directory gets copies of the
+    # target's embedding (and the MTP draft its head), as the EAGLE3 draft carries its
+    # embedding: SGLang replaces both with the target's at start (set_embed_and_head).
+    shared = load_file(str(TRAINED / "target" / "model.safetensors"))
+    _shipped_with(
+        root / "trained_multi_layer",
+        TRAINED / "multi_layer",
+        {"model.embed_tokens.weight": shared["model.embed_tokens.weight"], "lm_head.weight": shared["lm_head.weight"]},
+    )
+    _shipped_with(
+        root / "trained_eagle1_token_map",
+        TRAINED / "eagle1",
+        {"embed_tokens.weight": shared["model.embed_tokens.weight"]},
+    )
+    # SGLang's load_token_map: torch.load(path, weights_only=True), then an int64 tensor.
+    torch.save(token_map(), str(root / "trained_eagle1_token_map" / spec.TOKEN_MAP_FILE))
     manifest = {
         "key": key,
         "models": {
@@ -122,6 +166,17 @@ def _build_into(root: Path, key: str) -> None:
         },
     }
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _shipped_with(dst: Path, src: Path, extra: dict[str, torch.Tensor]) -> None:
+    """``src``'s config and tensors plus ``extra``, and the tokenizer, in ``dst``."""
+    dst.mkdir(parents=True)
+    shutil.copy2(src / "config.json", dst / "config.json")
+    tensors = load_file(str(src / "model.safetensors")) | extra
+    save_file(
+        {k: tensors[k].contiguous() for k in sorted(tensors)}, str(dst / "model.safetensors"), metadata={"format": "pt"}
+    )
+    _copy_tokenizer(dst)
 
 
 def random_tensors(table: dict[str, tuple[int, ...]], seed: int, s: Shape) -> dict[str, torch.Tensor]:

@@ -6,12 +6,15 @@ state, a one-rank gloo group on loopback, which must not outlive the check)::
     PYTHONPATH=tests python -m server.models.sglang_check PORT NAME=DIR ...
 
 For each model it builds the SGLang class its config names (``LlamaForCausalLM``,
-``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle``) from the config as transformers
-reads it, fills every parameter with NaN, runs the class's own ``load_weights`` over the
-checkpoint, and reports
+``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle``, ``MiMoV2MTP``) from the config as
+transformers reads it, fills every parameter with NaN, runs the class's own
+``load_weights`` over the checkpoint, and reports
 which parameters the checkpoint did not fill (SGLang skips unknown names silently, so a
 misnamed tensor shows up only here) and whether the fused projections hold the file's
-tensors. Prints one JSON object.
+tensors. A multi-layer MTP draft is built once per chain step, with ``draft_model_idx``,
+and its checkpoint goes through SGLang's own per-step filter first
+(``DefaultModelLoader._filter_mtp_weights``), as the multi-layer worker loads it. Prints
+one JSON object.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "sglang.srt.models.llama",
     "LlamaForCausalLMEagle3": "sglang.srt.models.llama_eagle3",
     "LlamaForCausalLMEagle": "sglang.srt.models.llama_eagle",
+    "MiMoV2MTP": "sglang.srt.models.mimo_v2_nextn",
 }
 
 
@@ -75,6 +79,77 @@ def _setup(port: int, target_dir: Path) -> None:
     initialize_model_parallel()
 
 
+def _load(model: torch.nn.Module, weights: Any) -> tuple[dict[str, torch.nn.Parameter], list[str]]:
+    """Fill every parameter with NaN, run the class's ``load_weights``; (parameters, unfilled names)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            p.fill_(float("nan"))
+    model.load_weights(weights)
+    return params, sorted(n for n, p in params.items() if torch.isnan(p.float()).any().item())
+
+
+def _fused_equal(
+    params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor], source: Any
+) -> dict[str, bool]:
+    """Whether each fused projection holds the file's tensors; ``source(stem)`` names a part in the file."""
+    out = {}
+    for name, p in params.items():
+        if name.endswith("qkv_proj.weight"):
+            parts, key = ("q_proj", "k_proj", "v_proj"), "qkv_proj"
+        elif name.endswith("gate_up_proj.weight"):
+            parts, key = ("gate_proj", "up_proj"), "gate_up_proj"
+        else:
+            continue
+        stem = name.removeprefix("model.")
+        want = torch.cat([tensors[source(stem.replace(key, part))] for part in parts], 0)
+        out[name] = bool(torch.equal(p.data.to(want.dtype), want))
+    return out
+
+
+def _source(arch: str) -> Any:
+    if arch == "LlamaForCausalLMEagle3":
+        return lambda stem: stem.replace("layers.0.", "midlayer.")
+    if arch == "LlamaForCausalLM":
+        return lambda stem: "model." + stem
+    return lambda stem: stem
+
+
+def check_mtp(path: Path, config: Any, cls: type) -> dict[str, Any]:
+    """One ``MiMoV2MTP`` per chain step, each from SGLang's filtered view of the checkpoint."""
+    from safetensors.torch import load_file
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    tensors = load_file(str(path / "model.safetensors"))
+    steps = []
+    for idx in range(config.num_nextn_predict_layers):
+        model = cls(config, draft_model_idx=idx)
+        weights = DefaultModelLoader._filter_mtp_weights(iter(tensors.items()), "", idx)
+        params, unfilled = _load(model, weights)
+        # What the per-step filter renamed: model.mtp.layers.0.* is layer idx in the file.
+        layer = f"model.mtp.layers.{idx}."
+
+        def source(stem: str, layer: str = layer) -> str:
+            return stem.replace("mtp_block.", layer)
+
+        eh_proj = model.model.eh_proj.weight.data
+        steps.append(
+            {
+                "unfilled": unfilled,
+                "fused_equal": _fused_equal(params, tensors, source),
+                "eh_proj_is_layer": bool(torch.equal(eh_proj.to(torch.bfloat16), tensors[layer + "eh_proj.weight"])),
+            }
+        )
+    return {
+        "architecture": "MiMoV2MTP",
+        "class": f"{cls.__module__}.{cls.__name__}",
+        "parameters": {n: list(p.shape) for n, p in params.items()},
+        "steps": steps,
+        "unfilled": sorted({n for st in steps for n in st["unfilled"]}),
+        "fused_equal": {f"{i}:{n}": ok for i, st in enumerate(steps) for n, ok in st["fused_equal"].items()},
+    }
+
+
 def check(path: Path, aux_ids: list[int] | None = None) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -82,38 +157,17 @@ def check(path: Path, aux_ids: list[int] | None = None) -> dict[str, Any]:
     config = AutoConfig.from_pretrained(str(path))
     arch = config.architectures[0]
     cls = getattr(importlib.import_module(ARCHITECTURES[arch]), arch)
+    if arch == "MiMoV2MTP":
+        return check_mtp(path, config, cls)
     model = cls(config)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for p in params.values():
-            p.fill_(float("nan"))
     tensors = load_file(str(path / "model.safetensors"))
-    model.load_weights(iter(tensors.items()))
-    unfilled = sorted(n for n, p in params.items() if torch.isnan(p.float()).any().item())
-    fused_ok = {}
-    for name, p in params.items():
-        if name.endswith("qkv_proj.weight"):
-            parts = ("q_proj", "k_proj", "v_proj")
-            key = "qkv_proj"
-        elif name.endswith("gate_up_proj.weight"):
-            parts = ("gate_proj", "up_proj")
-            key = "gate_up_proj"
-        else:
-            continue
-        stem = name.removeprefix("model.")
-        candidates = [stem.replace(key, part) for part in parts]
-        if arch == "LlamaForCausalLMEagle3":
-            candidates = [c.replace("layers.0.", "midlayer.") for c in candidates]
-        if arch == "LlamaForCausalLM":
-            candidates = ["model." + c for c in candidates]
-        want = torch.cat([tensors[c] for c in candidates], 0)
-        fused_ok[name] = bool(torch.equal(p.data.to(want.dtype), want))
+    params, unfilled = _load(model, iter(tensors.items()))
     out: dict[str, Any] = {
         "architecture": arch,
         "class": f"{cls.__module__}.{cls.__name__}",
         "parameters": {n: list(p.shape) for n, p in params.items()},
         "unfilled": unfilled,
-        "fused_equal": fused_ok,
+        "fused_equal": _fused_equal(params, tensors, _source(arch)),
     }
     if arch == "LlamaForCausalLMEagle3":
         m = model.model

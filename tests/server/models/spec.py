@@ -22,7 +22,18 @@ is set:
   - weights named ``midlayer.*`` (the published EAGLE3 layout, mapped to ``layers.0``).
 - EAGLE-1 (``LlamaForCausalLMEagle``): one decoder layer without ``input_layernorm``,
   ``fc: [H, 2H]`` with bias over ``cat(embed, target hidden)``; SGLang shares the target's
-  embedding and head (``set_embed_and_head``).
+  embedding and head (``set_embed_and_head``). Its ``--speculative-token-map`` is a file
+  beside the weights (``TOKEN_MAP_FILE``): ``torch.load`` of a list of ``hot_vocab`` target
+  ids (``speculative/spec_utils.py``, ``load_token_map``), a full permutation here.
+- Multi-layer MTP (``MiMoV2MTP``, ``models/mimo_v2_nextn.py``, served with
+  ``--enable-multi-layer-eagle``): ``MTP_DEPTH`` layers named ``model.mtp.layers.<k>.*``
+  (MiMo-V2's layout; the loader gives draft step ``k`` layer ``k``), each ``enorm``,
+  ``hnorm``, ``eh_proj: [H, 2H]`` (no bias), a pre-norm decoder layer and
+  ``final_layernorm``. The config carries MiMo-V2's attention fields (``swa_*``,
+  ``layernorm_epsilon``); ``sliding_window_size = -1`` is full attention (the CPU
+  stand-ins refuse windows). The class is listed as hybrid-SWA by architecture
+  (``model_config.py``, ``is_hybrid_swa_model``), and a draft with no full-attention layer
+  sizes no full pool, so the server needs ``--disable-hybrid-swa-memory``.
 """
 
 from __future__ import annotations
@@ -37,6 +48,11 @@ VOCAB = 1024
 # Target layers whose outputs an EAGLE3 draft reads (SGLang's convention, see above):
 # the outputs of layers 0, 1 and 2 of a 4-layer target, low to high.
 AUX_LAYER_IDS = (0, 1, 2)
+#: MTP layers of the multi-layer draft: one per chain step (``--speculative-num-steps 3``).
+MTP_DEPTH = 3
+#: The token map's file name inside the EAGLE-1 draft's directory (SGLang loads the
+#: directory's safetensors only, so the file is not mistaken for weights).
+TOKEN_MAP_FILE = "token_map.pt"
 
 
 @dataclass(frozen=True)
@@ -106,6 +122,28 @@ def eagle1_config(s: Shape) -> LlamaConfig:
     return LlamaConfig(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1, **_common(s))
 
 
+def mtp_config(s: Shape) -> LlamaConfig:
+    """MiMo-V2's MTP fields on a Llama config (``model_type`` llama: transformers reads it
+    without remote code; SGLang picks the class from ``architectures``)."""
+    return LlamaConfig(
+        architectures=["MiMoV2MTP"],
+        num_hidden_layers=1,
+        num_nextn_predict_layers=MTP_DEPTH,
+        swa_num_attention_heads=s.heads,
+        swa_num_key_value_heads=s.heads,
+        swa_head_dim=s.head_dim,
+        swa_v_head_dim=s.head_dim,
+        v_head_dim=s.head_dim,
+        swa_rope_theta=s.rope_theta,
+        sliding_window_size=-1,
+        layernorm_epsilon=s.rms_eps,
+        partial_rotary_factor=1.0,
+        add_swa_attention_sink_bias=False,
+        add_full_attention_sink_bias=False,
+        **_common(s),
+    )
+
+
 def _layer(s: Shape, prefix: str, *, qkv_in: int, input_norm: bool) -> dict[str, tuple[int, ...]]:
     H, inter = s.hidden, s.intermediate
     t = {
@@ -156,3 +194,20 @@ def eagle1_tensors(s: Shape) -> dict[str, tuple[int, ...]]:
         "fc.weight": (H, 2 * H),
         "fc.bias": (H,),
     }
+
+
+def mtp_tensors(s: Shape, depth: int = MTP_DEPTH) -> dict[str, tuple[int, ...]]:
+    """Multi-layer MTP checkpoint names -> shapes: ``depth`` layers, and copies of the
+    target's embedding and head (SGLang replaces both with the target's at start)."""
+    H = s.hidden
+    t: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab, H), "lm_head.weight": (s.vocab, H)}
+    for k in range(depth):
+        p = f"model.mtp.layers.{k}."
+        t |= _layer(s, p, qkv_in=H, input_norm=True)
+        t |= {
+            f"{p}enorm.weight": (H,),
+            f"{p}hnorm.weight": (H,),
+            f"{p}eh_proj.weight": (H, 2 * H),
+            f"{p}final_layernorm.weight": (H,),
+        }
+    return t

@@ -1,0 +1,274 @@
+"""One rank of the two-process group test (``tests/test_sglang_groups.py``); imports SGLang.
+
+Each rank process runs :func:`rank_main` for one case:
+
+- ``tp2``: plain TP 2 (``--tp 2``);
+- ``dp2``: DP attention, ``--tp 2 --dp 2 --enable-dp-attention`` (attention TP 1);
+- ``dp2_lm_head``: the same with ``--enable-dp-lm-head``.
+
+What is real: SGLang's runtime context (``publish`` of a real ``ServerArgs``), its
+``parallel_state`` over gloo on 127.0.0.1 (``init_distributed_environment(world_size=2)``,
+``initialize_model_parallel()``), the draft layout SGLang resolves for a ``SINGLE_GROUP``
+draft (``resolve_draft_parallel_layout``, EAGLE3's policy), its ``draft_tp_context``, the
+draft model (``LlamaForCausalLMEagle3``, tiny random weights, built inside the draft
+context as SGLang's worker builds it), its ``LogitsProcessor`` and
+``tensor_model_parallel_all_gather``; and the drop-in, installed from
+``configs/sglang.toml``, its scheduler-start ``capture`` and its per-batch ``prepare``.
+
+Stand-ins: the scheduler (a namespace with ``draft_worker``, ``attn_tp_cpu_group`` and
+``enable_overlap``) and the prebuilt batch (the fields ``prepare`` reads). Under the DP
+layout the draft's own LogitsProcessor has no gather at all (its group is one rank), so a
+copy of it with the gather forced on (``do_tensor_parallel_all_gather``) and a gatherer
+that calls SGLang's ``tensor_model_parallel_all_gather`` stands for a draft group of
+more than one rank: the test is which group that call resolves.
+
+Every collective of ours is recorded: the head's gather (the TP group SGLang's
+``get_tp_group()`` resolves at the moment of the call) and the recompute vote (every
+``torch.distributed.all_reduce`` during ``prepare``: its group's ranks, and whether it is
+SGLang's attention-TP CPU group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+V, H = 128, 32
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sglang.toml"
+#: How long the negative control waits for the gather that only one DP rank entered.
+HANG_WAIT_S = 5.0
+#: How long a rank waits for its own prepare (seconds of work) before reporting it blocked.
+PREPARE_WAIT_S = 60.0
+
+CASES = {
+    "tp2": {},
+    "dp2": {"enable_dp_attention": True, "dp_size": 2},
+    "dp2_lm_head": {"enable_dp_attention": True, "dp_size": 2, "enable_dp_lm_head": True},
+}
+
+
+def rank_main(rank: int, port: int, case: str, out: Any, stop: Any) -> None:
+    """Run ``case`` as rank ``rank`` of 2; put ``(rank, "ok", result)`` or ``(rank, "err", tb)`` on ``out``,
+    then wait for ``stop`` (so a peer's blocked collective stays blocked, not broken) and exit."""
+    try:
+        out.put((rank, "ok", _run(rank, port, case)))
+    except BaseException:
+        out.put((rank, "err", traceback.format_exc()))
+    stop.wait(120)
+    sys.stdout.flush()
+    os._exit(0)  # a thread may still sit in the negative control's gather: no teardown
+
+
+def _run(rank: int, port: int, case: str) -> dict:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    from _sglang_import import import_sglang, install_torchvision_stand_in
+
+    install_torchvision_stand_in()
+    import torch
+
+    rc = import_sglang("sglang.srt.runtime_context")
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy", device="cpu", tp_size=2, **CASES[case])
+    rc.reset_context()
+    rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=rank))
+    ps = import_sglang("sglang.srt.distributed.parallel_state")
+    ps.init_distributed_environment(
+        world_size=2,
+        rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=rank,
+        backend="gloo",
+        timeout=60,
+    )
+    ps.initialize_model_parallel()
+    rb = import_sglang("sglang.srt.layers.rotary_embedding.base")
+    rb._is_cpu = True  # the native rotary constructor (tests/test_sglang_recompute.py); the head never calls it
+    from sglang.srt.configs.draft_parallel import DraftParallelSpec, DraftTPExecution
+    from sglang.srt.distributed import tensor_model_parallel_all_gather
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.speculative.draft_parallel import resolve_draft_parallel_layout
+    from sglang.srt.speculative.spec_utils import draft_tp_context
+
+    from pd_middleware import ConfigError
+    from pd_middleware.config import load_config
+    from pd_middleware.integrations import sglang as S
+    from pd_middleware.integrations.sglang.recompute import SGLangDraftHead, capture, check_placement
+
+    parallel = rc.get_parallel()
+    # What SGLang resolves for EAGLE3 (a SINGLE_GROUP draft): its own group under DP attention.
+    layout = resolve_draft_parallel_layout(DraftParallelSpec(tp_execution=DraftTPExecution.SINGLE_GROUP))
+    attn_cpu = ps.get_attn_tp_group().cpu_group
+    res: dict[str, Any] = {
+        "attn_dp_size": parallel.attn_dp_size,
+        "attn_tp_size": parallel.attn_tp_size,
+        "tp_size": ps.get_tp_group().world_size,
+        "layout_group_size": None if layout.tp_group is None else layout.tp_group.world_size,
+    }
+
+    gathers: list[dict] = []
+
+    def recorded(inner: Any) -> Any:
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            g = ps.get_tp_group()  # what SGLang's tensor_model_parallel_all_gather resolves now
+            gathers.append({"size": g.world_size, "ranks": list(g.ranks), "draft_group": g is layout.tp_group})
+            return inner(x)
+
+        return gather
+
+    votes: list[dict] = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def all_reduce(tensor: Any, *a: Any, group: Any = None, **k: Any) -> Any:
+        g = group if group is not None else torch.distributed.group.WORLD
+        votes.append({"ranks": torch.distributed.get_process_group_ranks(g), "attn_tp_cpu_group": g is attn_cpu})
+        return real_all_reduce(tensor, *a, group=group, **k)
+
+    # ---- check_placement against SGLang's real LogitsProcessor, built where SGLang builds it
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+    )
+    cfg.draft_vocab_size = V
+
+    def decision(lp: Any) -> dict:
+        got = {}
+        for overlap in (False, True):
+            try:
+                check_placement(lp, enable_overlap=overlap)
+                got[f"overlap={overlap}"] = "accepted"
+            except ConfigError as exc:
+                got[f"overlap={overlap}"] = f"refused: {exc}"
+        return got
+
+    target_lp = LogitsProcessor(cfg)  # a draft that keeps the target's layout (TARGET_LAYOUT, e.g. NextN)
+    with draft_tp_context(layout):
+        draft_lp = LogitsProcessor(cfg)  # a SINGLE_GROUP draft (EAGLE3) in the group SGLang gives it
+    res["placement"] = {
+        "target_layout": {
+            "gather": target_lp.do_tensor_parallel_all_gather,
+            "gather_dp_attn": target_lp.do_tensor_parallel_all_gather_dp_attn,
+            **decision(target_lp),
+        },
+        "single_group": {
+            "gather": draft_lp.do_tensor_parallel_all_gather,
+            "gather_dp_attn": draft_lp.do_tensor_parallel_all_gather_dp_attn,
+            **decision(draft_lp),
+        },
+    }
+
+    # ---- the drop-in's head and vote, through the scheduler-start capture and prepare
+    eagle3 = import_sglang("sglang.srt.models.llama_eagle3")
+    with draft_tp_context(layout):  # SGLang's EAGLE worker builds its draft in the draft's group
+        model = eagle3.LlamaForCausalLMEagle3(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # the same shapes on both ranks: the same values
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model = model.float()
+    inst = S.install(load_config(CONFIG), S.InstallOptions(hook_scheduler=False))
+    source = inst.recompute
+    sched = SimpleNamespace(
+        draft_worker=SimpleNamespace(
+            draft_worker=SimpleNamespace(
+                draft_runner=SimpleNamespace(model=model), parallel_layout=layout, hot_token_id=None
+            )
+        ),
+        attn_tp_cpu_group=attn_cpu,
+        enable_overlap=False,
+    )
+    capture(source, sched, vocab_size=V, num_steps=1, rs=True)
+    head = source.head
+    lp = head.lp
+    res["head_lp_gathers"] = bool(lp.do_tensor_parallel_all_gather)
+    if lp.do_tensor_parallel_all_gather:
+        lp._logits_gatherer = recorded(lp._logits_gatherer)  # SGLang's own gatherer, recorded
+        forced = None
+    else:
+        # The draft's group is one rank: stand in for a wider one (see the module docstring).
+        forced = copy.copy(lp)
+        forced.do_tensor_parallel_all_gather = True
+        forced.use_attn_tp_group = False
+        forced._logits_gatherer = recorded(tensor_model_parallel_all_gather)
+        head.lp = forced
+    res["vote_group"] = None if source.group is None else torch.distributed.get_process_group_ranks(source.group)
+
+    # Under DP attention the DP ranks' prebuilt batches are not synchronised: rank 1 builds
+    # another batch (another size) at another moment. Under TP 2 both build the same one.
+    b = 2 if parallel.attn_dp_size == 1 or rank == 0 else 1
+    batch = _batch(torch, b, seed=11 if parallel.attn_dp_size == 1 else 11 + rank)
+    torch.distributed.all_reduce = all_reduce
+    got: list[Any] = []
+    worker = threading.Thread(target=lambda: got.append(source.prepare(batch)), daemon=True)
+    t0 = time.perf_counter()
+    worker.start()
+    worker.join(PREPARE_WAIT_S)  # a collective left alone blocks: report it, never hang the case
+    res["prepare_s"] = time.perf_counter() - t0
+    torch.distributed.all_reduce = real_all_reduce
+    if worker.is_alive():
+        res["prepare_hung"], res["gathers"], res["votes"] = True, list(gathers), list(votes)
+        return res
+    prepared = got[0]
+    res["gathers"], res["votes"] = list(gathers), list(votes)
+    res["agreed"] = None if prepared is None else prepared.agreed.tolist()
+    res["x"] = [int(r.output_topk_index[0]) for r in batch.reqs]
+    res["counts"] = dict(source.counts)
+    res["guard"] = dict(inst.guard.counts)
+
+    # ---- negative control: the same head, its gather called OUTSIDE the draft TP context,
+    # on DP rank 0 alone (rank 1 has no batch): it resolves the full TP group and blocks.
+    if forced is not None and rank == 0:
+        gathers.clear()
+        bare = SGLangDraftHead(model, V, scope=contextlib.nullcontext)
+        bare.lp = forced
+        hidden = torch.stack([r.hidden_states_tensor for r in batch.reqs])
+        done = threading.Event()
+
+        def call() -> None:
+            with contextlib.suppress(Exception):
+                bare.logits(hidden)
+            done.set()
+
+        threading.Thread(target=call, daemon=True).start()
+        t0 = time.perf_counter()
+        res["outside_returned"] = done.wait(HANG_WAIT_S)
+        res["outside_waited_s"] = time.perf_counter() - t0
+        res["outside_gathers"] = list(gathers)
+    return res
+
+
+def _batch(torch: Any, b: int, *, seed: int) -> Any:
+    """The fields of a prebuilt decode batch that RecomputeSource.prepare reads."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = [
+        SimpleNamespace(
+            output_topk_p=torch.tensor([0.5]),
+            output_topk_index=torch.tensor([5]),  # the prefill's X
+            hidden_states_tensor=torch.randn(H, generator=g),
+            bootstrap_room=7000 + i,
+            rid=f"r{i}",
+        )
+        for i in range(b)
+    ]
+    return SimpleNamespace(
+        reqs=reqs,
+        seq_lens=torch.full((b,), 9, dtype=torch.int64),
+        model_config=SimpleNamespace(vocab_size=V),
+        sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1)), sampling_seed=None, top_ks=torch.full((b,), 50)),
+    )

@@ -1,0 +1,147 @@
+"""Every collective of the drop-in runs in the group SGLang uses for that draft (tier ``sglang``).
+
+Two real processes (spawned; gloo on 127.0.0.1, a random port) with SGLang's real
+``parallel_state`` at ``--tp 2``, plain or with DP attention (``tests/_sglang_groups.py``
+says what is real in a rank). Recorded: the group the recompute head's gather resolves
+at the moment of the call, and the group of the recompute vote. Also SGLang's real
+``LogitsProcessor`` against ``check_placement``, with and without ``--enable-dp-lm-head``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import queue
+import socket
+import time
+
+import pytest
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed"),
+]
+
+#: The longest one case may take (two SGLang imports on a shared 2-core machine).
+CASE_TIMEOUT_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_RESULTS: dict[str, list[dict]] = {}
+
+
+def run_case(case: str) -> list[dict]:
+    """Both ranks' results for ``case`` (run once per module); every process is gone when this returns."""
+    if case not in _RESULTS:
+        _RESULTS[case] = _run_case(case)
+    return _RESULTS[case]
+
+
+def _run_case(case: str) -> list[dict]:
+    import _sglang_groups
+
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_sglang_groups.rank_main, args=(r, port, case, out, stop), daemon=True) for r in (0, 1)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, object]] = {}
+    try:
+        while len(got) < 2:
+            try:
+                rank, status, value = out.get(timeout=1.0)
+                got[rank] = (status, value)
+                continue
+            except queue.Empty:
+                pass
+            missing = sorted({0, 1} - set(got))
+            gone = [r for r in missing if procs[r].exitcode is not None]
+            if gone or time.monotonic() - t0 > CASE_TIMEOUT_S:
+                codes = [p.exitcode for p in procs]
+                raise AssertionError(
+                    f"{case}: ranks {missing} gave no answer ({'exited' if gone else f'{CASE_TIMEOUT_S} s'}; "
+                    f"exit codes {codes})"
+                )
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    for rank in (0, 1):
+        status, value = got[rank]
+        assert status == "ok", f"{case}: rank {rank} failed:\n{value}"
+    print(f"\n{case}: both ranks in {time.monotonic() - t0:.1f} s")
+    return [got[0][1], got[1][1]]  # type: ignore[list-item]  # both checked "ok" above: dicts
+
+
+def test_tp2_head_gathers_over_the_tp_group_and_the_vote_uses_the_attention_tp_cpu_group():
+    r0, r1 = run_case("tp2")
+    assert not r0.get("prepare_hung") and not r1.get("prepare_hung"), (r0, r1)
+    for r in (r0, r1):
+        assert (r["tp_size"], r["attn_tp_size"], r["attn_dp_size"]) == (2, 2, 1)
+        assert r["layout_group_size"] is None  # plain TP: the draft shares the target's group
+        assert r["head_lp_gathers"]  # SGLang's real LogitsProcessor of the TP 2 draft gathers
+        # One gather per batch, in the draft's group, which here is the full TP group.
+        assert r["gathers"] == [{"size": 2, "ranks": [0, 1], "draft_group": False}], r["gathers"]
+        # One vote per batch, over SGLang's attention-TP CPU group.
+        assert r["vote_group"] == [0, 1]
+        assert r["votes"] == [{"ranks": [0, 1], "attn_tp_cpu_group": True}], r["votes"]
+        assert r["agreed"] == [True, True] and r["counts"]["recomputed"] == 2, r["counts"]
+    assert r0["x"] == r1["x"]  # both ranks hand SGLang the same X'
+
+
+def test_dp_attention_head_gathers_in_the_drafts_own_group_and_never_across_dp_ranks():
+    """Under DP attention (attention TP 1) SGLang gives an EAGLE3 draft a one-rank group.
+    The DP ranks build different batches: rank 0 two requests, rank 1 one, each alone,
+    and neither waits for the other. Negative control: the same gather on DP rank 0
+    alone, outside SGLang's draft TP context, resolves the full TP group (size 2) and
+    blocks (the hang of defect 1), bounded here by a wait."""
+    r0, r1 = run_case("dp2")
+    assert not r0.get("prepare_hung") and not r1.get("prepare_hung"), (r0, r1)
+    for rank, r in enumerate((r0, r1)):
+        assert (r["tp_size"], r["attn_tp_size"], r["attn_dp_size"]) == (2, 1, 2)
+        assert r["layout_group_size"] == 1
+        assert not r["head_lp_gathers"]  # the draft built in its own group has nothing to gather
+        # The stand-in for a wider draft group: its gather resolves the draft's group, this rank alone.
+        assert r["gathers"] == [{"size": 1, "ranks": [rank], "draft_group": True}], r["gathers"]
+        assert r["vote_group"] is None and r["votes"] == []  # one attention-TP rank: nobody to vote with
+        assert r["counts"]["recomputed"] == len(r["agreed"]), r["counts"]
+    assert len(r0["agreed"]) == 2 and len(r1["agreed"]) == 1
+    # Negative control.
+    assert r0["outside_gathers"] == [{"size": 2, "ranks": [0, 1], "draft_group": False}], r0["outside_gathers"]
+    assert r0["outside_returned"] is False, "the gather outside the draft TP context returned: no hang shown"
+    print(f"outside draft_tp_context: the gather over TP ranks [0, 1] blocked for {r0['outside_waited_s']:.1f} s")
+
+
+def test_check_placement_refuses_exactly_a_gather_across_dp_ranks_or_under_overlap():
+    """SGLang's real LogitsProcessor, built where SGLang builds it (a TARGET_LAYOUT draft in
+    the target's scope, a SINGLE_GROUP draft inside its draft TP context), per parallel
+    setup: refused exactly when its gather would cross DP ranks (DP attention without
+    --enable-dp-lm-head) or run beside an overlapped forward."""
+    dp, dp_lm, tp = run_case("dp2"), run_case("dp2_lm_head"), run_case("tp2")  # the first two: run above
+    for r in dp:
+        t, s = r["placement"]["target_layout"], r["placement"]["single_group"]
+        assert t["gather_dp_attn"]
+        for k in ("overlap=False", "overlap=True"):
+            assert t[k].startswith("refused") and "--enable-dp-lm-head" in t[k], t
+            assert s[k] == "accepted", s  # the draft's own one-rank group: nothing to gather
+    for r in dp_lm:
+        t = r["placement"]["target_layout"]
+        assert not t["gather"] and not t["gather_dp_attn"]  # --enable-dp-lm-head at attention TP 1: no gather
+        assert t["overlap=False"] == t["overlap=True"] == "accepted", t
+        assert r["counts"]["recomputed"] == len(r["agreed"])
+    for r in tp:
+        for kind in ("target_layout", "single_group"):  # the same LP under plain TP
+            p = r["placement"][kind]
+            assert p["gather"] and not p["gather_dp_attn"]
+            assert p["overlap=False"] == "accepted", p
+            assert p["overlap=True"].startswith("refused") and "--disable-overlap-schedule" in p["overlap=True"], p
