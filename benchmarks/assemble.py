@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, median_time
 
-from pd_middleware.assembler import ProposalAssembler
-from pd_middleware.proposal import OneHotProposal
+from pd_middleware.core.proposal import OneHotProposal
+from pd_middleware.decode.assembler import ProposalAssembler
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
 from pd_middleware import DenseEncoding, OneHotProposal, Payload
-from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, ReceivePipeline
 from pd_middleware.transport import (
     DecodeReceiver,
     MooncakeConfig,

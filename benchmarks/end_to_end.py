@@ -5,7 +5,7 @@ A prefill *process* (this script with ``--producer``) runs a real
 process runs the decode: a :class:`~pd_middleware.transport.DecodeReceiver` with its
 Mooncake engine and slots, the receive pipeline (one counting hook, then the arm's
 synthesizer), and a scheduler loop that takes batches of exactly B deliveries, builds
-``draft_probs`` with the :class:`~pd_middleware.assembler.ProposalAssembler` (V =
+``draft_probs`` with the :class:`~pd_middleware.decode.assembler.ProposalAssembler` (V =
 152064) and releases the deliveries (which frees their slots).
 
 Every payload carries an 8 KiB bf16 hidden state (H = 4096). ``inline_threshold_bytes``
@@ -197,9 +197,9 @@ class CountHook:
 def make_decode(encoding: str, max_batch: int) -> tuple[Any, Any]:
     """Pipeline (count hook + the encoding's synthesizer) and assembler."""
     from pd_middleware import PluginContext
-    from pd_middleware.assembler import ProposalAssembler
-    from pd_middleware.contracts import NoOptions
-    from pd_middleware.pipeline import ReceivePipeline
+    from pd_middleware.core.contracts import NoOptions
+    from pd_middleware.decode.assembler import ProposalAssembler
+    from pd_middleware.decode.pipeline import ReceivePipeline
     from pd_middleware_plugins.one_hot import OneHotSynthesizer
     from pd_middleware_plugins.sparse import SparseSynthesizer
 
@@ -214,7 +214,7 @@ def run_one(encoding: str, batch: int, n: int, window: int, engine: Any, seed: i
     """One (encoding, B) run: start a receiver, a producer, consume n payloads in batches of B."""
     import zmq
 
-    from pd_middleware.pipeline import Delivery
+    from pd_middleware.decode.pipeline import Delivery
     from pd_middleware.transport import DecodeReceiver
 
     pipe, asm = make_decode(encoding, max(batch, 1))

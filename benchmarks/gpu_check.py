@@ -56,7 +56,7 @@ def _batches(gen, vocab: int):
     """(label, proposals) pairs of different sizes and kinds, deterministic from ``gen``."""
     import torch
 
-    from pd_middleware.proposal import DenseProposal, OneHotProposal, SparseProposal
+    from pd_middleware.core.proposal import DenseProposal, OneHotProposal, SparseProposal
 
     def one_hot(b):
         return [OneHotProposal((int(t),)) for t in torch.randint(0, vocab, (b,), generator=gen)]
@@ -96,7 +96,7 @@ def check_graph(device: str) -> dict:
     """Part (a): capture once, assemble many, replay after each; count fresh and stale."""
     import torch
 
-    from pd_middleware.assembler import ProposalAssembler
+    from pd_middleware.decode.assembler import ProposalAssembler
 
     asm = ProposalAssembler(VOCAB, 1, GRAPH_BATCH, device=device)
     buf = asm.graph_buffer()
@@ -172,8 +172,8 @@ def time_assembly(device: str, b: int = 256) -> dict:
     """Part (b): ours vs zeros + scatter vs memset of the same bytes, B x V FP32."""
     import torch
 
-    from pd_middleware.assembler import ProposalAssembler
-    from pd_middleware.proposal import OneHotProposal
+    from pd_middleware.core.proposal import OneHotProposal
+    from pd_middleware.decode.assembler import ProposalAssembler
 
     gen = torch.Generator().manual_seed(1)
     batches = [[OneHotProposal((int(t),)) for t in torch.randint(0, VOCAB, (b,), generator=gen)] for _ in range(16)]

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit
 
 from pd_middleware import OneHotProposal, Payload, ReceiveContext
-from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, ReceivePipeline
 
 
 class NoOpHook:

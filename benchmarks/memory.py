@@ -66,7 +66,7 @@ def main() -> None:
     import torch
     import zmq
 
-    from pd_middleware.pipeline import Delivery
+    from pd_middleware.decode.pipeline import Delivery
     from pd_middleware.transport import DecodeReceiver, MooncakeEngine
 
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 :meth:`ProposalPublisher.encode <pd_middleware.integrations.sglang.prefill.ProposalPublisher.encode>`
 encodes a batch of B finished requests in one encoder call, on the device the draft rows
-live on, each row drawn at its counter-based uniform (:mod:`pd_middleware.draws`). The
+live on, each row drawn at its counter-based uniform (:mod:`pd_middleware.sampling.draws`). The
 path it replaced (still used for an encoder without a ``uniforms`` parameter) copied the
 whole (B, V) fp32 batch to the host and called the encoder once per request with a new
 ``torch.Generator``. Side by side in one run, medians over repeats, V = 152064:

@@ -37,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "plugins")]
 
 from pd_middleware import Payload
-from pd_middleware.contracts import NoOptions, PluginContext
-from pd_middleware.pipeline import ReceivePipeline
+from pd_middleware.core.contracts import NoOptions, PluginContext
+from pd_middleware.decode.pipeline import ReceivePipeline
 from pd_middleware.transport import (
     DecodeReceiver,
     TransportConfig,

@@ -25,7 +25,7 @@ draws *seeded* (every TP rank must draw the same X'): SGLang's seeded ``fast_sam
 ``acceptance``: the paired exact first-verify acceptance over the same requests, for
 one_hot (X ~ q, q' = delta: sum q.p), full_fp32 (sum min(p, q)) and recompute (sum
 min(p, q') with q' from the workload's draft head and X' ~ q', through
-:meth:`RecomputeSynthesizer.recompute <pd_middleware.recompute.RecomputeSynthesizer.recompute>`),
+:meth:`RecomputeSynthesizer.recompute <pd_middleware.decode.recompute.RecomputeSynthesizer.recompute>`),
 on the ``synthetic`` and ``ngram`` workloads. Goal: recompute / full >= 0.999.
 
 The last stdout line is one JSON object.
@@ -179,9 +179,9 @@ def acceptance(n_synthetic: int, n_ngram: int) -> dict[str, Any]:
     """Paired exact first-verify acceptance: one_hot, full_fp32, recompute."""
     import torch
 
-    from pd_middleware.contracts import PluginContext
-    from pd_middleware.recompute import RecomputeSynthesizer, seed_from_room
-    from pd_middleware.verify import sum_min
+    from pd_middleware.core.contracts import PluginContext
+    from pd_middleware.decode.recompute import RecomputeSynthesizer, seed_from_room
+    from pd_middleware.evaluation.verify import sum_min
     from pd_middleware.workloads import make_workload, workload_draft_head
     from pd_middleware.workloads.heads import write_state
 

@@ -64,7 +64,7 @@ def _rate_json(r: w.Rate) -> dict[str, float | int]:
 
 def _arm_rates(text: str) -> dict[str, dict[str, float | int]] | None:
     """Per arm, P(first verify accepts >= 1) from the decode's first-verify histogram."""
-    from pd_middleware.live_ab import parse_prometheus
+    from pd_middleware.evaluation.live_ab import parse_prometheus
 
     try:
         arms = parse_prometheus(text)

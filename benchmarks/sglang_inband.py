@@ -2,7 +2,7 @@
 builder, and the scheduler-thread cost of one row.
 
 For each strategy config (``configs/*.toml``) the real prefill encoder encodes rows of the
-synthetic workload (V = 152064) and :func:`pd_middleware.inband.write_row` writes each
+synthetic workload (V = 152064) and :func:`pd_middleware.codecs.inband.write_row` writes each
 request's row, as the prefill does into SGLang's metadata buffer. Then, side by side in
 one run, with medians over repeats:
 
@@ -13,11 +13,11 @@ one run, with medians over repeats:
   drop-in's own SGLang decode code (:class:`~pd_middleware.integrations.sglang.proposer.DecodeProposer`):
   at each request's transfer commit, read its row as SGLang's patched commit does
   (:meth:`MetadataChannel.read <pd_middleware.integrations.sglang.metadata.MetadataChannel.read>`:
-  one copy of the row, :func:`~pd_middleware.inband.read_row`, the binding tag beside
+  one copy of the row, :func:`~pd_middleware.codecs.inband.read_row`, the binding tag beside
   X) and attach it (``on_row``: X checked against the engine's, the receive pipeline
   with the strategy's synthesizer), then build the
   batch's fresh (B, 1, V) fp32 ``draft_probs`` (``propose``, which ends in
-  :meth:`~pd_middleware.assembler.ProposalAssembler.build_fresh`), over SGLang's own
+  :meth:`~pd_middleware.decode.assembler.ProposalAssembler.build_fresh`), over SGLang's own
   ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
   at B = 1, 16, 256, with ``topk_index`` on ``--device`` (default: CUDA when present),
 where both builders then build (``decode_device``). Goal <= 1.5 on CPU. SGLang's function is taken from the installed
@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit
 
 from pd_middleware import Payload
+from pd_middleware.codecs.inband import RowLayout, row_bytes, write_row
 from pd_middleware.config import load_config
-from pd_middleware.inband import RowLayout, row_bytes, write_row
 from pd_middleware.integrations.sglang.metadata import BUFFER_ATTR, TAG_COLUMN, MetadataChannel, row_tag
 from pd_middleware.integrations.sglang.proposer import DecodeProposer
 from pd_middleware.middleware import build_encoders

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit
 
 from pd_middleware import Payload, PluginContext
-from pd_middleware.encodings import dense_law_tensor, sparse_law, sparse_law_tensor
+from pd_middleware.sampling.encodings import dense_law_tensor, sparse_law, sparse_law_tensor
 from pd_middleware.transport import payload_codec, wire
 from pd_middleware.workloads import make_workload
 from pd_middleware_full.full import FullEncoder, FullEncoderOptions

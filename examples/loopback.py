@@ -17,8 +17,8 @@ import torch
 
 from pd_middleware import Payload
 from pd_middleware.config import load_config, parse_config
+from pd_middleware.decode.pipeline import Delivery
 from pd_middleware.middleware import DecodeMiddleware, build_encoders
-from pd_middleware.pipeline import Delivery
 from pd_middleware.transport import open_receiver, open_sender
 
 

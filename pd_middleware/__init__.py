@@ -5,7 +5,7 @@ This module only re-exports; each concept lives in its own module.
 
 from __future__ import annotations
 
-from ._errors import (
+from .core._errors import (
     ConfigError,
     ConfigIssue,
     ExactnessError,
@@ -19,7 +19,7 @@ from ._errors import (
     ValidationError,
     WireError,
 )
-from .contracts import (
+from .core.contracts import (
     EncodedBatch,
     NoOptions,
     PluginContext,
@@ -29,10 +29,10 @@ from .contracts import (
     ReceiveHook,
     Synthesizer,
 )
-from .draft_head import DraftHead
-from .metrics import Metrics
-from .payload import DenseEncoding, Payload, Provenance, SparseEncoding
-from .proposal import DenseProposal, OneHotProposal, Proposal, RecomputedProposal, SparseProposal
+from .core.draft_head import DraftHead
+from .core.metrics import Metrics
+from .core.payload import DenseEncoding, Payload, Provenance, SparseEncoding
+from .core.proposal import DenseProposal, OneHotProposal, Proposal, RecomputedProposal, SparseProposal
 
 __version__ = "0.1.0"
 

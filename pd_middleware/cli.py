@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, PDMiddlewareError, PluginError
+from .core._errors import ConfigError, PDMiddlewareError, PluginError
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (_add_plugins, _add_check_config, _add_keys, _add_config, _add_ab):
         add(sub)
-    from .live_ab import add_parser as add_live_ab
+    from .evaluation.live_ab import add_parser as add_live_ab
 
     add_live_ab(sub)
     return parser

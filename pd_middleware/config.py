@@ -29,8 +29,8 @@ from typing import Any, Literal
 import msgspec
 
 from . import config_loader
-from ._errors import ConfigError, ConfigIssue, OptionValueError, PluginError
-from .contracts import NoOptions, PluginContext, PluginSpec
+from .core._errors import ConfigError, ConfigIssue, OptionValueError, PluginError
+from .core.contracts import NoOptions, PluginContext, PluginSpec
 from .transport.config import TransportConfig
 
 _STRUCT = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)

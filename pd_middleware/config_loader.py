@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from ._errors import ConfigError, ConfigIssue, OptionValueError
+from .core._errors import ConfigError, ConfigIssue, OptionValueError
 
 # A config is a few KB; the bounds are generous for humans and tight for attacks.
 MAX_DOCUMENT_BYTES = 1 << 20

@@ -1,4 +1,4 @@
-"""Getting :class:`~pd_middleware.metrics.Metrics` out of the process: an HTTP endpoint and
+"""Getting :class:`~pd_middleware.core.metrics.Metrics` out of the process: an HTTP endpoint and
 a copy into ``prometheus_client``'s multiprocess files.
 
 - :class:`MetricsServer`: ``GET /metrics`` in the Prometheus text format, on a thread of
@@ -23,10 +23,10 @@ import logging
 import threading
 from typing import Any
 
-from ._errors import ConfigError, PluginError
-from .metrics import PREFIX, Metrics
+from .core._errors import ConfigError, PluginError
+from .core.metrics import PREFIX, Metrics
 
-logger = logging.getLogger("pd_middleware.metrics")
+logger = logging.getLogger("pd_middleware.core.metrics")
 
 
 def _prometheus() -> Any:

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError
-from .assembler import ProposalAssembler
 from .config import Config, ResolvedConfig, load_config, resolve_plugins
-from .contracts import ReceiveContext
-from .metrics import Metrics
-from .payload import Payload
-from .pipeline import Delivery, Failure, ReceivePipeline
+from .core._errors import ConfigError
+from .core.contracts import ReceiveContext
+from .core.metrics import Metrics
+from .core.payload import Payload
+from .decode.assembler import ProposalAssembler
+from .decode.pipeline import Delivery, Failure, ReceivePipeline
 from .registry import PluginRegistry, default_registry
 
 

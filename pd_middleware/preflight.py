@@ -168,9 +168,9 @@ def probe_pair(config: Config, registry: Any, encoder: ResolvedPlugin, synthesiz
     """
     import torch
 
-    from .metrics import Metrics
-    from .payload import Payload
-    from .proposal import OneHotProposal
+    from .core.metrics import Metrics
+    from .core.payload import Payload
+    from .core.proposal import OneHotProposal
 
     vocab = config.model.vocab_size or _PROBE_VOCAB
     steps = config.model.num_steps or 1
@@ -213,7 +213,7 @@ def probe_pair(config: Config, registry: Any, encoder: ResolvedPlugin, synthesiz
 
 
 def _context(config: Config, vocab: int, steps: int, side: Literal["prefill", "decode"]) -> Any:
-    from .contracts import PluginContext
+    from .core.contracts import PluginContext
 
     return PluginContext(
         vocab_size=vocab,
@@ -244,7 +244,7 @@ def check_pairs(config: Config, resolved: ResolvedConfig, registry: Any) -> list
                 )
             )
             continue
-        guard_log = logging.getLogger("pd_middleware.guard")
+        guard_log = logging.getLogger("pd_middleware.decode.guard")
         was, guard_log.disabled = guard_log.disabled, True  # the probe's fallbacks are expected
         try:
             why = probe_pair(config, registry, enc, syn)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from ._errors import ConfigError, PluginError
 from .config_loader import did_you_mean
-from .contracts import CAPABILITIES, KIND_METHODS, PLUGIN_KINDS, NoOptions, PluginContext, PluginSpec
+from .core._errors import ConfigError, PluginError
+from .core.contracts import CAPABILITIES, KIND_METHODS, PLUGIN_KINDS, NoOptions, PluginContext, PluginSpec
 
 ENTRY_POINT_GROUP = "pd_middleware.plugins"
 

@@ -140,7 +140,7 @@ class ByKind:
 
     def __init__(self, vocab: int = VOCAB, max_steps: int = 4) -> None:
         from pd_middleware import PluginContext
-        from pd_middleware.contracts import NoOptions
+        from pd_middleware.core.contracts import NoOptions
         from pd_middleware_full.full import FullDistributionSynthesizer
         from pd_middleware_plugins.one_hot import OneHotSynthesizer
         from pd_middleware_plugins.sparse import SparseSynthesizer
@@ -164,7 +164,7 @@ class ByKind:
 
 def build_pipeline(vocab: int = VOCAB, max_steps: int = 4) -> Any:
     """A ReceivePipeline with the real synthesizers behind :class:`ByKind`."""
-    from pd_middleware.pipeline import ReceivePipeline
+    from pd_middleware.decode.pipeline import ReceivePipeline
 
     return ReceivePipeline([], {"default": ("by_kind", ByKind(vocab, max_steps))})
 
@@ -177,7 +177,7 @@ def check_delivery(d: Any, vocab: int = VOCAB) -> str | None:
     """
     import torch
 
-    from pd_middleware.proposal import DenseProposal, OneHotProposal, SparseProposal
+    from pd_middleware.core.proposal import DenseProposal, OneHotProposal, SparseProposal
 
     p = d.payload
     if any(type(t) is not int or not 0 <= t < p.vocab_size for t in p.draft_tokens):

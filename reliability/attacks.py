@@ -44,7 +44,7 @@ import zmq
 from _zmtp import RawZmtp
 
 from pd_middleware import OneHotProposal, Payload, Provenance
-from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, payload_codec, wire
 from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
 from pd_middleware.transport.config import CurveConfig

@@ -53,7 +53,7 @@ import zmq
 from _bulk_peer import RawPrefill
 
 from pd_middleware import DenseEncoding, NoSlotError, OneHotProposal, Payload
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, MooncakeConfig, MooncakeEngine, SlotsConfig, TransportConfig
 
 KEY = "bulk-attack-key-0123456789abcdef"

@@ -96,7 +96,7 @@ def child_prefill(address: str, name: str, count: int, delay: float, after: int)
 
 def child_decode(port: int) -> None:
     """A decode process on ``port``: prints READY, then ``D rid`` / ``F rid key`` per outcome."""
-    from pd_middleware.pipeline import Delivery
+    from pd_middleware.decode.pipeline import Delivery
     from pd_middleware.transport import DecodeReceiver, MooncakeEngine
 
     rx = DecodeReceiver(tcfg(port=port), C.build_pipeline(C.VOCAB, 2), engine=MooncakeEngine.open()).start()
@@ -177,7 +177,7 @@ class Collector:
         self.out: dict[str, list[tuple[float, Any]]] = {}
 
     def poll(self, timeout: float = 0.05) -> None:
-        from pd_middleware.pipeline import Delivery
+        from pd_middleware.decode.pipeline import Delivery
 
         items = self.rx.drain() or [x for x in [self.rx.get(timeout=timeout)] if x is not None]
         now = time.monotonic()
@@ -209,7 +209,7 @@ class Collector:
         return True
 
     def count(self, prefix: str, kind: str) -> int:
-        from pd_middleware.pipeline import Delivery
+        from pd_middleware.decode.pipeline import Delivery
 
         n = 0
         for rid, outs in self.out.items():
@@ -219,7 +219,7 @@ class Collector:
         return n
 
     def reasons(self, prefix: str) -> dict[str, int]:
-        from pd_middleware.pipeline import Delivery
+        from pd_middleware.decode.pipeline import Delivery
 
         c: Counter[str] = Counter()
         for rid, outs in self.out.items():
@@ -295,7 +295,7 @@ def prefill_sigkill(env: dict) -> dict:
 
 
 def prefill_sigstop(env: dict) -> dict:
-    from pd_middleware.pipeline import Delivery
+    from pd_middleware.decode.pipeline import Delivery
     from pd_middleware.transport import DecodeReceiver, PrefillSender
 
     n, m, after = 400, 300, 50

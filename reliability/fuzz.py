@@ -54,7 +54,7 @@ import msgspec
 import zmq
 
 from pd_middleware import WireError
-from pd_middleware.pipeline import Delivery, Failure
+from pd_middleware.decode.pipeline import Delivery, Failure
 from pd_middleware.transport import (
     DecodeReceiver,
     LimitsConfig,

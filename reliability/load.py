@@ -102,7 +102,7 @@ def main() -> int:
 
     import zmq
 
-    from pd_middleware.pipeline import Delivery
+    from pd_middleware.decode.pipeline import Delivery
     from pd_middleware.transport import DecodeReceiver, MooncakeEngine
 
     budget = C.Budget(args.budget_s)

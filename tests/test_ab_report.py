@@ -15,7 +15,7 @@ from pd_middleware.ab.render import FORMATS, fmt_bytes, render
 from pd_middleware.ab.report import RunFacts, build_report
 from pd_middleware.ab.schema import Report
 from pd_middleware.config import load_config
-from pd_middleware.stats import ExactnessAccumulator
+from pd_middleware.evaluation.stats import ExactnessAccumulator
 
 CFG = load_config("configs/ab_tiny.toml")
 

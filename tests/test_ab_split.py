@@ -8,8 +8,8 @@ import pytest
 
 from pd_middleware import ConfigError, Payload, PluginError, Provenance
 from pd_middleware.config import parse_config
+from pd_middleware.decode.pipeline import Delivery, Failure
 from pd_middleware.middleware import DecodeMiddleware
-from pd_middleware.pipeline import Delivery, Failure
 
 
 def cfg(weights=(1, 3), extra_hooks=()):
@@ -86,7 +86,7 @@ class _FixedRouter:
 def test_router_override_replaces_routing_hooks_and_runs_first():
     from _ab_hooks import SeeArm  # tests/ is on sys.path (no __init__.py)
 
-    from pd_middleware.assembler import ProposalAssembler
+    from pd_middleware.decode.assembler import ProposalAssembler
 
     see = [{"name": "_ab_hooks:SEE_ARM"}]
     # Negative control: in config order, a hook listed before ab_split sees no arm yet.

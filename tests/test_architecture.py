@@ -63,7 +63,7 @@ def test_no_import_cycle() -> None:
 #: The config layer (docs/architecture.md) and what sits above it: composition, jobs and
 #: tools, adapters, and the transport itself (its [transport] table is config-layer).
 CONFIG_LAYER = ("pd_middleware.config", "pd_middleware.config_loader", "pd_middleware.registry")
-_ABOVE_CONFIG = ("ab", "live_ab", "preflight", "cli", "workloads", "integrations", "middleware", "metrics_export")
+_ABOVE_CONFIG = ("ab", "preflight", "cli", "workloads", "integrations", "middleware", "metrics_export")
 #: Deferred upward edges the page names as the places to watch: the workload's options
 #: type, looked up when resolve_plugins checks ab.workload.options on the prefill side.
 UPWARD_ALLOWED = {("pd_middleware.config", "pd_middleware.workloads")}
@@ -123,8 +123,8 @@ def test_reader_sees_deferred_and_relative_imports() -> None:
     # workloads/trace.py: `from . import WorkloadBatch` at module level (eager, relative).
     assert edges[("pd_middleware.workloads.trace", "pd_middleware.workloads")] is True
     # and a page that leaves one edge out is caught
-    text = DOC.read_text(encoding="utf-8").replace("    ab --> _errors\n", "", 1)
-    assert "ab --> _errors" in set(mermaid_edges(house_edges())) - documented_edges(text)
+    text = DOC.read_text(encoding="utf-8").replace("    ab --> core\n", "", 1)
+    assert "ab --> core" in set(mermaid_edges(house_edges())) - documented_edges(text)
 
 
 MAX_FUNCTION_LINES = 80
@@ -135,10 +135,10 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS_ALLOWED: set[str] = set()
 _ALLOWED_PREFIXES = (
     "pd_middleware.integrations",
-    "pd_middleware.recompute:",
-    "pd_middleware.draws:",
-    "pd_middleware.encodings:",
-    "pd_middleware.verify:",
+    "pd_middleware.decode.recompute:",
+    "pd_middleware.sampling.draws:",
+    "pd_middleware.sampling.encodings:",
+    "pd_middleware.evaluation.verify:",
 )
 
 
@@ -210,7 +210,7 @@ def test_long_function_check_can_fail() -> None:
 def private_imports(tree: ast.Module, *, inside: bool) -> list[str]:
     """Imports of our own private names in ``tree``: ``from .x import _y`` anywhere, and,
     for code outside pd_middleware (``inside`` False: plugins, examples), any import
-    from a private module (``pd_middleware._errors``). A package's private modules are
+    from a private module (``pd_middleware.core._errors``). A package's private modules are
     its own to share (``_errors``, ``_buffers``); their names reach others through the
     public API."""
     found = []
@@ -242,7 +242,7 @@ def test_private_import_check_can_fail() -> None:
     """Negative control: each kind of private import is found; public ones are not."""
     source = (
         "from .verify_exact import _check_kernel, KERNELS\n"
-        "from pd_middleware._errors import OptionValueError\n"
+        "from pd_middleware.core._errors import OptionValueError\n"
         "from pd_middleware import OptionValueError\n"
         "from sglang.srt.plugins.hook_registry import _current_plugin_source\n"
     )
@@ -250,5 +250,32 @@ def test_private_import_check_can_fail() -> None:
     assert private_imports(tree, inside=True) == [".verify_exact:_check_kernel (line 1)"]
     assert private_imports(tree, inside=False) == [
         ".verify_exact:_check_kernel (line 1)",
-        "pd_middleware._errors:OptionValueError (line 2)",
+        "pd_middleware.core._errors:OptionValueError (line 2)",
     ]
+
+
+#: What each layer package of the grouped root may import (docs/architecture.md, "The
+#: rules the graph keeps"): the layers below it, nothing above.
+LAYER_MAY_IMPORT = {
+    "core": set(),
+    "sampling": {"core"},
+    "codecs": {"core"},
+    "decode": {"core", "sampling"},
+    "evaluation": {"core", "sampling"},
+}
+
+
+def layer_violations(edges: dict[tuple[str, str], bool]) -> list[tuple[str, str]]:
+    """House edges (eager or deferred) from a layer package to a box it may not import."""
+    return sorted((a, b) for (a, b) in edges if a in LAYER_MAY_IMPORT and b not in LAYER_MAY_IMPORT[a])
+
+
+def test_layers_import_only_the_layers_below() -> None:
+    assert set(LAYER_MAY_IMPORT) <= {p.name for p in (ROOT / "pd_middleware").iterdir() if p.is_dir()}
+    assert layer_violations(house_edges()) == []
+
+
+def test_layer_check_can_fail() -> None:
+    """Negative control: the core importing sampling, and decode reaching the config, are found."""
+    planted = {("core", "sampling"): True, ("decode", "config"): False, ("sampling", "core"): True}
+    assert layer_violations(planted) == [("core", "sampling"), ("decode", "config")]

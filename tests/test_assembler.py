@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from pd_middleware.assembler import ProposalAssembler
-from pd_middleware.proposal import DenseProposal, OneHotProposal, SparseProposal
+from pd_middleware.core.proposal import DenseProposal, OneHotProposal, SparseProposal
+from pd_middleware.decode.assembler import ProposalAssembler
 
 SEED = 1234
 

@@ -20,7 +20,7 @@ from _helpers import OneHot  # tests/ is on sys.path (no __init__.py)
 from _transport_peer import collect_outcomes, make_payload
 
 from pd_middleware import DenseEncoding, Payload
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
 
 KEY = b"k" * 32

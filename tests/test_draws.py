@@ -25,11 +25,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pd_middleware import EncodedBatch, PluginContext, Provenance
-from pd_middleware.draws import request_uniforms, room_seed, takes_uniforms
-from pd_middleware.encodings import dense_law_tensor, encoder_input, sparse_law_tensor
+from pd_middleware.evaluation.stats import chi_square, chi_square_critical
 from pd_middleware.integrations.sglang import chain as sglang_chain
 from pd_middleware.integrations.sglang.prefill import ProposalPublisher
-from pd_middleware.stats import chi_square, chi_square_critical
+from pd_middleware.sampling.draws import request_uniforms, room_seed, takes_uniforms
+from pd_middleware.sampling.encodings import dense_law_tensor, encoder_input, sparse_law_tensor
 from pd_middleware_full.full import FullEncoder, FullEncoderOptions
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
 from pd_middleware_plugins.sparse import SparseEncoder, SparseEncoderOptions
@@ -192,7 +192,7 @@ def test_independence_check_detects_a_step_that_reuses_or_shifts_step_0():
         failed = independence_failures(bad)
         assert len(failed) == 2, f"{name}: {failed}"
     assert ks_distance(torch.remainder(reused[:, 0] + reused[:, 1], 1.0)) < dkw_eps(N_PAIRS), "the sum is blind to it"
-    from pd_middleware import draws
+    from pd_middleware.sampling import draws
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(draws, "step_salt", lambda salt, step, steps: salt)
@@ -422,7 +422,7 @@ def test_chain_read_check_detects_a_per_step_read():
 def test_the_cpu_draw_in_row_chunks_equals_the_whole_batch_draw(monkeypatch):
     """``sample_categorical`` sums a few rows at a time on the CPU (cache); the draws are
     the same as one whole-batch sum, including u next to 1 and zero-mass tokens."""
-    from pd_middleware import draws
+    from pd_middleware.sampling import draws
 
     w = draft(37, v=257, sharp=3.0)
     w[:, ::5] = 0.0

@@ -7,9 +7,9 @@ import torch
 
 from pd_middleware import ConfigError, PluginContext, ValidationError
 from pd_middleware.config import convert_options
-from pd_middleware.encodings import dense_law_tensor, sparse_law_tensor
-from pd_middleware.payload import ITEMSIZE
-from pd_middleware.stats import chi_square, chi_square_critical
+from pd_middleware.core.payload import ITEMSIZE
+from pd_middleware.evaluation.stats import chi_square, chi_square_critical
+from pd_middleware.sampling.encodings import dense_law_tensor, sparse_law_tensor
 from pd_middleware_full.full import ENCODER as FULL
 from pd_middleware_full.full import FullEncoder, FullEncoderOptions
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder

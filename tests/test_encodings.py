@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pd_middleware import SparseEncoding, ValidationError
-from pd_middleware.encodings import sample_sparse_law, sparse_law, sparse_law_tensor
-from pd_middleware.payload import U16_BUCKET, u16_buckets
+from pd_middleware.core.payload import U16_BUCKET, u16_buckets
+from pd_middleware.sampling.encodings import sample_sparse_law, sparse_law, sparse_law_tensor
 
 SEED = 20261129
 BIG_V = 152064  # the default synthetic vocab: 3 buckets of 65536 tokens

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from pd_middleware import OneHotProposal, Payload, PluginContext
-from pd_middleware.assembler import ProposalAssembler
-from pd_middleware.encodings import dense_law_tensor, sparse_law_tensor
-from pd_middleware.pipeline import Delivery, ReceivePipeline
-from pd_middleware.verify import exact_verify_law, tv_bound, tv_distance, verify_chain
+from pd_middleware.decode.assembler import ProposalAssembler
+from pd_middleware.decode.pipeline import Delivery, ReceivePipeline
+from pd_middleware.evaluation.verify import exact_verify_law, tv_bound, tv_distance, verify_chain
+from pd_middleware.sampling.encodings import dense_law_tensor, sparse_law_tensor
 from pd_middleware_full import full
 from pd_middleware_plugins import one_hot, sparse
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder

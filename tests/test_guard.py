@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from pd_middleware import DenseEncoding, Metrics, OneHotProposal, Payload, Provenance, SparseEncoding
-from pd_middleware.guard import ProvenanceGuard
+from pd_middleware.decode.guard import ProvenanceGuard
 
 V = 4
 SPARSE = ("sparse-fp16", "sparse-fp32")
@@ -67,7 +67,7 @@ def test_check_reasons(pl, reason):
 def test_fallback_is_one_hot_at_the_draft_tokens_counted_and_logged_once(caplog):
     metrics = Metrics()
     g = ProvenanceGuard("full_distribution", ("dense-fp32",), metrics=metrics)
-    caplog.set_level(logging.WARNING, logger="pd_middleware.guard")
+    caplog.set_level(logging.WARNING, logger="pd_middleware.decode.guard")
     outs = [g.screen(payload(dense(), rule="greedy", rid=f"g{i}", tokens=(1, 2))) for i in range(3)]
     outs += [g.screen(payload(None, rid=f"n{i}")) for i in range(2)]
     outs.append(g.screen(payload(dense("fp16"), sampled_from="dense-fp16", rid="m0")))
@@ -77,7 +77,7 @@ def test_fallback_is_one_hot_at_the_draft_tokens_counted_and_logged_once(caplog)
     expected = {"greedy": 3, "no_proposal": 2, "encoding_mismatch:dense-fp16": 1}
     assert dict(g.counts) == expected
     assert dict(metrics.fallbacks) == expected
-    msgs = [r.getMessage() for r in caplog.records if r.name == "pd_middleware.guard"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "pd_middleware.decode.guard"]
     assert len(msgs) == 3, msgs  # once per reason, not once per payload
     assert "'full_distribution' falls back to one-hot for request 'g0': greedy" in msgs[0]
     assert "drafted greedily" in msgs[0]
@@ -96,7 +96,7 @@ def test_attach_metrics_later():
 
 
 def test_unsafe_bypass_skips_only_provenance_checks(caplog):
-    caplog.set_level(logging.WARNING, logger="pd_middleware.guard")
+    caplog.set_level(logging.WARNING, logger="pd_middleware.decode.guard")
     g = ProvenanceGuard("sparse", SPARSE, unsafe_disable_guard=True)
     assert any("DISABLED" in r.getMessage() for r in caplog.records)
     # The biased pairs the guard exists to stop now pass (negative controls use this).
@@ -223,7 +223,7 @@ def test_values_at_is_what_the_assembler_writes():
     """values_at reads the assembled buffer's numbers exactly, for every kind of law."""
     import torch
 
-    from pd_middleware.assembler import ProposalAssembler
+    from pd_middleware.decode.assembler import ProposalAssembler
 
     for kind, dtype in CASES:
         x, declared, _, enc, prov, synth = _encode(kind, dtype)

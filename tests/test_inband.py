@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pd_middleware.config import parse_config
-from pd_middleware.encodings import dense_law_tensor, sparse_law_tensor
-from pd_middleware.inband import (
+from pd_middleware.codecs.inband import (
     HEADER_BYTES,
     RowFault,
     RowLayout,
@@ -22,8 +20,10 @@ from pd_middleware.inband import (
     row_bytes,
     write_row,
 )
+from pd_middleware.config import parse_config
+from pd_middleware.core.payload import Payload, Provenance
 from pd_middleware.middleware import build_encoders
-from pd_middleware.payload import Payload, Provenance
+from pd_middleware.sampling.encodings import dense_law_tensor, sparse_law_tensor
 
 V = 1000
 
@@ -240,7 +240,7 @@ def test_resealed_mutations_never_raise(name: str) -> None:
     buggy or hostile writer would), so the body parser itself sees the damage. Every
     outcome must be a RowFault or a Payload that passed its own validation; never an
     exception. Seeded; 400 mutations per encoding."""
-    from pd_middleware.inband import _seal
+    from pd_middleware.codecs.inband import _seal
 
     (p,) = _payloads(ENCODERS[name], 2 if name != "full_bf16" else 1, n=1, seed=5)
     steps = len(p.draft_tokens)

@@ -8,7 +8,7 @@
   ``SchedulerBatchResultProcessor._resolve_spec_v2_tokens`` on real ``Req`` and
   ``GenerationBatchResult`` objects on CPU, patched by the hook. Stand-ins, and why:
   the per-request ``accept_lens`` come from the project's reference chain verifier
-  (``pd_middleware.verify.verify_chain``, the rule of SGLang's rejection-sampling
+  (``pd_middleware.evaluation.verify.verify_chain``, the rule of SGLang's rejection-sampling
   kernel) because that kernel is CUDA-only; the processor's ``metrics_reporter`` and
   ``model_worker`` are recording stand-ins (scheduler components this method only
   notifies); the arm record on each request stands in for the decode path's
@@ -28,7 +28,8 @@ from types import SimpleNamespace
 import pytest
 
 from pd_middleware import ConfigError, PluginError
-from pd_middleware.live_ab import (
+from pd_middleware.core.metrics import MAX_ACCEPTED, Metrics
+from pd_middleware.evaluation.live_ab import (
     ArmAcceptance,
     load,
     parse_json,
@@ -36,7 +37,6 @@ from pd_middleware.live_ab import (
     ratio_interval,
     summarize,
 )
-from pd_middleware.metrics import MAX_ACCEPTED, Metrics
 
 SEED = 20261201
 
@@ -120,7 +120,7 @@ def test_summary_figures_match_hand_computation() -> None:
 
 
 def test_zero_mean_baseline_gives_no_ratio_and_small_arms_are_flagged() -> None:
-    from pd_middleware.live_ab import format_table
+    from pd_middleware.evaluation.live_ab import format_table
 
     rep = summarize({"a": ArmAcceptance("a", (5, 5)), "b": ArmAcceptance("b", (10,))}, "b")
     row = {r["arm"]: r for r in rep["arms"]}
@@ -287,8 +287,8 @@ def test_real_verify_result_counts_first_verifies_by_arm(brp, tmp_path) -> None:
     """
     import torch
 
+    from pd_middleware.evaluation.verify import verify_chain
     from pd_middleware.integrations.sglang.live_ab import FirstVerifyRecorder
-    from pd_middleware.verify import verify_chain
 
     g = torch.Generator().manual_seed(SEED)
     b, v = 240, 8
@@ -408,7 +408,7 @@ def test_install_patches_and_uninstall_restores(brp) -> None:
 
 def first_verify_patch(recorder, module):
     """The live A/B target of the drop-in's table, resolved in ``module`` and wrapped (not applied)."""
-    from pd_middleware.events import Events
+    from pd_middleware.core.events import Events
     from pd_middleware.integrations.sglang.patching import FEATURES, build, resolve
 
     (target,) = FEATURES["live_ab"].targets
@@ -418,7 +418,7 @@ def first_verify_patch(recorder, module):
 
 def test_a_recorder_that_raises_never_reaches_sglang() -> None:
     """Fault injection: the recorder raises before and after; SGLang's result still comes back, counted."""
-    from pd_middleware.events import Events
+    from pd_middleware.core.events import Events
     from pd_middleware.integrations.sglang.patching import FEATURES, build, resolve
 
     class Processor:

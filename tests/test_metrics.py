@@ -25,7 +25,7 @@ import pytest
 
 from pd_middleware import ConfigError, Payload, PluginError
 from pd_middleware.config import parse_config
-from pd_middleware.metrics import ASSEMBLY_BUCKETS, RECEIVE_BUCKETS, Histogram, Metrics
+from pd_middleware.core.metrics import ASSEMBLY_BUCKETS, RECEIVE_BUCKETS, Histogram, Metrics
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -89,7 +89,7 @@ def test_first_verify_counts_by_arm_with_caps() -> None:
 
 
 def test_pipeline_and_assembly_observe_their_histograms() -> None:
-    from pd_middleware.contracts import ReceiveContext
+    from pd_middleware.core.contracts import ReceiveContext
     from pd_middleware.middleware import DecodeMiddleware
 
     cfg = parse_config({"model": {"vocab_size": 16}, "decode": {"max_batch": 4}})
@@ -228,7 +228,7 @@ def test_metrics_config_is_typed_and_strict() -> None:
 WRITER = textwrap.dedent(
     """
     import sys
-    from pd_middleware.metrics import Metrics
+    from pd_middleware.core.metrics import Metrics
     from pd_middleware.metrics_export import MultiprocessMirror
     scale = int(sys.argv[1])
     m = Metrics()
@@ -270,7 +270,7 @@ def _check_merged(text: str) -> None:
     assert 'pd_middleware_first_verify_accepted_tokens_count{arm="one_hot"} 2.0' in text
     assert 'pd_middleware_first_verify_accepted_tokens_sum{arm="sparse"} 3.0' in text
     assert "pd_middleware_receive_to_delivery_seconds_count 2.0" in text
-    from pd_middleware.live_ab import parse_prometheus
+    from pd_middleware.evaluation.live_ab import parse_prometheus
 
     arms = parse_prometheus(text)
     assert arms["sparse"].counts[:2] == (0, 3) and arms["one_hot"].counts[:1] == (2,)
@@ -293,7 +293,7 @@ def test_multiprocess_files_merge_across_processes(tmp_path) -> None:
 FLAKY_SOURCE = textwrap.dedent(
     """
     import logging, sys, time
-    from pd_middleware.metrics import Metrics
+    from pd_middleware.core.metrics import Metrics
     from pd_middleware.metrics_export import MultiprocessMirror
     logging.basicConfig(level=logging.ERROR, stream=sys.stdout, format="%(message)s")
     m = Metrics()

@@ -17,9 +17,9 @@ import torch
 
 from pd_middleware import Payload, Provenance
 from pd_middleware.config import parse_config
+from pd_middleware.decode.pipeline import Delivery, Failure
+from pd_middleware.evaluation.verify import exact_verify_law
 from pd_middleware.middleware import DecodeMiddleware
-from pd_middleware.pipeline import Delivery, Failure
-from pd_middleware.verify import exact_verify_law
 
 SEED = 20261129
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pd_middleware import Payload, ReceiveContext
-from pd_middleware.metrics import Metrics
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
-from pd_middleware.proposal import OneHotProposal
+from pd_middleware.core.metrics import Metrics
+from pd_middleware.core.proposal import OneHotProposal
+from pd_middleware.decode.pipeline import Delivery, Failure, ReceivePipeline
 
 
 class Boom:

@@ -12,7 +12,7 @@ from _helpers import OneHot  # tests/ is on sys.path (no __init__.py)
 from _transport_peer import collect_outcomes, make_payload  # tests/ is on sys.path (no __init__.py)
 
 from pd_middleware import Payload, TransferAbandoned, TransferError
-from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, MooncakeConfig, PrefillSender, SlotsConfig, TransportConfig
 
 

@@ -26,7 +26,7 @@ from _helpers import OneHot, inline_frames  # tests/ is on sys.path (no __init__
 from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
 from pd_middleware import Payload, Provenance, TransferError
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, payload_codec, wire
 from pd_middleware.transport.nesting import MAX_DEPTH, nesting_depth
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from pd_middleware import ConfigError, OneHotProposal, Payload, PluginContext, Provenance
-from pd_middleware._errors import ExactnessError
-from pd_middleware.assembler import ProposalAssembler
-from pd_middleware.metrics import Metrics
-from pd_middleware.proposal import RecomputedProposal
-from pd_middleware.recompute import (
+from pd_middleware.core._errors import ExactnessError
+from pd_middleware.core.metrics import Metrics
+from pd_middleware.core.proposal import RecomputedProposal
+from pd_middleware.decode.assembler import ProposalAssembler
+from pd_middleware.decode.recompute import (
     SEEDED_DRAW,
     SYNTHESIZER,
     Recomputed,
@@ -28,8 +28,8 @@ from pd_middleware.recompute import (
     proposal_probs,
     seed_from_room,
 )
+from pd_middleware.evaluation.verify import exact_verify_law, tv_bound, tv_distance
 from pd_middleware.registry import default_registry
-from pd_middleware.verify import exact_verify_law, tv_bound, tv_distance
 
 SEED = 20261201
 V, H = 6, 4

@@ -11,7 +11,7 @@ import pytest
 
 from pd_middleware import PluginError, PluginSpec
 from pd_middleware.config import parse_config, resolve_plugins
-from pd_middleware.contracts import PluginContext
+from pd_middleware.core.contracts import PluginContext
 from pd_middleware.registry import PluginRegistry, default_registry
 
 

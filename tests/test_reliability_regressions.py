@@ -29,8 +29,8 @@ from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init
 
 from pd_middleware import ConfigError, PluginError, WireError
 from pd_middleware.config import load_config, parse_config, resolve_plugins
-from pd_middleware.metrics import MAX_REASON_CHARS, MAX_REASONS, Metrics
-from pd_middleware.pipeline import Failure, ReceivePipeline
+from pd_middleware.core.metrics import MAX_REASON_CHARS, MAX_REASONS, Metrics
+from pd_middleware.decode.pipeline import Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, TransportConfig, payload_codec, wire
 

@@ -16,7 +16,7 @@ import zmq
 from _helpers import OneHot, make  # tests/ is on sys.path (no __init__.py)
 from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init__.py)
 
-from pd_middleware.pipeline import Delivery, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, PrefillSender, TransportConfig, wire
 from pd_middleware.transport.auth import HELLO_FRESH_S, TO_DECODE, HelloGuard, Signer, new_nonce
 
@@ -428,8 +428,8 @@ def test_beyond_loopback_needs_curve_unless_insecure_is_said(zctx, tmp_path, cap
     import pytest
 
     from pd_middleware import ConfigError
-    from pd_middleware._errors import OptionValueError
     from pd_middleware.cli import main
+    from pd_middleware.core._errors import OptionValueError
     from pd_middleware.transport.config import CurveConfig
 
     for host in ("0.0.0.0", "::", "10.1.2.3", "*"):
@@ -558,7 +558,7 @@ def test_hmac_peers_config_names_its_fields(monkeypatch) -> None:
     import pytest
 
     from pd_middleware import ConfigError
-    from pd_middleware._errors import OptionValueError
+    from pd_middleware.core._errors import OptionValueError
 
     with pytest.raises(OptionValueError) as info:
         TransportConfig(hmac_peers={"a": "not an env"})

@@ -31,7 +31,7 @@ from _transport_peer import collect_outcomes  # tests/ is on sys.path (no __init
 
 from pd_middleware import ConfigError, Payload, PluginError, TransferError, WireError
 from pd_middleware.config import load_config, resolve_plugins
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
 from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, wire
 from pd_middleware.transport.auth import TO_DECODE, Signer, new_nonce
@@ -643,7 +643,7 @@ def test_allowlist_refuses_two_keys_under_one_name_and_one_key_under_two(tmp_pat
 
 
 def test_curve_keys_from_files_and_config_checks(zctx, tmp_path) -> None:
-    from pd_middleware._errors import OptionValueError
+    from pd_middleware.core._errors import OptionValueError
     from pd_middleware.transport.auth import write_keypair
 
     allowed = tmp_path / "allowed"

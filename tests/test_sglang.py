@@ -25,13 +25,13 @@ import torch
 
 from pd_middleware import ConfigError, OneHotProposal, PluginError, SparseProposal
 from pd_middleware.config import parse_config
-from pd_middleware.contracts import PluginContext
-from pd_middleware.encodings import sparse_law_tensor
+from pd_middleware.core.contracts import PluginContext
+from pd_middleware.decode.pipeline import Delivery, Failure
+from pd_middleware.evaluation.verify import exact_verify_law
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang.prefill import ProposalPublisher
 from pd_middleware.integrations.sglang.store import ProposalStore
-from pd_middleware.pipeline import Delivery, Failure
-from pd_middleware.verify import exact_verify_law
+from pd_middleware.sampling.encodings import sparse_law_tensor
 
 SEED = 1234
 V = 16

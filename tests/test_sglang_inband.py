@@ -25,13 +25,13 @@ import torch
 
 from pd_middleware import ConfigError
 from pd_middleware.config import parse_config
-from pd_middleware.draws import request_uniforms
-from pd_middleware.encodings import sparse_law_tensor
+from pd_middleware.core.payload import Payload, Provenance
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang import metadata as sglang_metadata
 from pd_middleware.integrations.sglang.metadata import FRAME_MARK, wrap_metadata_init, wrap_registration
 from pd_middleware.integrations.sglang.prefill import wrap_prefill_result
-from pd_middleware.payload import Payload, Provenance
+from pd_middleware.sampling.draws import request_uniforms
+from pd_middleware.sampling.encodings import sparse_law_tensor
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
 
@@ -289,7 +289,7 @@ def test_x_and_row_from_different_prefill_writes_fall_back_to_one_hot(sg) -> Non
 def test_late_write_after_the_digest_check_is_not_read(sg) -> None:
     """The row is copied once before its digest is checked: a write landing afterwards (SGLang's
     TCP aux path writes from another thread) cannot reach the decoded payload unverified."""
-    from pd_middleware.inband import read_row
+    from pd_middleware.codecs.inband import read_row
 
     inst = activate(config())
     inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
@@ -770,7 +770,7 @@ def test_misconfigured_scheduler_stops_at_startup(sg, over, message) -> None:
 
 def test_prefill_start_warns_when_the_encoders_largest_row_exceeds_capacity(sg, caplog) -> None:
     """A full-distribution encoder behind a too-small row would send X-only every time: say so at start."""
-    from pd_middleware.inband import row_bytes
+    from pd_middleware.codecs.inband import row_bytes
 
     with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
         inst = activate(config(capacity=256, encoder={"name": "full", "options": {"dtype": "fp32"}}), role="prefill")
@@ -1068,7 +1068,7 @@ def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -
         got.dst_dcp_rank = len(msg)  # stands for "a new trailing field"
         return got
 
-    from pd_middleware.events import Events
+    from pd_middleware.core.events import Events
     from pd_middleware.integrations.sglang.metadata import wrap_from_zmq
 
     shim = classmethod(wrap_from_zmq(reads_frame_20, SimpleNamespace(events=Events("guard"))))
@@ -1082,7 +1082,7 @@ def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -
 
 def test_a_fallback_row_counts_its_local_proposal_once() -> None:
     """A row that gave no payload (here not_sent) is counted once as proposal:local, not again at the builder."""
-    from pd_middleware.inband import RowFault
+    from pd_middleware.codecs.inband import RowFault
     from pd_middleware.integrations.sglang.proposer import DecodeProposer
 
     cfg = parse_config({"decode": {"rejection_sampling": True}, "synthesizer": {"name": "one_hot"}})
@@ -1111,7 +1111,7 @@ def test_a_fallback_row_counts_its_local_proposal_once() -> None:
     ids=["warmup", "health_check"],
 )
 def test_sglang_warmups_and_health_checks_are_served_one_hot_and_never_counted(probe) -> None:
-    from pd_middleware.inband import RowFault
+    from pd_middleware.codecs.inband import RowFault
     from pd_middleware.integrations.sglang.live_ab import FirstVerifyRecorder
     from pd_middleware.integrations.sglang.proposer import DecodeProposer
 

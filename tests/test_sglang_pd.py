@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from pd_middleware.codecs.inband import RowLayout, read_row
 from pd_middleware.config import parse_config
-from pd_middleware.inband import RowLayout, read_row
+from pd_middleware.core.payload import Payload
+from pd_middleware.decode.pipeline import Delivery
 from pd_middleware.middleware import DecodeMiddleware
-from pd_middleware.payload import Payload
-from pd_middleware.pipeline import Delivery
 
 REASON = H.unavailable()
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -470,7 +470,7 @@ def test_recompute_decode_only_against_a_plain_prefill(dep, decode_tp):
     rank; the prefill's X is replaced."""
     from _recompute_head import HEAD_HIDDEN, MatrixHead
 
-    from pd_middleware.recompute import inverse_cdf, proposal_probs, seed_from_room
+    from pd_middleware.decode.recompute import inverse_cdf, proposal_probs, seed_from_room
 
     dep.install(None, recompute_config(), V)
     dep.configure(1, decode_tp)

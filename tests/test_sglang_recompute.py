@@ -37,6 +37,7 @@ import torch
 
 from pd_middleware import ConfigError
 from pd_middleware.config import load_config
+from pd_middleware.decode.recompute import inverse_cdf
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang.recompute import (
     ARCHITECTURES,
@@ -45,7 +46,6 @@ from pd_middleware.integrations.sglang.recompute import (
     check_placement,
     find_draft_model,
 )
-from pd_middleware.recompute import inverse_cdf
 
 pytestmark = [pytest.mark.sglang]
 

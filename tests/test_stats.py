@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pd_middleware.stats import (
+from pd_middleware.evaluation.stats import (
     ExactnessAccumulator,
     LogHistogram,
     chi_square,
@@ -19,7 +19,7 @@ from pd_middleware.stats import (
     tv_distance,
     wilson_interval,
 )
-from pd_middleware.verify import sample_categorical, verify_chain
+from pd_middleware.evaluation.verify import sample_categorical, verify_chain
 
 
 def test_tv_bound_formula() -> None:
@@ -107,7 +107,7 @@ def test_chi_square_tail_matches_the_closed_forms() -> None:
 def test_percentile_interpolates_like_numpy() -> None:
     import numpy as np
 
-    from pd_middleware.stats import percentile
+    from pd_middleware.evaluation.stats import percentile
 
     rng = np.random.default_rng(11)
     values = rng.exponential(3.0, size=257).tolist()

@@ -18,10 +18,10 @@ from pd_middleware import (
     SparseProposal,
     ValidationError,
 )
-from pd_middleware.assembler import ProposalAssembler
-from pd_middleware.encodings import dense_law_tensor, sparse_law_tensor
-from pd_middleware.pipeline import Failure, ReceivePipeline
+from pd_middleware.decode.assembler import ProposalAssembler
+from pd_middleware.decode.pipeline import Failure, ReceivePipeline
 from pd_middleware.registry import default_registry
+from pd_middleware.sampling.encodings import dense_law_tensor, sparse_law_tensor
 from pd_middleware_full import full
 from pd_middleware_plugins import sparse
 from pd_middleware_plugins.sampling import GreedyEncoder, SoftmaxEncoder
@@ -153,7 +153,7 @@ def test_contract_greedy_payloads_get_one_hot_even_with_a_distribution_attached(
 
 
 def test_fallbacks_are_counted_into_the_pipeline_metrics():
-    from pd_middleware.metrics import Metrics
+    from pd_middleware.core.metrics import Metrics
 
     m = Metrics()
     s = build("sparse")

@@ -18,8 +18,8 @@ from pd_middleware import (
     ReceiveContext,
     SparseEncoding,
 )
-from pd_middleware.encodings import dense_law_tensor
-from pd_middleware.pipeline import ReceivePipeline
+from pd_middleware.decode.pipeline import ReceivePipeline
+from pd_middleware.sampling.encodings import dense_law_tensor
 from pd_middleware.workloads import make_workload
 from pd_middleware.workloads.trace import FORMAT, TraceError, TraceHeader, TraceWriter, read_trace
 from pd_middleware_plugins.record import PLUGIN, RecordHook, RecordOptions
@@ -239,7 +239,7 @@ def _u16_payload() -> Payload:
 
 
 def test_u16_sparse_round_trips_and_int32_records_keep_the_v1_layout(tmp_path: Path) -> None:
-    from pd_middleware.encodings import sparse_law
+    from pd_middleware.sampling.encodings import sparse_law
 
     path = tmp_path / "u16.trace"
     sent = [_u16_payload(), payloads()[2]]

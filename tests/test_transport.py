@@ -21,7 +21,7 @@ from _helpers import OneHot, inline_frames, make, mutations, same  # tests/ is o
 from _transport_peer import collect_outcomes, make_payload  # tests/ is on sys.path (no __init__.py)
 
 from pd_middleware import NoSlotError, OneHotProposal, TransferError
-from pd_middleware.pipeline import Delivery, Failure, ReceivePipeline
+from pd_middleware.decode.pipeline import Delivery, Failure, ReceivePipeline
 from pd_middleware.transport import DecodeReceiver, PrefillSender, SlotsConfig, TransportConfig, wire
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -456,7 +456,7 @@ def test_metrics_export_prometheus(zctx) -> None:
 
 def test_config_values_and_secret_from_env(monkeypatch) -> None:
     from pd_middleware import ConfigError
-    from pd_middleware._errors import OptionValueError
+    from pd_middleware.core._errors import OptionValueError
 
     with pytest.raises(OptionValueError, match="port: must be in"):
         TransportConfig(port=70000)

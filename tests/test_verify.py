@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pd_middleware import ValidationError
-from pd_middleware.verify import (
+from pd_middleware.evaluation.verify import (
     acceptance_probability,
     complete_law,
     exact_accept_probability,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pd_middleware import ConfigError
-from pd_middleware.verify import ExactnessAccumulator, sample_categorical, sum_min, verify_chain
+from pd_middleware.evaluation.verify import ExactnessAccumulator, sample_categorical, sum_min, verify_chain
 from pd_middleware.workloads import WORKLOAD_NAMES, Workload, WorkloadBatch, make_workload
 from pd_middleware.workloads.ngram import read_corpus
 from pd_middleware.workloads.synthetic import SyntheticOptions

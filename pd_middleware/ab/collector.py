@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..contracts import ReceiveContext
-from ..payload import Payload
-from ..pipeline import Delivery, Failure
-from ..stats import LogHistogram
+from ..core.contracts import ReceiveContext
+from ..core.payload import Payload
+from ..decode.pipeline import Delivery, Failure
+from ..evaluation.stats import LogHistogram
 
 
 class RouteByRequestId:
@@ -83,7 +83,7 @@ class Assembled:
 
 def draw_kind(d: Delivery) -> str:
     """How X relates to the q' this delivery hands the verifier (see ``Assembled.kinds``)."""
-    from ..proposal import OneHotProposal
+    from ..core.proposal import OneHotProposal
 
     if d.payload.provenance.rule == "greedy":
         return "greedy"

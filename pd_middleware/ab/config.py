@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import ConfigError
 from ..config import ABConfig, WorkloadRef
+from ..core._errors import ConfigError
 
 __all__ = ["ABConfig", "WorkloadRef", "arm_roles", "workload_options"]
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import PDMiddlewareError
+from ..core._errors import PDMiddlewareError
 
 #: Batches of every arm in flight between the two processes. Two keep both busy (the
 #: prefill encodes batch k + 1 while the decode verifies batch k); each costs the decode

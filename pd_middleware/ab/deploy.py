@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from .._errors import PDMiddlewareError
 from ..config import Config
+from ..core._errors import PDMiddlewareError
 from .collector import BatchPlan, Collector
 from .credit import IN_FLIGHT_BATCHES, Credit
 from .prefill import PrefillJob, run_prefill

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from ..payload import DenseEncoding, EncodedProposal, HiddenDType, Payload, SparseEncoding
+from ..core.payload import DenseEncoding, EncodedProposal, HiddenDType, Payload, SparseEncoding
 from .credit import Credit
 from .heap import return_big_blocks
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from ..payload import ITEMSIZE
-from ..stats import wilson_interval
+from ..core.payload import ITEMSIZE
+from ..evaluation.stats import wilson_interval
 from .collector import ArmStats
 from .effect import response_effect
 from .schema import (

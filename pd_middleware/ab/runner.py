@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._errors import ConfigError
 from ..config import Config, ResolvedConfig, resolve_plugins
-from ..metrics import Metrics
+from ..core._errors import ConfigError
+from ..core.metrics import Metrics
 from ..registry import default_registry
 from .collector import ArmStats, BatchPlan, Collector, RouteByRequestId
 from .config import arm_roles, workload_options
@@ -106,7 +106,7 @@ def run_ab(
 def _decode_side(cfg: Config, registry: Any, metrics: Metrics, plan: BatchPlan, wl: Any, seed: int) -> DecodeMiddleware:
     """The job's decode, built through the public composition path
     (:meth:`DecodeMiddleware.from_config`) with the job's router, assembler and draft head."""
-    from ..assembler import ProposalAssembler
+    from ..decode.assembler import ProposalAssembler
     from ..middleware import DecodeMiddleware
     from ..workloads import workload_draft_head
 
@@ -126,7 +126,7 @@ def _decode_side(cfg: Config, registry: Any, metrics: Metrics, plan: BatchPlan, 
 
 def _arm_stats(plan: BatchPlan, resolved: ResolvedConfig) -> dict[str, ArmStats]:
     """One empty accumulator per arm, named by its plugins."""
-    from ..stats import ExactnessAccumulator
+    from ..evaluation.stats import ExactnessAccumulator
 
     return {
         a: ArmStats(

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import PDMiddlewareError
+from ..core._errors import PDMiddlewareError
 from .collector import ArmStats, Assembled
 
 
@@ -164,7 +164,7 @@ def verify_batch(batch: Any, assembled: dict[str, Assembled], stats: dict[str, A
     """
     import torch
 
-    from ..verify import acceptance_probability, sum_min, verify_chain
+    from ..evaluation.verify import acceptance_probability, sum_min, verify_chain
 
     full_rows = sum_min(batch.target_probs[:, 0], batch.draft_probs[:, 0])
     shared_law: dict[int, Any] = {}
@@ -219,7 +219,7 @@ def paired_expectation(asm: Assembled, draft3: Any, batch: Any, sel: Any, cache:
     """
     import torch
 
-    from ..verify import sanitize_q
+    from ..evaluation.verify import sanitize_q
 
     cache = {} if cache is None else cache
     if "qp" not in cache:

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from .._errors import IntegrityError, WireError
-from ..contracts import ReceiveContext
-from ..pipeline import Delivery, Failure, ReceivePipeline
+from ..core._errors import IntegrityError, WireError
+from ..core.contracts import ReceiveContext
+from ..decode.pipeline import Delivery, Failure, ReceivePipeline
 from . import payload_codec, wire
 from .auth import NO_NONCE, TO_PREFILL, Signer
 from .config import TransportConfig
@@ -37,7 +37,7 @@ from .peers import REASON_CAP, Peer, PeerTable
 from .slots import SlotPool
 
 if TYPE_CHECKING:  # annotation only: the pipeline owns (and imports) its metrics
-    from ..metrics import Metrics
+    from ..core.metrics import Metrics
 
 _perf_counter = time.perf_counter
 # Failures whose request id is another delivery's or another peer's: never named in the Failure.

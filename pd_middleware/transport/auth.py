@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.auth
 
-from .._errors import ConfigError
+from ..core._errors import ConfigError
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator

@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import TransferAbandoned, TransferError
-from ..payload import Payload
+from ..core._errors import TransferAbandoned, TransferError
+from ..core.payload import Payload
 from . import integrity, payload_codec, wire
 from .backoff import Backoff
 from .mooncake import MooncakeEngine, Range

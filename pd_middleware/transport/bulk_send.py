@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import NoSlotError, TransferAbandoned, TransferError
-from ..payload import Payload
+from ..core._errors import NoSlotError, TransferAbandoned, TransferError
+from ..core.payload import Payload
 from .backoff import POLL_MAX_S, Backoff
 from .bulk import BulkWriter, InFlight
 from .control import Control, GrantedSlots, Ledger

@@ -1,7 +1,7 @@
 """Transport configuration: the ``[transport]`` table of a pd-middleware config.
 
 Typed, frozen and strict like the rest of the config: unknown keys are errors, and a
-bad value raises :class:`~pd_middleware._errors.OptionValueError` from ``__post_init__``,
+bad value raises :class:`~pd_middleware.core._errors.OptionValueError` from ``__post_init__``,
 which the config loader turns into a :class:`~pd_middleware.ConfigError` whose path is
 the full key (``transport.slots.count``). Secrets can stay out of files: set
 ``hmac_key_env`` to the name of an environment variable instead of ``hmac_key``, and
@@ -20,7 +20,7 @@ from typing import Literal
 
 import msgspec
 
-from .._errors import ConfigError, OptionValueError
+from ..core._errors import ConfigError, OptionValueError
 
 _STRUCT = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

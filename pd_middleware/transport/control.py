@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from .._errors import TransferError, WireError
+from ..core._errors import TransferError, WireError
 from . import wire
 from .auth import TO_DECODE, TO_PREFILL, Signer, new_nonce
 from .config import TransportConfig

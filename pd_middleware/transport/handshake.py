@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import WireError
+from ..core._errors import WireError
 from . import integrity, wire
 from .admission import Admission, Replies
 from .auth import NO_NONCE, TO_DECODE, CurveGate, HelloGuard, Signer

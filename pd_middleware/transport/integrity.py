@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Literal
 import blake3
 import xxhash
 
-from .._errors import IntegrityError
+from ..core._errors import IntegrityError
 
 if TYPE_CHECKING:
     from .config import TransportConfig

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .._errors import TransferAbandoned, TransferError
+from ..core._errors import TransferAbandoned, TransferError
 from .backoff import Backoff
 from .config import MooncakeConfig
 

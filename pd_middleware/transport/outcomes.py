@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import TransferError
+from ..core._errors import TransferError
 
 
 class OutcomeQueue:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from .._errors import ValidationError, WireError
-from ..payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding, u16_buckets
+from ..core._errors import ValidationError, WireError
+from ..core.payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding, u16_buckets
 from .config import LimitsConfig
 from .wire import (
     SLOT_ALIGN,
@@ -302,7 +302,7 @@ def _check_tail(tail: tuple[float, ...], steps: int, rid: str) -> None:
     """``tail_mass``: empty, or one probability in [0, 1) per step (NaN and infinities are not).
 
     Checked here, on the wire, so that no synthesizer that ignores the proposal lets it
-    through; what the tail means for the law (:mod:`pd_middleware.sparse_law`) is checked there.
+    through; what the tail means for the law (:mod:`pd_middleware.sampling.sparse_law`) is checked there.
     """
     if tail and len(tail) != steps:
         raise WireError(

@@ -9,8 +9,8 @@ the peer table are their own objects too. Per inbound message
 it checks authentication (CURVE's key from ZAP, or the HMAC and its replay window:
 :mod:`.auth`), decodes and validates the header (:mod:`.wire`), resolves inline frames
 or slot ranges as zero-copy views, runs ``pipeline.process`` (hooks, then the arm's
-synthesizer) and puts the outcome (:class:`~pd_middleware.pipeline.Delivery`
-or :class:`~pd_middleware.pipeline.Failure`) on a queue the scheduler reads with
+synthesizer) and puts the outcome (:class:`~pd_middleware.decode.pipeline.Delivery`
+or :class:`~pd_middleware.decode.pipeline.Failure`) on a queue the scheduler reads with
 :meth:`get`/:meth:`drain` (a waiting scheduler is woken once per receive batch). Acks go
 back coalesced (:mod:`.peers`); with ``ack = "consumed"`` a request is acked delivered
 only once its Delivery was released.
@@ -51,8 +51,8 @@ from typing import Any
 
 import zmq
 
-from .._errors import TransferError, WireError
-from ..pipeline import Delivery, Failure, ReceivePipeline
+from ..core._errors import TransferError, WireError
+from ..decode.pipeline import Delivery, Failure, ReceivePipeline
 from . import integrity, wire
 from .admission import Admission, Replies
 from .auth import CurveGate, Signer

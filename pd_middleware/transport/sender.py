@@ -42,8 +42,8 @@ from typing import Any
 
 import zmq
 
-from .._errors import TransferError
-from ..payload import Payload
+from ..core._errors import TransferError
+from ..core.payload import Payload
 from . import integrity, payload_codec, wire
 from .auth import Signer
 from .backoff import Backoff

@@ -2,7 +2,7 @@
 
 Each slot is *granted* to one prefill peer at hello; the peer writes a payload's bulk
 tensors into a slot it owns and names it in the header. From then on the slot is
-*held* by the decode until the :class:`~pd_middleware.pipeline.Delivery` that views it
+*held* by the decode until the :class:`~pd_middleware.decode.pipeline.Delivery` that views it
 is released (or at once when the payload fails), and only then is it returned to its
 owner in a slot-free notice. A held slot is never handed back, so it is never
 overwritten while in use. When a peer is lost, its free slots return to the pool at
@@ -22,7 +22,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Hashable
 
-from .._errors import IntegrityError, WireError
+from ..core._errors import IntegrityError, WireError
 from . import integrity
 from .wire import TensorRef
 

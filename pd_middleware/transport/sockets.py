@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from .._errors import ConfigError, TransferError
+from ..core._errors import ConfigError, TransferError
 from .auth import CurveGate, curve_client, curve_server
 from .config import TransportConfig, host_of, insecure_reason
 

@@ -19,7 +19,7 @@ against :class:`~pd_middleware.transport.config.LimitsConfig` *before* parsing (
 before any untyped decoding on the error path, the nesting depth: field ``nesting``), then
 types (msgspec), version, declared sizes against the limits and against the frames or
 slot that hold them, dtypes, shapes and ranges, and finally builds a
-:class:`~pd_middleware.payload.Payload`, whose constructor validates values. Any
+:class:`~pd_middleware.core.payload.Payload`, whose constructor validates values. Any
 violation raises :class:`~pd_middleware.WireError` with ``.field`` (``draft_probs``,
 ``hidden.nbytes``, ``proposal.kind``...) and ``.request_id`` when it could be read.
 
@@ -37,7 +37,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from .._errors import WireError
+from ..core._errors import WireError
 from .config import LimitsConfig
 from .nesting import MAX_DEPTH, nesting_depth
 
@@ -81,7 +81,7 @@ class TensorRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 
 class WireProvenance(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Mirror of :class:`~pd_middleware.payload.Provenance`."""
+    """Mirror of :class:`~pd_middleware.core.payload.Provenance`."""
 
     rule: Literal["greedy", "sampled"]
     temperature: float
@@ -108,7 +108,7 @@ class SparseMeta(
 
     ``indices`` is int32 (``index_format`` "int32") or uint16 low bits with
     ``bucket_counts``, ceil(V / 65536) per step (``"u16"``; see
-    :class:`~pd_middleware.payload.SparseEncoding`). ``omit_defaults``: an int32 header
+    :class:`~pd_middleware.core.payload.SparseEncoding`). ``omit_defaults``: an int32 header
     encodes byte for byte as before these two fields existed, so peers that predate
     them still read it; a u16 header carries them and a ``uint16`` index dtype, which
     such a peer rejects (field ``proposal.indices.dtype``) rather than misreading it.

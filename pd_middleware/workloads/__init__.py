@@ -108,7 +108,7 @@ class Workload(Protocol):
 
 
 def workload_draft_head(wl: Workload, seed: int, hidden_size: int) -> Any:
-    """The workload's draft head (:class:`~pd_middleware.draft_head.DraftHead`) for runs
+    """The workload's draft head (:class:`~pd_middleware.core.draft_head.DraftHead`) for runs
     with ``seed``, or None when the workload has none (``trace``)."""
     make = getattr(wl, "draft_head", None)
     return None if make is None else make(seed, hidden_size)
@@ -143,7 +143,7 @@ WORKLOAD_NAMES: tuple[str, ...] = tuple(_WORKLOADS)
 
 def workload_options_type(name: str) -> type:
     """The msgspec options struct of workload ``name``."""
-    from .._errors import ConfigError
+    from ..core._errors import ConfigError
 
     if name not in _WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOAD_NAMES)}", path="name")
@@ -158,7 +158,7 @@ def make_workload(name: str, *, config_key: str = "ab.workload", **options: Any)
     """
     import msgspec
 
-    from .._errors import ConfigError, OptionValueError
+    from ..core._errors import ConfigError, OptionValueError
 
     if name not in _WORKLOADS:
         raise ConfigError(

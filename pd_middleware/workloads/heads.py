@@ -42,7 +42,7 @@ def read_state(hidden: torch.Tensor) -> torch.Tensor:
 
 
 class WorkloadDraftHead:
-    """A :class:`~pd_middleware.draft_head.DraftHead` over a workload's draft rows.
+    """A :class:`~pd_middleware.core.draft_head.DraftHead` over a workload's draft rows.
 
     ``rows(state)``: float (n, V) draft probabilities q for int64 (n,) states; the head's
     logits are log q in fp32 (softmax(log q) = q up to fp32 rounding: the workload's

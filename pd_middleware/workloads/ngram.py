@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._errors import OptionValueError
+from ..core._errors import OptionValueError
 from . import WorkloadBatch
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ class NgramWorkload:
         import numpy as np
         import torch
 
-        from ..verify import sample_categorical
+        from ..evaluation.verify import sample_categorical
 
         if n_requests < 0 or batch_size < 1:
             raise ValueError(f"need n_requests >= 0 and batch_size >= 1, got {n_requests}, {batch_size}")

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from .._errors import OptionValueError
+from ..core._errors import OptionValueError
 from . import WorkloadBatch
 
 #: Bump only if the generation procedure changes (it must not, for the defaults).

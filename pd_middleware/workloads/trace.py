@@ -6,7 +6,7 @@ Never pickle. Every map has a ``kind``:
 
 - ``header``: ``format``, ``version``, ``created_unix``, ``meta`` (str -> str); opens a
   segment. Appending to an existing file starts a new segment with its own header;
-- ``payload``: ``seq`` and every :class:`~pd_middleware.payload.Payload` field, tensors
+- ``payload``: ``seq`` and every :class:`~pd_middleware.core.payload.Payload` field, tensors
   as raw bytes (``hidden``, the encoded ``proposal``; a sparse proposal's
   ``index_format`` and ``bucket_counts`` are written only when not the int32
   defaults), plus the receive context (``arm``,
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import msgspec
 
-from .._errors import OptionValueError, PDMiddlewareError, WireError
-from ..payload import DenseEncoding, Payload, Provenance, SparseEncoding
+from ..core._errors import OptionValueError, PDMiddlewareError, WireError
+from ..core.payload import DenseEncoding, Payload, Provenance, SparseEncoding
 from . import WorkloadBatch
 
 if TYPE_CHECKING:
@@ -390,7 +390,7 @@ class TraceWorkload:
 
     :meth:`payloads` yields every recorded payload. :meth:`batches` needs records that
     carry a ``target`` and an encoded ``proposal`` (the draft distribution, through
-    :mod:`pd_middleware.encodings`); rows condition on the recorded draft tokens.
+    :mod:`pd_middleware.sampling.encodings`); rows condition on the recorded draft tokens.
     """
 
     name = "trace"
@@ -415,7 +415,7 @@ class TraceWorkload:
         """Batches of the first ``n_requests`` records (fewer if the trace is shorter)."""
         import torch
 
-        from ..encodings import dense_law_tensor, sparse_law
+        from ..sampling.encodings import dense_law_tensor, sparse_law
 
         def flush(entries: list[TraceEntry]) -> WorkloadBatch:
             return WorkloadBatch(

@@ -2,12 +2,12 @@
 
 Prefill: each step's row is cast to ``dtype`` (fp32 is the upstream wire format,
 608,256 B per step at V = 152064; bf16/fp16 halve it) and sent as is. The law it stands
-for is :func:`pd_middleware.encodings.dense_law`: widen to fp32, renormalise. The
+for is :func:`pd_middleware.sampling.encodings.dense_law`: widen to fp32, renormalise. The
 encoder computes that law with the decode's own function on the very bytes it sends,
 then draws X from it, so quantisation never biases the verifier.
 
 Decode: ``full_distribution`` checks the provenance (:class:`ProvenanceGuard`), then
-validates the row with :func:`~pd_middleware.encodings.dense_law` (width equals vocab,
+validates the row with :func:`~pd_middleware.sampling.encodings.dense_law` (width equals vocab,
 finite, non-negative, sum 1 within ``SUM_TOLERANCE``) and returns a
 :class:`~pd_middleware.DenseProposal` viewing the received bytes; the assembler copies
 it into its buffer (a whole-row write, V values per step).
@@ -29,8 +29,8 @@ from pd_middleware import (
     SparseEncoding,
     ValidationError,
 )
-from pd_middleware.encodings import dense_law, dense_law_tensor, encoder_input, sample_law, torch_dtype
-from pd_middleware.guard import GuardedSynthesizer
+from pd_middleware.decode.guard import GuardedSynthesizer
+from pd_middleware.sampling.encodings import dense_law, dense_law_tensor, encoder_input, sample_law, torch_dtype
 
 DENSE_ENCODINGS: tuple[str, ...] = ("dense-fp32", "dense-bf16", "dense-fp16")
 
@@ -95,7 +95,7 @@ class FullEncoder:
 class FullDistributionSynthesizer(GuardedSynthesizer):
     """Decode side: validated :class:`DenseProposal` of the received row, or one-hot.
 
-    Everything but the law is :class:`~pd_middleware.guard.GuardedSynthesizer`: fit
+    Everything but the law is :class:`~pd_middleware.decode.guard.GuardedSynthesizer`: fit
     checks, the provenance guard, the support check and the one-hot fallbacks.
     """
 

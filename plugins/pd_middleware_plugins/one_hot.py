@@ -5,7 +5,7 @@ coin): given X = x, x is accepted with probability p(x), and otherwise the resid
 p with x removed, so the committed token has law p whatever law X had
 (``docs/strategies.md``). Acceptance at that position is p(X).
 
-It attaches a :class:`~pd_middleware.proposal.OneHotProposal` (the token ids) and
+It attaches a :class:`~pd_middleware.core.proposal.OneHotProposal` (the token ids) and
 never builds a V-wide row; the assembler scatters the ones. With rejection sampling
 off it attaches nothing.
 """
@@ -13,7 +13,7 @@ off it attaches nothing.
 from __future__ import annotations
 
 from pd_middleware import OneHotProposal, Payload, PluginContext, PluginSpec
-from pd_middleware.contracts import NoOptions
+from pd_middleware.core.contracts import NoOptions
 
 
 class OneHotSynthesizer:

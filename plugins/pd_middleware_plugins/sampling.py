@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from pd_middleware import EncodedBatch, PluginContext, PluginSpec, Provenance
-from pd_middleware.contracts import NoOptions
-from pd_middleware.encodings import encoder_input, sample_law
+from pd_middleware.core.contracts import NoOptions
+from pd_middleware.sampling.encodings import encoder_input, sample_law
 
 
 class GreedyEncoder:

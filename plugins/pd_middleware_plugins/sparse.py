@@ -16,11 +16,11 @@ the 65536-token blocks they fall in (a few header bytes per step); the law is th
 either way. Values are fp16 or fp32. Without a floor the values are
 renormalised to sum to 1; with ``floor = true`` they are q itself and the dropped mass
 travels as ``tail_mass``, spread uniformly over the unlisted tokens. Either way the
-prefill then draws X from :func:`pd_middleware.encodings.sparse_law_tensor` of what it
+prefill then draws X from :func:`pd_middleware.sampling.encodings.sparse_law_tensor` of what it
 sends, the same function the decode uses, so the pair is exact by construction.
 
 Decode (synthesizer ``sparse``) validates the encoding with
-:func:`pd_middleware.encodings.sparse_law` (width, finiteness, signs, sums, index
+:func:`pd_middleware.sampling.encodings.sparse_law` (width, finiteness, signs, sums, index
 range and uniqueness) and returns a :class:`~pd_middleware.SparseProposal`, which the
 assembler scatters: cost grows with the number of entries, not with V, except that a
 step with a positive floor needs one whole-row fill (its content is a whole row).
@@ -44,9 +44,9 @@ from pd_middleware import (
     SparseProposal,
     ValidationError,
 )
-from pd_middleware.encodings import encoder_input, sample_sparse_law, sparse_law, torch_dtype
-from pd_middleware.guard import GuardedSynthesizer
-from pd_middleware.payload import u16_buckets
+from pd_middleware.core.payload import u16_buckets
+from pd_middleware.decode.guard import GuardedSynthesizer
+from pd_middleware.sampling.encodings import encoder_input, sample_sparse_law, sparse_law, torch_dtype
 
 SPARSE_ENCODINGS: tuple[str, ...] = ("sparse-fp16", "sparse-fp32")
 
@@ -233,7 +233,7 @@ class SparseEncoder:
 class SparseSynthesizer(GuardedSynthesizer):
     """Decode side of the sparse pair: validated :class:`SparseProposal` or one-hot fallback.
 
-    Everything but the law is :class:`~pd_middleware.guard.GuardedSynthesizer`: fit
+    Everything but the law is :class:`~pd_middleware.decode.guard.GuardedSynthesizer`: fit
     checks, the provenance guard, the support check and the one-hot fallbacks.
     """
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_middleware.live_ab import parse_prometheus
-from pd_middleware.stats import tv_bound
+from pd_middleware.evaluation.live_ab import parse_prometheus
+from pd_middleware.evaluation.stats import tv_bound
 from server import harness as h
 from server import workload as w
 from server.conftest import Shared, attach_logs

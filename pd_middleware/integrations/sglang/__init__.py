@@ -31,7 +31,7 @@ anything is patched (the multi-layer chain's too, though it is applied only when
 prefill starts with S > 1); a missing module, function or class, or a changed signature,
 raises :class:`~pd_middleware.PluginError` and leaves SGLang untouched. :func:`uninstall`
 restores the originals. On a hot path nothing raises into SGLang (the installation's
-guard :class:`~pd_middleware.events.Events` counts and logs once).
+guard :class:`~pd_middleware.core.events.Events` counts and logs once).
 
 **One switch** (``docs/sglang.md``): ``PD_MIDDLEWARE_CONFIG=<config file>`` in the
 environment of both servers. SGLang's plugin loader (entry point ``pd_middleware`` in
@@ -48,7 +48,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..._errors import ConfigError, PDMiddlewareError, PluginError
+from ...core._errors import ConfigError, PDMiddlewareError, PluginError
 
 # The feature modules register their part of the table at import (the order is the table's).
 from . import chain as _chain  # noqa: F401  # registers "chain"
@@ -219,7 +219,7 @@ def _choose_source(config: Any, opts: InstallOptions, registry: Any) -> Proposal
 
 
 def _installation(ver: str, config: Any, opts: InstallOptions, source: ProposalSource, found: Any) -> Installation:
-    from ...metrics import Metrics
+    from ...core.metrics import Metrics
 
     proposer = getattr(source, "proposer", None)
     metrics = proposer.metrics if proposer is not None else opts.metrics if opts.metrics is not None else Metrics()

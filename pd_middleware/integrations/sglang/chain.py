@@ -18,7 +18,7 @@ applied when a prefill starts with S > 1):
 - the REPLACE of ``sample_draft_proposal`` calls SGLang's function for q_k, then
   :func:`draw_step` encodes the batch's q_k with the configured encoder, in one call
   where q_k lives, each row from its uniform of (seed, room, rid:k)
-  (:mod:`pd_middleware.draws`), and returns SGLang's q_k with the encoder's q'_k(X_k)
+  (:mod:`pd_middleware.sampling.draws`), and returns SGLang's q_k with the encoder's q'_k(X_k)
   and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's. X_k stays on
   the device: our code reads nothing back until the loop ends, so the chain syncs the
   device only where the encoder must read its rows to pack them (``sparse``, ``full``).
@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ...payload import DenseEncoding, Payload, SparseEncoding
+from ...core.payload import DenseEncoding, Payload, SparseEncoding
 from .common import Scope, room_key
 from .patching import MULTI_LAYER_MODULE, Feature, Hook, Target, register_feature
 from .prefill import PAYLOADS_ATTR
@@ -54,7 +54,7 @@ class ChainDraw:
     publisher: Any
     rooms: list[Any]
     temperatures: list[float]
-    # Per-row SGLang request ids, mixed into each draw's uniforms (pd_middleware.draws).
+    # Per-row SGLang request ids, mixed into each draw's uniforms (pd_middleware.sampling.draws).
     salts: list[str] = field(default_factory=list)
     steps: list[tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]] = field(default_factory=list)
     # A step failed or was SGLang's own: the chain is no longer the encoder's throughout.

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, overload
 
 import torch
 
-from ...payload import Provenance
+from ...core.payload import Provenance
 
 #: Req attribute holding the :class:`RequestProposal`.
 ATTACH_ATTR = "pd_middleware"

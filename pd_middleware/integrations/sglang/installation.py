@@ -3,7 +3,7 @@
 :class:`InstallOptions` says how :func:`~pd_middleware.integrations.sglang.install`
 installs; :class:`Installation` is what it did: the resolved table (its patches and its
 READ :class:`~.patching.Symbols`), the one :class:`~.sources.ProposalSource`, the guard's
-:class:`~pd_middleware.events.Events`. :meth:`Installation.activate` finishes the job
+:class:`~pd_middleware.core.events.Events`. :meth:`Installation.activate` finishes the job
 when the engine is known (a scheduler starts, or a harness passes
 :class:`~.startup.EngineFacts`): the checks, the shapes, the source's objects for this
 node's role, the metrics.
@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..._errors import ConfigError
-from ...events import Events
-from ...metrics import Metrics
+from ...core._errors import ConfigError
+from ...core.events import Events
+from ...core.metrics import Metrics
 from .patching import FEATURES, Hook, Patch, SGLangModules, Symbols, announce, apply, build, feature_of, hook_source
 from .prefill import ProposalPublisher
 from .sources import InBandSource, ProposalSource
@@ -156,7 +156,7 @@ class Installation:
         stages its row for ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index``
         / ``output_topk_p`` to the encoder's X and q'(X), as SGLang's
         ``process_batch_result_disagg_prefill`` would after the wrapper. Returns the
-        :class:`~pd_middleware.contracts.EncodedBatch`.
+        :class:`~pd_middleware.core.contracts.EncodedBatch`.
         """
         if self.publisher is None:
             raise ConfigError("stage_requests needs an activated prefill (EngineFacts(role='prefill'))")
@@ -271,7 +271,7 @@ class Installation:
         """
         channel, publisher = self.channel, self.publisher
         assert channel is not None and publisher is not None
-        from ...inband import row_bytes
+        from ...codecs.inband import row_bytes
 
         shape = (1, facts.vocab_size) if facts.num_steps == 1 else (1, facts.num_steps, facts.vocab_size)
         flat = torch.full(shape, 1.0 / facts.vocab_size)

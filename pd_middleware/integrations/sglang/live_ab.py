@@ -3,7 +3,7 @@
 Only a request's first verify depends on the proposal strategy (``docs/strategies.md``):
 later drafts run on the decode and are the same in every arm. So the live comparison
 counts, per arm, the first verifies and the draft tokens accepted at them
-(:meth:`~pd_middleware.metrics.Metrics.record_first_verify`); ``pd-middleware live-ab``
+(:meth:`~pd_middleware.core.metrics.Metrics.record_first_verify`); ``pd-middleware live-ab``
 turns the counts into acceptance with 95% CIs and the ratio against a baseline arm.
 
 Where SGLang 0.5.23 has the per-request result: the EAGLE verify
@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ...metrics import Metrics
+from ...core.metrics import Metrics
 from .common import is_probe
 from .patching import PROCESSOR_MODULE, RUNTIME_MODULE, Feature, Hook, Symbols, Target, read, register_feature
 

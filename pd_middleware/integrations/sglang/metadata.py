@@ -5,7 +5,7 @@ SGLang moves a fixed set of per-request rows from prefill to decode
 of ``get_buf_infos()`` with the KV manager, the prefill fills its row in
 ``set_buf(req)`` and ``send_aux`` copies row i of each buffer into the decode's row,
 buffer by buffer, in list order. :class:`MetadataChannel` appends ONE more buffer, a
-``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.inband` rows. The
+``(rows, capacity_bytes)`` uint8 array holding :mod:`pd_middleware.codecs.inband` rows. The
 wrappers around SGLang's methods (feature ``metadata`` of the table, declared at the
 end of this module) each call one public method of :class:`MetadataChannel`:
 
@@ -43,9 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._errors import ConfigError
-from ...events import Events
-from ...inband import (
+from ...codecs.inband import (
     RowFault,
     RowLayout,
     RowOverflowError,
@@ -55,7 +53,9 @@ from ...inband import (
     row_digest,
     write_row,
 )
-from ...payload import Payload
+from ...core._errors import ConfigError
+from ...core.events import Events
+from ...core.payload import Payload
 from .patching import DECODE_QUEUE_MODULE, MOONCAKE_MODULE, UTILS_MODULE, Feature, Hook, Target, read, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
@@ -91,7 +91,7 @@ def layout_of(msg: Any) -> str | None:
 class MetadataChannel:
     """One process's end of the in-band channel (either role, or both in a test).
 
-    ``capacity_bytes``: bytes per row (:class:`~pd_middleware.inband.RowLayout`);
+    ``capacity_bytes``: bytes per row (:class:`~pd_middleware.codecs.inband.RowLayout`);
     ``on_row(req, payload_or_fault)``: decode callback after a transfer commits (the
     installation's proposer). The layout is bound to the engine's shapes with
     :meth:`bind` before SGLang allocates its buffers (the scheduler-init check does it).

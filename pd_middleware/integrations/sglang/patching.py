@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from ..._errors import PluginError
+from ...core._errors import PluginError
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 

@@ -12,7 +12,7 @@ string). Where the payload goes is the publisher's ``sink``:
 - the side channel: sent through a :class:`~pd_middleware.transport.PrefillSender`.
 
 **Each request's draws are a function of (``seed``, room, rid) alone**
-(:func:`~pd_middleware.draws.request_uniforms`: counter-based uniforms, not one
+(:func:`~pd_middleware.sampling.draws.request_uniforms`: counter-based uniforms, not one
 per-process generator), so every prefill TP rank that writes a request's row (several
 do under MHA TP) draws the same X, given identical draft distributions, whatever the
 batch around it. The batch is encoded in one call where the draft rows live; nothing
@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from ..._errors import ConfigError, PDMiddlewareError
-from ...contracts import EncodedBatch
-from ...draws import encode_requests, takes_uniforms
-from ...events import Events
-from ...payload import Payload
+from ...core._errors import ConfigError, PDMiddlewareError
+from ...core.contracts import EncodedBatch
+from ...core.events import Events
+from ...core.payload import Payload
+from ...sampling.draws import encode_requests, takes_uniforms
 from .agreement import NEUTRAL, Verdict, agree, group_of
 from .common import LOCAL_PROVENANCE, is_probe, room_key
 from .patching import PREFILL_MODULE, Feature, Hook, Target, register_feature
@@ -74,7 +74,7 @@ class ProposalPublisher:
     returning one (connected lazily on first publish, so a prefill may start before its
     decode), or None with ``stage`` given; ``stage(req_or_room, payload)``: the
     metadata channel's sink (the wrapper passes SGLang's Req); ``vocab_size``: V;
-    ``seed``: mixed with each request's room and rid into its uniforms (:mod:`pd_middleware.draws`).
+    ``seed``: mixed with each request's room and rid into its uniforms (:mod:`pd_middleware.sampling.draws`).
     """
 
     def __init__(
@@ -222,7 +222,7 @@ class ProposalPublisher:
         ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``).
 
         The encoder runs where ``draft_probs`` lives, once per distinct temperature, with
-        the batch's uniforms (:func:`~pd_middleware.draws.request_uniforms`); nothing
+        the batch's uniforms (:func:`~pd_middleware.sampling.draws.request_uniforms`); nothing
         V-wide is copied to the host unless the encoder itself ships V-wide rows. An
         encoder without a ``uniforms`` parameter is called per request on a host copy,
         with a generator seeded from :func:`room_seed`. Returns the batch (X is
@@ -271,7 +271,7 @@ class ProposalPublisher:
     def encode_rows(
         self, rooms: Sequence[Any], probs: torch.Tensor, temps: Sequence[float], salts: Sequence[str] | None
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
-        """The encoder's draws for B rows (:func:`~pd_middleware.draws.encode_requests`):
+        """The encoder's draws for B rows (:func:`~pd_middleware.sampling.draws.encode_requests`):
         X and q'(X) stay where the encoder left them, so the multi-layer chain feeds X to
         the next step without a host copy."""
         return encode_requests(self.encoder, self.seed, rooms, probs, temps, salts, batched=self._takes_uniforms())

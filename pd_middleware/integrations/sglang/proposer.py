@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from ..._errors import ConfigError
-from ...events import Events
-from ...inband import RowFault
-from ...metrics import Metrics
-from ...payload import Payload
-from ...pipeline import Delivery, Failure
-from ...proposal import OneHotProposal
+from ...codecs.inband import RowFault
+from ...core._errors import ConfigError
+from ...core.events import Events
+from ...core.metrics import Metrics
+from ...core.payload import Payload
+from ...core.proposal import OneHotProposal
+from ...decode.pipeline import Delivery, Failure
 from .common import ATTACH_ATTR, LOCAL_PROVENANCE, RequestProposal, is_probe, room_key
 from .store import ProposalStore
 
@@ -249,7 +249,7 @@ class DecodeProposer:
         key = (id(mw), str(device))
         asm = self._assemblers.get(key)
         if asm is None:
-            from ...assembler import ProposalAssembler
+            from ...decode.assembler import ProposalAssembler
 
             asm = ProposalAssembler(mw.assembler.vocab_size, mw.assembler.num_steps, 1, device=device)
             self._assemblers[key] = asm

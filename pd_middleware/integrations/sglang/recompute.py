@@ -8,7 +8,7 @@ last position (``EAGLEWorkerV2._draft_extend_for_prefill`` returns
 ``hidden_states=logits_output.hidden_states``); the decode's builder reads it as
 ``req.hidden_states_tensor``. Before SGLang's ``build_eagle_disagg_draft_input`` runs,
 :class:`RecomputeSource` computes, for the whole prebuilt batch at once, with the
-synthesizer's own law and draw (:meth:`~pd_middleware.recompute.RecomputeSynthesizer.recompute`):
+synthesizer's own law and draw (:meth:`~pd_middleware.decode.recompute.RecomputeSynthesizer.recompute`):
 
 - q' = softmax(logits / T) with logits from :class:`SGLangDraftHead`, the decode's own
   draft model with what its ``LogitsProcessor`` applies, run inside SGLang's draft TP
@@ -62,10 +62,10 @@ from typing import Any
 
 import torch
 
-from ..._errors import ConfigError, PluginError, ValidationError
-from ...draft_head import DRAFT_HEAD
-from ...events import Events
-from ...recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
+from ...core._errors import ConfigError, PluginError, ValidationError
+from ...core.draft_head import DRAFT_HEAD
+from ...core.events import Events
+from ...decode.recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
 from .agreement import NEUTRAL, Verdict, agree, group_of
 from .common import one_hot_at
 from .patching import LOGITS_MODULE, SPEC_UTILS_MODULE, WORKER_MODULE, Feature, Symbols, read, register_feature
@@ -121,7 +121,7 @@ def _attr(obj: Any, path: str) -> Any:
 
 
 class SGLangDraftHead:
-    """The decode's draft model as a :class:`~pd_middleware.draft_head.DraftHead`.
+    """The decode's draft model as a :class:`~pd_middleware.core.draft_head.DraftHead`.
 
     ``model``: the draft model (``scheduler.draft_worker.draft_worker.draft_runner.model``);
     ``vocab_size``: the target's V; ``hot_token_id``: the draft's token map (draft id ->
@@ -345,7 +345,7 @@ class RecomputeSource(ProposalSource):
         falls back); ``group``: the ranks' agreement group; ``draw``: the engine's seeded
         sampler (None: the synthesizer's own)."""
         from ...config import resolve_plugins
-        from ...contracts import PluginContext
+        from ...core.contracts import PluginContext
         from ...registry import default_registry
 
         reg = self.registry if self.registry is not None else default_registry()
@@ -365,7 +365,7 @@ class RecomputeSource(ProposalSource):
         if not callable(getattr(synth, "recompute", None)) or not callable(getattr(synth, "unusable", None)):
             raise ConfigError(
                 f"synthesizer {r.spec.name!r} needs the draft head but has no recompute()/unusable() "
-                "(pd_middleware.recompute.RecomputeSynthesizer's batch form)",
+                "(pd_middleware.decode.recompute.RecomputeSynthesizer's batch form)",
                 path=r.key,
             )
         if self.metrics is not None:
@@ -605,7 +605,7 @@ def _draft_scope(worker: Any, symbols: Symbols) -> Callable[[], Any]:
 
 
 def _sglang_draw(symbols: Symbols, head: SGLangDraftHead | None) -> Any:
-    """SGLang's seeded ``fast_sample`` as a :data:`~pd_middleware.recompute.Draw`, probed once on
+    """SGLang's seeded ``fast_sample`` as a :data:`~pd_middleware.decode.recompute.Draw`, probed once on
     the head's device; None where it cannot run (sgl-kernel without its CPU ops: logged)."""
     fast_sample = symbols.get(FAST_SAMPLE)
     if fast_sample is None or head is None:
@@ -623,7 +623,7 @@ def _sglang_draw(symbols: Symbols, head: SGLangDraftHead | None) -> Any:
         # package is present but its CPU ops (murmur_hash32_cpu) are not built.
         logger.warning(
             "pd-middleware recompute: SGLang's seeded fast_sample is unavailable on %s (%s); drawing X' "
-            "with the seeded inverse-CDF draw of pd_middleware.recompute instead (same law, rank-agreed)",
+            "with the seeded inverse-CDF draw of pd_middleware.decode.recompute instead (same law, rank-agreed)",
             head.device,
             exc,
         )

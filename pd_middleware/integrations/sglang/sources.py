@@ -24,7 +24,7 @@ The sources:
 - :class:`SideChannelSource` (``channel = "sidechannel"``): the middleware's own transport;
 - :class:`~.recompute.RecomputeSource`: decode-only; chosen when the configured
   synthesizer declares it needs the engine's draft head (the ``draft_head`` capability,
-  :mod:`pd_middleware.draft_head`), never by its name.
+  :mod:`pd_middleware.core.draft_head`), never by its name.
 
 The feature ``decode`` of the table (the builder and its proposal) is declared here.
 """
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from ..._errors import ConfigError
-from ...draft_head import DRAFT_HEAD
+from ...core._errors import ConfigError
+from ...core.draft_head import DRAFT_HEAD
 from .agreement import NEUTRAL, agree, group_of
 from .common import ATTACH_ATTR, RequestProposal, Scope, check_proposal, one_hot_at
 from .patching import BUILDER_MODULE, Feature, Hook, Target, register_feature
@@ -209,7 +209,7 @@ class InBandSource(PipelineSource):
 
 
 def _one_hot_descriptor(tokens: tuple[int, ...]) -> Any:
-    from ...proposal import OneHotProposal
+    from ...core.proposal import OneHotProposal
 
     return OneHotProposal(tokens)
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..._errors import ConfigError, PDMiddlewareError, PluginError
+from ...core._errors import ConfigError, PDMiddlewareError, PluginError
 from .patching import (
     HOOKS_MODULE,
     RUNTIME_MODULE,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...pipeline import Delivery, Failure
+from ...decode.pipeline import Delivery, Failure
 
 
 class ProposalStore:

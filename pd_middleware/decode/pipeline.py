@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ._errors import ValidationError
-from .contracts import ReceiveContext
-from .metrics import Metrics
-from .payload import Payload
-from .proposal import Proposal, RecomputedProposal
+from ..core._errors import ValidationError
+from ..core.contracts import ReceiveContext
+from ..core.metrics import Metrics
+from ..core.payload import Payload
+from ..core.proposal import Proposal, RecomputedProposal
 
 
 class Delivery(NamedTuple):
@@ -47,7 +47,7 @@ class Delivery(NamedTuple):
     @property
     def draft_tokens(self) -> tuple[int, ...]:
         """The draft tokens the verifier must verify with this proposal: X' when the
-        decode redrew them (a :class:`~pd_middleware.proposal.RecomputedProposal`),
+        decode redrew them (a :class:`~pd_middleware.core.proposal.RecomputedProposal`),
         else the prefill's X."""
         p = self.proposal
         return p.tokens if type(p) is RecomputedProposal else self.payload.draft_tokens

@@ -101,7 +101,7 @@ class DenseEncoding(msgspec.Struct, frozen=True):
     """A full proposal distribution per step: S x V values of ``dtype``, row-major.
 
     The distribution it stands for (what a prefill must sample X from) is
-    :func:`pd_middleware.encodings.dense_law`: the values widened to fp32 and
+    :func:`pd_middleware.sampling.encodings.dense_law`: the values widened to fp32 and
     renormalised per step.
     """
 
@@ -128,7 +128,7 @@ class SparseEncoding(msgspec.Struct, frozen=True):
     (``value_dtype``) hold them concatenated over steps. ``tail_mass[s]`` is the
     probability spread uniformly over the tokens step s does not list (0.0 for a plain
     top-k/top-p). The distribution it stands for is
-    :func:`pd_middleware.encodings.sparse_law`.
+    :func:`pd_middleware.sampling.encodings.sparse_law`.
 
     ``index_format`` says how ``indices`` holds the token ids:
 

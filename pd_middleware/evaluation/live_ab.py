@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError
-from .metrics import MAX_ACCEPTED, PREFIX
+from ..core._errors import ConfigError
+from ..core.metrics import MAX_ACCEPTED, PREFIX
 from .stats import normal_quantile, wilson_interval
 
 FAMILY = "first_verify_accepted_tokens"

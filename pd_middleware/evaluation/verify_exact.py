@@ -2,7 +2,7 @@
 
 Laws instead of draws, for enumeration tests over a tiny vocabulary: a strategy is exact
 iff the committed law equals p. ``kernel`` picks whose reading of an invalid q' to
-reproduce (``"flashinfer"`` or ``"sglang"``), as in :mod:`pd_middleware.verify`, whose
+reproduce (``"flashinfer"`` or ``"sglang"``), as in :mod:`pd_middleware.evaluation.verify`, whose
 docstring and ``docs/strategies.md`` give the table. Pure Python: no torch.
 """
 
@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from ._errors import ValidationError
+from ..core._errors import ValidationError
 
-#: Whose chain kernel the verifier reproduces (see :mod:`pd_middleware.verify`).
+#: Whose chain kernel the verifier reproduces (see :mod:`pd_middleware.evaluation.verify`).
 Kernel = Literal["flashinfer", "sglang"]
 KERNELS: tuple[str, ...] = ("flashinfer", "sglang")
 
 
 def check_kernel(kernel: str) -> None:
     """Refuse a ``kernel`` outside :data:`KERNELS` (ValidationError at field ``kernel``);
-    shared by this module and :mod:`pd_middleware.verify`."""
+    shared by this module and :mod:`pd_middleware.evaluation.verify`."""
     if kernel not in KERNELS:
         raise ValidationError(f"must be one of {', '.join(KERNELS)}, got {kernel!r}", field="kernel")
 
@@ -38,7 +38,7 @@ def _frac(v: Number) -> Fraction:
 
 
 def _sanitize_fraction(v: Number) -> Fraction:
-    """SGLang's reading of a q' entry (exact twin of :func:`pd_middleware.verify.sanitize_q`):
+    """SGLang's reading of a q' entry (exact twin of :func:`pd_middleware.evaluation.verify.sanitize_q`):
     NaN, inf, < 0 or > 1 counts as 0."""
     if isinstance(v, float) and not math.isfinite(v):
         return Fraction(0)

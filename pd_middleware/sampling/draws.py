@@ -11,7 +11,7 @@ A whole batch is then one encoder call with a (B, S) tensor of uniforms
 (``encode(..., uniforms=u)``, :func:`encode_requests`): no generator object per request,
 and the draws of a request do not depend on its neighbours or its row.
 
-The decode's redraw (:func:`~pd_middleware.recompute.inverse_cdf`, where SGLang's seeded
+The decode's redraw (:func:`~pd_middleware.decode.recompute.inverse_cdf`, where SGLang's seeded
 sampler is unavailable) takes its uniforms from the same digest
 (:func:`seeded_uniforms`: of a request's sampling seed and position), and every
 categorical draw of the project, prefill encoders, decode redraw and the reference
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._errors import ValidationError
+from ..core._errors import ValidationError
 
 #: 2**-53: a 53-bit integer times this is a float64 in [0, 1), exactly.
 _UNIT = 2.0**-53

@@ -1,7 +1,7 @@
 """Proposal descriptors: what a synthesizer attaches to a payload, per request.
 
 A descriptor is cheap: a one-hot proposal is just its token ids, a sparse one its
-indices and values. Only the :class:`~pd_middleware.assembler.ProposalAssembler`
+indices and values. Only the :class:`~pd_middleware.decode.assembler.ProposalAssembler`
 turns descriptors into the V-wide FP32 tensor the verifier reads, by scatter into a
 persistent buffer. ``to_dense`` exists for tests and reference code, never for the hot
 path.
@@ -134,7 +134,7 @@ class RecomputedProposal(DenseProposal, frozen=True, eq=False):
     A :class:`DenseProposal` (``probs`` fp32 (S, V), ``scale`` ones) that also carries
     ``tokens``, the S draft tokens drawn from it: the verifier must verify *these*, not
     the prefill's X (``docs/strategies.md``, recompute). Made only by
-    :meth:`pd_middleware.recompute.Recomputed.proposal`; ``__post_init__`` refuses a
+    :meth:`pd_middleware.decode.recompute.Recomputed.proposal`; ``__post_init__`` refuses a
     token outside q' or a q'(X') above 1.
     """
 

@@ -17,7 +17,7 @@ its methods are then called on the hot path.
     ``synthesize(payload)`` runs once per payload, right after the hooks, on the same
     thread. It returns the proposal descriptor the assembler will write, or ``None``
     when rejection sampling is off. It must be exact for the payload's provenance or
-    fall back to one-hot (see :class:`~pd_middleware.guard.ProvenanceGuard`). Never
+    fall back to one-hot (see :class:`~pd_middleware.decode.guard.ProvenanceGuard`). Never
     blocks; never builds a V-wide row for a one-hot or sparse proposal.
 
 ``encoder`` (:class:`ProposalEncoder`), **prefill side**
@@ -26,11 +26,11 @@ its methods are then called on the hot path.
     and returns X, q(X), the encoded proposal and the provenance. It runs where
     ``probs`` lives (the accelerator on a server) and copies to the host only what it
     sends; it does no I/O. Draw (b, s) inverts the CDF at ``uniforms[b, s]`` when
-    given (the engine's per-request randomness, :mod:`pd_middleware.draws`), else uses
+    given (the engine's per-request randomness, :mod:`pd_middleware.sampling.draws`), else uses
     ``generator``.
 
 **Engine capabilities.** A plugin that needs something only the engine has (the decode's
-own draft head, :class:`~pd_middleware.draft_head.DraftHead`, for the ``recompute``
+own draft head, :class:`~pd_middleware.core.draft_head.DraftHead`, for the ``recompute``
 synthesizer) names it in :attr:`PluginSpec.needs`; the engine offers what it has in
 :attr:`PluginContext.capabilities`. A plugin whose need the engine does not offer is
 refused when it is built, at startup (:meth:`~pd_middleware.registry.PluginRegistry.build`),
@@ -80,7 +80,7 @@ class PluginContext:
     """A/B arms as ``(name, weight)`` in config order; empty without ``[[arms]]``."""
     capabilities: Mapping[str, Any] = field(default_factory=dict)
     """What the engine offers plugins, by name (:data:`CAPABILITIES`): ``draft_head``, the
-    decode's :class:`~pd_middleware.draft_head.DraftHead`. Empty when it offers nothing."""
+    decode's :class:`~pd_middleware.core.draft_head.DraftHead`. Empty when it offers nothing."""
 
 
 #: Capability names an engine may offer in :attr:`PluginContext.capabilities`.

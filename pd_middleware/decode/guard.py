@@ -1,7 +1,7 @@
 """The provenance guard: a shipped proposal reaches the verifier only when it is exact.
 
 A proposal q' other than one-hot is exact only if X was drawn from exactly q'
-(``docs/strategies.md``). The payload's :class:`~pd_middleware.payload.Provenance`
+(``docs/strategies.md``). The payload's :class:`~pd_middleware.core.payload.Provenance`
 says how X was drawn; the guard compares it with the attached encoding and, when they
 do not match, tells the synthesizer to fall back to the one-hot proposal at X, which is
 exact for any drafting rule. The verifier therefore never sees a biased pair.
@@ -16,7 +16,7 @@ Fallback reasons, checked in this order:
   draft softmax, an fp32 row when bf16 was sent, an untruncated row when top-k was sent).
 
 After the law is decoded, two checks on the fp32 numbers the assembler will write at
-each X_s (:meth:`~pd_middleware.proposal.SparseProposal.values_at`), not on a float64
+each X_s (:meth:`~pd_middleware.core.proposal.SparseProposal.values_at`), not on a float64
 stand-in (a floor of 1e-46 is 0.0 in fp32):
 
 - ``token_outside_proposal``: q'(X_s) is not > 0, so X was not drawn from q' (and the
@@ -39,15 +39,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from .events import Events
-from .metrics import Metrics
-from .payload import DenseEncoding, Payload
-from .proposal import DenseProposal, OneHotProposal, SparseProposal
+from ..core.events import Events
+from ..core.metrics import Metrics
+from ..core.payload import DenseEncoding, Payload
+from ..core.proposal import DenseProposal, OneHotProposal, SparseProposal
 
 if TYPE_CHECKING:
-    from .contracts import PluginContext
+    from ..core.contracts import PluginContext
 
-logger = logging.getLogger("pd_middleware.guard")
+logger = logging.getLogger("pd_middleware.decode.guard")
 
 _WHY: dict[str, str] = {
     "greedy": "X was drafted greedily, so only the one-hot proposal is exact",
@@ -194,7 +194,7 @@ class GuardedSynthesizer:
 
     Subclasses set ``name`` (for logs), ``accepts`` (encoding ids they reproduce exactly)
     and ``decode_law(encoding, num_steps, vocab_size, request_id=...)`` (validating, e.g.
-    :func:`~pd_middleware.encodings.dense_law`). ``synthesize`` then does, per payload:
+    :func:`~pd_middleware.sampling.encodings.dense_law`). ``synthesize`` then does, per payload:
     deployment fit (vocab, steps), ``None`` with rejection sampling off, the provenance
     guard, the law, and the checks at X (:meth:`ProvenanceGuard.check_law`); every
     fallback is one-hot and counted.

@@ -2,9 +2,9 @@
 
 A :class:`DraftHead` maps the draft model's hidden state at a request's last position to
 the draft logits over the **target** vocabulary, batched, on the engine's device. The
-``recompute`` synthesizer (:mod:`pd_middleware.recompute`) asks for it through
-:attr:`~pd_middleware.contracts.PluginSpec.needs`; the engine offers it in
-:attr:`~pd_middleware.contracts.PluginContext.capabilities` under :data:`DRAFT_HEAD`:
+``recompute`` synthesizer (:mod:`pd_middleware.decode.recompute`) asks for it through
+:attr:`~pd_middleware.core.contracts.PluginSpec.needs`; the engine offers it in
+:attr:`~pd_middleware.core.contracts.PluginContext.capabilities` under :data:`DRAFT_HEAD`:
 
 - the SGLang decode, from its EAGLE worker's draft model, applying what SGLang's
   ``LogitsProcessor`` applies (:mod:`pd_middleware.integrations.sglang.recompute`);

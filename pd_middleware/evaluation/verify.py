@@ -30,9 +30,9 @@ categorical draws use an inverse CDF over a float64 cumulative sum with
 u = 0.
 
 The exact mode (:func:`exact_verify_law`, :func:`exact_chain_law`, in
-:mod:`pd_middleware.verify_exact`, re-exported here) applies the same rule with
+:mod:`pd_middleware.evaluation.verify_exact`, re-exported here) applies the same rule with
 :class:`fractions.Fraction` and returns laws, for enumeration tests.
-Statistics helpers live in :mod:`pd_middleware.stats` and are re-exported here.
+Statistics helpers live in :mod:`pd_middleware.evaluation.stats` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._errors import ValidationError
-from .draws import sample_categorical
+from ..core._errors import ValidationError
+from ..sampling.draws import sample_categorical
 from .stats import (
     ExactnessAccumulator,
     ExactnessCheck,

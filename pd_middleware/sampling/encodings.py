@@ -4,9 +4,9 @@ Exactness of a shipped proposal rests on one fact: the prefill draws X from *exa
 the vector the verifier later receives. Both sides therefore compute that vector with
 the functions here and nowhere else:
 
-- :func:`dense_law` for :class:`~pd_middleware.payload.DenseEncoding`: widen to fp32,
+- :func:`dense_law` for :class:`~pd_middleware.core.payload.DenseEncoding`: widen to fp32,
   renormalise each step;
-- :func:`sparse_law` for :class:`~pd_middleware.payload.SparseEncoding`: decode the
+- :func:`sparse_law` for :class:`~pd_middleware.core.payload.SparseEncoding`: decode the
   token ids (int32, or u16 low bits plus per-step bucket counts), widen the listed
   values to fp32, scale them to ``1 - tail_mass``, and give every unlisted token
   ``tail_mass / (V - listed)``.
@@ -15,7 +15,7 @@ Both validate what they read (a decode receives it from the network) and raise
 :class:`~pd_middleware.ValidationError` naming the field. The normalisation tolerance
 is :data:`SUM_TOLERANCE`: the received values must already sum to 1 within it, because
 a vector far from normalised is a sign of corruption, not of rounding. The sparse law
-lives in :mod:`pd_middleware.sparse_law` (numpy, for the decode's hot path) and is
+lives in :mod:`pd_middleware.sampling.sparse_law` (numpy, for the decode's hot path) and is
 re-exported here.
 """
 
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._buffers import tensor_from_buffer, torch_dtype
-from ._errors import ValidationError
+from ..core._buffers import tensor_from_buffer, torch_dtype
+from ..core._errors import ValidationError
+from ..core.payload import ITEMSIZE, SUM_TOLERANCE, DenseEncoding
+from ..core.proposal import DenseProposal, SparseProposal
 from .draws import law_uniforms, sample_categorical
-from .payload import ITEMSIZE, SUM_TOLERANCE, DenseEncoding
-from .proposal import DenseProposal, SparseProposal
 from .sparse_law import sparse_law, sparse_law_tensor
 
 __all__ = [
@@ -101,7 +101,7 @@ def sample_law(
     """Draw one token per row of ``law`` (float (N, V), non-negative, rows with mass).
 
     Row i yields token j with probability ``law[i, j] / law[i].sum()``, computed in
-    float64 by inverse CDF (:func:`pd_middleware.draws.sample_categorical`), so a
+    float64 by inverse CDF (:func:`pd_middleware.sampling.draws.sample_categorical`), so a
     zero-mass token is never drawn. Row i's uniform is ``uniforms`` (N values, any
     shape, row-major) or else a draw from ``generator``. Runs on ``law.device``, with
     no host copy; returns int64 (N,) there.

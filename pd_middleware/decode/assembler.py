@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .proposal import DenseProposal, OneHotProposal, RecomputedProposal, SparseProposal
+from ..core.proposal import DenseProposal, OneHotProposal, RecomputedProposal, SparseProposal
 
 if TYPE_CHECKING:
-    from .proposal import Proposal
+    from ..core.proposal import Proposal
 
 _TOKENS = attrgetter("tokens")
 _ONE_HOT_ONLY = {OneHotProposal}

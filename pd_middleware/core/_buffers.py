@@ -1,6 +1,6 @@
 """Raw wire buffers as tensors: the one place that maps wire dtype names to torch.
 
-Kept apart from :mod:`pd_middleware.encodings` so that :mod:`pd_middleware.payload`
+Kept apart from :mod:`pd_middleware.sampling.encodings` so that :mod:`pd_middleware.core.payload`
 (which encodings imports) can turn its hidden state into a tensor without importing
 encodings back: no import cycle.
 """

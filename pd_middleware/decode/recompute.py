@@ -19,8 +19,8 @@ capability; the SGLang drop-in offers SGLang's seeded ``fast_sample``, the expon
 race argmax q'/E, E ~ Exp(1), where it runs):
 
 - the default, :func:`inverse_cdf`, draws X' ~ q' with one uniform a request
-  (:func:`~pd_middleware.draws.seeded_uniforms`, the project's one per-request digest)
-  inverted against the row's running sum (:func:`~pd_middleware.draws.sample_categorical`,
+  (:func:`~pd_middleware.sampling.draws.seeded_uniforms`, the project's one per-request digest)
+  inverted against the row's running sum (:func:`~pd_middleware.sampling.draws.sample_categorical`,
   the project's one categorical draw);
 - seeded per request by its sampling seed and position; without a seed, the engine
   derives one from the request's room (:func:`seed_from_room`, the same digest), so every
@@ -40,18 +40,18 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ExactnessError
-from .contracts import NoOptions, PluginContext, PluginSpec
-from .draft_head import DRAFT_HEAD, DraftHead
-from .events import Events
-from .proposal import OneHotProposal, RecomputedProposal
+from ..core._errors import ExactnessError
+from ..core.contracts import NoOptions, PluginContext, PluginSpec
+from ..core.draft_head import DRAFT_HEAD, DraftHead
+from ..core.events import Events
+from ..core.proposal import OneHotProposal, RecomputedProposal
 
 if TYPE_CHECKING:
     import torch
 
-    from .payload import Payload
+    from ..core.payload import Payload
 
-logger = logging.getLogger("pd_middleware.recompute")
+logger = logging.getLogger("pd_middleware.decode.recompute")
 
 #: Fallback reasons, as counted (``Metrics.fallbacks``: ``recompute:<reason>``).
 REASONS: tuple[str, ...] = ("no_hidden", "unknown_head", "shape", "multi_layer", "rejection_off", "invalid_row")
@@ -68,12 +68,12 @@ def seed_from_room(rooms: Sequence[int]) -> torch.Tensor:
     """int64 (B,) sampling seeds derived from each request's room (or any integer id).
 
     Deterministic and the same on every rank (the project's one per-request digest,
-    :func:`~pd_middleware.draws.room_seed`), so ranks that hold the same batch draw the
+    :func:`~pd_middleware.sampling.draws.room_seed`), so ranks that hold the same batch draw the
     same X' without a sampling seed; non-negative (63 bits), as SGLang's seeds are.
     """
     import torch
 
-    from .draws import room_seed
+    from ..sampling.draws import room_seed
 
     return torch.tensor([room_seed(0, int(r), "decode-seed") for r in rooms], dtype=torch.int64)
 
@@ -93,22 +93,22 @@ def proposal_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Te
 def _seeds_of_id(request_id: str) -> torch.Tensor:
     import torch
 
-    from .draws import room_seed
+    from ..sampling.draws import room_seed
 
     return torch.tensor([room_seed(0, request_id, "decode-seed")], dtype=torch.int64)
 
 
 def inverse_cdf(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """X ~ probs by inversion: one uniform a row, the digest of (seed, position)
-    (:func:`~pd_middleware.draws.seeded_uniforms`), against the float64 running sum of the
-    row (:func:`~pd_middleware.draws.sample_categorical`: the first token whose running
+    (:func:`~pd_middleware.sampling.draws.seeded_uniforms`), against the float64 running sum of the
+    row (:func:`~pd_middleware.sampling.draws.sample_categorical`: the first token whose running
     sum exceeds the uniform's share of the row's mass, which always has positive mass).
     One random number a request instead of V: the seeded draw where the engine offers
     none of its own.
 
     Returns (q(X) (B, 1), X int64 (B, 1)), like SGLang's ``fast_sample``.
     """
-    from .draws import sample_categorical, seeded_uniforms
+    from ..sampling.draws import sample_categorical, seeded_uniforms
 
     u = seeded_uniforms(seeds, positions).to(probs.device)
     x = sample_categorical(probs, u).view(-1, 1)
@@ -183,7 +183,7 @@ def draw_proposal(
 class RecomputeSynthesizer:
     """Decode side: recompute q' from the shipped hidden state and redraw X' from it.
 
-    Needs the ``draft_head`` capability (:class:`~pd_middleware.draft_head.DraftHead`).
+    Needs the ``draft_head`` capability (:class:`~pd_middleware.core.draft_head.DraftHead`).
     Engines call :meth:`recompute` once per batch (the SGLang drop-in, from the batch's
     fields); :meth:`synthesize` is the per-payload form the receive pipeline runs (the
     ``pd-middleware ab`` job), a batch of one, seeded from the request id.

@@ -54,8 +54,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._errors import ValidationError
-from .payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding, u16_buckets
+from ..core._errors import ValidationError
+from ..core.payload import ITEMSIZE, DenseEncoding, Payload, Provenance, SparseEncoding, u16_buckets
 
 __all__ = [
     "HEADER_BYTES",

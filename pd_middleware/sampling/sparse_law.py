@@ -1,4 +1,4 @@
-"""The canonical law of a :class:`~pd_middleware.payload.SparseEncoding`, and draws from it.
+"""The canonical law of a :class:`~pd_middleware.core.payload.SparseEncoding`, and draws from it.
 
 :func:`sparse_law` runs on the decode's scheduler thread for every received sparse
 proposal (about 2,700 entries per request at the ``sparse_floor`` operating point), so
@@ -8,7 +8,7 @@ widened once. Torch tensors are made only at the end, sharing the numpy memory.
 
 The law it returns is, bit for bit, what the assembler writes: listed values are fp32
 (widened, then scaled in fp32), and each step's floor is rounded to fp32 here, so the
-support check of :mod:`pd_middleware.guard` reads the very numbers the verifier gets
+support check of :mod:`pd_middleware.decode.guard` reads the very numbers the verifier gets
 (a floor that underflows to 0 in fp32 is 0 in the law, not 1e-46).
 """
 
@@ -21,10 +21,10 @@ import threading
 import numpy as np
 import torch
 
-from ._buffers import tensor_from_buffer
-from ._errors import ValidationError
-from .payload import ITEMSIZE, SUM_TOLERANCE, U16_BUCKET, SparseEncoding, u16_buckets
-from .proposal import SparseProposal
+from ..core._buffers import tensor_from_buffer
+from ..core._errors import ValidationError
+from ..core.payload import ITEMSIZE, SUM_TOLERANCE, U16_BUCKET, SparseEncoding, u16_buckets
+from ..core.proposal import SparseProposal
 
 _NP_VALUES = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2")}
 
