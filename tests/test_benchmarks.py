@@ -37,6 +37,17 @@ def test_gpu_check_skips_cleanly_without_cuda():
     assert "CUDA not available" in result["skipped"], result
 
 
+def test_gpu_sampling_skips_cleanly_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_sampling would run for real")
+    proc = _run(str(BENCH / "gpu_sampling.py"))
+    assert proc.returncode == 0, f"gpu_sampling exited {proc.returncode}: {proc.stderr[-2000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "gpu_sampling"
+    assert "CUDA not available" in result["skipped"], result
+
+
 def test_gpu_check_skip_reason_is_none_only_with_cuda():
     torch = pytest.importorskip("torch")
     sys.path.insert(0, str(BENCH))
