@@ -138,9 +138,11 @@ def shared(server_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
         except BaseException as exc:  # re-raised below, after the others stop
             errors.append(exc)
 
+    # --sleep-on-idle: an idle reference blocks on its sockets instead of polling (about
+    # 0.4 core each otherwise), while other modules' servers run beside it.
     starts = {
-        "agg": lambda: h.start_server("aggregated", models, logs / "agg", extra_args=metrics),
-        "onehot": lambda: h.start_pair(models, logs / "onehot", extra_args=metrics),
+        "agg": lambda: h.start_server("aggregated", models, logs / "agg", extra_args=metrics, sleep_on_idle=True),
+        "onehot": lambda: h.start_pair(models, logs / "onehot", extra_args=metrics, sleep_on_idle=True),
     }
     threads = [threading.Thread(target=run, args=(k, f)) for k, f in starts.items()]
     for t in threads:
@@ -174,3 +176,33 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if rep.failed and item.get_closest_marker("server") is not None:
         for s in _SERVER_LOGS:
             rep.sections.append((f"server log: {s.name}", s.log(2500)))  # type: ignore[attr-defined]
+
+
+_TEST_TIMES: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # setup (where a module's servers start) + call + teardown, per server test
+    if "tests/server/" in report.nodeid.replace("\\", "/") and report.when in ("setup", "call", "teardown"):
+        if _TEST_TIMES and _TEST_TIMES[-1][0] == report.nodeid:
+            _TEST_TIMES[-1] = (report.nodeid, _TEST_TIMES[-1][1] + report.duration)
+        else:
+            _TEST_TIMES.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The tier's time table (docs/server.md): each server's start to healthy, and each
+    server test's time (its module's server starts fall in its first test's setup)."""
+    from . import harness as h
+
+    if not h.STARTS:
+        return
+    tr = terminalreporter
+    tr.section("server tier: starts and tests")
+    for name, folder, secs in h.STARTS:
+        tr.write_line(f"start  {secs:7.1f} s  {folder}/{name}")
+    total = 0.0
+    for nodeid, secs in _TEST_TIMES:
+        total += secs
+        tr.write_line(f"test   {secs:7.1f} s  {nodeid.split('tests/server/', 1)[-1]}")
+    tr.write_line(f"total  {total:7.1f} s  over {len(_TEST_TIMES)} tests")

@@ -52,6 +52,11 @@ HOST = "127.0.0.1"
 START_TIMEOUT_S = float(os.environ.get("PDM_SERVER_START_TIMEOUT_S", "300"))
 
 
+#: (server name, its log folder, seconds from its start to its first healthy answer), in
+#: the order they became healthy: the tier's start-time table (conftest's terminal summary).
+STARTS: list[tuple[str, str, float]] = []
+
+
 class ServerFailed(RuntimeError):
     """A server exited or did not become healthy in time; ``.log`` holds its log's tail."""
 
@@ -356,6 +361,7 @@ def wait_healthy(srv: Server, timeout_s: float = START_TIMEOUT_S, path: str = "/
                 if r.status == 200:
                     if srv.healthy_after_s is None and srv.started_at:
                         srv.healthy_after_s = time.monotonic() - srv.started_at
+                        STARTS.append((srv.name, str(srv.log_path.parent.name), srv.healthy_after_s))
                     return
         except (urllib.error.URLError, OSError):
             pass
