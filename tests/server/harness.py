@@ -562,7 +562,15 @@ def metric_values(text: str, name: str) -> dict[str, float]:
 
 
 def server_config(src: Path, dst: Path) -> Path:
-    """A shipped config for these servers: its ``[model]`` shape table dropped (V and S come from the engine)."""
+    """A shipped config for these servers: its ``[model]`` shape table (``model:`` mapping in
+    YAML) dropped (V and S come from the engine)."""
+    if src.suffix in (".yaml", ".yml"):
+        import yaml
+
+        doc = yaml.safe_load(src.read_text())
+        doc.pop("model", None)
+        dst.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return dst
     kept: list[str] = []
     skipping = False
     for line in src.read_text().splitlines():

@@ -663,3 +663,48 @@ def test_the_draft_draw_shares_no_randomness_with_the_verify_coins(keyed: str) -
         assert max(stats) < CHI2_DF9_ALPHA_1E6, f"chi2 per coin {[round(s, 1) for s in stats]} (n={n})"
     else:
         assert stats[0] > CHI2_DF9_ALPHA_1E6, f"the shared stream went unseen: chi2 {stats[0]:.1f}"
+
+
+def _rotate_cases() -> list[tuple[list[int], list[int], list[int] | None]]:
+    """(extend_seq_lens, new tokens, select_index offsets within each request or None)."""
+    return [
+        ([5], [900], None),
+        ([3, 1, 4], [7, 8, 9], None),
+        ([4, 0, 2], [11, 12, 13], None),  # an empty request is left alone
+        ([6, 3], [21, 22], [2, 0]),  # select_index: the new token at a chosen slot
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_rotate_input_ids_cpu_shifts_each_request_and_appends_its_token(case: int) -> None:
+    lens, new, select = _rotate_cases()[case]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    ids = torch.arange(100, 100 + sum(lens), dtype=torch.int64)
+    want = ids.clone()
+    for i, (s, n) in enumerate(zip(starts, lens)):
+        if n:
+            want[s : s + n - 1] = ids[s + 1 : s + n]
+            want[s + (select[i] if select else n - 1)] = new[i]
+    sel = torch.tensor([s + o for s, o in zip(starts, select)], dtype=torch.int64) if select else None
+    ops.rotate_input_ids_cpu(ids, torch.tensor(starts), torch.tensor(lens), torch.tensor(new, dtype=torch.int64), sel)
+    assert torch.equal(ids, want), (ids.tolist(), want.tolist())
+
+
+@pytest.mark.sglang
+@pytest.mark.server  # SGLang's multi-layer module imports sgl-kernel's package on CPU: make setup-server
+@pytest.mark.parametrize("case", range(4))
+def test_rotate_input_ids_cpu_matches_sglang_triton_kernel(case: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in equals SGLang's ``rotate_input_ids_kernel`` (interpreted) on the same input."""
+    mle = _sglang_module("sglang.kernels.ops.speculative.multi_layer_eagle")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kernel = InterpretedFunction(mle.rotate_input_ids_kernel.fn)  # type: ignore[attr-defined]
+    lens, new, select = _rotate_cases()[case]
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))], dtype=torch.int64)
+    sel = torch.tensor([int(s) + o for s, o in zip(starts, select)], dtype=torch.int64) if select else None
+    ids = torch.arange(100, 100 + sum(lens), dtype=torch.int64)
+    theirs, ours = ids.clone(), ids.clone()
+    args = (starts, torch.tensor(lens, dtype=torch.int64), torch.tensor(new, dtype=torch.int64), sel)
+    kernel[(len(lens),)](theirs, *args, BLOCK_SIZE=4096 if sel is not None else 8)
+    ops.rotate_input_ids_cpu(ours, *args)
+    assert torch.equal(ours, theirs), (ours.tolist(), theirs.tolist())

@@ -336,6 +336,35 @@ def _inert_proposal(module: types.ModuleType, orig: Any) -> Any:
     return pd_first_draft_proposal
 
 
+def _set_embed_and_head_params(cls: Any) -> str:
+    fn = getattr(cls, "set_embed_and_head", None)
+    if fn is None:
+        return "MiMoV2MTP has no set_embed_and_head"
+    got = tuple(inspect.signature(fn).parameters)
+    return "" if got == ("self", "embed", "head") else f"MiMoV2MTP.set_embed_and_head has parameters {got}"
+
+
+def _mtp_no_cuda_sync(module: types.ModuleType, cls: Any) -> None:
+    """``MiMoV2MTP.set_embed_and_head`` ends with ``torch.cuda.synchronize()``, which raises
+    on a CPU build of torch: on the CPU there is no device work to wait for, so the call is
+    a no-op for the span of that method (on an accelerator the original runs untouched)."""
+    import torch
+
+    orig = cls.set_embed_and_head
+
+    def set_embed_and_head(self: Any, embed: Any, head: Any) -> Any:
+        if torch.cuda.is_available():
+            return orig(self, embed, head)
+        real = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda *a, **k: None
+        try:
+            return orig(self, embed, head)
+        finally:
+            torch.cuda.synchronize = real
+
+    cls.set_embed_and_head = set_embed_and_head
+
+
 GAPS: tuple[Override, ...] = (
     Override("torchvision_meta", "torchvision.extension", "_has_ops", (), lambda m, o: None),
     Override(
@@ -381,6 +410,14 @@ GAPS: tuple[Override, ...] = (
         ("server_args",),
         _deterministic_rejection,
         check=_refusal_present,
+    ),
+    Override(
+        "mtp_cuda_sync",
+        "sglang.srt.models.mimo_v2_nextn",
+        "MiMoV2MTP",
+        None,
+        _mtp_no_cuda_sync,
+        check=_set_embed_and_head_params,
     ),
     Override(
         "batch_invariant_cpu",

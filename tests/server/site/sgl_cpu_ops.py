@@ -181,6 +181,31 @@ def fill_accept_out_cache_loc_cpu(
         accept_out_cache_loc[j] = loc
 
 
+@_op(
+    "rotate_input_ids_cpu(Tensor(a!) input_ids, Tensor extend_start_loc, Tensor extend_seq_lens, "
+    "Tensor topk_index, Tensor? select_index) -> ()"
+)
+def rotate_input_ids_cpu(
+    input_ids: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    topk_index: torch.Tensor,
+    select_index: torch.Tensor | None,
+) -> None:
+    """The multi-layer EAGLE worker's rotation, per request ``i`` of the extend: its ids
+    ``input_ids[s : s + n]`` shift left by one, and the new token ``topk_index[i]`` goes
+    last (at ``select_index[i]`` when given, else at ``s + n - 1``). A request of length 0
+    is left alone."""
+    flat = topk_index.reshape(-1)
+    for i, (s, n) in enumerate(zip(extend_start_loc.tolist(), extend_seq_lens.tolist())):
+        if n <= 0:
+            continue
+        if n > 1:
+            input_ids[s : s + n - 1] = input_ids[s + 1 : s + n].clone()
+        last = int(select_index[i]) if select_index is not None else s + n - 1
+        input_ids[last] = flat[i].to(input_ids.dtype)
+
+
 # ---- EAGLE trees ---------------------------------------------------------------------
 
 

@@ -1,0 +1,140 @@
+"""A multi-layer chain served: ``configs/multi_layer.yaml`` on both nodes of a PD pair.
+
+The draft is the tier's distilled multi-layer MTP draft (``MiMoV2MTP``, 3 layers, one
+per chain step; ``tests/server/models/``) run by SGLang's multi-layer EAGLE worker
+(``--speculative-algorithm EAGLE --enable-multi-layer-eagle``) behind the tier's
+trained target. Three servers answer the same prompts: aggregated serving, a stock pair
+(SGLang's own one-hot chain) and the pair with the drop-in on both nodes.
+
+What the CPU lacks for this worker (docs/server.md): ``--disable-hybrid-swa-memory``
+(MiMo-V2's draft config asks for SWA pools, whose full-pool size the CPU path leaves
+unset), ``MiMoV2MTP.set_embed_and_head``'s ``torch.cuda.synchronize()`` (cpu_gaps
+``mtp_cuda_sync``) and sgl-kernel's ``rotate_input_ids_cpu`` (the stand-in in
+``sgl_cpu_ops.py``, checked against SGLang's Triton kernel).
+
+- Every request of the drop-in pair is served (no crash), and its greedy outputs equal
+  aggregated serving's token for token (so do the stock pair's).
+- First-verify acceptance per chain step, P(the first verify accepts >= k drafts) for
+  k = 1, 2, 3, printed for the three servers. ``multi_layer.yaml`` ships the exact
+  one-hot chain, so the drop-in's step-1 rate matches SGLang's one-hot chain (two-sided
+  alpha 1e-3) and both are below aggregated serving's (one-sided alpha 1e-2).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from server import harness as h
+from server import workload as w
+from server.conftest import attach_logs
+
+pytestmark = pytest.mark.server
+REPO = Path(__file__).resolve().parents[2]
+MULTI_LAYER = ["--enable-multi-layer-eagle", "--disable-hybrid-swa-memory"]
+STEPS = 3
+N_ACCEPT = 128
+N_GREEDY = 12
+Z_SAME, Z_BETTER = 3.29, 2.33
+
+
+@dataclass
+class Servers:
+    agg: h.Server
+    stock: h.Pair
+    dropin: h.Pair
+
+
+@pytest.fixture(scope="module")
+def servers(
+    server_models: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
+    models = h.Models(server_models["trained_target"], server_models["trained_multi_layer"], algorithm="EAGLE")
+    cfg = h.server_config(REPO / "configs" / "multi_layer.yaml", tmp_path_factory.mktemp("cfg") / "multi_layer.yaml")
+    starts = {
+        "agg": lambda: h.start_server(
+            "aggregated", models, log_dir / "agg", extra_args=MULTI_LAYER, sleep_on_idle=True
+        ),
+        "stock": lambda: h.start_pair(models, log_dir / "stock", extra_args=MULTI_LAYER, sleep_on_idle=True),
+        "dropin": lambda: h.start_pair(
+            models,
+            log_dir / "dropin",
+            prefill_config=cfg,
+            decode_config=cfg,
+            extra_args=MULTI_LAYER,
+            sleep_on_idle=True,
+        ),
+    }
+    out: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def run(key: str) -> None:
+        try:
+            out[key] = starts[key]()
+        except BaseException as exc:  # re-raised below, after the others stop
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in starts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def stop_all() -> None:
+        for key in ("dropin", "stock"):
+            if key in out:
+                out[key].stop()  # type: ignore[attr-defined]
+        if "agg" in out:
+            h.stop(out["agg"])  # type: ignore[arg-type]
+
+    try:
+        if errors:
+            raise errors[0]
+        s = Servers(out["agg"], out["stock"], out["dropin"])  # type: ignore[arg-type]
+        attach_logs([s.agg, *s.stock.servers, *s.dropin.servers])
+        yield s
+    finally:
+        stop_all()
+
+
+def per_step(results: list[w.Result]) -> list[w.Rate]:
+    """P(the first verify accepts >= k drafts), k = 1..STEPS (max_new_tokens = 2: one verify each)."""
+    w.first_verify_rate(results)  # every request ran exactly one verify
+    return [w.Rate(sum(1 for r in results if (r.correct_drafts or 0) >= k), len(results)) for k in range(1, STEPS + 1)]
+
+
+def test_both_nodes_run_the_drop_in_with_the_chain(servers: Servers) -> None:
+    log = servers.dropin.decode.log(10**7)
+    assert "pd-middleware active: decode node" in log and f"S={STEPS}" in log, log[-3000:]
+    assert "pd-middleware active: prefill node" in servers.dropin.prefill.log(10**7)
+
+
+def test_the_chain_is_served_and_greedy_outputs_equal_aggregated(servers: Servers) -> None:
+    texts = w.prompts(N_GREEDY, offset=1)
+    agg = w.generate(servers.agg.url, texts, temperature=0.0, max_new_tokens=12)
+    pd = w.generate(servers.dropin.router.url, texts, temperature=0.0, max_new_tokens=12)  # type: ignore[union-attr]
+    stock = w.generate(servers.stock.router.url, texts, temperature=0.0, max_new_tokens=12)  # type: ignore[union-attr]
+    bad = [r.error for r in agg + pd + stock if r.status != 200]
+    assert not bad, bad
+    assert [r.output_ids for r in pd] == [r.output_ids for r in agg]
+    assert [r.output_ids for r in stock] == [r.output_ids for r in agg]
+
+
+def test_first_verify_acceptance_per_chain_step(servers: Servers) -> None:
+    texts = w.prompts(N_ACCEPT, offset=2)
+    a = per_step(w.generate(servers.agg.url, texts, temperature=1.0, max_new_tokens=2))
+    d = per_step(w.generate(servers.dropin.router.url, texts, temperature=1.0, max_new_tokens=2))  # type: ignore[union-attr]
+    o = per_step(w.generate(servers.stock.router.url, texts, temperature=1.0, max_new_tokens=2))  # type: ignore[union-attr]
+    for k in range(STEPS):
+        print(
+            f"first verify accepts >= {k + 1}: aggregated {a[k]}, drop-in one-hot chain {d[k]}, SGLang one-hot {o[k]}"
+        )
+    assert abs(w.z_diff(d[0], o[0])) <= Z_SAME
+    assert w.z_diff(a[0], d[0]) >= Z_BETTER
+    for srv in servers.dropin.servers[:2]:
+        ours = [ln for ln in srv.log(10**7).splitlines() if ln.lstrip().startswith('File "') and "pd_middleware" in ln]
+        assert ours == [], f"a traceback through pd_middleware in the {srv.name}'s log"
