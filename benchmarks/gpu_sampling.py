@@ -6,8 +6,10 @@ A GPU hashes with SGLang's Triton ``murmur_hash32_kernel`` instead. On a CUDA ma
 script measures, side by side in one run:
 
 1. ``hash_mismatches``: SGLang's Triton hash on the GPU against the stand-in on the CPU,
-   bit for bit, over a (B, V) grid: seeds across the whole uint64 range (the draft salt
-   added as ``fast_sample`` adds it), positions, and the columns of draft steps 0 and 1;
+   bit for bit, over a (B, V) grid: uint64 seeds across the whole range (``fast_sample``
+   adds its draft salt to the request's seed, a wrapping uint64 add: any seed stands for
+   a salted one), uint64 positions as ``fast_sample`` passes them, and the columns of
+   draft steps 0 and 1;
 2. ``race_mismatches``: the token the seeded exponential race picks from those hashes
    (``fast_sample``'s float64 scores ``probs / -log((h + 0.5) / 2^32)``, argmax), on the
    GPU and on the CPU, over B rows of a V-wide law: how often the two devices' float64
@@ -16,8 +18,8 @@ script measures, side by side in one run:
    (``pd_middleware.decode.recompute.inverse_cdf``, used where the engine offers no
    ``fast_sample``): the GPU's float64 running sum against the CPU's;
 4. ``host_syncs_per_batch``: host synchronisations of one prefill encode of B rows
-   (:meth:`ProposalPublisher.encode`) per shipped strategy, counted by
-   ``torch.cuda.set_sync_debug_mode("warn")``.
+   (:meth:`ProposalPublisher.encode`) for three shipped strategies (sparse_floor,
+   one_hot, full_fp32), counted by ``torch.cuda.set_sync_debug_mode("warn")``.
 
 SGLang's hash kernel comes from an installed SGLang, or from ``--murmur-file`` (SGLang's
 ``sglang/kernels/ops/sampling/murmur_hash.py``, which needs only torch and Triton).
@@ -48,8 +50,6 @@ sys.path.insert(0, str(ROOT / "tests" / "server" / "site"))
 
 from _common import emit
 
-#: SGLang's draft salt (spec_utils ``_DRAFT_GUMBEL_SEED_SALT``) is added to the request seed
-#: before hashing; any uint64 offset exercises the same hash, so the grid spans the range.
 STRATEGIES = ("sparse_floor", "one_hot", "full_fp32")
 
 
@@ -66,7 +66,7 @@ def murmur_module(path: str | None) -> ModuleType:
 def grid(rows: int, vocab: int, step: int, device: str, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g, dtype=torch.int64).view(torch.uint64)
-    positions = torch.randint(0, 2**20, (rows,), generator=g, dtype=torch.int64)
+    positions = torch.randint(0, 2**20, (rows,), generator=g, dtype=torch.int64).to(torch.uint64)
     cols = torch.arange(step * vocab, (step + 1) * vocab, dtype=torch.int64)
     return seeds.to(device), positions.to(device), cols.to(device)
 

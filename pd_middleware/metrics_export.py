@@ -26,7 +26,7 @@ from typing import Any
 from .core._errors import ConfigError, PluginError
 from .core.metrics import PREFIX, Metrics
 
-logger = logging.getLogger("pd_middleware.core.metrics")
+logger = logging.getLogger("pd_middleware.metrics")
 
 
 def _prometheus() -> Any:

@@ -243,8 +243,13 @@ def start_server(
     tp: int = 1,
     dp: int = 1,
     sleep_on_idle: bool = False,
+    port: int | None = None,
+    bootstrap_port: int | None = None,
 ) -> Server:
     """Start one SGLang server (``role``: ``null`` aggregated, ``prefill`` or ``decode``).
+
+    ``port``/``bootstrap_port``: bind these (a restart in place of a stopped server) instead
+    of free ones.
 
     ``tp``/``dp``: ``--tp-size``/``--dp-size`` with one core per rank
     (``SGLANG_CPU_OMP_THREADS_BIND``; a value in ``env_extra`` wins). ``sleep_on_idle``:
@@ -254,7 +259,7 @@ def start_server(
     ``START_TIMEOUT_S``; the process is stopped first.
     """
     par_args, par_env = parallel_args(tp, dp)
-    port = free_port()
+    port = free_port() if port is None else port
     cmd = [
         sys.executable,
         "-m",
@@ -284,7 +289,7 @@ def start_server(
     if role != "null":
         cmd += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "mooncake"]
     if role == "prefill":
-        boot = free_port()
+        boot = free_port() if bootstrap_port is None else bootstrap_port
         cmd += ["--disaggregation-bootstrap-port", str(boot), "--disable-overlap-schedule"]
     elif role == "decode":
         cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]

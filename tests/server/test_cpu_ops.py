@@ -672,10 +672,11 @@ def _rotate_cases() -> list[tuple[list[int], list[int], list[int] | None]]:
         ([3, 1, 4], [7, 8, 9], None),
         ([4, 0, 2], [11, 12, 13], None),  # an empty request is left alone
         ([6, 3], [21, 22], [2, 0]),  # select_index: the new token at a chosen slot
+        ([1, 19, 11], [31, 32, 33], None),  # longer than one block of SGLang's kernel (8)
     ]
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_rotate_input_ids_cpu_shifts_each_request_and_appends_its_token(case: int) -> None:
     lens, new, select = _rotate_cases()[case]
     starts = [sum(lens[:i]) for i in range(len(lens))]
@@ -692,8 +693,8 @@ def test_rotate_input_ids_cpu_shifts_each_request_and_appends_its_token(case: in
 
 @pytest.mark.sglang
 @pytest.mark.server  # SGLang's multi-layer module imports sgl-kernel's package on CPU: make setup-server
-@pytest.mark.parametrize("case", range(4))
-def test_rotate_input_ids_cpu_matches_sglang_triton_kernel(case: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", range(5))
+def test_rotate_input_ids_cpu_matches_sglang_triton_kernel(case: int) -> None:
     """The stand-in equals SGLang's ``rotate_input_ids_kernel`` (interpreted) on the same input."""
     mle = _sglang_module("sglang.kernels.ops.speculative.multi_layer_eagle")
     from triton.runtime.interpreter import InterpretedFunction

@@ -20,10 +20,14 @@ must add up to SGLang's per-request figures exactly).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,11 +51,13 @@ SCRAPE_DEADLINE_S = 30.0  # the copy into SGLang's /metrics runs every sync_inte
 
 
 class Servers:
-    def __init__(self, shared: Shared, dropin: h.Pair) -> None:
+    def __init__(self, shared: Shared, dropin: h.Pair, restart: Callable[[h.Server], h.Server]) -> None:
         self.agg: h.Server = shared.agg  # type: ignore[assignment]
         self.onehot: h.Pair = shared.onehot  # type: ignore[assignment]
         self.dropin = dropin
         self.sent_dropin = 0
+        #: Starts a prefill like the pair's in place of a stopped one (same ports).
+        self.restart = restart
 
     @property
     def decode_metrics(self) -> str:
@@ -75,8 +81,23 @@ def servers(
         extra_args=["--enable-metrics"],
     )
     attach_logs(dropin.servers)
+
+    def restart(old: h.Server) -> h.Server:
+        srv = h.start_server(
+            "prefill",
+            models,
+            log_dir / "dropin-restarted",
+            role="prefill",
+            config=cfg,
+            extra_args=["--enable-metrics"],
+            port=old.port,
+            bootstrap_port=old.bootstrap_port,
+        )
+        dropin.servers.append(srv)  # stopped with the pair
+        return srv
+
     try:
-        yield Servers(shared, dropin)
+        yield Servers(shared, dropin, restart)
     finally:
         dropin.stop()
 
@@ -232,3 +253,71 @@ def test_counters_on_both_nodes_count_each_request_once(servers: Servers) -> Non
     # The prefill staged one payload per request (its warmups and health checks apart), and
     # its own /metrics says so.
     assert event(published, "prefill", "staged") == sent
+
+
+#: Requests in flight when the prefill is killed, and the bound on each one's end.
+N_INFLIGHT = 16
+KILL_BOUND_S = 240.0
+
+
+def _ours_in_traceback(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if ln.lstrip().startswith('File "') and "pd_middleware" in ln]
+
+
+def test_a_killed_prefill_fails_its_requests_as_sglang_does_and_a_restarted_one_serves(servers: Servers) -> None:
+    """The module's last test: SIGKILL to the prefill's process group while 16 requests are
+    in flight. Every request ends within the bound, with 200 or SGLang's own error; the
+    decode still answers /health and its log has no traceback through pd_middleware; a
+    prefill restarted on the same ports is found by the router and serves a new request."""
+    pd = servers.dropin
+    prefill, log_before = pd.prefill, pd.prefill.log(10**8).count("Prefill batch")
+    results: list[w.Result] = []
+    texts = w.prompts(N_INFLIGHT, offset=7)
+
+    def send() -> None:
+        results.extend(
+            w.generate(
+                pd.router.url,  # type: ignore[union-attr]
+                texts,
+                temperature=1.0,
+                max_new_tokens=48,
+                concurrency=N_INFLIGHT,
+                timeout_s=KILL_BOUND_S,
+            )
+        )
+
+    sender = threading.Thread(target=send, daemon=True)
+    t0 = time.monotonic()
+    sender.start()
+    # The event: the prefill has started on this traffic (a new prefill batch in its log).
+    deadline = time.monotonic() + 120
+    while prefill.log(10**8).count("Prefill batch") == log_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(prefill.proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic() - t0
+    sender.join(KILL_BOUND_S + 30)
+    took = time.monotonic() - t0
+    assert not sender.is_alive(), f"requests still open {took:.0f} s after the kill"
+    outcomes: dict[str, int] = {}
+    for r in results:
+        key = "200" if r.status == 200 else f"{r.status}: {r.error[:120]}"
+        outcomes[key] = outcomes.get(key, 0) + 1
+    print(f"prefill killed {killed_at:.1f} s into {N_INFLIGHT} requests; all ended after {took:.1f} s: {outcomes}")
+    assert len(results) == N_INFLIGHT
+    for r in results:
+        assert r.status == 200 or r.status >= 400, r  # an HTTP answer, never a hang or a dropped socket
+    with urllib.request.urlopen(pd.decode.url + "/health", timeout=30) as resp:
+        assert resp.status == 200
+    assert _ours_in_traceback(pd.decode.log(10**8)) == []
+    assert pd.decode.alive()
+    # The restart: same HTTP and bootstrap ports, so the router's configured worker is back.
+    servers.restart(prefill)
+    deadline = time.monotonic() + 180
+    last = None
+    while time.monotonic() < deadline:
+        (last,) = w.generate(pd.router.url, texts[:1], temperature=0.0, max_new_tokens=4, timeout_s=60)  # type: ignore[union-attr]
+        if last.status == 200:
+            break
+        time.sleep(3)
+    assert last is not None and last.status == 200, last
+    assert _ours_in_traceback(pd.decode.log(10**8)) == []

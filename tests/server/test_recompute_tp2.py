@@ -49,7 +49,7 @@ N_ACCEPT = 128
 N_GREEDY = 12
 Z_SAME, Z_BETTER = 3.29, 2.33
 SCRAPE_DEADLINE_S = 30.0  # the copy into SGLang's /metrics runs every sync_interval_s (1 s)
-#: No request may take longer than this (a hang in a collective would).
+#: No request may take longer than this (a hang in a collective would; one takes seconds).
 REQUEST_BOUND_S = 120.0
 
 
@@ -110,18 +110,22 @@ def tp2(
         pd.stop()
 
 
+def rows_settled(values: dict[str, float]) -> float:
+    """Rows the recompute source settled: ``recomputed`` plus every ``fallback:*`` of it."""
+    return sum(
+        v
+        for k, v in values.items()
+        if 'part="recompute"' in k and ('event="recomputed"' in k or 'event="fallback:' in k)
+    )
+
+
 def events(pd: h.Pair, want: float) -> dict[str, float]:
-    """The decode's ``pd_middleware_integration_events_total`` samples, once ``recomputed``
-    plus ``fallback:*`` of part ``recompute`` reach ``want`` (or the deadline passes)."""
+    """The decode's ``pd_middleware_integration_events_total`` samples, once the rows the
+    recompute source settled reach ``want`` (or the deadline passes)."""
     deadline = time.monotonic() + SCRAPE_DEADLINE_S
     while True:
         values = h.metric_values(h.get_text(pd.decode.url + "/metrics"), "pd_middleware_integration_events_total")
-        rows = sum(
-            v
-            for k, v in values.items()
-            if 'part="recompute"' in k and ('event="recomputed"' in k or 'event="fallback:' in k)
-        )
-        if rows >= want or time.monotonic() > deadline:
+        if rows_settled(values) >= want or time.monotonic() > deadline:
             return values
         time.sleep(1.0)
 
@@ -171,8 +175,7 @@ def test_tp2_recompute_matches_aggregated_and_beats_one_hot_counted_once(
     assert all(x.status == 200 for x in res), [x.error for x in res if x.status != 200]
     assert abs(w.z_diff(r, a)) <= Z_SAME
     assert w.z_diff(r, o) >= Z_BETTER
-    want = event(before, "recompute", "recomputed") + N_ACCEPT
-    after = events(tp2, want)
+    after = events(tp2, rows_settled(before) + N_ACCEPT)
     recomputed = event(after, "recompute", "recomputed") - event(before, "recompute", "recomputed")
     fallbacks = {k: v - before.get(k, 0.0) for k, v in after.items() if 'event="fallback:' in k and v != before.get(k)}
     print(f"decode /metrics over {N_ACCEPT} requests: recomputed {recomputed}, fallbacks {fallbacks}")
@@ -197,12 +200,14 @@ def test_a_fault_on_rank_1_alone_falls_back_on_both_ranks(
         assert "test fault 'head' is on for TP rank 0" not in log
         texts = w.prompts(N_GREEDY, offset=1)
         t0 = time.monotonic()
-        got = w.generate(pd.router.url, texts, temperature=0.0, max_new_tokens=12)  # type: ignore[union-attr]
-        hot = w.generate(pd.router.url, w.prompts(16, offset=2), temperature=1.0, max_new_tokens=2)  # type: ignore[union-attr]
+        # A request stuck in a collective comes back as status 0 after REQUEST_BOUND_S.
+        got = w.generate(pd.router.url, texts, temperature=0.0, max_new_tokens=12, timeout_s=REQUEST_BOUND_S)  # type: ignore[union-attr]
+        hot = w.generate(  # type: ignore[union-attr]
+            pd.router.url, w.prompts(16, offset=2), temperature=1.0, max_new_tokens=2, timeout_s=REQUEST_BOUND_S
+        )
         took = time.monotonic() - t0
         print(f"{len(got) + len(hot)} requests with rank 1's head failing: {took:.1f} s")
-        assert took < REQUEST_BOUND_S * (len(got) + len(hot)), "a request hung"
-        assert all(r.status == 200 for r in got + hot), [r.error for r in got + hot if r.status != 200]
+        assert all(r.status == 200 for r in got + hot), [(r.status, r.error) for r in got + hot if r.status != 200]
         assert [r.output_ids for r in got] == stock.greedy
         n = len(got) + len(hot)
         values = events(pd, n)

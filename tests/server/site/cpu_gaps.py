@@ -1,6 +1,6 @@
 """Run-time overrides of the CPU gaps in SGLang 0.5.23 for the test servers (never site-packages).
 
-A real SGLang PD pair runs on a CPU-only machine with ten small overrides. Each is an
+A real SGLang PD pair runs on a CPU-only machine with eleven small overrides. Each is an
 :class:`Override`: a name, the module and attribute it replaces, the parameters that
 attribute must have, and the replacement. A meta-path finder applies an override when
 its module is first imported, after the module's own code ran and before anyone imports
@@ -55,12 +55,16 @@ and do nothing without it:
     the CPU it is skipped, logged. Its kernels are Triton GPU kernels: a CPU server
     then runs torch's own CPU matmuls, deterministic for equal shapes from run to run
     but not proven batch-invariant.
+11. ``mtp_cuda_sync``: ``models/mimo_v2_nextn.py`` around 393, ``MiMoV2MTP.set_embed_and_head``
+    ends with ``torch.cuda.synchronize()``, which raises on a CPU build of torch (the
+    multi-layer EAGLE worker calls it at start); a no-op for that method's span on the
+    CPU, the original untouched on an accelerator.
 
 And one test-only switch, off unless asked: ``seed_builder`` (``PDM_TEST_SEED_BUILDER=1``)
 makes SGLang's own PD proposal inert, so its builder leaves ``draft_probs`` unset as
 before SGLang's fix: the negative control of ``tests/server/test_seed.py``.
 
-``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all ten).
+``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all eleven).
 """
 
 from __future__ import annotations
