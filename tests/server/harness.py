@@ -170,6 +170,9 @@ def server_env(config: str | os.PathLike[str] | None, extra: Mapping[str, str] |
         TOKENIZERS_PARALLELISM="false",
         HF_HUB_OFFLINE="1",
         PYTHONUNBUFFERED="1",
+        # A crashing SGLang server waits this long for CUDA coredumps before it exits
+        # (tokenizer_manager.py, 60 s by default): there is no GPU here, nothing to dump.
+        SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS="0",
     )
     if config is not None:
         env["PD_MIDDLEWARE_CONFIG"] = str(config)
