@@ -133,18 +133,9 @@ def _run(rank: int, port: int, case: str) -> dict:
         return real_all_reduce(tensor, *a, group=group, **k)
 
     # ---- check_placement against SGLang's real LogitsProcessor, built where SGLang builds it
-    from transformers import LlamaConfig
+    from _sglang_import import tiny_llama_config
 
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-    )
+    cfg = tiny_llama_config(V, H)
     cfg.draft_vocab_size = V
 
     def decision(lp: Any) -> dict:

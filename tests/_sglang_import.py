@@ -86,3 +86,20 @@ def import_sglang(name: str) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(name)
+
+
+def tiny_llama_config(vocab: int, hidden: int, **extra: Any) -> Any:
+    """The tests' one-layer Llama config for SGLang's draft models (4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        **extra,
+    )

@@ -97,19 +97,9 @@ def sgl(sglang_importable):
 
 
 def llama_config(vocab=V, **extra):
-    from transformers import LlamaConfig
+    from _sglang_import import tiny_llama_config
 
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        **extra,
-    )
+    return tiny_llama_config(vocab, H, **extra)
 
 
 def randomized(m, seed):
