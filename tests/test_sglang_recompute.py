@@ -334,6 +334,60 @@ def test_missing_hidden_state_falls_back_to_one_hot_counted(sgl, installed):
     assert installed.recompute.counts["fallback:no_hidden"] == 2
 
 
+def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, installed, monkeypatch, tmp_path):
+    """``PDM_TEST_RECOMPUTE_FAULT=head:0`` with ``PDM_TEST_RECOMPUTE_FAULT_WHILE=<file>``:
+    rank 0's head fails (every row falls back to the one-hot at X, counted) while the file
+    exists, and recomputes again once it is gone: one running server serves both phases."""
+    from pd_middleware.integrations.sglang.recompute import ENV_TEST_FAULT, ENV_TEST_FAULT_WHILE
+
+    switch = tmp_path / "fault-on"
+    switch.touch()
+    monkeypatch.setenv(ENV_TEST_FAULT, "head:0")
+    monkeypatch.setenv(ENV_TEST_FAULT_WHILE, str(switch))
+    start(sgl, installed, eagle3(sgl))
+    rc = installed.recompute
+    si = build(sgl, batch(3))
+    assert torch.equal(si.topk_index, torch.full((3, 1), 5))  # the prefill's X, one-hot
+    assert rc.counts["fallback:failed"] == 3 and rc.counts["recomputed"] == 0
+    switch.unlink()
+    si = build(sgl, batch(3))
+    assert rc.counts["recomputed"] == 3 and rc.counts["fallback:failed"] == 3
+    monkeypatch.setenv(ENV_TEST_FAULT, "head:1")  # another rank's fault: none on rank 0
+    switch.touch()
+    start(sgl, installed, eagle3(sgl))
+    build(sgl, batch(2))
+    assert rc.counts["recomputed"] == 5
+
+
+def test_sglangs_health_checks_in_a_batch_are_counted_apart_never_as_user_rows(sgl, installed):
+    """A router's health check (rid ``HEALTH_CHECK_...``) or a warmup (the fake bootstrap
+    host) rides in a prebuilt batch with user requests: it is served like them, and counted
+    ``probe``, so ``recomputed`` and every ``fallback:*`` count user requests only (a
+    server's /metrics read one row per request plus the probes before this). Checked on the
+    normal path, on a per-row fallback and on a batch-wide one."""
+    from pd_middleware.integrations.sglang.common import FAKE_BOOTSTRAP_HOST, HEALTH_CHECK_RID_PREFIX
+
+    def with_probes(b):
+        b.reqs[1].rid = f"{HEALTH_CHECK_RID_PREFIX}_0a1b"
+        b.reqs[3].bootstrap_host = FAKE_BOOTSTRAP_HOST
+        return b
+
+    rc = installed.recompute
+    si = build(sgl, with_probes(batch(4)))  # no head yet: the batch-wide fallback
+    assert si.draft_probs.shape == (4, V)
+    assert rc.counts["fallback:unknown_head"] == 2 and rc.counts["probe"] == 2
+    start(sgl, installed, eagle3(sgl))
+    build(sgl, with_probes(batch(4)))
+    assert rc.counts["recomputed"] == 2 and rc.counts["probe"] == 4
+    b = with_probes(batch(5))
+    b.sampling_info.temperatures[0] = float("nan")  # row 0 (a user row) cannot be served
+    b.sampling_info.temperatures[1] = float("nan")  # row 1 (a probe) neither
+    si = build(sgl, b)
+    assert si.draft_probs.shape == (5, V)
+    assert rc.counts["fallback:invalid_row"] == 1, dict(rc.counts)
+    assert rc.counts["recomputed"] == 2 + 2 and rc.counts["probe"] == 6
+
+
 def test_no_draft_worker_is_refused_at_startup(sgl, installed):
     with pytest.raises(ConfigError, match=r"at synthesizer: .*needs the decode's EAGLE draft worker"):
         capture(installed.recompute, SimpleNamespace(draft_worker=None), vocab_size=V, num_steps=1, rs=True)

@@ -153,10 +153,7 @@ def shared(server_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
     def stop_all() -> None:  # idempotent: after the last user, and again at session end
         _SHARED_LOGS.clear()
-        if onehot is not None:
-            onehot.stop()  # type: ignore[attr-defined]
-        if agg is not None:
-            h.stop(agg)  # type: ignore[arg-type]
+        h.stop_all([*(onehot.servers if onehot is not None else []), *([agg] if agg is not None else [])])  # type: ignore[attr-defined, list-item]
 
     _SHARED_STOP[:] = [stop_all]
     try:
@@ -201,6 +198,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tr.section("server tier: starts and tests")
     for name, folder, secs in h.STARTS:
         tr.write_line(f"start  {secs:7.1f} s  {folder}/{name}")
+    for name, folder, secs in h.STOPS:
+        tr.write_line(f"stop   {secs:7.1f} s  {folder}/{name}")
     total = 0.0
     for nodeid, secs in _TEST_TIMES:
         total += secs

@@ -52,9 +52,14 @@ HOST = "127.0.0.1"
 START_TIMEOUT_S = float(os.environ.get("PDM_SERVER_START_TIMEOUT_S", "300"))
 
 
+#: SGLang's two PD transfer timeouts in the tier's servers, seconds (SGLang's default: 300).
+TRANSFER_TIMEOUT_S = "60"
+
 #: (server name, its log folder, seconds from its start to its first healthy answer), in
 #: the order they became healthy: the tier's start-time table (conftest's terminal summary).
 STARTS: list[tuple[str, str, float]] = []
+#: (server name, its log folder, seconds from the stop's SIGTERM to its process group's end).
+STOPS: list[tuple[str, str, float]] = []
 
 
 class ServerFailed(RuntimeError):
@@ -174,6 +179,13 @@ def server_env(config: str | os.PathLike[str] | None, extra: Mapping[str, str] |
         # (tokenizer_manager.py, 60 s by default): there is no GPU here, nothing to dump.
         SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS="0",
     )
+    # A lost KV transfer fails its request with SGLang's own error in a minute, not after
+    # SGLang's default 300 s (disaggregation/common/conn.py: _check_waiting_timeout on the
+    # decode, _check_bootstrap_timeout; counted in sglang:num_transfer_failed_reqs_total).
+    # A request of the tier waits seconds for its transfer; benchmarks/pd_stall.py measures
+    # how often one is lost, with and without the drop-in.
+    for key in ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"):
+        env.setdefault(key, TRANSFER_TIMEOUT_S)
     if config is not None:
         env["PD_MIDDLEWARE_CONFIG"] = str(config)
     if extra:
@@ -393,22 +405,35 @@ def wait_exit(srv: Server, timeout_s: float = START_TIMEOUT_S) -> int:
 
 def stop(srv: Server, grace_s: float = 15.0) -> None:
     """End the server's process group by id: SIGTERM, then SIGKILL after ``grace_s``."""
-    if srv.proc.poll() is not None and not _group_alive(srv.proc.pid):
-        return
+    stop_all([srv], grace_s)
+
+
+def stop_all(servers: Sequence[Server], grace_s: float = 15.0) -> None:
+    """End every server's process group at once: SIGTERM to all, then SIGKILL to those still
+    alive ``grace_s`` later (a pair stops in the time of its slowest server, not the sum).
+    Each stop's time goes to :data:`STOPS`."""
+    t0 = time.monotonic()
+    live = [s for s in servers if s.proc.poll() is None or _group_alive(s.proc.pid)]
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(srv.proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            srv.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
+        for srv in live:
+            try:
+                os.killpg(srv.proc.pid, sig)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + wait_s
-        while _group_alive(srv.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not _group_alive(srv.proc.pid):
+        left = list(live)
+        while left and time.monotonic() < deadline:
+            for srv in list(left):
+                if srv.proc.poll() is not None and not _group_alive(srv.proc.pid):
+                    left.remove(srv)
+                    STOPS.append((srv.name, str(srv.log_path.parent.name), time.monotonic() - t0))
+            if left:
+                time.sleep(0.2)
+        live = left
+        if not live:
             return
+    for srv in live:
+        STOPS.append((srv.name, str(srv.log_path.parent.name), time.monotonic() - t0))
 
 
 def group_cpu_seconds(srv: Server) -> float:
@@ -452,8 +477,7 @@ class Pair:
     servers: list[Server] = field(default_factory=list)
 
     def stop(self) -> None:
-        for s in reversed(self.servers):
-            stop(s)
+        stop_all(list(reversed(self.servers)))
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} ({s.log_path}) ---\n{s.log()}" for s in self.servers)

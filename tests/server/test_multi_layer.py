@@ -87,11 +87,8 @@ def servers(
         t.join()
 
     def stop_all() -> None:
-        for key in ("dropin", "stock"):
-            if key in out:
-                out[key].stop()  # type: ignore[attr-defined]
-        if "agg" in out:
-            h.stop(out["agg"])  # type: ignore[arg-type]
+        servers = [s for key in ("dropin", "stock") if key in out for s in out[key].servers]  # type: ignore[attr-defined]
+        h.stop_all([*servers, *([out["agg"]] if "agg" in out else [])])  # type: ignore[list-item]
 
     try:
         if errors:

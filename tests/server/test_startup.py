@@ -1,7 +1,16 @@
 """Failure at start is loud: a server that cannot serve with the drop-in stops, saying why.
 
 Each case starts one real PD decode with ``PD_MIDDLEWARE_CONFIG`` set and checks its exit
-code and the message in its own log. The two start side by side.
+code and the message in its own log. They start side by side:
+
+- a misspelt config key;
+- ``--speculative-eagle-topk 2`` (SGLang itself refuses it under rejection sampling);
+- the default recompute with an EAGLE-1 draft (``LlamaForCausalLMEagle``) and a
+  non-identity, full-size ``--speculative-token-map`` (the tier's distilled
+  ``trained_eagle1_token_map``, a fixed-seed permutation of the 1024 ids): SGLang keeps
+  that map on its draft worker and maps X through it, so a q' left in draft order would
+  verify inexactly; the drop-in refuses it at scheduler start, before any X' is drawn,
+  naming the flag.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bad_config_and_topk_2_stop_the_decode_at_start(
+def test_a_bad_config_topk_2_and_a_token_map_stop_the_decode_at_start(
     server_models: dict[str, Path], log_dir: Path, tmp_path: Path
 ) -> None:
     models = h.Models(server_models["target"], server_models["eagle3"])
@@ -36,6 +45,22 @@ def test_bad_config_and_topk_2_stop_the_decode_at_start(
             "--speculative-use-rejection-sampling requires --speculative-eagle-topk=1",
         ),
     }
+    if "trained_eagle1_token_map" in server_models:  # built by the tier (not in PDM_SERVER_MODELS)
+        from server.models.build import token_map_path
+
+        eagle1 = h.Models(server_models["target"], server_models["trained_eagle1_token_map"], algorithm="EAGLE")
+        cases["token-map"] = (
+            h.start_server(
+                "token-map",
+                eagle1,
+                log_dir,
+                role="decode",
+                config=good,
+                extra_args=["--speculative-token-map", str(token_map_path(server_models))],
+                wait=False,
+            ),
+            "not the identity (--speculative-token-map",
+        )
     attach_logs([s for s, _ in cases.values()])
     try:
         for name, (srv, message) in cases.items():

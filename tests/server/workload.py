@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
+import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .harness import post_json
+from pd_middleware.evaluation.live_ab import parse_prometheus
+from pd_middleware.evaluation.stats import two_sample_tv_test
+
+from .harness import get_text, post_json
 
 
 def prompts(n: int, *, offset: int = 0) -> list[str]:
@@ -123,3 +127,51 @@ def z_diff(a: Rate, b: Rate) -> float:
 
 def token_counts(results: Sequence[Result], position: int) -> Counter[int]:
     return Counter(r.output_ids[position] for r in results if len(r.output_ids) > position)
+
+
+#: The law checks' false-positive bound (the permutation p-value's resolution is 1/2000).
+LAW_ALPHA = 1e-3
+
+
+def same_law(a: Sequence[Result], b: Sequence[Result], position: int) -> tuple[float, float, int]:
+    """(TV, permutation p-value, categories seen) of the tokens at ``position`` of two runs'
+    results: whether they come from one law (:func:`two_sample_tv_test`; P(p <= alpha) <=
+    alpha under the null, at any number of categories). Every result must have the token."""
+    xa = [r.output_ids[position] for r in a if len(r.output_ids) > position]
+    xb = [r.output_ids[position] for r in b if len(r.output_ids) > position]
+    if len(xa) != len(a) or len(xb) != len(b):
+        raise AssertionError(f"results without a token at {position}: {len(a) - len(xa)} and {len(b) - len(xb)}")
+    tv, p = two_sample_tv_test(xa, xb, rounds=1999, seed=position)
+    return tv, p, len(set(xa) | set(xb))
+
+
+def arm_counts(url: str) -> dict[str, tuple[int, ...]]:
+    """Per arm, the decode's first verifies by accepted length, scraped from ``url``."""
+    try:
+        arms = parse_prometheus(get_text(url))
+    except Exception:  # no first verify recorded yet: the family is absent
+        return {}
+    return {a: tuple(v.counts) for a, v in arms.items()}
+
+
+def arm_rates_since(
+    url: str, before: dict[str, tuple[int, ...]], expected: int, *, deadline_s: float = 30.0
+) -> dict[str, Rate]:
+    """Per arm, P(first verify accepts >= 1) over the first verifies recorded since ``before``.
+
+    Waits (bounded) until ``expected`` new first verifies are in, or the count stops changing.
+    """
+    deadline, last, rates = time.monotonic() + deadline_s, -1, {}
+    while True:
+        now = arm_counts(url)
+        rates = {}
+        for arm, counts in now.items():
+            old = before.get(arm, ())
+            delta = [c - (old[k] if k < len(old) else 0) for k, c in enumerate(counts)]
+            n = sum(delta)
+            rates[arm] = Rate(n - delta[0], n) if n else Rate(0, 0)
+        total = sum(r.n for r in rates.values())
+        if total >= expected or total == last or time.monotonic() > deadline:
+            return rates
+        last = total
+        time.sleep(2.5)

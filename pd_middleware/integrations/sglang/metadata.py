@@ -279,10 +279,11 @@ class MetadataChannel:
         if layout is None and remote == local - 1:
             self.events.count("inband:peer_without_dropin")
             logger.warning(
-                "pd-middleware: decode session %s registered no proposal row (it runs without the drop-in): "
-                "serving it with SGLang's own buffers only, so its requests verify with SGLang's one-hot "
-                "proposal (exact, first-verify acceptance of one-hot); set PD_MIDDLEWARE_CONFIG on that decode "
-                "too (counted as inband:peer_without_dropin)",
+                "pd-middleware: decode session %s registered no proposal row (it runs without the drop-in, or "
+                "with a decode-only config such as the default recompute): serving it with SGLang's own buffers "
+                "only, so its requests verify with that decode's own proposal (SGLang's one-hot, or its "
+                "recompute; exact either way); to ship this strategy, set the same PD_MIDDLEWARE_CONFIG on that "
+                "decode (counted as inband:peer_without_dropin)",
                 info.mooncake_session_id,
             )
             return None

@@ -67,7 +67,7 @@ from ...core.draft_head import DRAFT_HEAD
 from ...core.events import Events
 from ...decode.recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
 from .agreement import NEUTRAL, Verdict, agree, group_of
-from .common import one_hot_at
+from .common import is_probe, one_hot_at
 from .patching import LOGITS_MODULE, SPEC_UTILS_MODULE, WORKER_MODULE, Feature, Symbols, read, register_feature
 from .proposer import request_tokens
 from .sources import ProposalSource
@@ -79,6 +79,9 @@ logger = logging.getLogger("pd_middleware.integrations.sglang")
 #: makes this decode's step ``where`` (``hidden``, ``head``, ``draw``) fail on TP rank
 #: ``rank``, to show that a failure on one rank becomes its vote (docs/server.md).
 ENV_TEST_FAULT = "PDM_TEST_RECOMPUTE_FAULT"
+#: With it, the fault is on only while the file this names exists (checked per batch), so
+#: one running server can be served with the fault and without it.
+ENV_TEST_FAULT_WHILE = "PDM_TEST_RECOMPUTE_FAULT_WHILE"
 
 LP = f"{LOGITS_MODULE}.LogitsProcessor"
 FAST_SAMPLE = f"{SPEC_UTILS_MODULE}.fast_sample"
@@ -310,7 +313,9 @@ class RecomputeSource(ProposalSource):
         self.counts = self.events.counts
         #: Which sampler draws X' (set at bind): SGLang's seeded fast_sample, or the core's.
         self.sampler = ""
-        self._fault = ""
+        self._fault = ""  # the step failing on this rank now ("" for none)
+        self._fault_spec = ""  # what the tier's switch asks of this rank
+        self._fault_while = ""  # the file that gates it ("" for always)
 
     # -- scheduler start ---------------------------------------------------------------
     def bind(self, facts: Any, scheduler: Any) -> None:
@@ -373,12 +378,14 @@ class RecomputeSource(ProposalSource):
         self.synth, self.head, self.num_steps = synth, head, num_steps
         self.group = group_of(group, self.inst.rank_agreement if self.inst is not None else True)
         self.sampler = "sglang.fast_sample" if draw is not None else "pd_middleware.inverse_cdf"
-        self._fault = _fault_for(self.tp_rank)
-        if head is not None and hasattr(head, "fault"):
-            head.fault = self._fault == "head"
+        self._fault_spec = _fault_for(self.tp_rank)
+        self._fault_while = os.environ.get(ENV_TEST_FAULT_WHILE, "") if self._fault_spec else ""
+        self._arm_fault()
 
     # -- per batch ---------------------------------------------------------------------
     def _fallback(self, reason: str, n: int) -> None:
+        if n <= 0:
+            return
         self.events.count(f"fallback:{reason}", n)
         if self.synth is not None:
             self.synth.count(reason, n)
@@ -389,22 +396,35 @@ class RecomputeSource(ProposalSource):
         reqs = list(batch.reqs)
         b = len(reqs)
         self.events.count("batches")
+        if self._fault_while:
+            self._arm_fault()
         if b == 0:
             return None
+        user = self._user_rows(reqs)
         synth, head = self.synth, self.head
         # Batch-wide decisions from the engine's fixed shapes: the same on every rank.
         if synth is None or head is None:
-            self._fallback("unknown_head", b)
+            self._fallback("unknown_head", int(user.sum()))
             return None
         reason = synth.unusable(
             num_steps=self.num_steps, vocab_size=int(batch.model_config.vocab_size), hidden_size=head.hidden_size
         )
         if reason is not None:
-            self._fallback(reason, b)
+            self._fallback(reason, int(user.sum()))
             return None
         seen: dict[str, Any] = {}
         verdict = agree(b, 2, lambda: self._votes(batch, reqs, seen), self.group)
-        return self._settle(reqs, verdict, seen)
+        return self._settle(reqs, verdict, seen, user)
+
+    def _user_rows(self, reqs: list[Any]) -> torch.Tensor:
+        """bool (B,): the rows that are user requests. SGLang's warmups and health checks
+        (a fake transfer: their hidden state is whatever the metadata slot last held) are
+        served like the rest but counted apart, ``probe``, never as recomputed or fallen back."""
+        user = torch.tensor([not is_probe(r) for r in reqs], dtype=torch.bool)
+        probes = int((~user).sum())
+        if probes:
+            self.events.count("probe", probes)
+        return user
 
     def _votes(self, batch: Any, reqs: list[Any], seen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (ok (B,), [X', prefill X] (B, 2)); raises for a failure of this rank's own."""
@@ -454,15 +474,23 @@ class RecomputeSource(ProposalSource):
             )
         return hidden
 
+    def _arm_fault(self) -> None:
+        """The tier's fault switch, now: on unless a gating file is named and absent."""
+        on = self._fault_spec and (not self._fault_while or os.path.exists(self._fault_while))
+        self._fault = self._fault_spec if on else ""
+        if self.head is not None and hasattr(self.head, "fault"):
+            self.head.fault = self._fault == "head"
+
     def _faulty(self, value: Any, where: str) -> Any:
         if self._fault == where:
             raise RuntimeError(f"injected by {ENV_TEST_FAULT}: {where} fails on TP rank {self.tp_rank}")
         return value
 
-    def _settle(self, reqs: list[Any], verdict: Verdict, seen: dict[str, Any]) -> Prepared | None:
-        """Apply the verdict: agreed rows get X', the others the agreed prefill X (one-hot)."""
+    def _settle(self, reqs: list[Any], verdict: Verdict, seen: dict[str, Any], user: torch.Tensor) -> Prepared | None:
+        """Apply the verdict: agreed rows get X', the others the agreed prefill X (one-hot).
+        ``user``: the rows counted (:meth:`_user_rows`)."""
         agreed = verdict.ok & (verdict.lo[:, 0] == verdict.hi[:, 0]) & (verdict.lo[:, 0] != NEUTRAL)
-        self._count_fallbacks(verdict, seen, agreed)
+        self._count_fallbacks(verdict, seen, agreed, user)
         x_agreed = verdict.lo[:, 1]
         mine = seen.get("x")
         for i in (~agreed).nonzero().view(-1).tolist():
@@ -477,11 +505,13 @@ class RecomputeSource(ProposalSource):
         for i in agreed.nonzero().view(-1).tolist():
             reqs[i].output_topk_index = torch.tensor([toks[i]], dtype=torch.int64)
             reqs[i].output_topk_p = torch.tensor([tps[i]], dtype=torch.float32)
-        self.events.count("recomputed", n_ok)
+        self.events.count("recomputed", int((agreed & user).sum()))
         return Prepared(rec, agreed)
 
-    def _count_fallbacks(self, verdict: Verdict, seen: dict[str, Any], agreed: torch.Tensor) -> None:
-        n_bad = int((~agreed).sum())
+    def _count_fallbacks(
+        self, verdict: Verdict, seen: dict[str, Any], agreed: torch.Tensor, user: torch.Tensor
+    ) -> None:
+        n_bad = int((~agreed & user).sum())
         if n_bad == 0:
             return
         err = verdict.error
@@ -497,8 +527,8 @@ class RecomputeSource(ProposalSource):
         else:
             rec = seen.get("rec")
             valid = rec.valid.cpu() if rec is not None else torch.zeros_like(agreed)
-            invalid = int((~valid).sum())
-            peer = int((valid & ~verdict.ok).sum())
+            invalid = int((~valid & user).sum())
+            peer = int((valid & ~verdict.ok & user).sum())
             differs = n_bad - invalid - peer
             if invalid:
                 self._fallback("invalid_row", invalid)
