@@ -220,6 +220,14 @@ def test_counters_on_both_nodes_count_each_request_once(servers: Servers) -> Non
     # The prefill staged one payload per request (its warmups and health checks apart), and
     # its own /metrics says so.
     assert event(published, "prefill", "staged") == sent
+    # No KV transfer was lost on either node (SGLang's own count, absent until its first
+    # failure; a lost one fails its request after the tier's 60 s transfer timeouts,
+    # harness.TRANSFER_TIMEOUT_S, instead of SGLang's default 300 s).
+    lost = {
+        node: sum(h.metric_values(text, "sglang:num_transfer_failed_reqs_total").values())
+        for node, text in (("prefill", pre), ("decode", dec))
+    }
+    assert lost == {"prefill": 0, "decode": 0}, lost
 
 
 #: Requests in flight when the prefill is killed, and the bound on each one's end.
