@@ -38,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -572,6 +573,26 @@ def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> tu
         return status, json.loads(raw)
     except ValueError:
         return status, raw.decode(errors="replace")
+
+
+def post_pd(
+    prefill: Server, decode: Server, body: Mapping[str, Any], room: int, timeout_s: float = 120.0
+) -> tuple[tuple[int, Any], tuple[int, Any]]:
+    """One PD request without a router: ``body`` to the prefill and the decode at once, with
+    the bootstrap fields the router would add (the prefill's host and bootstrap port, the
+    ``room``); returns both answers (:func:`post_json`'s)."""
+    full = {**body, "bootstrap_host": HOST, "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+    out: dict[str, tuple[int, Any]] = {}
+
+    def send(name: str, srv: Server) -> None:
+        out[name] = post_json(srv.url + "/generate", full, timeout_s=timeout_s)
+
+    threads = [threading.Thread(target=send, args=(n, s), daemon=True) for n, s in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    return out.get("p", (0, "no answer")), out.get("d", (0, "no answer"))
 
 
 def get_text(url: str, timeout_s: float = 30.0) -> str:
