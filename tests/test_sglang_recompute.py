@@ -359,6 +359,24 @@ def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, i
     assert rc.counts["recomputed"] == 5
 
 
+def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, installed):
+    """The startup checks make it impossible, so it is forced here: a recomputed q' whose
+    width is not the head's target V. No row keeps X' (every rank takes the same branch:
+    the shapes are the same on all), the builder verifies the one-hot at the prefill's X,
+    and each user row is counted ``fallback:shape`` once, never ``recomputed``."""
+    start(sgl, installed, eagle3(sgl))
+    rc = installed.recompute
+    rc.head.vocab_size = V + 1  # what the recomputed q' (V wide) is compared with
+    si = build(sgl, batch(3))
+    rc.head.vocab_size = V
+    assert torch.equal(si.topk_index, torch.full((3, 1), 5))
+    want = torch.zeros(3, V)
+    want[:, 5] = 1.0
+    assert torch.equal(si.draft_probs, want)
+    assert rc.counts["fallback:shape"] == 3 and rc.counts["recomputed"] == 0
+    assert "fallback:propose_shape" not in rc.counts
+
+
 def test_sglangs_health_checks_in_a_batch_are_counted_apart_never_as_user_rows(sgl, installed):
     """A router's health check (rid ``HEALTH_CHECK_...``) or a warmup (the fake bootstrap
     host) rides in a prebuilt batch with user requests: it is served like them, and counted

@@ -88,7 +88,7 @@ _SERVER_LOGS: list[object] = []
 _SHARED_LOGS: list[object] = []
 # The shared references are stopped right after the last test that uses them: an idle
 # SGLang PD server still polls (about 0.4 core each here), and the tests after the last
-# user (the seed control, the startup checks) start servers of their own.
+# user (the startup checks) start servers of their own.
 _SHARED_STOP: list[Callable[[], None]] = []
 _LAST_SHARED_USER: list[str] = []
 

@@ -419,7 +419,7 @@ def stop_all(servers: Sequence[Server], grace_s: float = 15.0) -> None:
         for srv in live:
             try:
                 os.killpg(srv.proc.pid, sig)
-            except ProcessLookupError:
+            except OSError:  # gone already, or not ours to signal: the wait below tells
                 pass
         deadline = time.monotonic() + wait_s
         left = list(live)
@@ -433,8 +433,9 @@ def stop_all(servers: Sequence[Server], grace_s: float = 15.0) -> None:
         live = left
         if not live:
             return
-    for srv in live:
-        STOPS.append((srv.name, str(srv.log_path.parent.name), time.monotonic() - t0))
+    for srv in live:  # still alive after SIGKILL: say so in the table and on stderr
+        STOPS.append((f"{srv.name} (NOT stopped)", str(srv.log_path.parent.name), time.monotonic() - t0))
+        print(f"harness: {srv.name} (process group {srv.proc.pid}) survived SIGKILL", file=sys.stderr)
 
 
 def group_cpu_seconds(srv: Server) -> float:

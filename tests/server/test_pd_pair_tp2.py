@@ -111,31 +111,30 @@ def test_the_shipped_arm_matches_aggregated_and_beats_the_one_hot_arm(shared: Sh
     assert sum(r.n for r in arms.values()) == N_ACCEPT  # each request once, not once per rank
     assert sum(r.hits for r in arms.values()) == pd.hits
     shipped, onehot = arms["sparse"], arms["one_hot"]
+    assert shipped.n and onehot.n, arms  # both arms served some of the traffic
     assert abs(w.z_diff(shipped, agg)) <= Z_SAME, f"arm sparse {shipped} vs aggregated {agg}"
     assert w.z_diff(shipped, onehot) >= Z_BETTER, f"arm sparse {shipped} not above arm one_hot {onehot}"
 
 
 def test_counters_count_each_request_once_on_both_nodes(pair: Pair) -> None:
     sent = pair.sent
+    if sent == 0:
+        pytest.skip("counts the requests of the module's earlier tests, and none ran")
     deadline = time.monotonic() + SCRAPE_DEADLINE_S
     while True:
         dec = h.get_text(pair.decode_metrics)
         pre = h.get_text(pair.pd.prefill.url + "/metrics")
         received = sum(h.metric_values(dec, "pd_middleware_payloads_received_total").values())
-        events = h.metric_values(dec, "pd_middleware_integration_events_total")
-        published = h.metric_values(pre, "pd_middleware_integration_events_total")
-        if received >= sent or time.monotonic() > deadline:
+        events = h.metric_values(dec, w.EVENTS)
+        published = h.metric_values(pre, w.EVENTS)
+        counts = (received, w.event(events, "decode", "proposal:prefill"), w.event(published, "prefill", "staged"))
+        if min(counts) >= sent or time.monotonic() > deadline:
             break
         time.sleep(2.5)
-
-    def event(values: dict[str, float], part: str, name: str) -> float:
-        return sum(v for k, v in values.items() if f'part="{part}"' in k and f'event="{name}"' in k)
-
     print(f"decode: payloads_received {received}, events {events}; prefill: {published}")
-    assert received == sent
-    assert event(events, "decode", "proposal:prefill") == sent
-    assert event(events, "decode", "proposal:local") == 0
-    assert event(published, "prefill", "staged") == sent
+    # Each request once (rank 0 reports; a per-rank count would read 2 * sent).
+    assert counts == (sent, sent, sent), counts
+    assert w.event(events, "decode", "proposal:local") == 0
     ours = [
         ln
         for srv in (pair.pd.prefill, pair.pd.decode)

@@ -108,37 +108,20 @@ def events(pd: h.Pair, want: float) -> dict[str, float]:
         time.sleep(1.0)
 
 
-def settled_events(pd: h.Pair) -> dict[str, float]:
-    """The decode's event samples once two scrapes 2 s apart agree (the copy into /metrics
-    runs every second: a count still on its way would land in the next test's delta)."""
-    deadline = time.monotonic() + SCRAPE_DEADLINE_S
-    last = None
-    while True:
-        now = h.metric_values(h.get_text(pd.decode.url + "/metrics"), "pd_middleware_integration_events_total")
-        if now == last or time.monotonic() > deadline:
-            return now
-        last = now
-        time.sleep(2.0)
-
-
-def event(values: dict[str, float], part: str, name: str) -> float:
-    return sum(v for k, v in values.items() if f'part="{part}"' in k and f'event="{name}"' in k)
-
-
 def test_both_decode_ranks_run_recompute_with_the_engines_sampler(tp2: TP2) -> None:
     log = tp2.pair.decode.log(10**7)
     for rank in (0, 1):
         assert f"TP{rank}] pd-middleware active: decode node, decode-only recompute" in log, f"rank {rank}"
         assert f"TP{rank}] pd-middleware recompute active on the decode" in log, f"rank {rank}"
     assert "X' drawn by sglang.fast_sample" in log  # the seeded sampler a GPU runs (stand-in hash)
-    assert "test fault 'head' is on for TP rank 1" in log
-    assert "test fault 'head' is on for TP rank 0" not in log
+    assert "test fault 'head' is armed for TP rank 1" in log
+    assert "test fault 'head' is armed for TP rank 0" not in log
 
 
 def test_a_fault_on_rank_1_alone_falls_back_on_both_ranks(tp2: TP2) -> None:
     pd = tp2.pair
     assert tp2.switch.exists()
-    before = settled_events(pd)
+    before = w.settled_events(pd.decode.url)
     t0 = time.monotonic()
     # A request stuck in a collective comes back as status 0 after REQUEST_BOUND_S.
     got = w.generate(
@@ -152,9 +135,9 @@ def test_a_fault_on_rank_1_alone_falls_back_on_both_ranks(tp2: TP2) -> None:
     assert all(r.status == 200 for r in got + hot), [(r.status, r.error) for r in got + hot if r.status != 200]
     n = len(got) + len(hot)
     after = events(pd, rows_settled(before) + n)
-    peer = event(after, "recompute", "fallback:peer_failed") - event(before, "recompute", "fallback:peer_failed")
-    recomputed = event(after, "recompute", "recomputed") - event(before, "recompute", "recomputed")
-    probes = event(after, "recompute", "probe") - event(before, "recompute", "probe")
+    peer = w.event(after, "recompute", "fallback:peer_failed") - w.event(before, "recompute", "fallback:peer_failed")
+    recomputed = w.event(after, "recompute", "recomputed") - w.event(before, "recompute", "recomputed")
+    probes = w.event(after, "recompute", "probe") - w.event(before, "recompute", "probe")
     print(f"rank 0's /metrics over {n} requests: peer_failed {peer}, recomputed {recomputed}, probes apart {probes}")
     # No row was recomputed: every one fell back on both ranks, once per request (a per-rank
     # count would read 2 n; health checks are counted apart).
@@ -182,7 +165,7 @@ def test_tp2_recompute_matches_aggregated_and_beats_one_hot_counted_once(shared:
     if tp2.onehot is None:
         pytest.skip("the fault phase did not complete")
     pd = tp2.pair
-    before = settled_events(pd)
+    before = w.settled_events(pd.decode.url)
     texts = w.prompts(N_ACCEPT, offset=2)
     a = w.first_verify_rate(w.generate(shared.agg.url, texts, temperature=1.0, max_new_tokens=2))  # type: ignore[attr-defined]
     res = w.generate(pd.router.url, texts, temperature=1.0, max_new_tokens=2, timeout_s=REQUEST_BOUND_S)  # type: ignore[union-attr]
@@ -195,7 +178,7 @@ def test_tp2_recompute_matches_aggregated_and_beats_one_hot_counted_once(shared:
     assert abs(w.z_diff(r, a)) <= Z_SAME
     assert w.z_diff(r, o) >= Z_BETTER
     after = events(pd, rows_settled(before) + N_ACCEPT)
-    recomputed = event(after, "recompute", "recomputed") - event(before, "recompute", "recomputed")
+    recomputed = w.event(after, "recompute", "recomputed") - w.event(before, "recompute", "recomputed")
     fallbacks = {k: v - before.get(k, 0.0) for k, v in after.items() if 'event="fallback:' in k and v != before.get(k)}
     print(f"decode /metrics over {N_ACCEPT} requests: recomputed {recomputed}, fallbacks {fallbacks}")
     # Once per request (rank 0 reports; a per-rank count would read 2 * N), none fell back.

@@ -21,7 +21,7 @@ from typing import Any
 from pd_middleware.evaluation.live_ab import parse_prometheus
 from pd_middleware.evaluation.stats import two_sample_tv_test
 
-from .harness import get_text, post_json
+from .harness import get_text, metric_values, post_json
 
 
 def prompts(n: int, *, offset: int = 0) -> list[str]:
@@ -159,9 +159,9 @@ def arm_rates_since(
 ) -> dict[str, Rate]:
     """Per arm, P(first verify accepts >= 1) over the first verifies recorded since ``before``.
 
-    Waits (bounded) until ``expected`` new first verifies are in, or the count stops changing.
+    Waits until ``expected`` new first verifies are in, or ``deadline_s`` has passed.
     """
-    deadline, last, rates = time.monotonic() + deadline_s, -1, {}
+    deadline, rates = time.monotonic() + deadline_s, {}
     while True:
         now = arm_counts(url)
         rates = {}
@@ -171,7 +171,29 @@ def arm_rates_since(
             n = sum(delta)
             rates[arm] = Rate(n - delta[0], n) if n else Rate(0, 0)
         total = sum(r.n for r in rates.values())
-        if total >= expected or total == last or time.monotonic() > deadline:
+        if total >= expected or time.monotonic() > deadline:
             return rates
-        last = total
-        time.sleep(2.5)
+        time.sleep(1.0)
+
+
+#: The drop-in's own event counters in SGLang's /metrics (part, event labels).
+EVENTS = "pd_middleware_integration_events_total"
+
+
+def settled_events(url: str, *, deadline_s: float = 30.0) -> dict[str, float]:
+    """A node's event samples (``url`` its base URL) once two scrapes 2 s apart agree: the
+    copy into SGLang's /metrics runs every second, and a count still on its way would land
+    in the next test's delta."""
+    deadline = time.monotonic() + deadline_s
+    last = None
+    while True:
+        now = metric_values(get_text(url + "/metrics"), EVENTS)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(2.0)
+
+
+def event(values: dict[str, float], part: str, name: str) -> float:
+    """The sum of ``values``' samples with labels ``part`` and ``event`` (an exact name)."""
+    return sum(v for k, v in values.items() if f'part="{part}"' in k and f'event="{name}"' in k)

@@ -280,6 +280,7 @@ class Prepared:
 
     rec: Recomputed
     agreed: torch.Tensor
+    user: torch.Tensor  # the rows counted: SGLang's probes apart
 
 
 class _Unknown:
@@ -491,13 +492,19 @@ class RecomputeSource(ProposalSource):
         ``user``: the rows counted (:meth:`_user_rows`)."""
         agreed = verdict.ok & (verdict.lo[:, 0] == verdict.hi[:, 0]) & (verdict.lo[:, 0] != NEUTRAL)
         self._count_fallbacks(verdict, seen, agreed, user)
+        rec = seen.get("rec")
+        width = self.head.vocab_size if self.head is not None else -1
+        if rec is not None and tuple(rec.probs.shape) != (len(reqs), width):
+            # Never after the startup checks (the head's width is the target's); the shapes
+            # are the same on every rank, so every rank takes this branch: no row keeps X'.
+            self._fallback("shape", int((agreed & user).sum()))
+            agreed = torch.zeros_like(agreed)
         x_agreed = verdict.lo[:, 1]
         mine = seen.get("x")
         for i in (~agreed).nonzero().view(-1).tolist():
             # Every rank verifies the same X: the smallest any rank holds (they all hold it normally).
             if x_agreed[i] != NEUTRAL and (mine is None or int(mine[i]) != int(x_agreed[i])):
                 reqs[i].output_topk_index = torch.tensor([int(x_agreed[i])], dtype=torch.int64)
-        rec = seen.get("rec")
         n_ok = int(agreed.sum())
         if rec is None or n_ok == 0:
             return None
@@ -506,7 +513,7 @@ class RecomputeSource(ProposalSource):
             reqs[i].output_topk_index = torch.tensor([toks[i]], dtype=torch.int64)
             reqs[i].output_topk_p = torch.tensor([tps[i]], dtype=torch.float32)
         self.events.count("recomputed", int((agreed & user).sum()))
-        return Prepared(rec, agreed)
+        return Prepared(rec, agreed, user)
 
     def _count_fallbacks(
         self, verdict: Verdict, seen: dict[str, Any], agreed: torch.Tensor, user: torch.Tensor
@@ -544,7 +551,9 @@ class RecomputeSource(ProposalSource):
             return one_hot
         q = state.rec.probs.to(device=topk_index.device, dtype=torch.float32)
         if q.shape != (topk_index.shape[0], vocab_size) or topk_index.shape[1] != 1:
-            self._fallback("shape", int(topk_index.shape[0]))
+            # SGLang's own shapes differ from the head's (refused at startup): the agreed rows
+            # hold X' and verify the one-hot at X' (exact); counted as such, once.
+            self._fallback("propose_shape", int((state.agreed & state.user).sum()))
             return one_hot
         keep = state.agreed.to(q.device).view(-1, 1)
         out: torch.Tensor = torch.where(keep, q, one_hot[:, 0]).unsqueeze(1)
@@ -568,7 +577,14 @@ def _fault_for(tp_rank: int) -> str:
     where, _, rank = raw.partition(":")
     if not where or (rank and rank != str(tp_rank)):
         return ""
-    logger.warning("pd-middleware recompute: test fault %r is on for TP rank %d (%s)", where, tp_rank, ENV_TEST_FAULT)
+    gate = os.environ.get(ENV_TEST_FAULT_WHILE, "")
+    logger.warning(
+        "pd-middleware recompute: test fault %r is armed for TP rank %d (%s%s)",
+        where,
+        tp_rank,
+        ENV_TEST_FAULT,
+        f", on while {gate} exists" if gate else "",
+    )
     return where
 
 
