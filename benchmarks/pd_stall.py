@@ -146,14 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("sglang_router") is None:
         print(json.dumps({"bench": "pd_stall", "skipped": "needs make setup-server (docs/server.md)"}))
         return 0
-    sys.path.insert(0, str(REPO / "tests" / "server" / "site"))
-    import cpu_gaps  # transformers (the model builder) imports torchvision: its CPU gap first
+    from server_acceptance import load_models  # the same models as the acceptance benchmark
 
-    cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
-    from server.models.build import build_models
-
-    built = build_models(REPO / "build" / "server-models")
-    models = h.Models(Path(built["trained_target"]), Path(built["trained_eagle3"]))
+    models = load_models()
     tmp = Path(tempfile.mkdtemp(prefix="pd-stall-"))
     out: dict[str, Any] = {
         "bench": "pd_stall",

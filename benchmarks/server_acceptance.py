@@ -73,7 +73,17 @@ def _arm_rates(text: str) -> dict[str, dict[str, float | int]] | None:
     return {a: _rate_json(w.Rate(v.n - v.counts[0], v.n)) for a, v in sorted(arms.items()) if v.n}
 
 
-def _models() -> h.Models | None:
+def load_models() -> h.Models:
+    """The tier's models (``PDM_SERVER_MODELS`` or the trained pair, built and cached under
+    build/), after the CPU gap transformers' torchvision import needs."""
+    sys.path.insert(0, str(REPO / "tests" / "server" / "site"))
+    import cpu_gaps  # transformers (the model builder) imports torchvision: its CPU gap first
+
+    cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
+    return _models()
+
+
+def _models() -> h.Models:
     root = os.environ.get("PDM_SERVER_MODELS")
     if root:
         eagle3 = Path(root) / "eagle3"
@@ -104,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         # run_all.py shows a skipped row: this figure needs the server tier (make setup-server).
         print(json.dumps({"bench": "server_acceptance", "skipped": "needs make setup-server (docs/server.md)"}))
         return 0
-    sys.path.insert(0, str(REPO / "tests" / "server" / "site"))
-    import cpu_gaps  # transformers (the model builder) imports torchvision: its CPU gap first
-
-    cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
-    models = _models()
+    models = load_models()
     tmp = Path(tempfile.mkdtemp(prefix="server-acceptance-"))
     out: dict[str, object] = {"bench": "server_acceptance", "n": args.n, "temperature": 1.0}
     t0 = time.monotonic()

@@ -160,11 +160,11 @@ def test_a_payload_that_never_arrives_fails_mid_run_without_stalling_the_credit(
     data = _tiny()
     data["transport"] = {**data["transport"], "inline_threshold_bytes": 0, "slots": {"size_bytes": 2048}}
     t0 = time.monotonic()
+    # A credit that waited for its timeout instead of the prefill's report would raise
+    # (credit.take: "no credit from the decode ... in 120s") rather than return a report:
+    # returning one, with every missing payload failed as never arrived, is the behaviour.
     report = run_ab(parse_config(data), requests=48, out_dir=None, progress=False, timeout_s=120)
-    took = time.monotonic() - t0
-    print(f"\nnever-arrives run: {took:.1f} s")
-    # A bound only a stall crosses: a credit that waits for the 120 s progress timeout.
-    assert took < 60, f"the run took {took:.0f} s: the credit waited for a timeout instead of the prefill's report"
+    print(f"\nnever-arrives run: {time.monotonic() - t0:.1f} s (a figure, not a check)")
     arms = {a.name: a for a in report.arms}
     full = arms["full_fp32"]
     assert full.payloads.sent == 48 and full.payloads.delivered == 0 and full.payloads.failed == 48
