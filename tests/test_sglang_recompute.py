@@ -357,6 +357,16 @@ def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, i
     start(sgl, installed, eagle3(sgl))
     build(sgl, batch(2))
     assert rc.counts["recomputed"] == 5
+    # A file that holds a spec overrides the environment's, per batch: every rank, then rank 1.
+    switch.write_text("head\n")
+    si = build(sgl, batch(2))
+    assert torch.equal(si.topk_index, torch.full((2, 1), 5)) and rc.counts["fallback:failed"] == 5
+    switch.write_text("head:1")
+    build(sgl, batch(2))
+    assert rc.counts["recomputed"] == 7 and rc.counts["fallback:failed"] == 5
+    switch.unlink()
+    build(sgl, batch(1))
+    assert rc.counts["recomputed"] == 8
 
 
 def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, installed):

@@ -288,44 +288,52 @@ def test_sglang_resolves_the_tier_flags_with_deterministic_inference_only_with_t
     assert "[cpu-gaps] deterministic rejection sampling on cpu" in proc.stderr
 
 
-class _Mtp:
-    """A stand-in for ``MiMoV2MTP`` whose ``set_embed_and_head`` ends as SGLang's does."""
+class _SetsEmbedAndHead:
+    """A stand-in for ``MiMoV2MTP`` / ``DeepseekV2ForCausalLM`` whose ``set_embed_and_head`` ends as SGLang's does."""
 
     def set_embed_and_head(self, embed: object, head: object) -> str:
         torch.cuda.synchronize()  # raises on a CPU build of torch
         return f"{embed}/{head}"
 
 
-def test_mtp_cuda_sync_lets_set_embed_and_head_run_on_cpu_only_for_that_method() -> None:
+_CUDA_SYNC_GAPS = [("mtp_cuda_sync", "MiMoV2MTP"), ("deepseek_cuda_sync", "DeepseekV2ForCausalLM")]
+
+
+@pytest.mark.parametrize(("gap", "cls_name"), _CUDA_SYNC_GAPS)
+def test_cuda_sync_gap_lets_set_embed_and_head_run_on_cpu_only_for_that_method(gap: str, cls_name: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the original runs untouched there")
-    cls = type("MiMoV2MTP", (_Mtp,), {})
+    cls = type(cls_name, (_SetsEmbedAndHead,), {})
+    sub = type("Subclass", (cls,), {})  # DeepseekV3ForCausalLMNextN inherits the method
     with pytest.raises((AssertionError, RuntimeError)):  # the gap is real here: the original raises
         cls().set_embed_and_head("e", "h")
-    ov = _gap("mtp_cuda_sync")
-    cpu_gaps.apply(ov, _module(MiMoV2MTP=cls))
+    ov = _gap(gap)
+    assert (ov.attr, ov.check) == (cls_name, cpu_gaps._set_embed_and_head_params)
+    cpu_gaps.apply(ov, _module(**{cls_name: cls}))
     assert cls().set_embed_and_head("e", "h") == "e/h"
+    assert sub().set_embed_and_head("e", "h") == "e/h"
     with pytest.raises((AssertionError, RuntimeError)):  # torch.cuda.synchronize itself is restored
         torch.cuda.synchronize()
 
 
-def test_mtp_cuda_sync_is_refused_when_the_method_changed() -> None:
-    class MiMoV2MTP:
-        def set_embed_and_head(self, embed: object, head: object, extra: object) -> None: ...
+@pytest.mark.parametrize(("gap", "cls_name"), _CUDA_SYNC_GAPS)
+def test_cuda_sync_gap_is_refused_when_the_method_changed(gap: str, cls_name: str) -> None:
+    def changed(self: object, embed: object, head: object, extra: object) -> None: ...
 
-    with pytest.raises(cpu_gaps.OverrideRefused, match="set_embed_and_head has parameters"):
-        cpu_gaps.apply(_gap("mtp_cuda_sync"), _module(MiMoV2MTP=MiMoV2MTP))
-    with pytest.raises(cpu_gaps.OverrideRefused, match="has no set_embed_and_head"):
-        cpu_gaps.apply(_gap("mtp_cuda_sync"), _module(MiMoV2MTP=type("MiMoV2MTP", (), {})))
+    with pytest.raises(cpu_gaps.OverrideRefused, match=f"{cls_name}.set_embed_and_head has parameters"):
+        cpu_gaps.apply(_gap(gap), _module(**{cls_name: type(cls_name, (), {"set_embed_and_head": changed})}))
+    with pytest.raises(cpu_gaps.OverrideRefused, match=f"{cls_name} has no set_embed_and_head"):
+        cpu_gaps.apply(_gap(gap), _module(**{cls_name: type(cls_name, (), {})}))
 
 
 @pytest.mark.sglang
-@pytest.mark.server  # SGLang's MiMo-V2 module imports sgl-kernel's package: make setup-server
-def test_mtp_cuda_sync_target_matches_sglang_0_5_23() -> None:
+@pytest.mark.server  # SGLang's MiMo-V2 and DeepSeek modules import sgl-kernel's package: make setup-server
+@pytest.mark.parametrize("gap", [g for g, _ in _CUDA_SYNC_GAPS])
+def test_cuda_sync_gap_target_matches_sglang_0_5_23(gap: str) -> None:
     _sglang()
     from _sglang_import import import_sglang
 
-    ov = _gap("mtp_cuda_sync")
+    ov = _gap(gap)
     cls = getattr(import_sglang(ov.module), ov.attr)
     assert cpu_gaps._refusal(ov, cls) == ""
     import inspect

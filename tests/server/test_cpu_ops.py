@@ -14,6 +14,9 @@ law by a chi-square test, and the same draws as with the GPU kernel's hash.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import sgl_cpu_ops as ops  # tests/server/site is on sys.path (conftest.py)
@@ -184,6 +187,116 @@ def test_extend_attention(lens: list[int], ext: list[int]) -> None:
         idx = r2t[b, :n].long()
         want = _sdpa(q[s : s + e], k_buf[idx], v_buf[idx], 0.35, n - e)
         torch.testing.assert_close(out[s : s + e].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _separate_kv_case(
+    lens: list[int], ext: list[int], g: torch.Generator, *, heads: int, dk: int, dv: int, latent: bool
+) -> dict[str, torch.Tensor]:
+    """An extend whose new tokens' K/V are passed apart from the buffers.
+
+    ``latent``: the MLA MHA prefill's shape: the pool holds one latent row per token (1 head,
+    another width), K/V of the new tokens are per head, and there is no cached prefix. Else
+    the buffers have the new tokens' shape and hold garbage at the new tokens' slots, so a
+    kernel that read the new tokens from the buffer would be caught.
+    """
+    tokens, width = 64, 24
+    buf_heads, buf_dk, buf_dv = (1, dk + 16, dv + 8) if latent else (heads, dk, dv)
+    r2t = torch.stack([torch.randperm(tokens, generator=g)[:width] for _ in range(len(lens))]).to(torch.int32)
+    total = sum(ext)
+    return {
+        "q": torch.randn(total, heads, dk, generator=g),
+        "k": torch.randn(total, heads, dk, generator=g),
+        "v": torch.randn(total, heads, dv, generator=g),
+        "k_buf": torch.randn(tokens, buf_heads, buf_dk, generator=g) * 7,
+        "v_buf": torch.randn(tokens, buf_heads, buf_dv, generator=g) * 7,
+        "r2t": r2t,
+        "reqs": torch.arange(len(lens), dtype=torch.int64),
+        "seq": torch.tensor(lens, dtype=torch.int64),
+        "ext": torch.tensor(ext, dtype=torch.int64),
+        "starts": torch.tensor([sum(ext[:i]) for i in range(len(ext))], dtype=torch.int64),
+    }
+
+
+def _separate_kv_reference(c: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    """The contract, written out: prefix keys from the buffer, the new tokens' from ``k``/``v``."""
+    out = torch.zeros(c["q"].shape[0], c["q"].shape[1], c["v"].shape[2], dtype=torch.float64)
+    for b, (n, e, s) in enumerate(zip(c["seq"].tolist(), c["ext"].tolist(), c["starts"].tolist())):
+        k, v = c["k"][s : s + e], c["v"][s : s + e]
+        if n > e:
+            prefix = c["r2t"][b, : n - e].long()
+            k, v = torch.cat([c["k_buf"][prefix], k]), torch.cat([c["v_buf"][prefix], v])
+        out[s : s + e] = _sdpa(c["q"][s : s + e], k, v, scale, n - e)
+    return out
+
+
+def _run_separate_kv(c: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    out = torch.zeros(c["q"].shape[0], c["q"].shape[1], c["v"].shape[2])
+    ops.extend_attention_cpu(
+        c["q"], c["k"], c["v"], out, c["k_buf"], c["v_buf"], 1.0, 1.0, c["r2t"], c["reqs"], c["seq"], c["ext"],
+        c["starts"], int(c["ext"].max()), scale, 0.0, False, 0, None, None, None, True,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    ("lens", "ext", "latent"),
+    [([5], [5], True), ([3, 9, 1], [3, 9, 1], True), ([24, 7], [4, 7], False), ([9, 2], [1, 2], False)],
+    ids=["mla-one", "mla-three", "prefix-longest", "prefix-decode-like"],
+)
+def test_extend_attention_reads_the_new_tokens_kv_passed_apart(lens: list[int], ext: list[int], latent: bool) -> None:
+    """MLA's MHA prefill (``save_kv_cache=False``, per-head K/V, a latent pool) and a cached prefix."""
+    c = _separate_kv_case(lens, ext, _gen(), heads=4, dk=48, dv=32, latent=latent)
+    torch.testing.assert_close(_run_separate_kv(c, 0.3).double(), _separate_kv_reference(c, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_reading_the_new_tokens_from_the_buffer_is_caught() -> None:
+    """Negative control: the buffers' garbage at the new tokens' slots is not what the contract reads."""
+    c = _separate_kv_case([24, 7], [4, 7], _gen(), heads=4, dk=48, dv=32, latent=False)
+    wrong = torch.zeros(c["q"].shape[0], 4, 32)
+    ops.extend_attention_cpu(
+        c["q"], None, None, wrong, c["k_buf"], c["v_buf"], 1.0, 1.0, c["r2t"], c["reqs"], c["seq"], c["ext"],
+        c["starts"], 7, 0.3, 0.0, False, 0, None, None, None, True,
+    )  # fmt: skip
+    assert (wrong.double() - _separate_kv_reference(c, 0.3)).abs().max() > 0.1
+
+
+def test_extend_attention_refuses_a_latent_prefix_beside_per_head_new_tokens() -> None:
+    c = _separate_kv_case([9], [4], _gen(), heads=4, dk=48, dv=32, latent=True)
+    with pytest.raises(ops.StandInRefused, match="K/V shape differs"):
+        _run_separate_kv(c, 0.3)
+
+
+@pytest.mark.sglang
+@pytest.mark.server  # SGLang's attention kernels import sgl-kernel's package on CPU: make setup-server
+@pytest.mark.parametrize(("lens", "ext", "latent"), [([3, 9], [3, 9], True), ([24, 7], [4, 7], False)])
+def test_extend_attention_matches_sglang_triton_extend_attention(
+    lens: list[int], ext: list[int], latent: bool, request: pytest.FixtureRequest
+) -> None:
+    """The stand-in equals SGLang's Triton ``extend_attention_fwd`` (interpreted) on the same separate K/V.
+
+    The kernel uses ``tl.zeros`` and other jitted parts of ``triton.language``, which only
+    ``TRITON_INTERPRET=1`` set before Triton is imported makes callable (the tier's servers
+    run so): without it the test reruns itself in a fresh interpreter that has it.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        node = f"{__file__}::{request.node.name}"
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "server", node]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+        return
+    ea = _sglang_module("sglang.kernels.ops.attention.extend_attention")
+    c = _separate_kv_case(lens, ext, _gen(), heads=4, dk=48, dv=32, latent=latent)
+    qo = torch.tensor([0, *c["ext"].cumsum(0).tolist()], dtype=torch.int32)
+    prefix_lens = c["seq"] - c["ext"]
+    kv_indptr = torch.tensor([0, *prefix_lens.cumsum(0).tolist()], dtype=torch.int32)
+    kv_indices = torch.cat([c["r2t"][b, : int(n)].long() for b, n in enumerate(prefix_lens)]).to(torch.int64)
+    theirs = torch.zeros(c["q"].shape[0], 4, 32)
+    ea.extend_attention_fwd(
+        c["q"], c["k"], c["v"], theirs, c["k_buf"], c["v_buf"], qo, kv_indptr, kv_indices, None, True, None,
+        int(c["ext"].max()), 1.0, 1.0, sm_scale=0.3,
+    )  # fmt: skip
+    torch.testing.assert_close(_run_separate_kv(c, 0.3), theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_extend_attention_refuses_a_tree_mask() -> None:

@@ -8,7 +8,9 @@ which at ``max_new_tokens = 2`` describes exactly one verify: the first.
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import sysconfig
 import time
 from collections import Counter
@@ -21,7 +23,7 @@ from typing import Any
 from pd_middleware.evaluation.live_ab import parse_prometheus
 from pd_middleware.evaluation.stats import two_sample_tv_test
 
-from .harness import get_text, metric_values, post_json
+from .harness import Server, get_text, metric_values, post_json, post_pd
 
 
 def prompts(n: int, *, offset: int = 0) -> list[str]:
@@ -59,6 +61,26 @@ class Result:
     error: str = ""
 
 
+def _result(status: int, body: Any) -> Result:
+    if status != 200 or not isinstance(body, dict):
+        return Result(status, (), None, None, None, str(body)[:500])
+    m = body.get("meta_info", {})
+    return Result(
+        status,
+        tuple(body.get("output_ids", ())),
+        m.get("spec_num_correct_drafts"),
+        m.get("spec_verify_ct"),
+        m.get("spec_accept_length"),
+    )
+
+
+def _params(temperature: float, max_new_tokens: int, seed: int | None, i: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
+    if seed is not None:
+        params["sampling_seed"] = seed + i
+    return params
+
+
 def generate(
     url: str,
     texts: Sequence[str],
@@ -72,20 +94,36 @@ def generate(
     """POST ``/generate`` for every text (``concurrency`` at a time, each bounded by its timeout)."""
 
     def one(i: int) -> Result:
-        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
-        if seed is not None:
-            params["sampling_seed"] = seed + i
-        status, body = post_json(url + "/generate", {"text": texts[i], "sampling_params": params}, timeout_s=timeout_s)
-        if status != 200 or not isinstance(body, dict):
-            return Result(status, (), None, None, None, str(body)[:500])
-        m = body.get("meta_info", {})
-        return Result(
-            status,
-            tuple(body.get("output_ids", ())),
-            m.get("spec_num_correct_drafts"),
-            m.get("spec_verify_ct"),
-            m.get("spec_accept_length"),
-        )
+        body = {"text": texts[i], "sampling_params": _params(temperature, max_new_tokens, seed, i)}
+        return _result(*post_json(url + "/generate", body, timeout_s=timeout_s))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(len(texts))))
+
+
+_ROOMS = itertools.count(random.Random().randrange(1 << 40) << 16)
+
+
+def generate_pd(
+    prefill: Server,
+    decode: Server,
+    texts: Sequence[str],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    concurrency: int = 8,
+    timeout_s: float = 300.0,
+) -> list[Result]:
+    """As :func:`generate`, through a prefill and a decode without a router (:func:`harness.post_pd`,
+    a fresh bootstrap room per request): one prefill can then serve several decodes. The
+    decode's answer is the result; a request whose prefill answer is not 200 fails with it."""
+
+    def one(i: int) -> Result:
+        body = {"text": texts[i], "sampling_params": _params(temperature, max_new_tokens, None, i)}
+        (ps, pb), (ds, db) = post_pd(prefill, decode, body, next(_ROOMS), timeout_s=timeout_s)
+        if ps != 200:
+            return Result(ps, (), None, None, None, f"prefill: {str(pb)[:500]}")
+        return _result(ds, db)
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(texts))))

@@ -80,7 +80,10 @@ logger = logging.getLogger("pd_middleware.integrations.sglang")
 #: ``rank``, to show that a failure on one rank becomes its vote (docs/server.md).
 ENV_TEST_FAULT = "PDM_TEST_RECOMPUTE_FAULT"
 #: With it, the fault is on only while the file this names exists (checked per batch), so
-#: one running server can be served with the fault and without it.
+#: one running server can be served with the fault and without it. A file that is not empty
+#: holds the spec in force (``<where>[:<rank>]``, e.g. ``head`` for every rank), in place of
+#: the environment's: one server can then be served with a fault on every rank, on one rank,
+#: and none.
 ENV_TEST_FAULT_WHILE = "PDM_TEST_RECOMPUTE_FAULT_WHILE"
 
 LP = f"{LOGITS_MODULE}.LogitsProcessor"
@@ -380,7 +383,7 @@ class RecomputeSource(ProposalSource):
         self.group = group_of(group, self.inst.rank_agreement if self.inst is not None else True)
         self.sampler = "sglang.fast_sample" if draw is not None else "pd_middleware.inverse_cdf"
         self._fault_spec = _fault_for(self.tp_rank)
-        self._fault_while = os.environ.get(ENV_TEST_FAULT_WHILE, "") if self._fault_spec else ""
+        self._fault_while = os.environ.get(ENV_TEST_FAULT_WHILE, "") if os.environ.get(ENV_TEST_FAULT) else ""
         self._arm_fault()
 
     # -- per batch ---------------------------------------------------------------------
@@ -477,8 +480,16 @@ class RecomputeSource(ProposalSource):
 
     def _arm_fault(self) -> None:
         """The tier's fault switch, now: on unless a gating file is named and absent."""
-        on = self._fault_spec and (not self._fault_while or os.path.exists(self._fault_while))
-        self._fault = self._fault_spec if on else ""
+        spec = self._fault_spec
+        if self._fault_while:
+            try:
+                with open(self._fault_while, encoding="utf-8") as f:
+                    text = f.read().strip()
+            except OSError:  # absent: the fault is off
+                spec = ""
+            else:
+                spec = _fault_where(text, self.tp_rank) if text else spec
+        self._fault = spec
         if self.head is not None and hasattr(self.head, "fault"):
             self.head.fault = self._fault == "head"
 
@@ -571,11 +582,16 @@ class _Shape(ValidationError):
     """The hidden states are not the draft head's width (fallback ``shape``)."""
 
 
+def _fault_where(spec: str, tp_rank: int) -> str:
+    """The step ``spec`` (``<where>[:<rank>]``) breaks on ``tp_rank`` ("" for none)."""
+    where, _, rank = spec.partition(":")
+    return "" if not where or (rank and rank != str(tp_rank)) else where
+
+
 def _fault_for(tp_rank: int) -> str:
     """The step the tier's fault switch breaks on this rank ("" for none)."""
-    raw = os.environ.get(ENV_TEST_FAULT, "")
-    where, _, rank = raw.partition(":")
-    if not where or (rank and rank != str(tp_rank)):
+    where = _fault_where(os.environ.get(ENV_TEST_FAULT, ""), tp_rank)
+    if not where:
         return ""
     gate = os.environ.get(ENV_TEST_FAULT_WHILE, "")
     logger.warning(

@@ -1,6 +1,6 @@
 """Run-time overrides of the CPU gaps in SGLang 0.5.23 for the test servers (never site-packages).
 
-A real SGLang PD pair runs on a CPU-only machine with eleven small overrides. Each is an
+A real SGLang PD pair runs on a CPU-only machine with twelve small overrides. Each is an
 :class:`Override`: a name, the module and attribute it replaces, the parameters that
 attribute must have, and the replacement. A meta-path finder applies an override when
 its module is first imported, after the module's own code ran and before anyone imports
@@ -59,12 +59,15 @@ and do nothing without it:
     ends with ``torch.cuda.synchronize()``, which raises on a CPU build of torch (the
     multi-layer EAGLE worker calls it at start); a no-op for that method's span on the
     CPU, the original untouched on an accelerator.
+12. ``deepseek_cuda_sync``: ``models/deepseek_v2.py`` around 3448, the same call at the end of
+    ``DeepseekV2ForCausalLM.set_embed_and_head``, which the EAGLE worker calls on a DeepSeek
+    NextN draft (``DeepseekV3ForCausalLMNextN`` inherits it) at start; the same no-op.
 
 And one test-only switch, off unless asked: ``seed_builder`` (``PDM_TEST_SEED_BUILDER=1``)
 makes SGLang's own PD proposal inert, so its builder leaves ``draft_probs`` unset as
 before SGLang's fix: the negative control of ``tests/server/test_seed.py``.
 
-``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all eleven).
+``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all twelve).
 """
 
 from __future__ import annotations
@@ -343,15 +346,16 @@ def _inert_proposal(module: types.ModuleType, orig: Any) -> Any:
 def _set_embed_and_head_params(cls: Any) -> str:
     fn = getattr(cls, "set_embed_and_head", None)
     if fn is None:
-        return "MiMoV2MTP has no set_embed_and_head"
+        return f"{cls.__name__} has no set_embed_and_head"
     got = tuple(inspect.signature(fn).parameters)
-    return "" if got == ("self", "embed", "head") else f"MiMoV2MTP.set_embed_and_head has parameters {got}"
+    return "" if got == ("self", "embed", "head") else f"{cls.__name__}.set_embed_and_head has parameters {got}"
 
 
-def _mtp_no_cuda_sync(module: types.ModuleType, cls: Any) -> None:
-    """``MiMoV2MTP.set_embed_and_head`` ends with ``torch.cuda.synchronize()``, which raises
-    on a CPU build of torch: on the CPU there is no device work to wait for, so the call is
-    a no-op for the span of that method (on an accelerator the original runs untouched)."""
+def _no_cuda_sync_in_set_embed_and_head(module: types.ModuleType, cls: Any) -> None:
+    """``set_embed_and_head`` (``MiMoV2MTP``'s, ``DeepseekV2ForCausalLM``'s) ends with
+    ``torch.cuda.synchronize()``, which raises on a CPU build of torch: on the CPU there is
+    no device work to wait for, so the call is a no-op for the span of that method (on an
+    accelerator the original runs untouched)."""
     import torch
 
     orig = cls.set_embed_and_head
@@ -420,7 +424,15 @@ GAPS: tuple[Override, ...] = (
         "sglang.srt.models.mimo_v2_nextn",
         "MiMoV2MTP",
         None,
-        _mtp_no_cuda_sync,
+        _no_cuda_sync_in_set_embed_and_head,
+        check=_set_embed_and_head_params,
+    ),
+    Override(
+        "deepseek_cuda_sync",
+        "sglang.srt.models.deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        None,
+        _no_cuda_sync_in_set_embed_and_head,
         check=_set_embed_and_head_params,
     ),
     Override(

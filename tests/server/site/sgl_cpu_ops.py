@@ -446,22 +446,40 @@ def extend_attention_cpu(
 ) -> None:
     """Request b's ``extend_seq_lens[b]`` new tokens over all its ``seq_lens[b]`` tokens.
 
-    The backend stored the new tokens' K/V in the buffers before the call
-    (``set_kv_buffer``), so every key is read from ``k_buffer`` through ``req_to_token``;
-    causal: new token i sees the prefix and new tokens ``0 .. i``.
+    The kernel's contract (sgl-kernel's CPU ``extend_attention`` and SGLang's Triton
+    ``extend_attention_fwd``): the prefix (the first ``seq_lens[b] - extend_seq_lens[b]``
+    tokens) is read from ``k_buffer``/``v_buffer`` through ``req_to_token``, the new tokens
+    from ``k_extend``/``v_extend`` at rows ``extend_start_loc[b] ..``. Those may have another
+    head count and width than the buffers: the MHA prefill of an MLA model passes per-head K/V
+    while the pool holds one latent row per token (``save_kv_cache=False``). With no
+    ``k_extend`` (a KV-shared layer) the new tokens are read from the buffers too.
+    Causal: new token i sees the prefix and new tokens ``0 .. i``.
     """
     if is_cross or sinks is not None or window_plus_1 > 0:
         _refuse("extend_attention_cpu", "cross-attention, sinks or a sliding window")
     if tree_mask is not None:
         _refuse("extend_attention_cpu", "a tree mask (--speculative-eagle-topk > 1)")
+    separate = k_extend is not None and v_extend is not None
     for r, length, ext, start in zip(
         req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(), extend_start_loc.tolist()
     ):
-        idx = req_to_token[r, :length].long()
+        if separate:
+            assert k_extend is not None and v_extend is not None  # narrowed for the type checker
+            prefix = req_to_token[r, : length - ext].long()
+            k_new, v_new = k_extend[start : start + ext].float(), v_extend[start : start + ext].float()
+            if prefix.numel() and (k_buffer.shape[1:] != k_new.shape[1:] or v_buffer.shape[1:] != v_new.shape[1:]):
+                _refuse("extend_attention_cpu", "a cached prefix whose K/V shape differs from the new tokens'")
+            keys, values = k_new, v_new
+            if prefix.numel():
+                keys = torch.cat([k_buffer[prefix].float() * k_scale, k_new])
+                values = torch.cat([v_buffer[prefix].float() * v_scale, v_new])
+        else:
+            idx = req_to_token[r, :length].long()
+            keys, values = k_buffer[idx] * k_scale, v_buffer[idx] * v_scale
         o = attend(
             q_extend[start : start + ext],
-            k_buffer[idx] * k_scale,
-            v_buffer[idx] * v_scale,
+            keys,
+            values,
             sm_scale,
             causal_from=(length - ext) if is_causal else None,
             logit_cap=logit_cap,
