@@ -768,6 +768,98 @@ def test_misconfigured_scheduler_stops_at_startup(sg, over, message) -> None:
     assert not hasattr(sched, "disagg_metadata_buffers")  # before SGLang allocated anything
 
 
+class EagleDraftWorker:
+    """Stand-in for SGLang's ``EagleDraftWorker`` (``scheduler.draft_worker.draft_worker``):
+    EAGLE keeps ``--speculative-token-map`` here as ``hot_token_id`` (``eagle_worker_v2.py``
+    around 332 and 372), not on the draft model."""
+
+    def __init__(self, hot_token_id):
+        self.hot_token_id = hot_token_id
+        self.draft_runner = SimpleNamespace(model=SimpleNamespace())
+
+
+def permuted_map():
+    return torch.randperm(V, generator=torch.Generator().manual_seed(9))
+
+
+SHIPPED_AND_NOT = {
+    "sparse": {},
+    "full": {"synthesizer": {"name": "full_distribution"}, "encoder": {"name": "full", "options": {"dtype": "fp32"}}},
+    "one_hot": {"synthesizer": {"name": "one_hot"}, "encoder": {"name": "softmax"}},
+}
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+@pytest.mark.parametrize("strategy", list(SHIPPED_AND_NOT))
+def test_a_non_identity_token_map_is_refused_at_start_for_every_strategy(sg, strategy, role) -> None:
+    """A full-size permuted --speculative-token-map (EAGLE-1: the worker's hot_token_id) stops
+    the scheduler at start, naming the flag, for a shipped q (sparse, full) and for one-hot
+    alike, on either node, before SGLang allocates anything: the first verify would read the
+    proposal at hot[X] (``test_a_token_map_makes_the_first_verify_inexact_for_every_strategy``)
+    and every later step's draft_probs is in draft-id order. Controls: the identity map and no
+    map start."""
+    cfg = config(**SHIPPED_AND_NOT[strategy])
+    for hot, refused in ((permuted_map(), True), (torch.arange(V), False), (None, False)):
+        mod = scheduler_module(sg)
+        inst = S.install(cfg, S.InstallOptions(modules=S.SGLangModules(scheduler=mod)))
+        sched = mod.Scheduler(vocab=V)
+        sched.draft_worker = SimpleNamespace(draft_worker=EagleDraftWorker(hot))
+        with runtime(disaggregation_mode=role):
+            if refused:
+                with pytest.raises(ConfigError, match=r"not the identity \(--speculative-token-map"):
+                    sched.init_disaggregation()
+                assert not hasattr(sched, "disagg_metadata_buffers") and inst.facts is None
+            else:
+                sched.init_disaggregation()
+                assert inst.facts is not None and inst.facts.role == role
+                assert sched.disagg_metadata_buffers.pd_proposal.shape == (8, 4096)
+        S.uninstall()
+
+
+def _fractions(row) -> list:
+    """A float32 law as exact fractions, normalised (float32 sums miss 1 by rounding)."""
+    from fractions import Fraction
+
+    f = [Fraction(float(v)) for v in row.tolist()]
+    total = sum(f)
+    return [v / total for v in f]
+
+
+def test_a_token_map_makes_the_first_verify_inexact_for_every_strategy(sg) -> None:
+    """Why the refusal above covers every strategy: with a permuted map SGLang verifies
+    t = hot[X] (X the draft id the prefill drew) against whatever the builder handed it.
+    Exact enumeration (Fraction, SGLang's kernel reading) of the first verify's committed
+    law with the builder's real output: the shipped q (in-band, sparse) and the one-hot at
+    the received X (the builder's answer with no row) both commit a law other than p.
+    Control: the shipped q scattered into target ids (q'[hot[j]] = q[j]) commits p, so the
+    enumeration does see an exact proposal; that repair would hold for this step only
+    (SGLang's later draft steps keep draft-id order), hence a refusal, not a scatter."""
+    from pd_middleware.evaluation.verify_exact import exact_verify_law
+
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    (dreq,) = committed(sg, inst, [61])
+    shipped = build(sg, [dreq])[0]
+    assert dreq.pd_middleware.reason == "prefill" and int((shipped > 0).sum()) > 1  # a real shipped q
+    one_hots = build(sg, [decode_req([j]) for j in range(V)])  # the builder's one-hot at each received X
+    assert torch.equal(one_hots, one_hot_rows(list(range(V))))
+    hot = permuted_map().tolist()
+    inv = [0] * V
+    for j, t in enumerate(hot):
+        inv[t] = j
+    q = _fractions(shipped)  # the law the prefill drew X from, in draft-id order
+    s_t = [q[inv[t]] for t in range(V)]  # the law of the verified token t = hot[X]
+    p = _fractions(draft(1, seed=SEED + 5)[0])  # the target's law at that position
+    scattered = [q[inv[t]] for t in range(V)]
+    assert exact_verify_law(p, scattered, s_t, kernel="sglang") == p  # control: exact
+    assert exact_verify_law(p, q, s_t, kernel="sglang") != p  # the shipped q, read at hot[X]
+    one_hot_law = exact_verify_law(p, lambda t: _fractions(one_hots[inv[t]]), s_t, kernel="sglang")
+    assert one_hot_law != p
+    # Without the map (hot = identity) both are exact: the defect is the map alone.
+    assert exact_verify_law(p, q, q, kernel="sglang") == p
+    assert exact_verify_law(p, lambda x: _fractions(one_hots[x]), q, kernel="sglang") == p
+
+
 def test_prefill_start_warns_when_the_encoders_largest_row_exceeds_capacity(sg, caplog) -> None:
     """A full-distribution encoder behind a too-small row would send X-only every time: say so at start."""
     from pd_middleware.codecs.inband import row_bytes
