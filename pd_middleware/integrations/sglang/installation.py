@@ -23,7 +23,7 @@ from ...core.metrics import Metrics
 from .patching import FEATURES, Hook, Patch, SGLangModules, Symbols, announce, apply, build, feature_of, hook_source
 from .prefill import ProposalPublisher
 from .sources import InBandSource, ProposalSource
-from .startup import EngineFacts, check, check_layout, check_registration
+from .startup import EngineFacts, check, check_draft, check_layout, check_registration
 from .store import ProposalStore
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
@@ -177,6 +177,7 @@ class Installation:
         (:meth:`announce`).
         """
         check(self.config, facts, self.channel_name)
+        check_draft(scheduler, facts, self.symbols)
         self.facts = facts
         self.source.bind(facts, scheduler)
         if facts.role == "prefill" and self.publisher is not None:

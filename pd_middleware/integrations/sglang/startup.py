@@ -24,6 +24,7 @@ from .patching import (
     HOOKS_MODULE,
     RUNTIME_MODULE,
     SCHEDULER_MODULE,
+    WORKER_MODULE,
     Feature,
     Hook,
     Symbols,
@@ -286,8 +287,11 @@ def check_token_map(hot: torch.Tensor | None, vocab_size: int) -> None:
     around 757 and 897) but never its draft *probabilities*: every draft step's
     ``draft_probs`` stays in draft-id order while the verify reads it at target ids, so a
     map that is not the identity makes the verify inexact at every step, the ones SGLang
-    drafts on the decode included. No proposal the drop-in hands the first verify can
-    repair the later steps, so the deployment is refused at startup.
+    drafts on the decode included. The first verify is no better: a shipped q is in
+    draft-id order too, and a one-hot at the received X (SGLang's own, or the drop-in's
+    fallback) sits at the draft id while the verify reads ``hot[X]``. Scattering the first
+    proposal into target ids would repair that step only, never the later ones, so the
+    deployment is refused at startup, whatever the strategy (:func:`check_draft`).
     """
     if hot is None:
         return
@@ -301,6 +305,20 @@ def check_token_map(hot: torch.Tensor | None, vocab_size: int) -> None:
         "drop the token map (a full-vocabulary draft needs none) or run without --speculative-use-rejection-sampling",
         path="sglang",
     )
+
+
+def check_draft(scheduler: Any, facts: EngineFacts, symbols: Symbols) -> None:
+    """Scheduler start, every role and strategy: refuse what no proposal can serve exactly
+    in the scheduler's draft (today its token map, :func:`check_token_map`). ``scheduler``
+    None (a harness that passes facts) or one without a draft worker: nothing to check.
+    SGLang's ``EagleDraftWorker`` must carry ``hot_token_id`` (a READ target of the
+    ``scheduler`` feature): a renamed attribute is refused, never read as "no map"."""
+    if scheduler is None or not facts.rejection_sampling:
+        return
+    worker = draft_worker_of(scheduler)
+    if type(worker).__name__ == "EagleDraftWorker":
+        symbols.check_instance(worker, f"{WORKER_MODULE}.EagleDraftWorker")
+    check_token_map(token_map_of(worker), facts.vocab_size)
 
 
 # ----------------------------------------------------------------------- the features
@@ -332,6 +350,7 @@ register_feature(
             read(RUNTIME_MODULE, "get_disagg", ()),
             read(RUNTIME_MODULE, "get_parallel", ()),
             read(RUNTIME_MODULE, "get_observability", ()),
+            read(WORKER_MODULE, "EagleDraftWorker.hot_token_id", instance=True),
         ),
         lambda plan: plan.options.facts is None and plan.options.hook_scheduler,
         summary="scheduler start: the checks, the engine's shapes, the role's objects",
