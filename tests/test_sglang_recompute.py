@@ -908,7 +908,7 @@ def test_live_ab_reports_the_recompute_arm(sgl, armed, tmp_path):
     assert set(rows) == {"recompute", "sparse", "one_hot"}
 
 
-def test_two_recompute_arms_are_refused(sgl):
+def test_two_recompute_arms_and_the_side_channel_are_refused(sgl):
     import msgspec
 
     cfg = load_config(ARMS_CONFIG)
@@ -917,3 +917,6 @@ def test_two_recompute_arms_are_refused(sgl):
         ConfigError, match=r"at arms: .*2 arms whose synthesizer needs the draft head \(recompute, recompute2\)"
     ):
         S.install(msgspec.structs.replace(cfg, arms=arms), S.InstallOptions(channel="metadata"))
+    with pytest.raises(ConfigError, match=r'at sglang.channel: .*recompute arm .* channel = "metadata" only'):
+        S.install(cfg, S.InstallOptions(channel="sidechannel"))
+    assert S.current() is None

@@ -223,6 +223,12 @@ def _choose_source(config: Any, opts: InstallOptions, registry: Any) -> Proposal
             "a live A/B takes one recompute arm",
             path="arms",
         )
+    if mixed and channel != "metadata":
+        # The side channel's store would keep the recompute rows' payloads, never taken.
+        raise ConfigError(
+            f'[[arms]] with a recompute arm ({mixed[0]!r}) runs on channel = "metadata" only, got {channel!r}',
+            path="sglang.channel",
+        )
     shipped_cfg = shipped_config(config, mixed[0]) if mixed else config
     store = (
         opts.store if opts.store is not None else ProposalStore(opts.receiver) if opts.receiver is not None else None
