@@ -20,6 +20,9 @@ one run, with medians over repeats:
   :meth:`~pd_middleware.decode.assembler.ProposalAssembler.build_fresh`), over SGLang's own
   ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
   at B = 1, 16, 256, with ``topk_index`` on ``--device`` (default: CUDA when present),
+  for each strategy and, in the same run, for the multi-layer chain
+  (``sparse_floor_chain``: ``configs/multi_layer.yaml`` at S = 3 against SGLang's (B, 3, V)
+  one-hot chain; the JSON's ``chain`` section and ``ratio_vs_sglang_builder_chain_B*``),
 where both builders then build (``decode_device``). Goal <= 1.5 on CPU. SGLang's function is taken from the installed
   package: imported when it imports, else its source compiled from the installed file
   (importing the module pulls every model config, two of which need torchvision; the
