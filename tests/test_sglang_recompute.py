@@ -808,7 +808,8 @@ def shipped(inst, b, seed=5):
     return payloads
 
 
-def test_live_ab_arms_mix_recompute_shipped_and_one_hot_each_row_with_its_own_law(sgl, armed):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_live_ab_arms_mix_recompute_shipped_and_one_hot_each_row_with_its_own_law(sgl, armed, overlap):
     """One mixed batch through SGLang's real builder: every row gets its arm's law, and the
     pair (X, q) handed per row is one X drawn from that q. Recompute rows: X' drawn (SGLang's
     seeded sampler, the row's own seed and position) from q' = softmax(head(h)/T) of that
@@ -818,11 +819,14 @@ def test_live_ab_arms_mix_recompute_shipped_and_one_hot_each_row_with_its_own_la
 
     inst, m = armed
     seeds = torch.arange(24, dtype=torch.int64) + 40
-    b = batch(24, seeds=seeds)
+    b = batch(24, seeds=seeds, overlap=overlap)
     arms = arms_of(r.bootstrap_room for r in b.reqs)
     assert set(arms) == {"recompute", "sparse", "one_hot"}
     payloads = shipped(inst, b)
-    si = build(sgl, b)
+    fm = RecordingFutureMap()
+    si = build(sgl, b, fm)
+    if overlap:  # acted before the stash: the relay carries every row's X and q
+        assert torch.equal(fm.stashed.topk_index, si.topk_index) and torch.equal(fm.stashed.draft_probs, si.draft_probs)
     mine = [i for i, a in enumerate(arms) if a == "recompute"]
     idx = torch.tensor(mine)
     hidden = torch.stack([b.reqs[i].hidden_states_tensor for i in mine])
