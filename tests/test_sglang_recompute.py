@@ -924,3 +924,23 @@ def test_two_recompute_arms_and_the_side_channel_are_refused(sgl):
     with pytest.raises(ConfigError, match=r'at sglang.channel: .*recompute arm .* channel = "metadata" only'):
         S.install(cfg, S.InstallOptions(channel="sidechannel"))
     assert S.current() is None
+
+
+def test_a_prefill_with_a_recompute_arm_ships_every_request_and_captures_no_head(sgl):
+    """The same config on the prefill: its top-level encoder ships a row for every request
+    (whatever its arm: the decode splits), and nothing of the recompute runs there."""
+    from pd_middleware.integrations.sglang.arms import ArmedSource
+
+    facts = S.EngineFacts(role="prefill", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
+    try:
+        assert isinstance(inst.source, ArmedSource) and inst.recompute.head is None
+        reqs = [SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}") for i in range(6)]
+        enc = inst.stage_requests(
+            reqs, torch.softmax(torch.randn(6, V, generator=torch.Generator().manual_seed(2)), -1)
+        )
+        assert enc.tokens.shape == (6, 1)
+        assert all(p is not None and p.kind == "sparse" for p in enc.proposals)
+        assert inst.publisher.counts["staged"] == 6, dict(inst.publisher.counts)
+    finally:
+        S.uninstall()
