@@ -944,3 +944,23 @@ def test_a_prefill_with_a_recompute_arm_ships_every_request_and_captures_no_head
         assert inst.publisher.counts["staged"] == 6, dict(inst.publisher.counts)
     finally:
         S.uninstall()
+
+
+def test_a_recompute_arm_without_a_scheduler_splits_by_the_batchs_shapes(sgl):
+    """Function-level use (``hook_scheduler=False``, no activation: SGLang's own builder
+    tests): the split still routes with the batch's V, the recompute rows are recomputed
+    and the others, with no row committed, verify the one-hot at their X; no guard event."""
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", hook_scheduler=False))
+    try:
+        start(sgl, inst, eagle3(sgl))
+        b = batch(12)
+        arms = arms_of(r.bootstrap_room for r in b.reqs)
+        si = build(sgl, b)
+        mine = [i for i, a in enumerate(arms) if a == "recompute"]
+        assert mine and inst.recompute.counts["recomputed"] == len(mine)
+        assert not inst.events.snapshot(), inst.events.snapshot()
+        for i, a in enumerate(arms):
+            if a != "recompute":
+                assert int(si.topk_index[i, 0]) == 5 and float(si.draft_probs[i, 5]) == 1.0
+    finally:
+        S.uninstall()
