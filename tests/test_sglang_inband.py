@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import struct
 from fractions import Fraction
+from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -782,6 +783,69 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
     with patch.object(sg.ed, "get_spec", return_value=spec):
         got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
+
+
+MULTI_LAYER_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "multi_layer.yaml"
+
+
+@pytest.mark.parametrize("steps", [3, 4, 5])
+def test_the_shipped_multi_layer_config_ships_an_exact_compressed_chain_whose_largest_row_fits(steps) -> None:
+    """configs/multi_layer.yaml: no shapes declared (V and S from the engine), sparse with a
+    floor per step on both sides, and the largest row of an S-step chain at V = 152064 (a
+    flat draft: k_max entries per step) within its capacity, for the tier's S = 3 and
+    larger; the same row with twice the steps does not fit (the capacity is what decides)."""
+    from pd_middleware.codecs.inband import row_bytes
+    from pd_middleware.config import load_config
+
+    cfg = load_config(MULTI_LAYER_CONFIG)
+    assert cfg.model.declared_vocab_size is None and cfg.model.declared_num_steps is None
+    assert cfg.synthesizer.name == "sparse" and cfg.encoder.name == "sparse" and cfg.encoder.options["floor"]
+    assert cfg.sglang.channel == "metadata"
+    v = 152064
+
+    def largest(s):
+        pub = S.ProposalPublisher.from_config(cfg, stage=lambda *a: None, vocab_size=v, num_steps=s)
+        _, payloads = pub.encode([0], torch.full((1, s, v), 1.0 / v))
+        assert payloads[0].proposal is not None and payloads[0].proposal.kind == "sparse"
+        return row_bytes(payloads[0])
+
+    assert largest(steps) <= cfg.sglang.capacity_bytes
+    assert largest(2 * steps) > cfg.sglang.capacity_bytes  # negative control
+
+
+def test_a_multi_layer_decode_behind_a_prefill_that_ships_nothing_keeps_sglangs_one_hot_chain(sg) -> None:
+    """configs/multi_layer.yaml on the decode only: a stock prefill writes SGLang's X chain
+    and no row; the decode reads ``not_sent`` and SGLang's builder gets the exact one-hot
+    chain (B, S, V) at that X chain."""
+    from pd_middleware.config import load_config
+
+    pbuf = buffers(sg)  # no drop-in on the prefill: one buffer fewer
+    r = prefill_req(41, 0)
+    r.output_topk_p, r.output_topk_index = torch.tensor([0.5, 0.25, 0.125]), torch.tensor([4, 9, 2])
+    pbuf.set_buf(r)
+    inst = S.install(
+        load_config(MULTI_LAYER_CONFIG), S.InstallOptions(channel="metadata", facts=facts(num_steps=STEPS))
+    )
+    dbuf = buffers(sg)
+    send_aux(pbuf, 0, dbuf, 0)
+    dreq = commit(sg, dbuf, 0, 41)
+    assert dreq.pd_middleware.reason == "not_sent" and dreq.pd_middleware.tokens == (4, 9, 2)
+    spec = SimpleNamespace(
+        speculative_eagle_topk=1,
+        speculative_num_steps=STEPS,
+        enable_multi_layer_eagle=True,
+        speculative_use_rejection_sampling=True,
+    )
+    b = SimpleNamespace(
+        reqs=[dreq],
+        device="cpu",
+        enable_overlap=False,
+        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
+    )
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
+    assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
+    assert inst.channel.counts["inband:not_sent"] == 1
 
 
 def test_fake_transfer_is_not_counted_as_a_missing_row(sg) -> None:

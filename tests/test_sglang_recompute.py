@@ -760,3 +760,217 @@ def test_a_draft_whose_logits_are_not_the_target_width_is_refused_at_start(sgl, 
     assert [r.output_topk_index.tolist() for r in b.reqs] == [[5]] * 3
     start(sgl, installed, eagle3(sgl, draft_vocab=V))
     assert rc.head is not None and rc.head.logits_width == V
+
+
+# ----------------------------------------------------------------------------- a live A/B arm
+
+ARMS_CONFIG = Path(__file__).parent.parent / "configs" / "sglang_live_ab_recompute.toml"
+
+
+@pytest.fixture
+def armed(sgl):
+    """configs/sglang_live_ab_recompute.toml (arms recompute, sparse, one_hot) on an
+    activated decode with the in-band channel, V = 97, and the real EAGLE3 head captured."""
+    facts = S.EngineFacts(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
+    m = eagle3(sgl)
+    start(sgl, inst, m)
+    yield inst, m
+    S.uninstall()
+
+
+def arms_of(rooms):
+    """The arm ab_split gives each room (the plugin's own hash), for the config's three arms."""
+    from pd_middleware_plugins.ab_split import arm_for
+
+    return [arm_for(str(r), ("recompute", "sparse", "one_hot"), (1, 2, 3)) for r in rooms]
+
+
+def shipped(inst, b, seed=5):
+    """What the prefill ships for every request of ``b`` (the config's sparse encoder, X ~ q_k),
+    committed as the in-band commit does (the request's X, then ``on_row``); the payloads."""
+    import msgspec
+
+    from pd_middleware.core.payload import Payload
+    from pd_middleware.middleware import build_encoders
+
+    cfg = inst.config
+    cfg = msgspec.structs.replace(cfg, arms=[], model=cfg.model.with_shapes(V, 1, engine="test"))
+    enc = build_encoders(cfg)["default"]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(len(b.reqs), V, generator=g) * 2, -1)
+    out = enc.encode(q, generator=g)
+    payloads = []
+    for i, r in enumerate(b.reqs):
+        x = int(out.tokens[i, 0])
+        p = Payload(
+            request_id=str(r.bootstrap_room),
+            draft_tokens=(x,),
+            draft_probs=(float(out.token_probs[i, 0]),),
+            vocab_size=V,
+            provenance=out.provenance,
+            proposal=out.proposals[i],
+        )
+        r.output_topk_index = torch.tensor([x])
+        r.output_topk_p = out.token_probs[i].clone()
+        inst.proposer.on_row(r, p)
+        payloads.append(p)
+    return payloads
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_live_ab_arms_mix_recompute_shipped_and_one_hot_each_row_with_its_own_law(sgl, armed, overlap):
+    """One mixed batch through SGLang's real builder: every row gets its arm's law, and the
+    pair (X, q) handed per row is one X drawn from that q. Recompute rows: X' drawn (SGLang's
+    seeded sampler, the row's own seed and position) from q' = softmax(head(h)/T) of that
+    row, q' handed; sparse rows: the prefill's X with the shipped q_k it was drawn from;
+    one-hot rows: δ at the prefill's X. Only the recompute rows are recomputed (counted)."""
+    from pd_middleware.sampling.encodings import sparse_law_tensor
+
+    inst, m = armed
+    seeds = torch.arange(24, dtype=torch.int64) + 40
+    b = batch(24, seeds=seeds, overlap=overlap)
+    arms = arms_of(r.bootstrap_room for r in b.reqs)
+    assert set(arms) == {"recompute", "sparse", "one_hot"}
+    payloads = shipped(inst, b)
+    fm = RecordingFutureMap()
+    si = build(sgl, b, fm)
+    if overlap:  # acted before the stash: the relay carries every row's X and q
+        assert torch.equal(fm.stashed.topk_index, si.topk_index) and torch.equal(fm.stashed.draft_probs, si.draft_probs)
+    mine = [i for i, a in enumerate(arms) if a == "recompute"]
+    idx = torch.tensor(mine)
+    hidden = torch.stack([b.reqs[i].hidden_states_tensor for i in mine])
+    q = sgl.spec_utils.sampling_softmax(own_logits(sgl, m, hidden), temperatures=b.sampling_info.temperatures[idx])
+    if inst.recompute.sampler == "sglang.fast_sample":
+        p_x, x = sgl.spec_utils.fast_sample(q, 1, sampling_seed=seeds[idx], positions=b.seq_lens[idx])
+    else:
+        p_x, x = inverse_cdf(q, seeds[idx], b.seq_lens[idx])
+    assert torch.equal(si.draft_probs[idx], q)
+    assert torch.equal(si.topk_index[idx], x) and torch.equal(si.topk_p[idx], p_x)
+    for i, a in enumerate(arms):
+        row, xi = si.draft_probs[i], int(si.topk_index[i, 0])
+        assert row[xi] > 0, (i, a)  # X is in the support of the q handed with it
+        assert b.reqs[i].pd_middleware.arm == a
+        if a == "sparse":
+            assert xi == payloads[i].draft_tokens[0]
+            assert torch.equal(row, sparse_law_tensor(payloads[i].proposal, 1, V)[0]), i
+            assert (row < 1).all()
+        elif a == "one_hot":
+            assert xi == payloads[i].draft_tokens[0]
+            assert torch.equal(row, torch.nn.functional.one_hot(torch.tensor(xi), V).float()), i
+        else:
+            assert b.reqs[i].pd_middleware.reason == "recompute"
+    assert inst.recompute.counts["recomputed"] == len(mine)
+    assert inst.proposer.counts["proposal:prefill"] == 24 - len(mine)
+
+
+def test_the_arm_split_is_a_function_of_the_request_the_same_on_every_rank(sgl, armed):
+    """Two installations (two TP ranks) over one batch: the same recompute rows, bit-identical
+    q and X; the batch in another order: each request keeps its arm."""
+    inst, m = armed
+    b0 = batch(16)
+    shipped(inst, b0)
+    first = build(sgl, b0)
+    rows0 = inst.source.prepare(b0).mine
+    S.uninstall()
+    facts = S.EngineFacts(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    other = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
+    start(sgl, other, m)
+    b1 = batch(16)
+    shipped(other, b1)
+    second = build(sgl, b1)
+    assert other.source.prepare(b1).mine == rows0
+    assert torch.equal(first.draft_probs, second.draft_probs) and torch.equal(first.topk_index, second.topk_index)
+    rev = batch(16)
+    rev.reqs.reverse()
+    got = other.source.prepare(rev)
+    assert sorted(rev.reqs[i].bootstrap_room for i in got.mine) == sorted(b0.reqs[i].bootstrap_room for i in rows0)
+
+
+def test_live_ab_reports_the_recompute_arm(sgl, armed, tmp_path):
+    """The first verify of each request of the mixed batch is counted under its arm, and
+    ``pd-middleware live-ab`` lists the recompute arm beside the shipped ones."""
+    import json
+    import subprocess
+    import sys
+
+    inst, _ = armed
+    b = batch(24)
+    shipped(inst, b)
+    build(sgl, b)
+    for r in b.reqs:
+        r.spec_verify_ct = 0
+    before = inst.recorder.before(b)
+    for r in b.reqs:
+        r.spec_verify_ct = 1
+    accepted = [i % 2 for i in range(24)]
+    assert inst.recorder.after(b, SimpleNamespace(num_correct_drafts_per_req_cpu=accepted), before) == 24
+    snap = tmp_path / "snapshot.json"
+    snap.write_text(json.dumps(inst.metrics.snapshot()))
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_middleware.cli", "live-ab", "--from", str(snap), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["arm"]: r for r in json.loads(out.stdout)["arms"]}
+    arms = arms_of(r.bootstrap_room for r in b.reqs)
+    for a in ("recompute", "sparse", "one_hot"):
+        mine = [accepted[i] for i in range(24) if arms[i] == a]
+        assert rows[a]["first_verifies"] == len(mine) and rows[a]["acceptance"] == pytest.approx(sum(mine) / len(mine))
+    assert set(rows) == {"recompute", "sparse", "one_hot"}
+
+
+def test_two_recompute_arms_and_the_side_channel_are_refused(sgl):
+    import msgspec
+
+    cfg = load_config(ARMS_CONFIG)
+    arms = [*cfg.arms, msgspec.structs.replace(cfg.arms[0], name="recompute2")]
+    with pytest.raises(
+        ConfigError, match=r"at arms: .*2 arms whose synthesizer needs the draft head \(recompute, recompute2\)"
+    ):
+        S.install(msgspec.structs.replace(cfg, arms=arms), S.InstallOptions(channel="metadata"))
+    with pytest.raises(ConfigError, match=r'at sglang.channel: .*recompute arm .* channel = "metadata" only'):
+        S.install(cfg, S.InstallOptions(channel="sidechannel"))
+    assert S.current() is None
+
+
+def test_a_prefill_with_a_recompute_arm_ships_every_request_and_captures_no_head(sgl):
+    """The same config on the prefill: its top-level encoder ships a row for every request
+    (whatever its arm: the decode splits), and nothing of the recompute runs there."""
+    from pd_middleware.integrations.sglang.arms import ArmedSource
+
+    facts = S.EngineFacts(role="prefill", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
+    try:
+        assert isinstance(inst.source, ArmedSource) and inst.recompute.head is None
+        reqs = [SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}") for i in range(6)]
+        enc = inst.stage_requests(
+            reqs, torch.softmax(torch.randn(6, V, generator=torch.Generator().manual_seed(2)), -1)
+        )
+        assert enc.tokens.shape == (6, 1)
+        assert all(p is not None and p.kind == "sparse" for p in enc.proposals)
+        assert inst.publisher.counts["staged"] == 6, dict(inst.publisher.counts)
+    finally:
+        S.uninstall()
+
+
+def test_a_recompute_arm_without_a_scheduler_splits_by_the_batchs_shapes(sgl):
+    """Function-level use (``hook_scheduler=False``, no activation: SGLang's own builder
+    tests): the split still routes with the batch's V, the recompute rows are recomputed
+    and the others, with no row committed, verify the one-hot at their X; no guard event."""
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", hook_scheduler=False))
+    try:
+        start(sgl, inst, eagle3(sgl))
+        b = batch(12)
+        arms = arms_of(r.bootstrap_room for r in b.reqs)
+        si = build(sgl, b)
+        mine = [i for i, a in enumerate(arms) if a == "recompute"]
+        assert mine and inst.recompute.counts["recomputed"] == len(mine)
+        assert not inst.events.snapshot(), inst.events.snapshot()
+        for i, a in enumerate(arms):
+            if a != "recompute":
+                assert int(si.topk_index[i, 0]) == 5 and float(si.draft_probs[i, 5]) == 1.0
+    finally:
+        S.uninstall()

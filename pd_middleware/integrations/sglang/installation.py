@@ -108,7 +108,9 @@ class Installation:
     @property
     def channel(self) -> Any:
         """The in-band :class:`~.metadata.MetadataChannel`, or None for another source."""
-        return self.source.channel if isinstance(self.source, InBandSource) else None
+        if isinstance(self.source, InBandSource):
+            return self.source.channel
+        return getattr(self.source, "channel", None)  # a live A/B with a recompute arm (.arms)
 
     @property
     def proposer(self) -> Any:
@@ -118,6 +120,9 @@ class Installation:
     @property
     def recompute(self) -> Any:
         """The decode-only recompute source, or None for a shipped-law source."""
+        inner = getattr(self.source, "recompute", None)  # a live A/B's recompute arm (.arms)
+        if inner is not None:
+            return inner
         return self.source if "recompute" in self.source.features else None
 
     @property
@@ -197,7 +202,9 @@ class Installation:
         logger.info(
             "pd-middleware active: %s node, %s, V=%d, S=%d",
             facts.role,
-            "decode-only recompute" if self.recompute is not None else f"channel {self.channel_name}",
+            "decode-only recompute"
+            if self.recompute is self.source
+            else f"channel {self.channel_name}" + (", a recompute arm" if self.recompute is not None else ""),
             facts.vocab_size,
             facts.num_steps,
         )
