@@ -13,8 +13,10 @@ which parameters the checkpoint did not fill (SGLang skips unknown names silentl
 misnamed tensor shows up only here) and whether the fused projections hold the file's
 tensors. A multi-layer MTP draft is built once per chain step, with ``draft_model_idx``,
 and its checkpoint goes through SGLang's own per-step filter first
-(``DefaultModelLoader._filter_mtp_weights``), as the multi-layer worker loads it. Prints
-one JSON object.
+(``DefaultModelLoader._filter_mtp_weights``), as the multi-layer worker loads it. A
+DeepSeek-V3 directory is built as ``DeepseekV3ForCausalLM`` (when it holds the target) and
+as ``DeepseekV3ForCausalLMNextN`` (the class SGLang gives a DeepSeek draft), and every
+filled parameter is compared with the file (``check_deepseek``). Prints one JSON object.
 """
 
 from __future__ import annotations
