@@ -123,6 +123,50 @@ def _attr(obj: Any, path: str) -> Any:
     return obj
 
 
+#: The lm_head quant methods under which SGLang's ``_compute_lm_head`` runs a plain matmul
+#: of the float weight (``logits_processor._UNQUANTIZED_LM_HEAD_METHODS``, SGLang 0.5.23).
+UNQUANTIZED_METHODS = frozenset({"UnquantizedEmbeddingMethod", "UnquantizedLinearMethod", "PackWeightMethod"})
+#: The weight dtypes the head runs (the hidden state is cast to the weight's dtype).
+FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_servable(lm_head: Any) -> torch.Tensor:
+    """The draft's ``lm_head`` weight, once the heads recompute cannot serve are refused
+    (ConfigError, naming the flag or the quantisation):
+
+    - a LoRA-wrapped head (what ``_compute_lm_head`` tells by ``set_lora``/``apply_lora``;
+      ``--lora-target-modules`` with ``lm_head``): its forward reads the adapters of the
+      forward batch in flight, which the scheduler thread's prebuilt batch is not;
+    - a quantised head: a quant method other than SGLang's unquantised ones, a weight that
+      is not fp16/bf16/fp32, or no weight at all (GGUF): the head casts the hidden state
+      to the weight's dtype and multiplies, so it would be garbage or fail on every batch.
+    """
+    head = type(lm_head).__name__
+    if hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"):
+        raise ConfigError(
+            f'synthesizer = "recompute" cannot serve a LoRA draft lm_head ({head}): its forward applies the '
+            "adapters of the forward batch in flight, not those of the batch being built. Leave lm_head out of "
+            "--lora-target-modules, or use a shipped strategy (configs/sparse_floor.toml)",
+            path="synthesizer",
+        )
+    method = getattr(lm_head, "quant_method", None)
+    name = type(method).__name__ if method is not None else None
+    weight = getattr(lm_head, "weight", None)
+    dtype = getattr(weight, "dtype", None)
+    if (name is not None and name not in UNQUANTIZED_METHODS) or weight is None or dtype not in FLOAT_WEIGHTS:
+        config = getattr(lm_head, "quant_config", None)
+        get_name = getattr(config, "get_name", None)
+        quant = get_name() if callable(get_name) else "unknown quantization"
+        raise ConfigError(
+            f'synthesizer = "recompute" cannot serve a quantised draft lm_head ({head}: {quant}, {name}, weight '
+            f"{dtype}): it runs the head's plain matmul of a float weight. Serve the draft unquantised "
+            "(--speculative-draft-model-quantization unquant), or use a shipped strategy (configs/sparse_floor.toml)",
+            path="synthesizer",
+        )
+    out: torch.Tensor = weight
+    return out
+
+
 class SGLangDraftHead:
     """The decode's draft model as a :class:`~pd_middleware.core.draft_head.DraftHead`.
 
@@ -131,14 +175,18 @@ class SGLangDraftHead:
     target id: the worker's or the model's), None for none; ``scope``: a context manager
     factory the head runs in (SGLang's draft TP context); ``symbols``: the table's READ
     targets (``fused_softcap``). Applies, in ``LogitsProcessor._get_logits``' order: the
-    architecture's norm (:data:`ARCHITECTURES`), ``_compute_lm_head`` (quantised and LoRA
-    heads included), ``logit_scale``, the TP gather, the slice to the vocab and the fp32
-    cast (``_copy_logits_to_buffer``), softcapping; then scatters through the token map
-    into target ids. Raises PluginError for an unknown architecture.
+    architecture's norm (:data:`ARCHITECTURES`), ``_compute_lm_head``, ``logit_scale``,
+    the TP gather, the slice to the vocab and the fp32 cast (``_copy_logits_to_buffer``),
+    softcapping; then scatters through the token map into target ids. Raises PluginError
+    for an unknown architecture, ConfigError for a LoRA or quantised lm_head
+    (:func:`check_servable`).
 
-    **The gather runs on every rank, always**: a failure of this rank's part before it
-    (its norm or matmul) is remembered, the gather runs on zeros, and the failure is
-    raised after it, so no rank leaves the others waiting in the collective.
+    **The gather runs on every rank, always, on the same bytes**: a failure of this rank's
+    part before it (its norm or matmul) is remembered, the gather runs on zeros of the
+    dtype and width a real output of this part had at construction (``out_dtype``,
+    ``local_width``: fp32 under ``--enable-fp32-lm-head`` whatever the weight's dtype),
+    and the failure is raised after it, so no rank leaves the others waiting in the
+    collective or hands them another byte count.
     """
 
     def __init__(
@@ -170,11 +218,10 @@ class SGLangDraftHead:
             None if rule.norm is None or normed else _attr(model, rule.norm)
         )
         self.vocab_size = int(vocab_size)
-        weight = getattr(self.lm_head, "weight", None)
-        self.hidden_size = int(getattr(cfg, "hidden_size", 0) or (weight.shape[1] if weight is not None else 0))
-        self.local_width = int(weight.shape[0]) if weight is not None else self.vocab_size
-        self.dtype = weight.dtype if weight is not None else torch.bfloat16
-        self.device = weight.device if weight is not None else torch.device("cpu")
+        weight = check_servable(self.lm_head)
+        self.hidden_size = int(getattr(cfg, "hidden_size", 0) or weight.shape[1])
+        self.dtype = weight.dtype
+        self.device = weight.device
         hot = hot_token_id if hot_token_id is not None else getattr(model, "hot_token_id", None)
         self.hot_token_id: torch.Tensor | None = None
         self.draft_id_of: torch.Tensor | None = None
@@ -187,6 +234,14 @@ class SGLangDraftHead:
             inv = torch.empty_like(hot)
             inv[hot] = torch.arange(hot.numel(), device=hot.device)
             self.draft_id_of = inv
+        # What this rank hands the gather, from a real output of its part (one zero row):
+        # a rank whose part fails enters the gather with zeros of exactly this dtype and
+        # width, the bytes its peers send (under --enable-fp32-lm-head a bf16 head's
+        # output is fp32). Rank-local, no collective.
+        with torch.no_grad(), self.scope():
+            out = self._local(torch.zeros((1, self.hidden_size), dtype=self.dtype, device=self.device))
+        self.out_dtype: torch.dtype = out.dtype
+        self.local_width = int(out.shape[1])
 
     @property
     def logits_width(self) -> int:
@@ -196,20 +251,22 @@ class SGLangDraftHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 (B, V) target-vocab logits for ``hidden`` (B, H)."""
         lp = self.lp
+        b = hidden.shape[0]
         with torch.no_grad(), self.scope():
             failed: BaseException | None = None
             try:
                 if self.fault:
                     raise RuntimeError(f"injected by {ENV_TEST_FAULT}: the head fails on this rank")
-                h = hidden.to(self.device, self.dtype)
-                if self.norm is not None:
-                    h = self.norm(h)
-                logits = lp._compute_lm_head(h, self.lm_head)
-                if lp.logit_scale is not None:
-                    logits.mul_(lp.logit_scale)
-            except Exception as exc:  # this rank's part failed: the gather below still runs
+                logits = self._local(hidden)
+                if logits.dtype != self.out_dtype or tuple(logits.shape) != (b, self.local_width):
+                    raise ValidationError(
+                        f"the draft head's output is {logits.dtype} {tuple(logits.shape)}, at startup it was "
+                        f"{self.out_dtype} ({b}, {self.local_width})",
+                        field="logits",
+                    )
+            except Exception as exc:  # this rank's part failed: the gather below still runs, on the same bytes
                 failed = exc
-                logits = torch.zeros((hidden.shape[0], self.local_width), dtype=self.dtype, device=self.device)
+                logits = torch.zeros((b, self.local_width), dtype=self.out_dtype, device=self.device)
             if lp.do_tensor_parallel_all_gather:
                 # Placement checked at startup (check_placement): no forward in flight.
                 logits = lp._gather_attn_tp_logits(logits) if lp.use_attn_tp_group else lp._logits_gatherer(logits)
@@ -218,6 +275,17 @@ class SGLangDraftHead:
             logits = self._finish(logits)
         out: torch.Tensor = logits
         return out
+
+    def _local(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's part, before the gather: the norm, ``_compute_lm_head``, ``logit_scale``."""
+        lp = self.lp
+        h = hidden.to(self.device, self.dtype)
+        if self.norm is not None:
+            h = self.norm(h)
+        logits: torch.Tensor = lp._compute_lm_head(h, self.lm_head)
+        if lp.logit_scale is not None:
+            logits.mul_(lp.logit_scale)
+        return logits
 
     def _finish(self, logits: torch.Tensor) -> torch.Tensor:
         lp = self.lp
@@ -271,6 +339,18 @@ def check_width(head: SGLangDraftHead) -> None:
             f"target's vocabulary is {head.vocab_size}; rejection sampling needs a full-vocabulary draft",
             path="synthesizer",
         )
+
+
+@dataclass
+class Staged:
+    """What one rank writes after the vote, built before it (:meth:`RecomputeSource._stage`):
+    ``rec`` the batch's q' and X'; ``x`` int64 (B, 1) the builder's X' (a draft id under a
+    token map); ``p`` float32 (B, 1) q'(X'); ``valid`` bool (B,); all on CPU."""
+
+    rec: Recomputed
+    x: torch.Tensor
+    p: torch.Tensor
+    valid: torch.Tensor
 
 
 @dataclass
@@ -428,9 +508,12 @@ class RecomputeSource(ProposalSource):
         return user
 
     def _votes(self, batch: Any, reqs: list[Any], seen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (ok (B,), [X', prefill X] (B, 2)); raises for a failure of this rank's own."""
+        """This rank's (ok (B,), [X', prefill X] (B, 2)), with everything the write after the
+        vote assigns staged in ``seen``; raises for a failure of this rank's own (its vote)."""
         assert self.synth is not None and self.head is not None
         b, head = len(reqs), self.head
+        # Where a fallen-back row's agreed X is written after the vote (no allocation there).
+        seen["spare"] = torch.empty((b, 1), dtype=torch.int64)
         failed: BaseException | None = None
         try:
             seen["x"] = torch.tensor([request_tokens(r, 1)[0] for r in reqs], dtype=torch.int64)
@@ -458,9 +541,29 @@ class RecomputeSource(ProposalSource):
         tokens = rec.tokens
         if head.draft_id_of is not None:
             tokens = head.draft_id_of[tokens]  # the builder's X is a draft id: SGLang maps it through the map
-        seen["rec"], seen["tokens"] = rec, tokens.to("cpu", torch.int64)
+        staged = self._stage(rec, tokens)
         self._faulty(None, "draw")
-        return rec.valid.cpu(), torch.stack([seen["tokens"], seen["x"]], 1)
+        seen["staged"] = staged
+        return staged.valid, torch.stack([staged.x[:, 0], seen["x"]], 1)
+
+    def _stage(self, rec: Recomputed, tokens: torch.Tensor) -> Staged:
+        """What the write after the vote assigns, as CPU tensors, with q''s width checked:
+        the device-to-host copies and the checks that could fail on one rank run here,
+        before the vote, where a failure is this rank's vote."""
+        assert self.head is not None
+        b, width = len(rec), self.head.vocab_size
+        if tuple(rec.probs.shape) != (b, width):
+            # Never after the startup checks (the head's width is the target's); the shapes
+            # are the same on every rank, so every rank votes the same: no row keeps X'.
+            raise _Shape(
+                f"the recomputed q' is {tuple(rec.probs.shape)}, the builder reads ({b}, {width})", field="draft_probs"
+            )
+        return Staged(
+            rec,
+            x=tokens.to("cpu", torch.int64).reshape(b, 1).clone(),
+            p=rec.token_probs.to("cpu", torch.float32).reshape(b, 1).clone(),
+            valid=rec.valid.to("cpu", torch.bool).reshape(b).clone(),
+        )
 
     def _hidden(self, reqs: list[Any]) -> torch.Tensor:
         assert self.head is not None
@@ -488,36 +591,39 @@ class RecomputeSource(ProposalSource):
         return value
 
     def _settle(self, reqs: list[Any], verdict: Verdict, seen: dict[str, Any], user: torch.Tensor) -> Prepared | None:
-        """Apply the verdict: agreed rows get X', the others the agreed prefill X (one-hot).
-        ``user``: the rows counted (:meth:`_user_rows`)."""
+        """Apply the verdict; after the vote nothing can fail on one rank alone. Agreed rows
+        get the staged X' and q'(X'), a fallen-back row the agreed prefill X (the smallest any
+        rank holds) where this rank's differs: assignments of CPU tensors :meth:`_votes`
+        staged. Then the counts (``user``: the rows counted, :meth:`_user_rows`)."""
+        staged: Staged | None = seen.get("staged")
         agreed = verdict.ok & (verdict.lo[:, 0] == verdict.hi[:, 0]) & (verdict.lo[:, 0] != NEUTRAL)
-        self._count_fallbacks(verdict, seen, agreed, user)
-        rec = seen.get("rec")
-        width = self.head.vocab_size if self.head is not None else -1
-        if rec is not None and tuple(rec.probs.shape) != (len(reqs), width):
-            # Never after the startup checks (the head's width is the target's); the shapes
-            # are the same on every rank, so every rank takes this branch: no row keeps X'.
-            self._fallback("shape", int((agreed & user).sum()))
+        if staged is None:  # this rank's own vote failed (its ok is False on every row already)
             agreed = torch.zeros_like(agreed)
         x_agreed = verdict.lo[:, 1]
         mine = seen.get("x")
+        spare = seen.get("spare")
+        if spare is None:  # votes() failed at its first line: nothing of this batch was built
+            spare = torch.empty((len(reqs), 1), dtype=torch.int64)
         for i in (~agreed).nonzero().view(-1).tolist():
             # Every rank verifies the same X: the smallest any rank holds (they all hold it normally).
             if x_agreed[i] != NEUTRAL and (mine is None or int(mine[i]) != int(x_agreed[i])):
-                reqs[i].output_topk_index = torch.tensor([int(x_agreed[i])], dtype=torch.int64)
-        n_ok = int(agreed.sum())
-        if rec is None or n_ok == 0:
-            return None
-        toks, tps = seen["tokens"].tolist(), rec.token_probs.float().cpu().tolist()
-        for i in agreed.nonzero().view(-1).tolist():
-            reqs[i].output_topk_index = torch.tensor([toks[i]], dtype=torch.int64)
-            reqs[i].output_topk_p = torch.tensor([tps[i]], dtype=torch.float32)
-        self.events.count("recomputed", int((agreed & user).sum()))
-        return Prepared(rec, agreed, user)
+                spare[i, 0] = x_agreed[i]
+                reqs[i].output_topk_index = spare[i]
+        state: Prepared | None = None
+        if staged is not None and bool(agreed.any()):
+            for i in agreed.nonzero().view(-1).tolist():
+                reqs[i].output_topk_index = staged.x[i]
+                reqs[i].output_topk_p = staged.p[i]
+            state = Prepared(staged.rec, agreed, user)
+        try:
+            self._count(verdict, staged, agreed, user)
+        except Exception as exc:  # counting never changes what this rank hands SGLang after the vote
+            events = self.inst.events if self.inst is not None else self.events
+            events.failed("recompute_count", exc, "the batch as agreed (its counts are lost)")
+        return state
 
-    def _count_fallbacks(
-        self, verdict: Verdict, seen: dict[str, Any], agreed: torch.Tensor, user: torch.Tensor
-    ) -> None:
+    def _count(self, verdict: Verdict, staged: Staged | None, agreed: torch.Tensor, user: torch.Tensor) -> None:
+        self.events.count("recomputed", int((agreed & user).sum()))
         n_bad = int((~agreed & user).sum())
         if n_bad == 0:
             return
@@ -532,8 +638,7 @@ class RecomputeSource(ProposalSource):
                 events.failed("recompute", err, "the prefill's X with a one-hot proposal (on every rank)")
             self._fallback(reason, n_bad)
         else:
-            rec = seen.get("rec")
-            valid = rec.valid.cpu() if rec is not None else torch.zeros_like(agreed)
+            valid = staged.valid if staged is not None else torch.zeros_like(agreed)
             invalid = int((~valid & user).sum())
             peer = int((valid & ~verdict.ok & user).sum())
             differs = n_bad - invalid - peer
