@@ -28,7 +28,9 @@ then **the ranks agree** (:func:`~.agreement.agree`) per request on (ok, X', the
 prefill's X): a request that any rank could not serve, or whose X' differs between
 ranks, falls back on every rank to the exact one-hot at the same X (the smallest
 prefill X any rank holds). A failure on one rank is its vote; the head's gather still
-runs on every rank. X' and q'(X') are written into each agreed request's
+runs on every rank, on the same bytes (:class:`SGLangDraftHead`). Everything that can
+fail on one rank runs before the vote (:meth:`RecomputeSource._stage`); after it a rank
+only assigns what it staged. X' and q'(X') are written into each agreed request's
 ``output_topk_index``/``output_topk_p`` (the fields the builder reads), and q' is the
 builder's ``pd_first_draft_proposal``. All of it happens inside the original builder's
 call, so **before** ``future_map.stash`` copies the draft input under the overlap
@@ -44,8 +46,9 @@ same prebuilt batch in the same order, since SGLang's transfer polls are all-red
 over the TP group), so it is refused with overlap on. A draft whose LogitsProcessor
 gathers hidden states over every DP rank (DP attention without ``--enable-dp-lm-head``,
 for a draft that shares the target's layout) is refused: DP ranks' prebuilt batches are
-not synchronised. A token map that is not the identity, and a draft vocabulary whose
-width is not the target's, are refused at startup too.
+not synchronised. A token map that is not the identity, a draft vocabulary whose width
+is not the target's, and a quantised or LoRA ``lm_head`` (:func:`check_servable`) are
+refused at startup too.
 
 :data:`ARCHITECTURES` is the table of DESIGN section 10, read in SGLang 0.5.23's model
 code: which hidden state the prefill ships, and so what the head applies to it.
