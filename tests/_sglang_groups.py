@@ -102,7 +102,9 @@ def _run(rank: int, port: int, case: str) -> dict:
     from pd_middleware import ConfigError
     from pd_middleware.config import load_config
     from pd_middleware.integrations import sglang as S
-    from pd_middleware.integrations.sglang.recompute import SGLangDraftHead, capture, check_placement
+    from pd_middleware.integrations.sglang.draft_head import SGLangDraftHead
+    from pd_middleware.integrations.sglang.recompute import capture
+    from pd_middleware.integrations.sglang.startup import check_placement
 
     parallel = rc.get_parallel()
     # What SGLang resolves for EAGLE3 (a SINGLE_GROUP draft): its own group under DP attention.

@@ -39,13 +39,9 @@ from pd_middleware import ConfigError
 from pd_middleware.config import load_config
 from pd_middleware.decode.recompute import inverse_cdf
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang.recompute import (
-    ARCHITECTURES,
-    SGLangDraftHead,
-    capture,
-    check_placement,
-    find_draft_model,
-)
+from pd_middleware.integrations.sglang.draft_head import ARCHITECTURES, SGLangDraftHead, find_draft_model
+from pd_middleware.integrations.sglang.recompute import capture
+from pd_middleware.integrations.sglang.startup import check_placement
 
 pytestmark = [pytest.mark.sglang]
 
