@@ -449,19 +449,29 @@ def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, i
 
 
 def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, installed):
-    """The startup checks make it impossible, so it is forced here: a recomputed q' whose
-    width is not the head's target V. No row keeps X' (every rank takes the same branch:
-    the shapes are the same on all), the builder verifies the one-hot at the prefill's X,
-    and each user row is counted ``fallback:shape`` once, never ``recomputed``."""
+    """The startup checks make it impossible, so it is forced here: the head's logits gain
+    one column (probability 0), so the recomputed q' is V + 1 wide while the head, the
+    synthesizer and SGLang's batch all say V (the batch-wide ``unusable`` check passes).
+    q''s width is checked before any X' is written (every rank alike: the shapes are the
+    same on all): no row keeps X', the builder verifies the one-hot at the prefill's X, and
+    each user row is counted ``fallback:shape`` once, never ``recomputed`` nor
+    ``propose_shape``. Negative control tried: without that check the X' drawn from the
+    wide q' is written, and the builder verifies the one-hot at X' (``propose_shape``)."""
     start(sgl, installed, eagle3(sgl))
     rc = installed.recompute
-    rc.head.vocab_size = V + 1  # what the recomputed q' (V wide) is compared with
+    logits = rc.head.logits
+    rc.head.logits = lambda h: torch.nn.functional.pad(logits(h), (0, 1), value=float("-inf"))
+    control = batch(3)
+    assert rc.synth.recompute(
+        torch.stack([r.hidden_states_tensor for r in control.reqs]),
+        temperatures=control.sampling_info.temperatures,
+        seeds=torch.arange(3),
+        positions=control.seq_lens,
+    ).probs.shape == (3, V + 1), "control: the recomputed q' is one wider"
     si = build(sgl, batch(3))
-    rc.head.vocab_size = V
+    del rc.head.logits
     assert torch.equal(si.topk_index, torch.full((3, 1), 5))
-    want = torch.zeros(3, V)
-    want[:, 5] = 1.0
-    assert torch.equal(si.draft_probs, want)
+    assert torch.equal(si.draft_probs, one_hots([5] * 3))
     assert rc.counts["fallback:shape"] == 3 and rc.counts["recomputed"] == 0
     assert "fallback:propose_shape" not in rc.counts
 
