@@ -5,6 +5,12 @@ Two real processes (spawned; gloo on 127.0.0.1, a random port) with SGLang's rea
 says what is real in a rank). Recorded: the group the recompute head's gather resolves
 at the moment of the call, and the group of the recompute vote. Also SGLang's real
 ``LogitsProcessor`` against ``check_placement``, with and without ``--enable-dp-lm-head``.
+
+Under plain TP 2, batches where one rank differs from the other (``_tp2_scenarios``): its
+head fails (bf16, and bf16 with an fp32 output), its hidden state is missing, it draws
+another X', its row is invalid while its prefill X differs, staging its write fails. Each
+shows both ranks leave every collective together, hand SGLang the same X, and count each
+request once.
 """
 
 from __future__ import annotations
@@ -169,8 +175,9 @@ def test_a_failing_head_on_one_rank_gathers_its_peers_dtype_and_both_fall_back_c
     under ``enable_lm_head_fp32`` (``--enable-fp32-lm-head``'s switch), bf16 without. No
     rank is left in the gather; both hand SGLang the prefill's X, one-hot; each request is
     counted once on each rank (rank 1 ``failed``, rank 0 ``peer_failed``). Negative
-    controls tried: zeros in the weight's dtype (the landed code) leave the fp32 case
-    hung; fp32 zeros leave the bf16 case hung."""
+    controls tried: zeros in the weight's dtype (the landed code) in the fp32 case, and
+    fp32 zeros in the bf16 case, each make gloo abort a rank (SIGABRT) in the gather of
+    mismatched sizes, and this test fails."""
     s0, s1 = scenario(name)
     for s in (s0, s1):
         assert s["weight_dtype"] == "torch.bfloat16" and s["out_dtype"] == dtype, s  # control: which head this is
@@ -184,8 +191,8 @@ def test_a_failing_head_on_one_rank_gathers_its_peers_dtype_and_both_fall_back_c
 def test_a_rank_without_a_hidden_state_still_enters_the_heads_gather():
     """Rank 1 has no hidden state for request 0: it votes "not ok" after running the head on
     zeros, so both ranks gather once and fall back to the prefill's X (rank 1 ``no_hidden``,
-    rank 0 ``peer_failed``). Negative control tried: a rank that returns before the head
-    leaves its peer in the gather (hung)."""
+    rank 0 ``peer_failed``). Negative control tried: a rank that raises before the head
+    (skipping its gather) fails this test."""
     s0, s1 = scenario("no_hidden_on_one_rank")
     for s in (s0, s1):
         assert len(s["gathers"]) == 1 and s["x"] == [5, 5] and s["agreed"] is None, s
@@ -196,8 +203,8 @@ def test_a_rank_without_a_hidden_state_still_enters_the_heads_gather():
 def test_ranks_that_drew_different_x_prime_fall_back_and_the_others_keep_theirs():
     """Rank 1's sampler draws another X' for request 0: request 0 is not agreed (both ranks
     hand the prefill's X, counted ``rank_mismatch`` once each), request 1 is (the same X' on
-    both). Negative control tried: treating the vote's ``ok`` alone as agreed hands the two
-    ranks different X for request 0."""
+    both). Negative control tried: treating the vote's ``ok`` alone as agreed (each rank
+    keeps its own X') fails this test."""
     s0, s1 = scenario("x_prime_differs")
     for s in (s0, s1):
         assert s["agreed"] == [False, True] and s["x"][0] == 5, s
@@ -209,8 +216,8 @@ def test_a_rank_whose_prefill_x_differs_takes_the_agreed_x_and_counts_only_its_o
     """Request 0: rank 1's row is invalid (NaN temperature) and its prefill X is 3, rank 0's
     is 5. Both hand SGLang X = 3 (the smallest any rank holds), rank 0 overwriting its own;
     rank 1 counts its row ``invalid_row`` (never also ``peer_failed``), rank 0 ``peer_failed``.
-    Negative controls tried: a rank keeping its own prefill X (rank 0 hands 5); ``peer_failed``
-    counting this rank's own invalid rows (rank 1 counts the row twice)."""
+    Negative controls tried, each failing this test: a rank keeping its own prefill X;
+    ``peer_failed`` counting this rank's own invalid rows."""
     s0, s1 = scenario("invalid_row_and_prefill_x_differ")
     for s in (s0, s1):
         assert s["agreed"] == [False, True] and s["x"][0] == 3, s
@@ -222,9 +229,9 @@ def test_a_rank_whose_prefill_x_differs_takes_the_agreed_x_and_counts_only_its_o
 def test_a_failure_staging_the_write_on_one_rank_is_its_vote_never_a_divergent_x():
     """Everything the write after the vote needs (X' and q'(X') on the host, q''s width) is
     staged before the vote: a failure there on rank 1 is its vote, and both ranks hand the
-    prefill's X (rank 1 ``failed``, rank 0 ``peer_failed``). Negative control tried: staging
-    after the vote (the landed order) leaves rank 1 raising with the prefill's X while rank
-    0 hands X'."""
+    prefill's X (rank 1 ``failed``, rank 0 ``peer_failed``). Negative control tried:
+    staging after the vote (the landed order: rank 1 raises after the ranks agreed on X')
+    fails this test."""
     s0, s1 = scenario("write_staging_fails_on_one_rank")
     for s in (s0, s1):
         assert s["x"] == [5, 5] and s["agreed"] is None, s
@@ -234,7 +241,8 @@ def test_a_failure_staging_the_write_on_one_rank_is_its_vote_never_a_divergent_x
 
 def test_capture_refuses_a_vocab_parallel_head_under_the_overlap_scheduler():
     """The scheduler-start capture with SGLang's real TP 2 draft and ``enable_overlap``:
-    refused, naming the flag (the placement check, through capture itself)."""
+    refused, naming the flag (the placement check, through capture itself). Negative
+    control tried: capture passing ``enable_overlap=False`` to the check fails this test."""
     for r in run_case("tp2"):
         got = r["scenarios"]["capture_under_overlap"]
         assert got.startswith("refused") and "--disable-overlap-schedule" in got, got

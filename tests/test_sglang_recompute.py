@@ -476,6 +476,25 @@ def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, ins
     assert "fallback:propose_shape" not in rc.counts
 
 
+def test_a_failure_counting_after_the_vote_never_changes_what_sglang_is_handed(sgl, installed, monkeypatch):
+    """After the vote a rank only assigns what it staged, then counts: a failure while
+    counting is reported (``guard:recompute_count:<error>``) and the batch keeps what the
+    ranks agreed, X' with q' (a peer whose counting worked hands the same). Negative
+    control tried: an unguarded count makes prepare raise, and this rank verifies the
+    one-hot at X' while its peers verify q'."""
+    m = eagle3(sgl)
+    start(sgl, installed, m)
+    rc = installed.recompute
+    seeds = torch.arange(4, dtype=torch.int64) + 60
+    want = build(sgl, batch(4, seeds=seeds))  # the same batch, counted normally
+    monkeypatch.setattr(rc, "_count", _boom)
+    got = build(sgl, batch(4, seeds=seeds))
+    assert torch.equal(got.topk_index, want.topk_index) and torch.equal(got.draft_probs, want.draft_probs)
+    assert not torch.equal(got.draft_probs, one_hots(got.topk_index[:, 0].tolist()))  # q', not a one-hot
+    assert installed.guard.counts["guard:recompute_count:RuntimeError"] == 1
+    assert not [k for k in installed.guard.counts if k.startswith(("guard:prepare", "guard:propose"))]
+
+
 def test_sglangs_health_checks_in_a_batch_are_counted_apart_never_as_user_rows(sgl, installed):
     """A router's health check (rid ``HEALTH_CHECK_...``) or a warmup (the fake bootstrap
     host) rides in a prebuilt batch with user requests: it is served like them, and counted
