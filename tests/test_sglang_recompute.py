@@ -39,13 +39,9 @@ from pd_middleware import ConfigError
 from pd_middleware.config import load_config
 from pd_middleware.decode.recompute import inverse_cdf
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang.recompute import (
-    ARCHITECTURES,
-    SGLangDraftHead,
-    capture,
-    check_placement,
-    find_draft_model,
-)
+from pd_middleware.integrations.sglang.draft_head import ARCHITECTURES, SGLangDraftHead, find_draft_model
+from pd_middleware.integrations.sglang.recompute import capture
+from pd_middleware.integrations.sglang.startup import check_placement
 
 pytestmark = [pytest.mark.sglang]
 
@@ -175,6 +171,99 @@ def test_head_table_is_checked(sgl):
     assert set(ARCHITECTURES) >= {"LlamaForCausalLMEagle3", "LlamaForCausalLMEagle", "DeepseekV3ForCausalLMNextN"}
     with pytest.raises(S.PluginError, match="not in the recompute head table"):
         SGLangDraftHead(torch.nn.Linear(2, 2), V)
+
+
+def quantised(kind):
+    """A real SGLang ``ParallelLMHead`` built under a real quantisation config."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp8Config
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if kind == "fp8_leaves_lm_head":
+        config = Fp8Config()  # quantises linear layers; the lm_head keeps UnquantizedEmbeddingMethod
+    else:
+        config = ModelOptFp8Config(
+            is_checkpoint_fp8_serialized=kind == "modelopt_fp8", exclude_modules=[], packed_modules_mapping={}
+        )
+    return ParallelLMHead(V, H, quant_config=config, prefix="lm_head")
+
+
+def lora_wrapped(base):
+    """SGLang's real ``ParallelLMHeadWithLoRA`` around ``base``. Its own constructor pins a host
+    tensor, which CPU torch cannot; the state that matters here is its base class's
+    (``BaseLayerWithLoRA.__init__``: ``base_layer``, ``weight``, ``set_lora``)."""
+    from sglang.srt.lora.layers import BaseLayerWithLoRA, ParallelLMHeadWithLoRA
+
+    head = ParallelLMHeadWithLoRA.__new__(ParallelLMHeadWithLoRA)
+    BaseLayerWithLoRA.__init__(head, base, None)
+    return head
+
+
+QUANT_REFUSAL = r"quantised draft lm_head \(ParallelLMHead: modelopt_fp8, ModelOptFp8LinearMethod, "
+
+
+@pytest.mark.parametrize(
+    ("kind", "refusal"),
+    [
+        (
+            "modelopt_fp8",
+            QUANT_REFUSAL + r"weight torch.float8_e4m3fn\).*--speculative-draft-model-quantization unquant",
+        ),
+        ("modelopt_fp8_at_load", QUANT_REFUSAL + r"weight torch.float32\)"),
+        ("lora", r"LoRA draft lm_head \(ParallelLMHeadWithLoRA\).*lm_head out of --lora-target-modules"),
+        ("fp8_leaves_lm_head", None),
+        ("lora_off", None),
+    ],
+)
+def test_quantised_and_lora_lm_heads_are_refused_at_start_naming_the_flag(sgl, installed, kind, refusal):
+    """SGLang's real lm_head classes: a ModelOpt FP8 head (fp8 weight; or a float weight its
+    method quantises when the checkpoint loads) and a LoRA-wrapped head are refused at
+    scheduler start, naming the quantisation or the flag, and nothing is bound (before,
+    they were accepted and every batch failed, counted ``failed``: one-hot in disguise).
+    Controls: a quantisation config that leaves the lm_head unquantised, and the plain head
+    a LoRA wrapper would wrap, are accepted; SGLang's own dispatch really takes its quantised
+    (``should_apply_lm_head_quant_method``) or LoRA branch for the refused heads."""
+    m = eagle3(sgl)
+    if kind == "lora":
+        m.lm_head = lora_wrapped(m.lm_head)
+        assert hasattr(m.lm_head, "set_lora") and hasattr(m.lm_head, "apply_lora"), "SGLang's LoRA branch"
+    elif kind != "lora_off":
+        m.lm_head = quantised(kind)
+    if kind == "modelopt_fp8":
+        assert sgl.lp.should_apply_lm_head_quant_method(m.lm_head, m.lm_head.quant_method), "SGLang's quant branch"
+    rc = installed.recompute
+    if refusal is None:
+        start(sgl, installed, m)
+        assert rc.head is not None and rc.head.out_dtype == torch.float32
+        return
+    with pytest.raises(ConfigError, match=refusal):
+        start(sgl, installed, m)
+    assert rc.head is None and rc.synth is None
+
+
+@pytest.mark.parametrize("attn_tp", [True, False])
+def test_a_vocab_parallel_head_gathers_with_sglangs_attention_tp_gather_under_attention_tp(sgl, attn_tp):
+    """Which of its LogitsProcessor's gathers the head calls: under ``--enable-dp-lm-head``
+    (``use_attn_tp_group``) SGLang's ``_gather_attn_tp_logits`` (the attention-TP group),
+    else ``_logits_gatherer`` (the TP group), once per batch, never both. Both are
+    recorded stand-ins here (one rank has no group to gather over)."""
+    m = eagle3(sgl)
+    head = SGLangDraftHead(m, V)
+    calls = []
+
+    def recorder(name):
+        def gather(x):
+            calls.append((name, str(x.dtype), tuple(x.shape)))
+            return x
+
+        return gather
+
+    lp = head.lp  # the model's own, dropped with it
+    lp.do_tensor_parallel_all_gather, lp.use_attn_tp_group = True, attn_tp
+    lp._gather_attn_tp_logits = recorder("attn_tp")
+    lp._logits_gatherer = recorder("tp")
+    head.logits(torch.randn(3, H))
+    assert calls == [("attn_tp" if attn_tp else "tp", "torch.float32", (3, head.local_width))], calls
 
 
 def test_placement_refusals_name_the_flag():
@@ -370,21 +459,50 @@ def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, i
 
 
 def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, installed):
-    """The startup checks make it impossible, so it is forced here: a recomputed q' whose
-    width is not the head's target V. No row keeps X' (every rank takes the same branch:
-    the shapes are the same on all), the builder verifies the one-hot at the prefill's X,
-    and each user row is counted ``fallback:shape`` once, never ``recomputed``."""
+    """The startup checks make it impossible, so it is forced here: the head's logits gain
+    one column (probability 0), so the recomputed q' is V + 1 wide while the head, the
+    synthesizer and SGLang's batch all say V (the batch-wide ``unusable`` check passes).
+    q''s width is checked before any X' is written (every rank alike: the shapes are the
+    same on all): no row keeps X', the builder verifies the one-hot at the prefill's X, and
+    each user row is counted ``fallback:shape`` once, never ``recomputed`` nor
+    ``propose_shape``. Negative control tried: without that check the X' drawn from the
+    wide q' is written, and the builder verifies the one-hot at X' (``propose_shape``)."""
     start(sgl, installed, eagle3(sgl))
     rc = installed.recompute
-    rc.head.vocab_size = V + 1  # what the recomputed q' (V wide) is compared with
+    logits = rc.head.logits
+    rc.head.logits = lambda h: torch.nn.functional.pad(logits(h), (0, 1), value=float("-inf"))
+    control = batch(3)
+    assert rc.synth.recompute(
+        torch.stack([r.hidden_states_tensor for r in control.reqs]),
+        temperatures=control.sampling_info.temperatures,
+        seeds=torch.arange(3),
+        positions=control.seq_lens,
+    ).probs.shape == (3, V + 1), "control: the recomputed q' is one wider"
     si = build(sgl, batch(3))
-    rc.head.vocab_size = V
+    del rc.head.logits
     assert torch.equal(si.topk_index, torch.full((3, 1), 5))
-    want = torch.zeros(3, V)
-    want[:, 5] = 1.0
-    assert torch.equal(si.draft_probs, want)
+    assert torch.equal(si.draft_probs, one_hots([5] * 3))
     assert rc.counts["fallback:shape"] == 3 and rc.counts["recomputed"] == 0
     assert "fallback:propose_shape" not in rc.counts
+
+
+def test_a_failure_counting_after_the_vote_never_changes_what_sglang_is_handed(sgl, installed, monkeypatch):
+    """After the vote a rank only assigns what it staged, then counts: a failure while
+    counting is reported (``guard:recompute_count:<error>``) and the batch keeps what the
+    ranks agreed, X' with q' (a peer whose counting worked hands the same). Negative
+    control tried: an unguarded count makes prepare raise, and this rank verifies the
+    one-hot at X' while its peers verify q'."""
+    m = eagle3(sgl)
+    start(sgl, installed, m)
+    rc = installed.recompute
+    seeds = torch.arange(4, dtype=torch.int64) + 60
+    want = build(sgl, batch(4, seeds=seeds))  # the same batch, counted normally
+    monkeypatch.setattr(rc, "_count", _boom)
+    got = build(sgl, batch(4, seeds=seeds))
+    assert torch.equal(got.topk_index, want.topk_index) and torch.equal(got.draft_probs, want.draft_probs)
+    assert not torch.equal(got.draft_probs, one_hots(got.topk_index[:, 0].tolist()))  # q', not a one-hot
+    assert installed.guard.counts["guard:recompute_count:RuntimeError"] == 1
+    assert not [k for k in installed.guard.counts if k.startswith(("guard:prepare", "guard:propose"))]
 
 
 def test_sglangs_health_checks_in_a_batch_are_counted_apart_never_as_user_rows(sgl, installed):
@@ -414,6 +532,41 @@ def test_sglangs_health_checks_in_a_batch_are_counted_apart_never_as_user_rows(s
     assert si.draft_probs.shape == (5, V)
     assert rc.counts["fallback:invalid_row"] == 1, dict(rc.counts)
     assert rc.counts["recomputed"] == 2 + 2 and rc.counts["probe"] == 6
+    # Every fallback key, exactly: the probe's fallen-back row is in none of them.
+    fallbacks = {k: n for k, n in rc.counts.items() if k.startswith("fallback:")}
+    assert fallbacks == {"fallback:unknown_head": 2, "fallback:invalid_row": 1}, fallbacks
+    assert dict(rc.synth.counts) == {"invalid_row": 1}, dict(rc.synth.counts)
+
+
+def test_a_broken_agreement_collective_is_counted_agreement_failed_never_failed(sgl, installed, monkeypatch):
+    """The vote's all-reduce itself raises (the group is broken): nothing is agreed, every
+    request keeps the prefill's X with the one-hot, and each is counted
+    ``agreement_failed`` once (the guard logs ``recompute_agreement``), never ``failed``
+    (this rank's own step did not fail). Control: the same batch with a working vote
+    recomputes."""
+    import torch.distributed as dist
+
+    start(sgl, installed, eagle3(sgl))
+    rc = installed.recompute
+    calls = []
+
+    def broken(tensor, *args, **kwargs):
+        calls.append(kwargs.get("group"))
+        raise RuntimeError("injected: the group is broken")
+
+    rc.group = group = object()  # a group of more than one rank, as bind_head keeps it
+    monkeypatch.setattr(dist, "all_reduce", broken)
+    si = build(sgl, batch(3))
+    assert calls == [group]  # the vote ran, over the source's group, and failed
+    assert torch.equal(si.topk_index, torch.full((3, 1), 5)) and torch.equal(si.draft_probs, one_hots([5] * 3))
+    fallbacks = {k: n for k, n in rc.counts.items() if k.startswith("fallback:")}
+    assert fallbacks == {"fallback:agreement_failed": 3}, fallbacks
+    assert installed.guard.counts["guard:recompute_agreement:RuntimeError"] == 1
+    assert "guard:recompute:RuntimeError" not in installed.guard.counts
+    rc.group = None
+    monkeypatch.undo()
+    build(sgl, batch(3))
+    assert rc.counts["recomputed"] == 3
 
 
 def test_no_draft_worker_is_refused_at_startup(sgl, installed):
@@ -741,18 +894,20 @@ def test_an_eagle3_models_own_non_identity_map_is_refused_at_start(sgl, installe
     assert installed.recompute.head is not None
 
 
-def test_a_draft_whose_logits_are_not_the_target_width_is_refused_at_start(sgl, installed):
+@pytest.mark.parametrize("delta", [-8, 8])
+def test_a_draft_whose_logits_are_not_the_target_width_is_refused_at_start(sgl, installed, delta):
     """The draft logits' real width (its LogitsProcessor's vocab_size, what the head's slice
     leaves) is checked at startup, before any X' can be drawn or written (defect 5: the old
-    check compared the target V with itself, head.vocab_size being V). Negative control:
-    the same model at the target's width is accepted."""
-    narrow = eagle3(sgl, draft_vocab=V - 8)
-    probe = SGLangDraftHead(narrow, V)
-    assert probe.vocab_size == V and probe.logits_width == V - 8
-    assert probe.logits(torch.randn(2, H)).shape == (2, V - 8), "the real width of the draft's logits"
+    check compared the target V with itself, head.vocab_size being V): a narrower draft and
+    a wider one are refused. Negative control: the same model at the target's width is
+    accepted."""
+    other = eagle3(sgl, draft_vocab=V + delta)
+    probe = SGLangDraftHead(other, V)
+    assert probe.vocab_size == V and probe.logits_width == V + delta
+    assert probe.logits(torch.randn(2, H)).shape == (2, V + delta), "the real width of the draft's logits"
     rc = installed.recompute
-    with pytest.raises(ConfigError, match=rf"logits over {V - 8} ids, the target's vocabulary is {V}"):
-        start(sgl, installed, narrow)
+    with pytest.raises(ConfigError, match=rf"logits over {V + delta} ids, the target's vocabulary is {V}"):
+        start(sgl, installed, other)
     assert rc.head is None and rc.synth is None
     b = batch(3)
     si = build(sgl, b)  # nothing bound: every request keeps the prefill's X, one-hot

@@ -260,6 +260,39 @@ def check_registration(info_cls: Any, channel: Any) -> None:
         )
 
 
+# ----------------------------------------------------------------------- recompute's draft head: placement, width
+
+
+def check_placement(lp: Any, *, enable_overlap: bool) -> None:
+    """Refuse (ConfigError) the setups where decode-only recompute's draft head cannot run
+    from the scheduler thread; ``lp``: the draft's ``LogitsProcessor``."""
+    if getattr(lp, "do_tensor_parallel_all_gather_dp_attn", False):
+        raise ConfigError(
+            'synthesizer = "recompute" under DP attention needs --enable-dp-lm-head: without it the draft head '
+            "gathers hidden states over every DP rank, whose prebuilt batches are not synchronised",
+            path="synthesizer",
+        )
+    if getattr(lp, "do_tensor_parallel_all_gather", False) and enable_overlap:
+        raise ConfigError(
+            'synthesizer = "recompute" with a vocab-parallel draft head (TP > 1) all-gathers its logits from the '
+            "scheduler thread, which is unsafe while an overlapped forward is in flight: run the decode with "
+            "--disable-overlap-schedule, or use a shipped strategy (configs/sparse_floor.toml)",
+            path="synthesizer",
+        )
+
+
+def check_width(head: Any) -> None:
+    """Refuse (ConfigError) a draft whose logits are not the target's width, before any X' is
+    drawn; ``head``: an :class:`~.draft_head.SGLangDraftHead` (``arch``, ``logits_width``,
+    ``vocab_size``)."""
+    if head.logits_width != head.vocab_size:
+        raise ConfigError(
+            f'synthesizer = "recompute": the draft {head.arch} produces logits over {head.logits_width} ids, the '
+            f"target's vocabulary is {head.vocab_size}; rejection sampling needs a full-vocabulary draft",
+            path="synthesizer",
+        )
+
+
 # ----------------------------------------------------------------------- the draft's token map
 
 
