@@ -222,8 +222,12 @@ def test_counters_on_both_nodes_count_each_request_once(servers: Servers) -> Non
     def event(values: dict[str, float], part: str, name: str) -> float:
         return sum(v for k, v in values.items() if f'part="{part}"' in k and f'event="{name}"' in k)
 
-    # Every request's proposal came from the prefill's payload (either arm), none from a fallback.
-    assert event(events, "decode", "proposal:prefill") == sent
+    # Every request's proposal came from the prefill's payload (arms sparse and one_hot) or
+    # was recomputed by the decode's draft head (arm recompute), once each, none from a fallback.
+    recomputed = event(events, "recompute", "recomputed")
+    assert recomputed > 0 and event(events, "decode", "proposal:prefill") + recomputed == sent
+    assert event(events, "decode", "attached:prefill") == sent  # each row read and attached once
+    assert not [k for k, v in events.items() if 'part="recompute"' in k and "fallback" in k and v], events
     assert event(events, "decode", "proposal:local") == 0
     assert event(events, "inband", "inband:read") >= sent
     # The prefill staged one payload per request (its warmups and health checks apart), and
