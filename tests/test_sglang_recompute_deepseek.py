@@ -48,7 +48,8 @@ import torch
 
 from pd_middleware.config import load_config
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang.recompute import ARCHITECTURES, HeadRule, SGLangDraftHead, capture
+from pd_middleware.integrations.sglang.draft_head import ARCHITECTURES, HeadRule, SGLangDraftHead
+from pd_middleware.integrations.sglang.recompute import capture
 
 pytestmark = [pytest.mark.sglang]
 
