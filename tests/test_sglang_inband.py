@@ -24,6 +24,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 import torch
+from _sglang_builder import build_draft_input, namespace_batch
 
 from pd_middleware import ConfigError
 from pd_middleware.config import parse_config
@@ -154,21 +155,9 @@ def commit(sg, dbuf, idx, room):
     return req
 
 
-def build(sg, reqs):
-    spec = SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=1,
-        enable_multi_layer_eagle=False,
-        speculative_use_rejection_sampling=True,
-    )
-    batch = SimpleNamespace(
-        reqs=reqs,
-        device="cpu",
-        enable_overlap=False,
-        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
-    )
-    with patch.object(sg.ed, "get_spec", return_value=spec):
-        return sg.ed.build_eagle_disagg_draft_input(batch, torch.zeros(len(reqs), dtype=torch.int64), None).draft_probs
+def build(sg, reqs, steps=1, multi_layer=False):
+    """SGLang's builder over ``reqs``: the ``draft_probs`` it hands the first draft step."""
+    return build_draft_input(sg.ed, namespace_batch(reqs, V), steps=steps, multi_layer=multi_layer).draft_probs
 
 
 def draft(b, seed=SEED):
@@ -716,20 +705,7 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
         send_aux(pbuf, i, dbuf, i)
         dreqs.append(commit(sg, dbuf, i, r))
     assert [d.pd_middleware.reason for d in dreqs] == ["prefill", "prefill"]
-    spec = SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=STEPS,
-        enable_multi_layer_eagle=True,
-        speculative_use_rejection_sampling=True,
-    )
-    b = SimpleNamespace(
-        reqs=dreqs,
-        device="cpu",
-        enable_overlap=False,
-        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
-    )
-    with patch.object(sg.ed, "get_spec", return_value=spec):
-        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(2, dtype=torch.int64), None).draft_probs
+    got = build(sg, dreqs, STEPS, multi_layer=True)
     assert got.shape == (2, STEPS, V)
     for i in range(2):
         assert torch.equal(got[i], sparse_law_tensor(payloads[i].proposal, STEPS, V)), f"row {i}"
@@ -768,20 +744,7 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
     send_aux(pbuf, 0, dbuf, 0)
     dreq = commit(sg, dbuf, 0, 601)
     assert dreq.pd_middleware.reason == "no_distribution" and dreq.pd_middleware.tokens == (4, 9, 2)
-    spec = SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=STEPS,
-        enable_multi_layer_eagle=True,
-        speculative_use_rejection_sampling=True,
-    )
-    b = SimpleNamespace(
-        reqs=[dreq],
-        device="cpu",
-        enable_overlap=False,
-        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
-    )
-    with patch.object(sg.ed, "get_spec", return_value=spec):
-        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
+    got = build(sg, [dreq], STEPS, multi_layer=True)
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
 
 
@@ -830,20 +793,7 @@ def test_a_multi_layer_decode_behind_a_prefill_that_ships_nothing_keeps_sglangs_
     send_aux(pbuf, 0, dbuf, 0)
     dreq = commit(sg, dbuf, 0, 41)
     assert dreq.pd_middleware.reason == "not_sent" and dreq.pd_middleware.tokens == (4, 9, 2)
-    spec = SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=STEPS,
-        enable_multi_layer_eagle=True,
-        speculative_use_rejection_sampling=True,
-    )
-    b = SimpleNamespace(
-        reqs=[dreq],
-        device="cpu",
-        enable_overlap=False,
-        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
-    )
-    with patch.object(sg.ed, "get_spec", return_value=spec):
-        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
+    got = build(sg, [dreq], STEPS, multi_layer=True)
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
     assert inst.channel.counts["inband:not_sent"] == 1
 
@@ -1131,17 +1081,10 @@ def test_fault_propose_unseen_step_count_gives_sglangs_one_hot(sg) -> None:
     req = decode_req([3, 4])
     with pytest.raises(ConfigError, match="num_steps = 2, the config says 1"):  # negative control
         inst.proposer.propose(SimpleNamespace(reqs=[req]), torch.tensor([[3, 4]]), V)
-    spec = SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=2,
-        enable_multi_layer_eagle=True,
-        speculative_use_rejection_sampling=True,
-    )
     batch = SimpleNamespace(
         reqs=[req], device="cpu", enable_overlap=False, model_config=SimpleNamespace(vocab_size=V, hf_config=None)
     )
-    with patch.object(sg.ed, "get_spec", return_value=spec):
-        out = sg.ed.build_eagle_disagg_draft_input(batch, torch.zeros(1, dtype=torch.int64), None)
+    out = build_draft_input(sg.ed, batch, steps=2, multi_layer=True)
     assert torch.equal(out.draft_probs, one_hot_rows([[3, 4]]))
     assert inst.guard.counts == {"guard:propose:ConfigError": 1}
 
