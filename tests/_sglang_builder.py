@@ -26,13 +26,14 @@ def eagle_spec(steps: int = 1, *, multi_layer: bool = False) -> SimpleNamespace:
     )
 
 
-def namespace_batch(reqs: list[Any], vocab: int, **fields: Any) -> SimpleNamespace:
-    """A ``ScheduleBatch`` stand-in over ``reqs`` on CPU (no overlap, target vocabulary
-    ``vocab``); ``fields`` adds what else the path under test reads."""
+def namespace_batch(reqs: list[Any], vocab: int, *, overlap: bool = False, **fields: Any) -> SimpleNamespace:
+    """A ``ScheduleBatch`` stand-in over ``reqs`` on CPU (target vocabulary ``vocab``,
+    under the overlap scheduler if ``overlap``); ``fields`` adds what else the path under
+    test reads."""
     return SimpleNamespace(
         reqs=reqs,
         device="cpu",
-        enable_overlap=False,
+        enable_overlap=overlap,
         model_config=SimpleNamespace(vocab_size=vocab, hf_config=SimpleNamespace()),
         **fields,
     )

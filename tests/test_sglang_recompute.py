@@ -34,6 +34,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from _sglang_builder import build_draft_input, namespace_batch
 
 from pd_middleware import ConfigError
 from pd_middleware.config import load_config
@@ -304,27 +305,17 @@ def batch(b, *, seeds=None, top_ks=None, overlap=False, temps=None):
         )
         for i in range(b)
     ]
-    return SimpleNamespace(
-        reqs=reqs,
-        device="cpu",
-        enable_overlap=overlap,
+    return namespace_batch(
+        reqs,
+        V,
+        overlap=overlap,
         req_pool_indices=torch.arange(b),
         seq_lens=torch.arange(b, dtype=torch.int64) + 9,
-        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
         sampling_info=SimpleNamespace(
             temperatures=(temps if temps is not None else torch.full((b,), 0.8)).view(b, 1),
             sampling_seed=seeds,
             top_ks=top_ks if top_ks is not None else torch.full((b,), 50),
         ),
-    )
-
-
-def spec():
-    return SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=3,
-        enable_multi_layer_eagle=False,
-        speculative_use_rejection_sampling=True,
     )
 
 
@@ -348,8 +339,7 @@ def start(sgl, inst, model, overlap=False):
 
 
 def build(sgl, b, fm=None):
-    with patch.object(sgl.builder, "get_spec", return_value=spec()):
-        return sgl.builder.build_eagle_disagg_draft_input(b, torch.zeros(len(b.reqs), dtype=torch.int64), fm)
+    return build_draft_input(sgl.builder, b, steps=3, future_map=fm)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

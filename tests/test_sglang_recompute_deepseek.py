@@ -41,10 +41,10 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 from types import SimpleNamespace
-from unittest.mock import patch
 
 import pytest
 import torch
+from _sglang_builder import build_draft_input, namespace_batch
 
 from pd_middleware.config import load_config
 from pd_middleware.integrations import sglang as S
@@ -309,13 +309,11 @@ def decode_batch(hidden: torch.Tensor) -> SimpleNamespace:
         )
         for i in range(b)
     ]
-    return SimpleNamespace(
-        reqs=reqs,
-        device="cpu",
-        enable_overlap=False,
+    return namespace_batch(
+        reqs,
+        V,
         req_pool_indices=torch.arange(b),
         seq_lens=torch.tensor(LENS, dtype=torch.int64),
-        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
         sampling_info=SimpleNamespace(
             temperatures=torch.tensor(TEMPS).view(b, 1),
             sampling_seed=torch.arange(b, dtype=torch.int64) + 41,
@@ -325,14 +323,7 @@ def decode_batch(hidden: torch.Tensor) -> SimpleNamespace:
 
 
 def build(sgl, b):
-    spec = SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=3,
-        enable_multi_layer_eagle=False,
-        speculative_use_rejection_sampling=True,
-    )
-    with patch.object(sgl.builder, "get_spec", return_value=spec):
-        return sgl.builder.build_eagle_disagg_draft_input(b, torch.zeros(len(b.reqs), dtype=torch.int64), None)
+    return build_draft_input(sgl.builder, b, steps=3)
 
 
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from unittest.mock import patch
 import pytest
 import torch
 from _recompute_head import HEAD_HIDDEN, MatrixHead
+from _sglang_builder import build_draft_input, namespace_batch
 
 from pd_middleware.config import parse_config
 from pd_middleware.integrations import sglang as S
@@ -98,22 +99,13 @@ def committed(sg, room, x, hidden_seed=0):
 def build(sg, reqs):
     """SGLang's builder over a prebuilt batch of ``reqs`` (the fields it and recompute read)."""
     b = len(reqs)
-    spec = SimpleNamespace(
-        speculative_eagle_topk=1,
-        speculative_num_steps=1,
-        enable_multi_layer_eagle=False,
-        speculative_use_rejection_sampling=True,
-    )
-    batch = SimpleNamespace(
-        reqs=reqs,
-        device="cpu",
-        enable_overlap=False,
-        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
+    batch = namespace_batch(
+        reqs,
+        V,
         seq_lens=torch.tensor([len(r.origin_input_ids) + len(r.output_ids) for r in reqs]),
         sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1)), sampling_seed=None, top_ks=torch.full((b,), 50)),
     )
-    with patch.object(sg.ed, "get_spec", return_value=spec):
-        return sg.ed.build_eagle_disagg_draft_input(batch, torch.zeros(b, dtype=torch.int64), None)
+    return build_draft_input(sg.ed, batch)
 
 
 def retract_and_resume(sg, reqs):
