@@ -27,7 +27,6 @@ is handed.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
@@ -50,38 +49,13 @@ V, H = 97, 32
 CONFIG = Path(__file__).parent.parent / "configs" / "sglang.toml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def sgl(sglang_importable):
     """SGLang's runtime context and a one-rank gloo model-parallel group."""
-    import torch.distributed as dist
     from _sglang_import import import_sglang
+    from _sglang_tp1 import init_tp1
 
-    rc = import_sglang("sglang.srt.runtime_context")
-    from sglang.srt.server_args import ServerArgs
-
-    rc.reset_context()
-    rc.publish(
-        ServerArgs(model_path="dummy", device="cpu", tp_size=1), role="scheduler", ranks=rc.SpawnRanks(world_rank=0)
-    )
-    ps = import_sglang("sglang.srt.distributed.parallel_state")
-    if not dist.is_initialized():
-        ps.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-            local_rank=0,
-            backend="gloo",
-        )
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel()
-    rb = import_sglang("sglang.srt.layers.rotary_embedding.base")
-    rb._is_cpu = True  # see the module docstring: the native rotary path, never called by the head
+    init_tp1()  # the rotary module's CPU flag too: see the module docstring (never called by the head)
     return SimpleNamespace(
         eagle3=import_sglang("sglang.srt.models.llama_eagle3"),
         eagle1=import_sglang("sglang.srt.models.llama_eagle"),

@@ -38,7 +38,6 @@ SGLang's real ``MLATokenToKVPool``.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,42 +61,13 @@ SEED = 20261205
 CONFIG = Path(__file__).parent.parent / "configs" / "sglang.toml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def sgl(sglang_importable):
     """SGLang's runtime context and a one-rank gloo model-parallel group (TP 1)."""
     from _sglang_import import import_sglang
+    from _sglang_tp1 import init_tp1
 
-    rc = import_sglang("sglang.srt.runtime_context")
-    ps = import_sglang("sglang.srt.distributed.parallel_state")
-    from sglang.srt.server_args import ServerArgs
-
-    def publish() -> None:
-        rc.reset_context()
-        sa = ServerArgs(model_path="dummy", device="cpu", tp_size=1)
-        rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
-
-    publish()
-    if ps.model_parallel_is_initialized():
-        # Built by an earlier module, whose context reset dropped them: the NextN model reads
-        # the groups from the context, so they are built again (the gloo world is reused).
-        ps.destroy_model_parallel()  # drops the published ranks too
-        publish()
-    ps.init_distributed_environment(
-        world_size=1,
-        rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-        local_rank=0,
-        backend="gloo",
-    )
-    ps.initialize_model_parallel()
-    rb = import_sglang("sglang.srt.layers.rotary_embedding.base")
-    rb._is_cpu = True  # see the module docstring
+    init_tp1()  # the rotary module's CPU flag too: see the module docstring
     return SimpleNamespace(
         nextn=import_sglang("sglang.srt.models.deepseek_nextn"),
         fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
