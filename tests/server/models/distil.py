@@ -25,8 +25,6 @@ same weights).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -44,24 +42,9 @@ from .mtp import export_tensors as mtp_tensors
 from .spec import BOS, MTP_DEPTH, eagle1_config, mtp_config
 from .spec import TRAINED as SHAPE
 from .tokenizer import encode_files, load_tokenizer
-from .train import DRAFT_STEP_DECAY, DRAFT_TTT_STEPS, WINDOW, fit
+from .train import DRAFT_STEP_WEIGHTS, DRAFT_TTT_STEPS, WINDOW, fit, step_loss, write_report
 
 MTP_STEPS, EAGLE1_STEPS, BATCH, LR = 400, 400, 16, 2e-3
-
-
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """Mean forward KL(p || q) over the anchors; logits [..., V]."""
-    log_p = p_logits.log_softmax(-1)
-    return (log_p.exp() * (log_p - q_logits.log_softmax(-1))).sum(-1).mean()
-
-
-def step_loss(logits: torch.Tensor, outs: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """Σ_k weights[k] KL(target at t + 1 + k || step k at t)."""
-    loss = torch.zeros(())
-    for k, q_logits in enumerate(outs):
-        n = q_logits.shape[1]
-        loss = loss + weights[k] * kl(logits[:, 1 + k : 1 + k + n], q_logits)
-    return loss
 
 
 def distil_mtp(target: LlamaForCausalLM, ids: torch.Tensor, steps: int) -> tuple[MtpDraft, list[float]]:
@@ -85,13 +68,12 @@ def distil_eagle1(target: LlamaForCausalLM, ids: torch.Tensor, steps: int) -> tu
     draft = Eagle1Draft(SHAPE, target.model.embed_tokens, target.lm_head).train()
     draft.start_from_target_hidden()
     g = torch.Generator().manual_seed(4)
-    weights = [DRAFT_STEP_DECAY**k for k in range(DRAFT_TTT_STEPS)]
 
     def loss_at(step: int) -> torch.Tensor:
         x = corpus.windows(ids, BATCH, WINDOW, g, BOS)
         with torch.no_grad():
             logits, hidden = final_states(target, x)
-        return step_loss(logits, draft.unroll(x, hidden, DRAFT_TTT_STEPS), weights)
+        return step_loss(logits, draft.unroll(x, hidden, DRAFT_TTT_STEPS), DRAFT_STEP_WEIGHTS)
 
     log = fit(list(draft.parameters()), steps, LR, loss_at, "eagle1")
     return draft.eval(), log
@@ -132,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         name: evaluate.measure(args.trained / "target", out / name, tokenizer_dir=args.trained / "tokenizer")
         for name in ("multi_layer", "eagle1")
     }
-    report = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": args.threads,
+    record = {
         "multi_layer": {"steps": args.mtp_steps, "batch": BATCH, "layers": MTP_DEPTH, "loss_every_50": mtp_log},
         "eagle1": {"steps": args.eagle1_steps, "batch": BATCH, "ttt_steps": DRAFT_TTT_STEPS, "loss_every_50": e1_log},
         "seconds": {
@@ -145,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "heldout": figures,
     }
-    (out / "drafts_figures.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    write_report(out / "drafts_figures.json", args.threads, record)
     return 0
 
 

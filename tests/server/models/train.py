@@ -28,8 +28,9 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM
@@ -45,6 +46,8 @@ TARGET_STEPS, TARGET_BATCH, TARGET_LR = 500, 32, 3e-3
 DRAFT_STEPS, DRAFT_BATCH, DRAFT_LR = 400, 16, 2e-3
 WINDOW = 128
 DRAFT_TTT_STEPS, DRAFT_STEP_DECAY = 3, 0.8
+#: Each chained draft step's weight in the distillation loss: the later steps weighted down.
+DRAFT_STEP_WEIGHTS = tuple(DRAFT_STEP_DECAY**k for k in range(DRAFT_TTT_STEPS))
 WARMUP = 40
 
 
@@ -74,6 +77,30 @@ def fit(
     return log
 
 
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Mean forward KL(p || q) over the anchors; logits [..., V]."""
+    log_p = p_logits.log_softmax(-1)
+    return (log_p.exp() * (log_p - q_logits.log_softmax(-1))).sum(-1).mean()
+
+
+def step_loss(logits: torch.Tensor, outs: list[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Σ_k weights[k] KL(target at t + 1 + k || step k at t): a draft's distillation loss,
+    ``logits`` the target's [B, T, V], ``outs[k]`` draft step k's [B, T - 1 - k, V] or shorter."""
+    loss = torch.zeros(())
+    for k, q_logits in enumerate(outs):
+        n = q_logits.shape[1]
+        loss = loss + weights[k] * kl(logits[:, 1 + k : 1 + k + n], q_logits)
+    return loss
+
+
+def write_report(path: Path, threads: int, record: dict[str, Any]) -> None:
+    """Write a run's ``record`` to ``path`` as JSON, after the Python and torch versions and
+    the torch thread count, and print it."""
+    report = {"python": platform.python_version(), "torch": torch.__version__, "threads": threads, **record}
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+
+
 def train_target(ids: torch.Tensor, steps: int) -> tuple[LlamaForCausalLM, list[float]]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(target_config(SHAPE)).float().train()
@@ -93,19 +120,12 @@ def distil_draft(target: LlamaForCausalLM, ids: torch.Tensor, steps: int) -> tup
     torch.manual_seed(1)
     draft = Eagle3Draft(SHAPE, target.model.embed_tokens).train()
     g = torch.Generator().manual_seed(1)
-    weights = [DRAFT_STEP_DECAY**k for k in range(DRAFT_TTT_STEPS)]
 
     def loss_at(step: int) -> torch.Tensor:
         x = corpus.windows(ids, DRAFT_BATCH, WINDOW, g, BOS)
         with torch.no_grad():
             logits, aux = target_features(target, x)
-        loss = torch.zeros(())
-        for k, q_logits in enumerate(draft.unroll(x, aux, DRAFT_TTT_STEPS)):
-            n = q_logits.shape[1]
-            log_p = logits[:, 1 + k : 1 + k + n].log_softmax(-1)
-            kl = (log_p.exp() * (log_p - q_logits.log_softmax(-1))).sum(-1).mean()
-            loss = loss + weights[k] * kl
-        return loss
+        return step_loss(logits, draft.unroll(x, aux, DRAFT_TTT_STEPS), DRAFT_STEP_WEIGHTS)
 
     log = fit(list(draft.parameters()), steps, DRAFT_LR, loss_at, "draft")
     return draft.eval(), log
@@ -142,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     t3 = time.monotonic()
 
     figures = evaluate.measure(out / "target", out / "eagle3", tokenizer_dir=out / "tokenizer")
-    report = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": args.threads,
+    record = {
         "target": {"steps": args.target_steps, "batch": TARGET_BATCH, "window": WINDOW, "loss_every_50": target_log},
         "draft": {
             "steps": args.draft_steps,
@@ -161,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "heldout": figures,
     }
-    (out / "figures.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    write_report(out / "figures.json", args.threads, record)
     return 0
 
 

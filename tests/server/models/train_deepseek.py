@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -39,10 +38,9 @@ from safetensors.torch import save_file
 from . import corpus, evaluate
 from .build import TRAINED
 from .deepseek import DeepseekTarget, NextnDraft, export_tensors
-from .distil import step_loss
 from .spec import BOS, DEEPSEEK, deepseek_config
 from .tokenizer import encode_files, load_tokenizer
-from .train import DRAFT_STEP_DECAY, DRAFT_TTT_STEPS, WINDOW, fit
+from .train import DRAFT_STEP_WEIGHTS, DRAFT_TTT_STEPS, WINDOW, fit, step_loss, write_report
 
 TARGET_STEPS, TARGET_BATCH, TARGET_LR = 400, 32, 3e-3
 DRAFT_STEPS, DRAFT_BATCH, DRAFT_LR = 300, 16, 2e-3
@@ -70,14 +68,13 @@ def distil_nextn(target: DeepseekTarget, ids: torch.Tensor, steps: int) -> tuple
     draft = NextnDraft(DEEPSEEK, target.model.embed_tokens, target.lm_head).train()
     draft.start_from_target_hidden()
     g = torch.Generator().manual_seed(6)
-    weights = [DRAFT_STEP_DECAY**k for k in range(DRAFT_TTT_STEPS)]
 
     def loss_at(step: int) -> torch.Tensor:
         draft.mlp.update_bias(BIAS_RATE)
         x = corpus.windows(ids, DRAFT_BATCH, WINDOW, g, BOS)
         with torch.no_grad():
             logits, hidden = target(x)
-        return step_loss(logits, draft.unroll(x, hidden, DRAFT_TTT_STEPS), weights)
+        return step_loss(logits, draft.unroll(x, hidden, DRAFT_TTT_STEPS), DRAFT_STEP_WEIGHTS)
 
     log = fit(list(draft.parameters()), steps, DRAFT_LR, loss_at, "nextn")
     return draft.eval(), log
@@ -123,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     t3 = time.monotonic()
 
     figures = evaluate.measure(out, out, tokenizer_dir=args.trained / "tokenizer")
-    report = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": args.threads,
+    record = {
         "target": {"steps": args.target_steps, "batch": TARGET_BATCH, "window": WINDOW, "loss_every_50": target_log},
         "nextn": {
             "steps": args.draft_steps,
@@ -143,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {"target": round(t2 - t1, 1), "nextn": round(t3 - t2, 1), "total": round(time.monotonic() - t0, 1)},
         "heldout": figures,
     }
-    (out / "figures.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+    write_report(out / "figures.json", args.threads, record)
     return 0
 
 
