@@ -18,6 +18,12 @@ unset), ``MiMoV2MTP.set_embed_and_head``'s ``torch.cuda.synchronize()`` (cpu_gap
   k = 1, 2, 3, printed for the three servers. ``multi_layer.yaml`` ships the exact
   one-hot chain, so the drop-in's step-1 rate matches SGLang's one-hot chain (two-sided
   alpha 1e-3) and both are below aggregated serving's (one-sided alpha 1e-2).
+- Each chain step's draft KV at a request's prompt positions, as the decode holds it once
+  the transfer landed, against what the prefill computed (``PDM_TEST_DRAFT_KV_DUMP`` on
+  both nodes of both pairs, ``site/draft_kv_dump.py``): every step equal with the drop-in
+  (``[sglang].draft_kv = "all_steps"``: every step's pool is transferred); on the stock
+  pair step 1 equal and steps 2..S different (SGLang transfers step 1's pool only): the
+  negative control.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import draft_kv_dump  # tests/server/site is on sys.path (conftest.py)
 import pytest
 
 from server import harness as h
@@ -39,6 +46,7 @@ MULTI_LAYER = ["--enable-multi-layer-eagle", "--disable-hybrid-swa-memory"]
 STEPS = 3
 N_ACCEPT = 128
 N_GREEDY = 12
+N_KV = 4
 Z_SAME, Z_BETTER = 3.29, 2.33
 
 
@@ -47,6 +55,8 @@ class Servers:
     agg: h.Server
     stock: h.Pair
     dropin: h.Pair
+    # Where each pair's nodes write their draft KV dumps while the folder exists (by pair name).
+    kv_dumps: dict[str, Path]
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +66,29 @@ def servers(
     if "trained_multi_layer" not in server_models:
         pytest.skip("PDM_SERVER_MODELS holds no multi-layer draft: the tier's built models have one")
     models = h.Models(server_models["trained_target"], server_models["trained_multi_layer"], algorithm="EAGLE")
+    dumps = tmp_path_factory.mktemp("draft_kv")
+    kv_dumps = {name: dumps / name for name in ("stock", "dropin")}  # created by the test that reads them
+    kv_env = {name: {draft_kv_dump.ENV: str(path)} for name, path in kv_dumps.items()}
     cfg = h.server_config(REPO / "configs" / "multi_layer.yaml", tmp_path_factory.mktemp("cfg") / "multi_layer.yaml")
     starts = {
         "agg": lambda: h.start_server(
             "aggregated", models, log_dir / "agg", extra_args=MULTI_LAYER, sleep_on_idle=True
         ),
-        "stock": lambda: h.start_pair(models, log_dir / "stock", extra_args=MULTI_LAYER, sleep_on_idle=True),
+        "stock": lambda: h.start_pair(
+            models,
+            log_dir / "stock",
+            prefill_env=kv_env["stock"],
+            decode_env=kv_env["stock"],
+            extra_args=MULTI_LAYER,
+            sleep_on_idle=True,
+        ),
         "dropin": lambda: h.start_pair(
             models,
             log_dir / "dropin",
             prefill_config=cfg,
             decode_config=cfg,
+            prefill_env=kv_env["dropin"],
+            decode_env=kv_env["dropin"],
             extra_args=MULTI_LAYER,
             sleep_on_idle=True,
         ),
@@ -93,7 +115,7 @@ def servers(
     try:
         if errors:
             raise errors[0]
-        s = Servers(out["agg"], out["stock"], out["dropin"])  # type: ignore[arg-type]
+        s = Servers(out["agg"], out["stock"], out["dropin"], kv_dumps)  # type: ignore[arg-type]
         attach_logs([s.agg, *s.stock.servers, *s.dropin.servers])
         yield s
     finally:
@@ -138,3 +160,36 @@ def test_first_verify_acceptance_per_chain_step(servers: Servers) -> None:
     for srv in servers.dropin.servers[:2]:
         ours = [ln for ln in srv.log(10**7).splitlines() if ln.lstrip().startswith('File "') and "pd_middleware" in ln]
         assert ours == [], f"a traceback through pd_middleware in the {srv.name}'s log"
+
+
+def dump_draft_kv(pair: h.Pair, out: Path, offset: int) -> dict[tuple[str, int, int], dict[str, object]]:
+    """Serve N_KV requests with ``out`` present (both nodes dump each chain step's draft KV
+    at the prompt positions into it), then stop the dumps; returns the records."""
+    out.mkdir()
+    try:
+        res = w.generate(pair.router.url, w.prompts(N_KV, offset=offset), temperature=0.0, max_new_tokens=2)  # type: ignore[union-attr]
+    finally:
+        done = out.with_name(out.name + "-done")
+        out.rename(done)  # the nodes write only while `out` exists
+    bad = [r.error for r in res if r.status != 200]
+    assert not bad, bad
+    return draft_kv_dump.load(done)
+
+
+def test_every_chain_steps_draft_kv_crosses_the_transfer(servers: Servers) -> None:
+    for name in ("dropin", "stock"):
+        pair: h.Pair = getattr(servers, name)
+        records = dump_draft_kv(pair, servers.kv_dumps[name], offset=3)
+        same = draft_kv_dump.compare(records)  # room -> [step 1 equal, ..., step S equal]
+        print(f"{name}: draft KV at the prompt positions equal to the prefill's, per chain step: {same}")
+        assert len(same) == N_KV, f"{name}: the decode dumped {sorted(same)}"
+        prefill = [r for (role, _, _), r in records.items() if role == "prefill"]
+        # The prefill's draft extend wrote every step's pool (else "equal" would prove nothing).
+        assert draft_kv_dump.nonzero_steps(prefill) == set(range(1, STEPS + 1))
+        if name == "dropin":
+            assert all(steps == [True] * STEPS for steps in same.values()), same
+            for srv in (pair.prefill, pair.decode):
+                assert "carries every chain step's draft KV pool" in srv.log(10**7), srv.name
+        else:
+            # Negative control: SGLang sends step 1's pool only.
+            assert all(steps == [True] + [False] * (STEPS - 1) for steps in same.values()), same
