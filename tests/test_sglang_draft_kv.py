@@ -404,3 +404,11 @@ def test_negative_control_without_the_drop_in_the_decode_accepts_that_prefill(sg
     # SGLang alone compares kv_layout only when both nodes publish one: nothing refuses.
     mine = "pd-middleware-draft-kv steps=3 entries=6"
     assert _ask(sg, _decode_manager(sg, mine), None) is True
+
+
+def test_the_flag_is_strict_and_defaults_to_all_steps() -> None:
+    from pd_middleware import ConfigError
+
+    assert parse_config({}).sglang.draft_kv == "all_steps"
+    with pytest.raises(ConfigError, match=r"at sglang.draft_kv: Invalid enum value 'every'"):
+        parse_config({"sglang": {"draft_kv": "every"}})
