@@ -112,7 +112,8 @@ def cost(batches: list[int], hidden: int, repeats: int, device: str) -> dict[str
     import torch
 
     from pd_middleware.config import parse_config
-    from pd_middleware.integrations.sglang.recompute import RecomputeSource, SGLangDraftHead
+    from pd_middleware.integrations.sglang.draft_head import SGLangDraftHead
+    from pd_middleware.integrations.sglang.recompute import RecomputeSource
 
     dtype = torch.bfloat16
     m = _sglang_model(hidden, device, dtype)

@@ -20,6 +20,9 @@ one run, with medians over repeats:
   :meth:`~pd_middleware.decode.assembler.ProposalAssembler.build_fresh`), over SGLang's own
   ``pd_first_draft_proposal`` alone (zeros + scatter of the one-hots),
   at B = 1, 16, 256, with ``topk_index`` on ``--device`` (default: CUDA when present),
+  for each strategy and, in the same run, for the multi-layer chain
+  (``sparse_floor_chain``: ``configs/multi_layer.yaml`` at S = 3 against SGLang's (B, 3, V)
+  one-hot chain; the JSON's ``chain`` section and ``ratio_vs_sglang_builder_chain_B*``),
 where both builders then build (``decode_device``). Goal <= 1.5 on CPU. SGLang's function is taken from the installed
   package: imported when it imports, else its source compiled from the installed file
   (importing the module pulls every model config, two of which need torchvision; the
@@ -71,6 +74,9 @@ from pd_middleware.workloads import make_workload
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = ("one_hot", "sparse_topk", "sparse_topp", "sparse_floor", "full_bf16", "full_fp32")
 QUICK_STRATEGIES = ("one_hot", "sparse_floor")
+#: The multi-layer chain: ``sparse_floor`` per step (configs/multi_layer.yaml), S = CHAIN_STEPS.
+CHAIN = "sparse_floor_chain"
+CHAIN_STEPS = 3
 BATCHES = (1, 16, 256)
 RATIO_GOAL = 1.5
 PER_REQUEST_GOAL_US = 50.0
@@ -104,16 +110,28 @@ def sglang_builder() -> tuple[Callable[[torch.Tensor, int], torch.Tensor] | None
     return ns["pd_first_draft_proposal"], f"compiled from the installed source ({why})"
 
 
-def encode_rows(strategy: str, q: torch.Tensor, seed: int) -> tuple[list[Payload], RowLayout, np.ndarray, list[int]]:
-    """Encode ``q`` (N, V) with the strategy's encoder; write one row per request.
+def strategy_config(strategy: str, vocab_size: int, steps: int) -> Any:
+    """The strategy's shipped config with the engine's shapes filled in (V, S): the chain
+    uses ``configs/multi_layer.yaml`` (what a multi-layer pair ships), the others their
+    ``configs/<strategy>.toml``."""
+    import msgspec
 
-    Returns the payloads, the layout (capacity = largest row, rounded up to 64 B), the
-    rows (N, capacity) uint8 and the rooms.
+    path = ROOT / "configs" / ("multi_layer.yaml" if strategy == CHAIN else f"{strategy}.toml")
+    cfg = load_config(path)
+    return msgspec.structs.replace(cfg, model=cfg.model.with_shapes(vocab_size, steps, engine="benchmark"))
+
+
+def encode_rows(cfg: Any, q: torch.Tensor, seed: int) -> tuple[list[Payload], RowLayout, np.ndarray, list[int]]:
+    """Encode ``q`` (N, V) or (N, S, V) with ``cfg``'s encoder; write one row per request.
+
+    Returns the payloads, the layout (capacity: the config's ``[sglang].capacity_bytes``,
+    or the largest row rounded up to 64 B if larger), the rows (N, capacity) uint8 and
+    the rooms.
     """
-    cfg = ROOT / "configs" / f"{strategy}.toml"
     enc = build_encoders(cfg)["default"]
     out = enc.encode(q, generator=torch.Generator().manual_seed(seed))
-    n, v = q.shape
+    n, v = q.shape[0], q.shape[-1]
+    steps = 1 if q.dim() == 2 else q.shape[1]
     tokens, probs = out.tokens.tolist(), out.token_probs.tolist()
     payloads = [
         Payload(
@@ -127,7 +145,11 @@ def encode_rows(strategy: str, q: torch.Tensor, seed: int) -> tuple[list[Payload
         for i in range(n)
     ]
     need = max(row_bytes(p) for p in payloads)
-    layout = RowLayout(capacity_bytes=max(256, -(-need // 64) * 64), vocab_size=v, num_steps=1)
+    # The config's row capacity (what a deployment allocates and the decode reads from),
+    # raised to the largest row if that does not fit.
+    layout = RowLayout(
+        capacity_bytes=max(cfg.sglang.capacity_bytes, -(-need // 64) * 64), vocab_size=v, num_steps=steps
+    )
     rows = np.zeros((n, layout.capacity_bytes), dtype=np.uint8)
     rooms = [1000 + i for i in range(n)]
     for i, p in enumerate(payloads):
@@ -234,6 +256,8 @@ def main() -> None:
     wl = make_workload("synthetic")
     v = wl.vocab_size
     q = next(iter(wl.batches(n_req, n_req, args.seed))).draft_probs[:, 0].float()
+    chain_wl = make_workload("synthetic", num_steps=CHAIN_STEPS)
+    q_chain = next(iter(chain_wl.batches(n_req, n_req, args.seed))).draft_probs.float()
     builder, builder_source = sglang_builder()
 
     aux_bytes: dict[str, float] = {}
@@ -246,10 +270,12 @@ def main() -> None:
     per_request_cpu: dict[str, float] = {}
     per_request_best: dict[str, float] = {}
     ratios_best: dict[str, dict[str, float]] = {}
-    for strategy in strategies:
-        payloads, layout, rows, rooms = encode_rows(strategy, q, args.seed)
+    for strategy in (*strategies, CHAIN):
+        steps = CHAIN_STEPS if strategy == CHAIN else 1
+        cfg = strategy_config(strategy, v, steps)
+        payloads, layout, rows, rooms = encode_rows(cfg, q_chain if steps > 1 else q, args.seed)
         aux_bytes[strategy] = round(statistics.fmean(row_bytes(p) for p in payloads), 1)
-        aux_capacity[strategy] = layout.capacity_bytes
+        aux_capacity[strategy] = -(-max(row_bytes(p) for p in payloads) // 64) * 64
         props = [p.proposal for p in payloads]
         entries[strategy] = round(
             statistics.fmean(
@@ -257,8 +283,8 @@ def main() -> None:
             ),
             1,
         )
-        proposer = DecodeProposer(load_config(ROOT / "configs" / f"{strategy}.toml"))
-        proposer.bind(v, 1)
+        proposer = DecodeProposer(cfg)
+        proposer.bind(v, steps)
         mw = proposer.middleware
         x = [p.draft_tokens for p in payloads]
         # Request j of a batch carries row j mod N (its room and X).
@@ -266,23 +292,23 @@ def main() -> None:
         tags = [row_tag(rows[i]) for i in range(n)]
         reqs = [Req(rooms[j % n], x[j % n], payloads[j % n].draft_probs, tags[j % n]) for j in range(max(batches))]
         channel = MetadataChannel(layout.capacity_bytes)
-        assert channel.bind(v, 1) == layout
+        assert channel.bind(v, steps) == layout
         bufs = Buffers(rows)
         # Every row is handed over as its strategy's law, never a fallback (which would
         # time the cheap one-hot path instead).
         everyone = Batch(reqs[:n])
-        built = decode_batch(channel, proposer, bufs, n, everyone, torch.tensor([t[:1] for t in x]))
+        built = decode_batch(channel, proposer, bufs, n, everyone, torch.tensor([t[:steps] for t in x]))
         fallbacks = {k: c for k, c in proposer.counts.items() if k.startswith("fallback")}
         if mw.metrics.fallbacks or fallbacks or set(channel.counts) != {"inband:read"}:
             raise RuntimeError(
                 f"{strategy}: unexpected fallbacks {dict(mw.metrics.fallbacks)} {fallbacks} {dict(channel.counts)}"
             )
-        assert built.shape == (len(payloads), 1, v)
+        assert built.shape == (len(payloads), steps, v)
         ratios[strategy], ours_ms[strategy], sglang_ms[strategy] = {}, {}, {}
         ratios_best[strategy] = {}
         for b in batches:
             # On topk_index's device, where SGLang builds its own proposal (and so do we).
-            topk = torch.tensor([x[j % len(x)][0] for j in range(b)], dtype=torch.int64).view(b, 1).to(dev)
+            topk = torch.tensor([x[j % len(x)] for j in range(b)], dtype=torch.int64).view(b, steps).to(dev)
             batch = Batch(reqs[:b])
             fns: dict[str, Callable[[], Any]] = {
                 "ours": lambda batch=batch, topk=topk, ch=channel, dp=proposer, bf=bufs, n=n: _done(
@@ -324,6 +350,21 @@ def main() -> None:
             raise RuntimeError(f"{strategy}: unexpected fallbacks {dict(proposer.counts)} {dict(channel.counts)}")
         proposer.close()
 
+    # The chain apart: its own section, and headline figures beside the single step's.
+    chain: dict[str, Any] = {"steps": CHAIN_STEPS, "config": "configs/multi_layer.yaml"}
+    for key, d in (
+        ("aux_bytes_per_request", aux_bytes),
+        ("aux_capacity_needed", aux_capacity),
+        ("entries_per_request", entries),
+        ("per_request_us", per_request),
+        ("per_request_cpu_us", per_request_cpu),
+        ("per_request_best_us", per_request_best),
+        ("decode_batch_ms", ours_ms),
+        ("ratio_vs_sglang_builder", ratios),
+        ("ratio_vs_sglang_builder_best", ratios_best),
+        ("sglang_builder_ms", sglang_ms),
+    ):
+        chain[key] = d.pop(CHAIN, None)
     head = "sparse_floor"
     result: dict[str, Any] = {
         "benchmark": "sglang_inband",
@@ -349,8 +390,10 @@ def main() -> None:
         result["ratio_vs_sglang_builder_best"] = ratios_best
         result["ratio_goal"] = RATIO_GOAL
         result["sglang_builder_ms"] = sglang_ms
-        for b in batches:  # the headline figures: the sparse_floor operating point
+        for b in batches:  # the headline figures: the sparse_floor operating point, one step and the chain
             result[f"ratio_vs_sglang_builder_B{b}"] = ratios[head][f"B{b}"]
+            result[f"ratio_vs_sglang_builder_chain_B{b}"] = chain["ratio_vs_sglang_builder"][f"B{b}"]
+    result["chain"] = chain
     print(
         f"in-band decode, V={v}, {n_req} distinct rows, medians of {repeats} repeats (SGLang builder: {builder_source})"
     )
@@ -367,6 +410,13 @@ def main() -> None:
             f"{s:14s} {aux_bytes[s]:9.0f} {entries[s]:8.0f} {per_request[s]:8.1f} {per_request_cpu[s]:8.1f} "
             f"{per_request_best[s]:8.1f} {rs} {ts}"
         )
+    cr, cb = chain["ratio_vs_sglang_builder"] or {}, chain["ratio_vs_sglang_builder_best"] or {}
+    rs = " ".join(f"{cr.get(f'B{b}', float('nan')):10.3f}" for b in batches)
+    ts = " ".join(f"{cb.get(f'B{b}', float('nan')):10.3f}" for b in batches)
+    print(
+        f"{'chain S=' + str(CHAIN_STEPS):14s} {chain['aux_bytes_per_request']:9.0f} {chain['entries_per_request']:8.0f} "
+        f"{chain['per_request_us']:8.1f} {chain['per_request_cpu_us']:8.1f} {chain['per_request_best_us']:8.1f} {rs} {ts}"
+    )
     emit(result)
 
 

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -101,7 +102,9 @@ def _run(rank: int, port: int, case: str) -> dict:
     from pd_middleware import ConfigError
     from pd_middleware.config import load_config
     from pd_middleware.integrations import sglang as S
-    from pd_middleware.integrations.sglang.recompute import SGLangDraftHead, capture, check_placement
+    from pd_middleware.integrations.sglang.draft_head import SGLangDraftHead
+    from pd_middleware.integrations.sglang.recompute import capture
+    from pd_middleware.integrations.sglang.startup import check_placement
 
     parallel = rc.get_parallel()
     # What SGLang resolves for EAGLE3 (a SINGLE_GROUP draft): its own group under DP attention.
@@ -166,13 +169,23 @@ def _run(rank: int, port: int, case: str) -> dict:
 
     # ---- the drop-in's head and vote, through the scheduler-start capture and prepare
     eagle3 = import_sglang("sglang.srt.models.llama_eagle3")
-    with draft_tp_context(layout):  # SGLang's EAGLE worker builds its draft in the draft's group
-        model = eagle3.LlamaForCausalLMEagle3(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():  # the same shapes on both ranks: the same values
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    model = model.float()
+
+    def draft(dtype: Any, **flags: Any) -> Any:
+        """SGLang's EAGLE3 draft, built in the draft's group as SGLang's EAGLE worker builds it,
+        the same seeded values on both ranks; ``flags``: config attributes its LogitsProcessor reads."""
+        c = tiny_llama_config(V, H)
+        c.draft_vocab_size = V
+        for k, v in flags.items():
+            setattr(c, k, v)
+        with draft_tp_context(layout):
+            m = eagle3.LlamaForCausalLMEagle3(c)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        return m.to(dtype)
+
+    model = draft(torch.float32)
     inst = S.install(load_config(CONFIG), S.InstallOptions(hook_scheduler=False))
     source = inst.recompute
     sched = SimpleNamespace(
@@ -222,6 +235,9 @@ def _run(rank: int, port: int, case: str) -> dict:
     res["counts"] = dict(source.counts)
     res["guard"] = dict(inst.guard.counts)
 
+    if case == "tp2":
+        res["scenarios"] = _tp2_scenarios(rank, source, sched, draft, capture)
+
     # ---- negative control: the same head, its gather called OUTSIDE the draft TP context,
     # on DP rank 0 alone (rank 1 has no batch): it resolves the full TP group and blocks.
     if forced is not None and rank == 0:
@@ -263,3 +279,138 @@ def _batch(torch: Any, b: int, *, seed: int) -> Any:
         model_config=SimpleNamespace(vocab_size=V),
         sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1)), sampling_seed=None, top_ks=torch.full((b,), 50)),
     )
+
+
+# ----------------------------------------------------------------------------- TP 2: one rank differs
+
+#: How long a rank waits for one scenario's prepare before reporting it blocked.
+SCENARIO_WAIT_S = 30.0
+
+
+def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any], capture: Callable[..., Any]) -> dict:
+    """Under plain TP 2 (SGLang's real vocab-parallel LogitsProcessor, its gatherer over gloo),
+    batches where one rank differs from the other: its head fails (a bf16 head, and a bf16
+    head whose output is fp32: ``enable_lm_head_fp32``, the switch of ``--enable-fp32-lm-head``),
+    its hidden state is missing, it draws another X', its row is invalid and its prefill X
+    differs, the staging of its write fails. Each runs both ranks' ``prepare`` in lockstep,
+    bounded (a rank left alone in a collective is reported ``hung``, and no later scenario runs).
+    Per scenario: the X each request hands SGLang, the agreed rows, the count deltas, and every
+    gather's (dtype, shape)."""
+    import torch
+
+    from pd_middleware.integrations.sglang.recompute import ENV_TEST_FAULT
+
+    out: dict[str, Any] = {}
+
+    def bind(model: Any, *, fault: str = "") -> None:
+        if fault:
+            os.environ[ENV_TEST_FAULT] = fault
+        try:
+            source.tp_rank = rank
+            sched.draft_worker.draft_worker.draft_runner.model = model
+            capture(source, sched, vocab_size=V, num_steps=1, rs=True)
+        finally:
+            os.environ.pop(ENV_TEST_FAULT, None)
+
+    def run(name: str, batch: Any) -> bool:
+        lp = source.head.lp
+        inner = lp._logits_gatherer
+        seen: list[list[Any]] = []
+
+        def gather(x: Any) -> Any:
+            seen.append([str(x.dtype), list(x.shape)])
+            return inner(x)
+
+        lp._logits_gatherer = gather
+        before, guard_before = dict(source.counts), dict(source.inst.guard.counts)
+        got: list[Any] = []
+
+        def work() -> None:
+            try:
+                got.append(("ok", source.prepare(batch)))
+            except BaseException as exc:  # reported, never raised into the thread
+                got.append(("raised", repr(exc)))
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        worker.join(SCENARIO_WAIT_S)
+        lp._logits_gatherer = inner
+        if worker.is_alive():
+            out[name] = {"hung": True, "gathers": seen}
+            return False
+        status, value = got[0]
+        after, guard_after = dict(source.counts), dict(source.inst.guard.counts)
+        out[name] = {
+            "hung": False,
+            "status": status if status == "ok" else value,
+            "agreed": None if status != "ok" or value is None else value.agreed.tolist(),
+            "x": [int(r.output_topk_index[0]) for r in batch.reqs],
+            "counts": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)},
+            "guard": {
+                k: guard_after[k] - guard_before.get(k, 0)
+                for k in guard_after
+                if guard_after[k] != guard_before.get(k, 0)
+            },
+            "gathers": seen,
+            "out_dtype": str(source.head.out_dtype),
+            "weight_dtype": str(source.head.dtype),
+        }
+        return status == "ok"
+
+    # The head fails on rank 1 (the tier's switch, head:1): fp32 output of a bf16 head, then bf16.
+    bind(draft(torch.bfloat16, enable_lm_head_fp32=True), fault="head:1")
+    if not run("fp32_output_head_fault", _batch(torch, 2, seed=21)):
+        return out
+    bind(draft(torch.bfloat16), fault="head:1")
+    if not run("bf16_head_fault", _batch(torch, 2, seed=22)):
+        return out
+    bind(draft(torch.float32))
+    # Rank 1 has no hidden state for request 0: it still enters the head's gather.
+    b = _batch(torch, 2, seed=23)
+    if rank == 1:
+        b.reqs[0].hidden_states_tensor = None
+    if not run("no_hidden_on_one_rank", b):
+        return out
+    # Rank 1's sampler draws another X' for request 0.
+    draw = source.synth.draw
+    if rank == 1:
+
+        def other(probs: Any, seeds: Any, positions: Any) -> Any:
+            _, x = draw(probs, seeds, positions)
+            x = x.clone()
+            x[0, 0] = (x[0, 0] + 1) % V
+            return probs.gather(1, x), x
+
+        source.synth.draw = other
+    ok = run("x_prime_differs", _batch(torch, 2, seed=24))
+    source.synth.draw = draw
+    if not ok:
+        return out
+    # Request 0: rank 1's row is invalid (NaN temperature) and its prefill X is 3 (rank 0's: 5).
+    b = _batch(torch, 2, seed=25)
+    if rank == 1:
+        b.reqs[0].output_topk_index = torch.tensor([3])
+        b.sampling_info.temperatures[0] = float("nan")
+    if not run("invalid_row_and_prefill_x_differ", b):
+        return out
+    # The staging of what is written after the vote fails on rank 1.
+    if rank == 1:
+
+        def fails(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected: staging the write fails on this rank")
+
+        source._stage = fails
+    ok = run("write_staging_fails_on_one_rank", _batch(torch, 2, seed=26))
+    source.__dict__.pop("_stage", None)
+    if not ok:
+        return out
+    # A vocab-parallel head under the overlap scheduler, through the scheduler-start capture.
+    sched.enable_overlap = True
+    try:
+        bind(draft(torch.float32))
+        out["capture_under_overlap"] = "accepted"
+    except Exception as exc:
+        out["capture_under_overlap"] = f"refused: {exc}"
+    finally:
+        sched.enable_overlap = False
+    return out

@@ -93,6 +93,13 @@ def kv_pattern(room: int, n_pages: int, buf: int, head0: int, heads: int, shape:
     return full[:, :, head0 : head0 + heads]
 
 
+def draft_q(seed: int, vocab: int) -> torch.Tensor:
+    """The stand-in draft model's distribution of a prefill rank, float32 (1, V): peaked
+    enough for sparse rows (``first["q_seed"]``; the same on every process)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(3.0 * torch.randn((1, vocab), generator=g), dim=-1)
+
+
 def unavailable() -> str | None:
     """Why the harness cannot run here (SGLang or Mooncake missing), or None."""
     for mod, hint in (("sglang", "make setup-sglang"), ("mooncake", "make setup (the Mooncake wheel)")):

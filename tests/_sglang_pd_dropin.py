@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from _recompute_head import HEAD_HIDDEN, MatrixHead
+from _sglang_pd import draft_q
 from sglang.srt.disaggregation import decode as sglang_decode
 from sglang.srt.disaggregation import prefill as sglang_prefill
 from sglang.srt.disaggregation import utils as sglang_utils
@@ -46,12 +47,6 @@ MODULES = S.SGLangModules(
     mooncake=sglang_mooncake,
     only_given=True,
 )
-
-
-def draft_q(seed: int, vocab: int) -> torch.Tensor:
-    """The stand-in draft model's distribution, float32 (1, V): peaked enough for sparse rows."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.softmax(3.0 * torch.randn((1, vocab), generator=g), dim=-1)
 
 
 def install(rank: Any, config: dict | None, vocab: int) -> dict:

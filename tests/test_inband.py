@@ -18,6 +18,7 @@ from pd_middleware.codecs.inband import (
     mark_overflow,
     read_row,
     row_bytes,
+    row_extent,
     write_row,
 )
 from pd_middleware.config import parse_config
@@ -116,6 +117,25 @@ def test_snapshot_read_views_the_row_and_decodes_the_same_law(name: str) -> None
     row[48:] = 0
     assert [bytes(b) for b in cbufs] == before
     assert not any(any(bytes(b)) for b in bufs)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_the_rows_extent_is_all_a_read_needs(steps: int) -> None:
+    """``row_extent``: the header plus the body length it declares. A copy of that many
+    bytes reads as the whole row does (the decode copies no more); one byte fewer is a
+    length fault (negative control); an unwritten row needs its header only."""
+    layout = RowLayout(1 << 16, V, steps)
+    for p in _payloads(ENCODERS["sparse_floor_u16"], steps):
+        row = np.zeros(layout.capacity_bytes, dtype=np.uint8)
+        write_row(row, 11, p, layout)
+        n = row_extent(row)
+        assert n == row_bytes(p) < row.size
+        got = read_row(row[:n].copy(), 11, layout)
+        assert isinstance(got, Payload) and got == read_row(row, 11, layout)
+        short = read_row(row[: n - 1].copy(), 11, layout)
+        assert isinstance(short, RowFault) and short.reason == "length"
+    assert row_extent(np.zeros(layout.capacity_bytes, dtype=np.uint8)) == HEADER_BYTES
+    assert row_extent(np.zeros(HEADER_BYTES - 1, dtype=np.uint8)) == HEADER_BYTES - 1
 
 
 def test_identical_bytes_for_identical_input() -> None:

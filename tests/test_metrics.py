@@ -377,6 +377,69 @@ def test_sglang_export_gate_is_off_outside_a_metrics_scheduler(monkeypatch) -> N
     assert start_sglang_export(Metrics(), 1.0, exporters, enabled=gate) is None and exporters == []
 
 
+RANK_WRITER = textwrap.dedent(
+    """
+    import sys, types
+    from types import SimpleNamespace
+    from pd_middleware.core.metrics import Metrics
+    from pd_middleware.integrations.sglang.live_ab import CounterSource, sglang_exports_metrics, start_sglang_export
+    from pd_middleware.integrations.sglang.patching import FEATURES, RUNTIME_MODULE, Symbols, resolve
+    rank, all_schedulers = int(sys.argv[1]), sys.argv[2] == "1"
+    # SGLang's runtime context as a scheduler of attention-TP rank `rank` publishes it.
+    rc = types.ModuleType(RUNTIME_MODULE)
+    obs = SimpleNamespace(enable_metrics=True, enable_metrics_for_all_schedulers=all_schedulers)
+    par = SimpleNamespace(attn_tp_rank=rank, attn_cp_rank=0)
+    rc.get_observability = lambda: obs
+    rc.get_parallel = lambda: par
+    symbols = Symbols([resolve(t, rc) for t in FEATURES["metrics_export"].targets])
+    # Every attention-TP rank of the group ran the same requests: the same counts on each.
+    m = Metrics()
+    m.received += 5
+    for _ in range(3):
+        m.record_first_verify("sparse", 1)
+    source = CounterSource(m, lambda: {"decode": {"proposal:prefill": 5}})
+    exporters = []
+    mirror = start_sglang_export(source, 60.0, exporters, enabled=lambda: sglang_exports_metrics(symbols))
+    for e in exporters:
+        e.stop()
+    print("exported", mirror is not None)
+    """
+)
+
+
+@pytest.mark.parametrize("all_schedulers", [False, True], ids=["rank0_only", "all_schedulers"])
+def test_counts_are_copied_once_under_every_metrics_flag(tmp_path, all_schedulers) -> None:
+    """Two scheduler processes of one attention-TP group (ranks 0 and 1, the same requests)
+    behind one multiprocess directory, as SGLang runs them: the merged /metrics counts each
+    request once, with and without --enable-metrics-for-all-schedulers (which made every rank
+    copy its counters, and the collector summed the identical series: counts x attention-TP
+    size)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    d = tmp_path / "prom"
+    d.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d), "PYTHONPATH": ROOT}
+    said = []
+    for rank in (0, 1):
+        out = subprocess.run(
+            [sys.executable, "-c", RANK_WRITER, str(rank), str(int(all_schedulers))],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        said.append(out.stdout.strip())
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(d))
+    text = generate_latest(reg).decode()
+    assert "pd_middleware_payloads_received_total 5.0" in text, text
+    assert 'pd_middleware_first_verify_accepted_tokens_count{arm="sparse"} 3.0' in text
+    assert 'pd_middleware_integration_events_total{event="proposal:prefill",part="decode"} 5.0' in text
+    assert said == ["exported True", "exported False"]
+
+
 # ----------------------------------------------------------------- docs and the dashboard
 
 DOC = os.path.join(ROOT, "docs", "metrics.md")
@@ -511,8 +574,10 @@ def test_the_documented_ab_queries_compute_the_right_numbers(tmp_path) -> None:
 
 @pytest.mark.sglang
 @pytest.mark.skipif(SGLANG_ABSENT, reason="SGLang is not installed; run `make setup-sglang`")
-def test_sglang_export_gate_follows_sglangs_own_rule(monkeypatch, tmp_path) -> None:
-    """Reported where SGLang reports: --enable-metrics, and attention-TP rank 0 or all schedulers.
+def test_sglang_export_gate_is_sglangs_stats_logging_rank_under_every_flag(monkeypatch, tmp_path) -> None:
+    """Copied from SGLang's stats-logging rank only (attention-TP rank 0, attention-CP rank 0),
+    with or without --enable-metrics-for-all-schedulers: our series carry no rank label, so a
+    copy from every rank would be summed (``test_counts_are_copied_once_under_every_metrics_flag``).
 
     SGLang's runtime context is published only inside a started scheduler, so its two
     getters are replaced here by objects with the attributes SGLang's Scheduler reads.
@@ -531,15 +596,17 @@ def test_sglang_export_gate_follows_sglangs_own_rule(monkeypatch, tmp_path) -> N
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     assert sglang_exports_metrics(symbols()) is False  # no published context: not a scheduler
-    for enabled, rank, all_schedulers, want in (
-        (True, 0, False, True),
-        (True, 1, False, False),
-        (True, 1, True, True),
-        (False, 0, False, False),
+    for enabled, rank, cp_rank, all_schedulers, want in (
+        (True, 0, 0, False, True),
+        (True, 1, 0, False, False),
+        (True, 0, 0, True, True),
+        (True, 1, 0, True, False),  # SGLang reports from this rank too; our unlabelled series would be summed
+        (True, 0, 1, True, False),  # attention CP: the same requests again
+        (False, 0, 0, False, False),
     ):
         obs = SimpleNamespace(enable_metrics=enabled, enable_metrics_for_all_schedulers=all_schedulers)
-        par = SimpleNamespace(attn_tp_rank=rank)
+        par = SimpleNamespace(attn_tp_rank=rank, attn_cp_rank=cp_rank)
         # Stand-ins with SGLang's own signature (no parameters): the table checks it.
         monkeypatch.setattr(rc, "get_observability", (lambda o: lambda: o)(obs))
         monkeypatch.setattr(rc, "get_parallel", (lambda p: lambda: p)(par))
-        assert sglang_exports_metrics(symbols()) is want, (enabled, rank, all_schedulers)
+        assert sglang_exports_metrics(symbols()) is want, (enabled, rank, cp_rank, all_schedulers)

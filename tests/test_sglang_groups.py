@@ -5,6 +5,12 @@ Two real processes (spawned; gloo on 127.0.0.1, a random port) with SGLang's rea
 says what is real in a rank). Recorded: the group the recompute head's gather resolves
 at the moment of the call, and the group of the recompute vote. Also SGLang's real
 ``LogitsProcessor`` against ``check_placement``, with and without ``--enable-dp-lm-head``.
+
+Under plain TP 2, batches where one rank differs from the other (``_tp2_scenarios``): its
+head fails (bf16, and bf16 with an fp32 output), its hidden state is missing, it draws
+another X', its row is invalid while its prefill X differs, staging its write fails. Each
+shows both ranks leave every collective together, hand SGLang the same X, and count each
+request once.
 """
 
 from __future__ import annotations
@@ -145,3 +151,98 @@ def test_check_placement_refuses_exactly_a_gather_across_dp_ranks_or_under_overl
             assert p["gather"] and not p["gather_dp_attn"]
             assert p["overlap=False"] == "accepted", p
             assert p["overlap=True"].startswith("refused") and "--disable-overlap-schedule" in p["overlap=True"], p
+
+
+# ----------------------------------------------------------------------------- TP 2: one rank differs
+
+
+def scenario(name: str) -> tuple[dict, dict]:
+    """Both ranks' outcome of one scenario of ``_sglang_groups._tp2_scenarios`` (run with ``tp2``)."""
+    r0, r1 = run_case("tp2")
+    s0, s1 = r0["scenarios"].get(name), r1["scenarios"].get(name)
+    assert s0 is not None and s1 is not None, f"{name} did not run: {r0['scenarios']} / {r1['scenarios']}"
+    assert not s0["hung"] and not s1["hung"], f"{name}: a rank was left alone in a collective: {s0} / {s1}"
+    assert s0["status"] == s1["status"] == "ok", (s0, s1)
+    return s0, s1
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("fp32_output_head_fault", "torch.float32"), ("bf16_head_fault", "torch.bfloat16")]
+)
+def test_a_failing_head_on_one_rank_gathers_its_peers_dtype_and_both_fall_back_counted_once(name, dtype):
+    """The head fails on rank 1 (the tier's switch, ``head:1``). Its zeros enter SGLang's
+    gather with the dtype and width of a real output of the head: fp32 for a bf16 head
+    under ``enable_lm_head_fp32`` (``--enable-fp32-lm-head``'s switch), bf16 without. No
+    rank is left in the gather; both hand SGLang the prefill's X, one-hot; each request is
+    counted once on each rank (rank 1 ``failed``, rank 0 ``peer_failed``). Negative
+    controls tried: zeros in the weight's dtype (the landed code) in the fp32 case, and
+    fp32 zeros in the bf16 case, each make gloo abort a rank (SIGABRT) in the gather of
+    mismatched sizes, and this test fails."""
+    s0, s1 = scenario(name)
+    for s in (s0, s1):
+        assert s["weight_dtype"] == "torch.bfloat16" and s["out_dtype"] == dtype, s  # control: which head this is
+        assert s["gathers"] == [[dtype, [2, 64]]], s["gathers"]  # one gather, the same bytes on both ranks
+        assert s["x"] == [5, 5] and s["agreed"] is None, s
+    assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "fallback:failed": 2}, s1["counts"]
+    assert s1["guard"] == {"guard:recompute:RuntimeError": 1} and s0["guard"] == {}, (s0["guard"], s1["guard"])
+
+
+def test_a_rank_without_a_hidden_state_still_enters_the_heads_gather():
+    """Rank 1 has no hidden state for request 0: it votes "not ok" after running the head on
+    zeros, so both ranks gather once and fall back to the prefill's X (rank 1 ``no_hidden``,
+    rank 0 ``peer_failed``). Negative control tried: a rank that raises before the head
+    (skipping its gather) fails this test."""
+    s0, s1 = scenario("no_hidden_on_one_rank")
+    for s in (s0, s1):
+        assert len(s["gathers"]) == 1 and s["x"] == [5, 5] and s["agreed"] is None, s
+    assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "fallback:no_hidden": 2}, s1["counts"]
+
+
+def test_ranks_that_drew_different_x_prime_fall_back_and_the_others_keep_theirs():
+    """Rank 1's sampler draws another X' for request 0: request 0 is not agreed (both ranks
+    hand the prefill's X, counted ``rank_mismatch`` once each), request 1 is (the same X' on
+    both). Negative control tried: treating the vote's ``ok`` alone as agreed (each rank
+    keeps its own X') fails this test."""
+    s0, s1 = scenario("x_prime_differs")
+    for s in (s0, s1):
+        assert s["agreed"] == [False, True] and s["x"][0] == 5, s
+        assert s["counts"] == {"batches": 1, "recomputed": 1, "fallback:rank_mismatch": 1}, s["counts"]
+    assert s0["x"] == s1["x"]
+
+
+def test_a_rank_whose_prefill_x_differs_takes_the_agreed_x_and_counts_only_its_own_invalid_row():
+    """Request 0: rank 1's row is invalid (NaN temperature) and its prefill X is 3, rank 0's
+    is 5. Both hand SGLang X = 3 (the smallest any rank holds), rank 0 overwriting its own;
+    rank 1 counts its row ``invalid_row`` (never also ``peer_failed``), rank 0 ``peer_failed``.
+    Negative controls tried, each failing this test: a rank keeping its own prefill X;
+    ``peer_failed`` counting this rank's own invalid rows."""
+    s0, s1 = scenario("invalid_row_and_prefill_x_differ")
+    for s in (s0, s1):
+        assert s["agreed"] == [False, True] and s["x"][0] == 3, s
+    assert s0["x"] == s1["x"]
+    assert s0["counts"] == {"batches": 1, "recomputed": 1, "fallback:peer_failed": 1}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "recomputed": 1, "fallback:invalid_row": 1}, s1["counts"]
+
+
+def test_a_failure_staging_the_write_on_one_rank_is_its_vote_never_a_divergent_x():
+    """Everything the write after the vote needs (X' and q'(X') on the host, q''s width) is
+    staged before the vote: a failure there on rank 1 is its vote, and both ranks hand the
+    prefill's X (rank 1 ``failed``, rank 0 ``peer_failed``). Negative control tried:
+    staging after the vote (the landed order: rank 1 raises after the ranks agreed on X')
+    fails this test."""
+    s0, s1 = scenario("write_staging_fails_on_one_rank")
+    for s in (s0, s1):
+        assert s["x"] == [5, 5] and s["agreed"] is None, s
+    assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "fallback:failed": 2}, s1["counts"]
+
+
+def test_capture_refuses_a_vocab_parallel_head_under_the_overlap_scheduler():
+    """The scheduler-start capture with SGLang's real TP 2 draft and ``enable_overlap``:
+    refused, naming the flag (the placement check, through capture itself). Negative
+    control tried: capture passing ``enable_overlap=False`` to the check fails this test."""
+    for r in run_case("tp2"):
+        got = r["scenarios"]["capture_under_overlap"]
+        assert got.startswith("refused") and "--disable-overlap-schedule" in got, got

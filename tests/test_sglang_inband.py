@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from fractions import Fraction
+from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -237,6 +239,47 @@ def test_two_prefill_ranks_write_identical_rows_and_two_decode_ranks_build_ident
     assert torch.equal(build(sg, [commit(sg, d, 3, 100)]), a[:1])
 
 
+class LateCopy:
+    """SGLang's ``copy_done`` (a device event on a GPU): the forward's X and q reach the
+    draft input only once it is waited for. Until then the draft input holds another
+    batch's values (here: another draft and another X)."""
+
+    def __init__(self, draft_input, q, x):
+        self.draft_input, self.q, self.x = draft_input, q, x
+        self.waited = 0
+
+    def synchronize(self):
+        self.draft_input.draft_probs.copy_(self.q)
+        self.draft_input.topk_index.copy_(self.x)
+        self.waited += 1
+
+
+def test_the_prefill_waits_for_copy_done_before_reading_x_and_q(sg) -> None:
+    """The prefill wrapper reads X and q only after SGLang's ``copy_done``: what it publishes
+    is the encoding of the forward's q, the same rows and X as a batch whose values were
+    there from the start. Reading before the wait would encode the stale draft."""
+    rooms = [81, 82, 83]
+    q = draft(3)
+    inst = activate(config(), role="prefill")
+    want_reqs = [prefill_req(r, i) for i, r in enumerate(rooms)]
+    prefill(inst, want_reqs, q.clone(), buffers(sg))  # the values present from the start
+    want = [(r.pd_middleware_row.draft_tokens, r.pd_middleware_row.proposal) for r in want_reqs]
+    reqs = [prefill_req(r, i) for i, r in enumerate(rooms)]
+    di = SimpleNamespace(
+        topk_index=torch.full((3, 1), 7, dtype=torch.int64),
+        topk_p=torch.full((3, 1), 0.5),
+        draft_probs=draft(3, seed=SEED + 9),  # stale: another batch's draft
+    )
+    late = LateCopy(di, q, torch.zeros((3, 1), dtype=torch.int64))
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((3, 1))))
+    result = SimpleNamespace(next_draft_input=di, copy_done=late)
+    wrap_prefill_result(sglang_copies_draft_input, inst)(None, batch, result)
+    got = [(r.pd_middleware_row.draft_tokens, r.pd_middleware_row.proposal) for r in reqs]
+    assert got == want, f"seed {SEED}: the published rows are not the forward's"
+    assert late.waited == 1
+    assert [int(r.output_topk_index[0]) for r in reqs] == [x for (x,), _ in want]
+
+
 def test_rank_divergence_falls_back_to_one_hot(sg) -> None:
     # Negative control: a row whose X is not SGLang's (another rank drew another X).
     inst = activate(config())
@@ -252,6 +295,33 @@ def test_rank_divergence_falls_back_to_one_hot(sg) -> None:
     got = build(sg, [dreq])
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor((x + 1) % V), V).float())
     assert inst.proposer.counts["fallback:token_mismatch"] == 1
+
+
+@pytest.mark.parametrize("how", ["room_mismatch", "not_ready"])
+def test_a_request_sglang_aborts_at_commit_neither_reads_its_row_nor_gets_a_proposal(sg, how) -> None:
+    """SGLang's real ``_commit_transfer_to_req`` aborts a request whose metadata row names
+    another room (its "context corruption" check) or none (its "not ready after the gate"
+    check): the drop-in's commit then reads no row, attaches nothing and counts nothing,
+    for a request SGLang will never build. Control: the same row committed under its own
+    room is read and attached."""
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    reads = []
+    real_read = inst.channel.read
+    inst.channel.read = lambda *a: reads.append(a) or real_read(*a)
+    pbuf, dbuf = buffers(sg), buffers(sg)
+    prefill(inst, [prefill_req(71, 0)], draft(1), pbuf)
+    send_aux(pbuf, 0, dbuf, 0)
+    if how == "not_ready":
+        dbuf.bootstrap_room[0] = 0
+    before = dict(inst.channel.counts)  # the prefill's inband:written (one channel object plays both nodes)
+    dreq = commit(sg, dbuf, 0, 72 if how == "room_mismatch" else 71)
+    assert dreq.finished_reason is not None  # SGLang aborted it
+    assert reads == [] and not hasattr(dreq, "pd_middleware")
+    assert inst.channel.counts == before and inst.proposer.counts == {} and inst.guard.counts == {}
+    send_aux(pbuf, 0, dbuf, 1)  # control: committed under its own room
+    ok = commit(sg, dbuf, 1, 71)
+    assert ok.finished_reason is None and len(reads) == 1 and ok.pd_middleware.reason == "prefill"
 
 
 def test_x_and_row_from_different_prefill_writes_fall_back_to_one_hot(sg) -> None:
@@ -284,6 +354,69 @@ def test_x_and_row_from_different_prefill_writes_fall_back_to_one_hot(sg) -> Non
     assert dreq.pd_middleware.reason == "binding"
     assert torch.equal(build(sg, [dreq])[0], torch.nn.functional.one_hot(torch.tensor(x), V).float())
     assert inst.channel.counts["inband:binding"] == 1
+
+
+def test_a_row_fault_on_one_decode_rank_keeps_the_committed_law_p(sg) -> None:
+    """The in-band fallback is decided per rank (docs/sglang.md, "The in-band fallback is
+    per rank"): a row torn on decode rank 1 only gives rank 1 the one-hot at X while rank 0
+    hands the verifier the shipped q at the same X. Exact because SGLang's rejection-sampling
+    verify broadcasts its result from rank 0, so every rank commits rank 0's verdict, and
+    each rank's proposal is exact for X alone. Checked here: the two ranks' real builder
+    outputs; SGLang's eagle_sample broadcasting predict/accept_index/num_correct_drafts from
+    rank 0 (if a later SGLang drops it, this fails); the committed law under that broadcast,
+    enumerated with Fraction under SGLang's kernel reading, equal to p whichever rank falls
+    back. Negative control: without the broadcast the ranks' verdicts, even with one shared
+    coin, differ with positive probability (each rank would commit its own token)."""
+    import inspect
+
+    from sglang.srt.speculative import eagle_utils
+
+    from pd_middleware.evaluation.verify_exact import exact_accept_probability, exact_residual, exact_verify_law
+
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    pbuf, d0, d1 = buffers(sg), buffers(sg), buffers(sg)
+    prefill(inst, [prefill_req(91, 0)], draft(1, seed=SEED + 3), pbuf)
+    send_aux(pbuf, 0, d0, 0)
+    send_aux(pbuf, 0, d1, 0)
+    inst.channel.rows(d1)[0, 60] ^= 0xFF  # rank 1's copy of the row is torn (a byte of its body)
+    r0, r1 = commit(sg, d0, 0, 91), commit(sg, d1, 0, 91)
+    assert (r0.pd_middleware.reason, r1.pd_middleware.reason) == ("prefill", "digest")
+    x = int(r0.output_topk_index[0])
+    assert int(r1.output_topk_index[0]) == x  # the same X on both ranks: only the proposal differs
+    shipped, fallback = build(sg, [r0])[0], build(sg, [r1])[0]
+    assert torch.equal(fallback, one_hot_rows([x])[0]) and int((shipped > 0).sum()) > 1
+
+    # SGLang 0.5.23: under rejection sampling every rank commits attention-TP rank 0's verdict.
+    body = inspect.getsource(eagle_utils.eagle_sample)
+    tail = body[body.index("sampling_fn = chain_speculative_sampling_triton") :]
+    for name in ("predict", "accept_index", "num_correct_drafts"):
+        assert f"tp_group.broadcast({name}, src=0)" in tail, f"SGLang's verify no longer broadcasts {name}"
+
+    s_law = _fractions(shipped)  # the law the prefill drew X from and shipped (normalised: float32 rounding)
+    p = _fractions(draft(1, seed=SEED + 5)[0])
+    one_hot_of = lambda y: [int(i == y) for i in range(V)]  # noqa: E731  # the fallback rank's q' given X = y
+    # Rank 0 served the shipped q (rank 1 fell back), or the reverse: rank 0's verdict is committed.
+    assert exact_verify_law(p, s_law, s_law, kernel="sglang") == p
+    assert exact_verify_law(p, one_hot_of, s_law, kernel="sglang") == p
+    # Negative control: per-rank verdicts with one shared coin u (accept iff u * q'(X) < p(X)):
+    # the ranks disagree with probability sum_X s(X) |a_shipped(X) - a_one_hot(X)|.
+    split = sum(
+        s_law[y] * abs(exact_accept_probability(p[y], s_law[y], "sglang") - exact_accept_probability(p[y], 1, "sglang"))
+        for y in range(V)
+        if s_law[y]
+    )
+    assert split > 0
+    # And rank 0's accept decision with another rank's residual draw (predict not broadcast
+    # with accept_index) is biased: the enumeration tells an inexact mix from p.
+    mixed = [Fraction(0)] * V
+    for y in (y for y in range(V) if s_law[y]):
+        a = exact_accept_probability(p[y], s_law[y], "sglang")
+        mixed[y] += s_law[y] * a
+        for z, r in enumerate(exact_residual(p, one_hot_of(y), "sglang")):
+            mixed[z] += s_law[y] * (1 - a) * r
+    assert mixed != p
+    print(f"\nwithout SGLang's broadcast the two ranks' verdicts would differ with probability {float(split):.3f}")
 
 
 def test_late_write_after_the_digest_check_is_not_read(sg) -> None:
@@ -652,6 +785,69 @@ def test_multi_layer_without_chain_draws_sends_sglangs_chain_without_a_distribut
     assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
 
 
+MULTI_LAYER_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "multi_layer.yaml"
+
+
+@pytest.mark.parametrize("steps", [3, 4, 5])
+def test_the_shipped_multi_layer_config_ships_an_exact_compressed_chain_whose_largest_row_fits(steps) -> None:
+    """configs/multi_layer.yaml: no shapes declared (V and S from the engine), sparse with a
+    floor per step on both sides, and the largest row of an S-step chain at V = 152064 (a
+    flat draft: k_max entries per step) within its capacity, for the tier's S = 3 and
+    larger; the same row with twice the steps does not fit (the capacity is what decides)."""
+    from pd_middleware.codecs.inband import row_bytes
+    from pd_middleware.config import load_config
+
+    cfg = load_config(MULTI_LAYER_CONFIG)
+    assert cfg.model.declared_vocab_size is None and cfg.model.declared_num_steps is None
+    assert cfg.synthesizer.name == "sparse" and cfg.encoder.name == "sparse" and cfg.encoder.options["floor"]
+    assert cfg.sglang.channel == "metadata"
+    v = 152064
+
+    def largest(s):
+        pub = S.ProposalPublisher.from_config(cfg, stage=lambda *a: None, vocab_size=v, num_steps=s)
+        _, payloads = pub.encode([0], torch.full((1, s, v), 1.0 / v))
+        assert payloads[0].proposal is not None and payloads[0].proposal.kind == "sparse"
+        return row_bytes(payloads[0])
+
+    assert largest(steps) <= cfg.sglang.capacity_bytes
+    assert largest(2 * steps) > cfg.sglang.capacity_bytes  # negative control
+
+
+def test_a_multi_layer_decode_behind_a_prefill_that_ships_nothing_keeps_sglangs_one_hot_chain(sg) -> None:
+    """configs/multi_layer.yaml on the decode only: a stock prefill writes SGLang's X chain
+    and no row; the decode reads ``not_sent`` and SGLang's builder gets the exact one-hot
+    chain (B, S, V) at that X chain."""
+    from pd_middleware.config import load_config
+
+    pbuf = buffers(sg)  # no drop-in on the prefill: one buffer fewer
+    r = prefill_req(41, 0)
+    r.output_topk_p, r.output_topk_index = torch.tensor([0.5, 0.25, 0.125]), torch.tensor([4, 9, 2])
+    pbuf.set_buf(r)
+    inst = S.install(
+        load_config(MULTI_LAYER_CONFIG), S.InstallOptions(channel="metadata", facts=facts(num_steps=STEPS))
+    )
+    dbuf = buffers(sg)
+    send_aux(pbuf, 0, dbuf, 0)
+    dreq = commit(sg, dbuf, 0, 41)
+    assert dreq.pd_middleware.reason == "not_sent" and dreq.pd_middleware.tokens == (4, 9, 2)
+    spec = SimpleNamespace(
+        speculative_eagle_topk=1,
+        speculative_num_steps=STEPS,
+        enable_multi_layer_eagle=True,
+        speculative_use_rejection_sampling=True,
+    )
+    b = SimpleNamespace(
+        reqs=[dreq],
+        device="cpu",
+        enable_overlap=False,
+        model_config=SimpleNamespace(vocab_size=V, hf_config=SimpleNamespace()),
+    )
+    with patch.object(sg.ed, "get_spec", return_value=spec):
+        got = sg.ed.build_eagle_disagg_draft_input(b, torch.zeros(1, dtype=torch.int64), None).draft_probs
+    assert torch.equal(got[0], torch.nn.functional.one_hot(torch.tensor([4, 9, 2]), V).float())
+    assert inst.channel.counts["inband:not_sent"] == 1
+
+
 def test_fake_transfer_is_not_counted_as_a_missing_row(sg) -> None:
     # SGLang's warmup requests use a fake bootstrap host: no prefill ever writes them.
     inst = activate(config())
@@ -766,6 +962,96 @@ def test_misconfigured_scheduler_stops_at_startup(sg, over, message) -> None:
     with runtime(**over), pytest.raises(ConfigError, match=message):
         sched.init_disaggregation()
     assert not hasattr(sched, "disagg_metadata_buffers")  # before SGLang allocated anything
+
+
+class EagleDraftWorker:
+    """Stand-in for SGLang's ``EagleDraftWorker`` (``scheduler.draft_worker.draft_worker``):
+    EAGLE keeps ``--speculative-token-map`` here as ``hot_token_id`` (``eagle_worker_v2.py``
+    around 332 and 372), not on the draft model."""
+
+    def __init__(self, hot_token_id):
+        self.hot_token_id = hot_token_id
+        self.draft_runner = SimpleNamespace(model=SimpleNamespace())
+
+
+def permuted_map():
+    return torch.randperm(V, generator=torch.Generator().manual_seed(9))
+
+
+SHIPPED_AND_NOT = {
+    "sparse": {},
+    "full": {"synthesizer": {"name": "full_distribution"}, "encoder": {"name": "full", "options": {"dtype": "fp32"}}},
+    "one_hot": {"synthesizer": {"name": "one_hot"}, "encoder": {"name": "softmax"}},
+}
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+@pytest.mark.parametrize("strategy", list(SHIPPED_AND_NOT))
+def test_a_non_identity_token_map_is_refused_at_start_for_every_strategy(sg, strategy, role) -> None:
+    """A full-size permuted --speculative-token-map (EAGLE-1: the worker's hot_token_id) stops
+    the scheduler at start, naming the flag, for a shipped q (sparse, full) and for one-hot
+    alike, on either node, before SGLang allocates anything: the first verify would read the
+    proposal at hot[X] (``test_a_token_map_makes_the_first_verify_inexact_for_every_strategy``)
+    and every later step's draft_probs is in draft-id order. Controls: the identity map and no
+    map start."""
+    cfg = config(**SHIPPED_AND_NOT[strategy])
+    for hot, refused in ((permuted_map(), True), (torch.arange(V), False), (None, False)):
+        mod = scheduler_module(sg)
+        inst = S.install(cfg, S.InstallOptions(modules=S.SGLangModules(scheduler=mod)))
+        sched = mod.Scheduler(vocab=V)
+        sched.draft_worker = SimpleNamespace(draft_worker=EagleDraftWorker(hot))
+        with runtime(disaggregation_mode=role):
+            if refused:
+                with pytest.raises(ConfigError, match=r"not the identity \(--speculative-token-map"):
+                    sched.init_disaggregation()
+                assert not hasattr(sched, "disagg_metadata_buffers") and inst.facts is None
+            else:
+                sched.init_disaggregation()
+                assert inst.facts is not None and inst.facts.role == role
+                assert sched.disagg_metadata_buffers.pd_proposal.shape == (8, 4096)
+        S.uninstall()
+
+
+def _fractions(row) -> list:
+    """A float32 law as exact fractions, normalised (float32 sums miss 1 by rounding)."""
+    f = [Fraction(float(v)) for v in row.tolist()]
+    total = sum(f)
+    return [v / total for v in f]
+
+
+def test_a_token_map_makes_the_first_verify_inexact_for_every_strategy(sg) -> None:
+    """Why the refusal above covers every strategy: with a permuted map SGLang verifies
+    t = hot[X] (X the draft id the prefill drew) against whatever the builder handed it.
+    Exact enumeration (Fraction, SGLang's kernel reading) of the first verify's committed
+    law with the builder's real output: the shipped q (in-band, sparse) and the one-hot at
+    the received X (the builder's answer with no row) both commit a law other than p.
+    Control: the shipped q scattered into target ids (q'[hot[j]] = q[j]) commits p, so the
+    enumeration does see an exact proposal; that repair would hold for this step only
+    (SGLang's later draft steps keep draft-id order), hence a refusal, not a scatter."""
+    from pd_middleware.evaluation.verify_exact import exact_verify_law
+
+    inst = activate(config())
+    inst.publisher = S.ProposalPublisher.from_config(inst.config, stage=inst.channel.stage, vocab_size=V, num_steps=1)
+    (dreq,) = committed(sg, inst, [61])
+    shipped = build(sg, [dreq])[0]
+    assert dreq.pd_middleware.reason == "prefill" and int((shipped > 0).sum()) > 1  # a real shipped q
+    one_hots = build(sg, [decode_req([j]) for j in range(V)])  # the builder's one-hot at each received X
+    assert torch.equal(one_hots, one_hot_rows(list(range(V))))
+    hot = permuted_map().tolist()
+    inv = [0] * V
+    for j, t in enumerate(hot):
+        inv[t] = j
+    q = _fractions(shipped)  # the law the prefill drew X from, in draft-id order
+    s_t = [q[inv[t]] for t in range(V)]  # the law of the verified token t = hot[X]
+    p = _fractions(draft(1, seed=SEED + 5)[0])  # the target's law at that position
+    scattered = [q[inv[t]] for t in range(V)]
+    assert exact_verify_law(p, scattered, s_t, kernel="sglang") == p  # control: exact
+    assert exact_verify_law(p, q, s_t, kernel="sglang") != p  # the shipped q, read at hot[X]
+    one_hot_law = exact_verify_law(p, lambda t: _fractions(one_hots[inv[t]]), s_t, kernel="sglang")
+    assert one_hot_law != p
+    # Without the map (hot = identity) both are exact: the defect is the map alone.
+    assert exact_verify_law(p, q, q, kernel="sglang") == p
+    assert exact_verify_law(p, lambda x: _fractions(one_hots[x]), q, kernel="sglang") == p
 
 
 def test_prefill_start_warns_when_the_encoders_largest_row_exceeds_capacity(sg, caplog) -> None:

@@ -532,6 +532,40 @@ def test_prefill_tp2_one_encoder_failing_gives_both_decode_ranks_the_same_x_one_
         dep.fault(dep.ranks, "reset")
 
 
+def test_prefill_tp2_ranks_that_encode_different_x_publish_nothing(dep):
+    """Prefill TP 2 -> decode TP 2, both encoders healthy but rank 1's draft distribution
+    differs (so does its draw): the per-batch agreement sees two X (``x_differs``), neither
+    rank publishes its row or overwrites SGLang's X, and both decode ranks verify SGLang's
+    own X with a one-hot proposal (X only). Publishing anyway would hand the two decode
+    ranks different X (each with its own rank's proposal)."""
+    cfg = sparse_config()
+    dep.install(cfg, cfg, V)
+    dep.configure(2, 2)
+    room = rooms()
+    first = disagreeing_first(room)
+    # The ranks' counters may hold earlier tests' counts: compare the increase.
+    before = [c["prefill"].get("agreement:x_differs", 0) for c in H.gather(dep.prefill, "counters")]
+    before += [c["decode"].get("attached:no_distribution", 0) for c in H.gather(dep.decode, "counters")]
+    out, (b0, b1) = transfer_and_build(dep, room, [first, {**first, "q_seed": room + 77}])
+    p0, p1 = out["prefill"]
+    own = first["own_x"]
+    assert p0["x"] == p1["x"] == own, (p0["x"], p1["x"], own)  # SGLang's X kept on both ranks
+    assert b0["topk_index"].tolist() == b1["topk_index"].tolist() == [[own]]
+    assert b0["reasons"] == b1["reasons"] == ["no_distribution"]
+    assert torch.equal(b0["draft_probs"], one_hot(own)) and torch.equal(b1["draft_probs"], one_hot(own))
+    c0, c1 = H.gather(dep.prefill, "counters")
+    after = [c0["prefill"]["agreement:x_differs"], c1["prefill"]["agreement:x_differs"]]
+    after += [b["counters"]["decode"]["attached:no_distribution"] for b in (b0, b1)]  # the row carried X only
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 1, 1], (before, after)
+    # The ranks' draws did differ: each rank's encoder, run here on its distribution with the
+    # request's (seed, room, rid), as the rank process does (tests/_sglang_pd_dropin.py).
+    from pd_middleware.integrations.sglang.prefill import ProposalPublisher
+
+    pub = ProposalPublisher.from_config(parse_config(cfg), stage=lambda *a: None, vocab_size=V, num_steps=1)
+    xs = [int(pub.encode([room], H.draft_q(s, V), 1.0, [f"req-{room}"])[0].tokens[0, 0]) for s in (room, room + 77)]
+    assert xs[0] != xs[1] and own not in xs, f"room {room}: draws {xs}, SGLang's X {own}; pick another room"
+
+
 def test_negative_control_without_the_agreement_the_decode_ranks_get_a_mix(dep):
     """The same fault with the prefill's all-reduce AND the decode's canary bypassed: decode
     rank 0 verifies the encoder's X with its proposal, rank 1 SGLang's X one-hot. Under TP

@@ -39,13 +39,9 @@ from pd_middleware import ConfigError
 from pd_middleware.config import load_config
 from pd_middleware.decode.recompute import inverse_cdf
 from pd_middleware.integrations import sglang as S
-from pd_middleware.integrations.sglang.recompute import (
-    ARCHITECTURES,
-    SGLangDraftHead,
-    capture,
-    check_placement,
-    find_draft_model,
-)
+from pd_middleware.integrations.sglang.draft_head import ARCHITECTURES, SGLangDraftHead, find_draft_model
+from pd_middleware.integrations.sglang.recompute import capture
+from pd_middleware.integrations.sglang.startup import check_placement
 
 pytestmark = [pytest.mark.sglang]
 
@@ -175,6 +171,99 @@ def test_head_table_is_checked(sgl):
     assert set(ARCHITECTURES) >= {"LlamaForCausalLMEagle3", "LlamaForCausalLMEagle", "DeepseekV3ForCausalLMNextN"}
     with pytest.raises(S.PluginError, match="not in the recompute head table"):
         SGLangDraftHead(torch.nn.Linear(2, 2), V)
+
+
+def quantised(kind):
+    """A real SGLang ``ParallelLMHead`` built under a real quantisation config."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp8Config
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if kind == "fp8_leaves_lm_head":
+        config = Fp8Config()  # quantises linear layers; the lm_head keeps UnquantizedEmbeddingMethod
+    else:
+        config = ModelOptFp8Config(
+            is_checkpoint_fp8_serialized=kind == "modelopt_fp8", exclude_modules=[], packed_modules_mapping={}
+        )
+    return ParallelLMHead(V, H, quant_config=config, prefix="lm_head")
+
+
+def lora_wrapped(base):
+    """SGLang's real ``ParallelLMHeadWithLoRA`` around ``base``. Its own constructor pins a host
+    tensor, which CPU torch cannot; the state that matters here is its base class's
+    (``BaseLayerWithLoRA.__init__``: ``base_layer``, ``weight``, ``set_lora``)."""
+    from sglang.srt.lora.layers import BaseLayerWithLoRA, ParallelLMHeadWithLoRA
+
+    head = ParallelLMHeadWithLoRA.__new__(ParallelLMHeadWithLoRA)
+    BaseLayerWithLoRA.__init__(head, base, None)
+    return head
+
+
+QUANT_REFUSAL = r"quantised draft lm_head \(ParallelLMHead: modelopt_fp8, ModelOptFp8LinearMethod, "
+
+
+@pytest.mark.parametrize(
+    ("kind", "refusal"),
+    [
+        (
+            "modelopt_fp8",
+            QUANT_REFUSAL + r"weight torch.float8_e4m3fn\).*--speculative-draft-model-quantization unquant",
+        ),
+        ("modelopt_fp8_at_load", QUANT_REFUSAL + r"weight torch.float32\)"),
+        ("lora", r"LoRA draft lm_head \(ParallelLMHeadWithLoRA\).*lm_head out of --lora-target-modules"),
+        ("fp8_leaves_lm_head", None),
+        ("lora_off", None),
+    ],
+)
+def test_quantised_and_lora_lm_heads_are_refused_at_start_naming_the_flag(sgl, installed, kind, refusal):
+    """SGLang's real lm_head classes: a ModelOpt FP8 head (fp8 weight; or a float weight its
+    method quantises when the checkpoint loads) and a LoRA-wrapped head are refused at
+    scheduler start, naming the quantisation or the flag, and nothing is bound (before,
+    they were accepted and every batch failed, counted ``failed``: one-hot in disguise).
+    Controls: a quantisation config that leaves the lm_head unquantised, and the plain head
+    a LoRA wrapper would wrap, are accepted; SGLang's own dispatch really takes its quantised
+    (``should_apply_lm_head_quant_method``) or LoRA branch for the refused heads."""
+    m = eagle3(sgl)
+    if kind == "lora":
+        m.lm_head = lora_wrapped(m.lm_head)
+        assert hasattr(m.lm_head, "set_lora") and hasattr(m.lm_head, "apply_lora"), "SGLang's LoRA branch"
+    elif kind != "lora_off":
+        m.lm_head = quantised(kind)
+    if kind == "modelopt_fp8":
+        assert sgl.lp.should_apply_lm_head_quant_method(m.lm_head, m.lm_head.quant_method), "SGLang's quant branch"
+    rc = installed.recompute
+    if refusal is None:
+        start(sgl, installed, m)
+        assert rc.head is not None and rc.head.out_dtype == torch.float32
+        return
+    with pytest.raises(ConfigError, match=refusal):
+        start(sgl, installed, m)
+    assert rc.head is None and rc.synth is None
+
+
+@pytest.mark.parametrize("attn_tp", [True, False])
+def test_a_vocab_parallel_head_gathers_with_sglangs_attention_tp_gather_under_attention_tp(sgl, attn_tp):
+    """Which of its LogitsProcessor's gathers the head calls: under ``--enable-dp-lm-head``
+    (``use_attn_tp_group``) SGLang's ``_gather_attn_tp_logits`` (the attention-TP group),
+    else ``_logits_gatherer`` (the TP group), once per batch, never both. Both are
+    recorded stand-ins here (one rank has no group to gather over)."""
+    m = eagle3(sgl)
+    head = SGLangDraftHead(m, V)
+    calls = []
+
+    def recorder(name):
+        def gather(x):
+            calls.append((name, str(x.dtype), tuple(x.shape)))
+            return x
+
+        return gather
+
+    lp = head.lp  # the model's own, dropped with it
+    lp.do_tensor_parallel_all_gather, lp.use_attn_tp_group = True, attn_tp
+    lp._gather_attn_tp_logits = recorder("attn_tp")
+    lp._logits_gatherer = recorder("tp")
+    head.logits(torch.randn(3, H))
+    assert calls == [("attn_tp" if attn_tp else "tp", "torch.float32", (3, head.local_width))], calls
 
 
 def test_placement_refusals_name_the_flag():
@@ -370,21 +459,50 @@ def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, i
 
 
 def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, installed):
-    """The startup checks make it impossible, so it is forced here: a recomputed q' whose
-    width is not the head's target V. No row keeps X' (every rank takes the same branch:
-    the shapes are the same on all), the builder verifies the one-hot at the prefill's X,
-    and each user row is counted ``fallback:shape`` once, never ``recomputed``."""
+    """The startup checks make it impossible, so it is forced here: the head's logits gain
+    one column (probability 0), so the recomputed q' is V + 1 wide while the head, the
+    synthesizer and SGLang's batch all say V (the batch-wide ``unusable`` check passes).
+    q''s width is checked before any X' is written (every rank alike: the shapes are the
+    same on all): no row keeps X', the builder verifies the one-hot at the prefill's X, and
+    each user row is counted ``fallback:shape`` once, never ``recomputed`` nor
+    ``propose_shape``. Negative control tried: without that check the X' drawn from the
+    wide q' is written, and the builder verifies the one-hot at X' (``propose_shape``)."""
     start(sgl, installed, eagle3(sgl))
     rc = installed.recompute
-    rc.head.vocab_size = V + 1  # what the recomputed q' (V wide) is compared with
+    logits = rc.head.logits
+    rc.head.logits = lambda h: torch.nn.functional.pad(logits(h), (0, 1), value=float("-inf"))
+    control = batch(3)
+    assert rc.synth.recompute(
+        torch.stack([r.hidden_states_tensor for r in control.reqs]),
+        temperatures=control.sampling_info.temperatures,
+        seeds=torch.arange(3),
+        positions=control.seq_lens,
+    ).probs.shape == (3, V + 1), "control: the recomputed q' is one wider"
     si = build(sgl, batch(3))
-    rc.head.vocab_size = V
+    del rc.head.logits
     assert torch.equal(si.topk_index, torch.full((3, 1), 5))
-    want = torch.zeros(3, V)
-    want[:, 5] = 1.0
-    assert torch.equal(si.draft_probs, want)
+    assert torch.equal(si.draft_probs, one_hots([5] * 3))
     assert rc.counts["fallback:shape"] == 3 and rc.counts["recomputed"] == 0
     assert "fallback:propose_shape" not in rc.counts
+
+
+def test_a_failure_counting_after_the_vote_never_changes_what_sglang_is_handed(sgl, installed, monkeypatch):
+    """After the vote a rank only assigns what it staged, then counts: a failure while
+    counting is reported (``guard:recompute_count:<error>``) and the batch keeps what the
+    ranks agreed, X' with q' (a peer whose counting worked hands the same). Negative
+    control tried: an unguarded count makes prepare raise, and this rank verifies the
+    one-hot at X' while its peers verify q'."""
+    m = eagle3(sgl)
+    start(sgl, installed, m)
+    rc = installed.recompute
+    seeds = torch.arange(4, dtype=torch.int64) + 60
+    want = build(sgl, batch(4, seeds=seeds))  # the same batch, counted normally
+    monkeypatch.setattr(rc, "_count", _boom)
+    got = build(sgl, batch(4, seeds=seeds))
+    assert torch.equal(got.topk_index, want.topk_index) and torch.equal(got.draft_probs, want.draft_probs)
+    assert not torch.equal(got.draft_probs, one_hots(got.topk_index[:, 0].tolist()))  # q', not a one-hot
+    assert installed.guard.counts["guard:recompute_count:RuntimeError"] == 1
+    assert not [k for k in installed.guard.counts if k.startswith(("guard:prepare", "guard:propose"))]
 
 
 def test_sglangs_health_checks_in_a_batch_are_counted_apart_never_as_user_rows(sgl, installed):
@@ -414,6 +532,41 @@ def test_sglangs_health_checks_in_a_batch_are_counted_apart_never_as_user_rows(s
     assert si.draft_probs.shape == (5, V)
     assert rc.counts["fallback:invalid_row"] == 1, dict(rc.counts)
     assert rc.counts["recomputed"] == 2 + 2 and rc.counts["probe"] == 6
+    # Every fallback key, exactly: the probe's fallen-back row is in none of them.
+    fallbacks = {k: n for k, n in rc.counts.items() if k.startswith("fallback:")}
+    assert fallbacks == {"fallback:unknown_head": 2, "fallback:invalid_row": 1}, fallbacks
+    assert dict(rc.synth.counts) == {"invalid_row": 1}, dict(rc.synth.counts)
+
+
+def test_a_broken_agreement_collective_is_counted_agreement_failed_never_failed(sgl, installed, monkeypatch):
+    """The vote's all-reduce itself raises (the group is broken): nothing is agreed, every
+    request keeps the prefill's X with the one-hot, and each is counted
+    ``agreement_failed`` once (the guard logs ``recompute_agreement``), never ``failed``
+    (this rank's own step did not fail). Control: the same batch with a working vote
+    recomputes."""
+    import torch.distributed as dist
+
+    start(sgl, installed, eagle3(sgl))
+    rc = installed.recompute
+    calls = []
+
+    def broken(tensor, *args, **kwargs):
+        calls.append(kwargs.get("group"))
+        raise RuntimeError("injected: the group is broken")
+
+    rc.group = group = object()  # a group of more than one rank, as bind_head keeps it
+    monkeypatch.setattr(dist, "all_reduce", broken)
+    si = build(sgl, batch(3))
+    assert calls == [group]  # the vote ran, over the source's group, and failed
+    assert torch.equal(si.topk_index, torch.full((3, 1), 5)) and torch.equal(si.draft_probs, one_hots([5] * 3))
+    fallbacks = {k: n for k, n in rc.counts.items() if k.startswith("fallback:")}
+    assert fallbacks == {"fallback:agreement_failed": 3}, fallbacks
+    assert installed.guard.counts["guard:recompute_agreement:RuntimeError"] == 1
+    assert "guard:recompute:RuntimeError" not in installed.guard.counts
+    rc.group = None
+    monkeypatch.undo()
+    build(sgl, batch(3))
+    assert rc.counts["recomputed"] == 3
 
 
 def test_no_draft_worker_is_refused_at_startup(sgl, installed):
@@ -741,18 +894,20 @@ def test_an_eagle3_models_own_non_identity_map_is_refused_at_start(sgl, installe
     assert installed.recompute.head is not None
 
 
-def test_a_draft_whose_logits_are_not_the_target_width_is_refused_at_start(sgl, installed):
+@pytest.mark.parametrize("delta", [-8, 8])
+def test_a_draft_whose_logits_are_not_the_target_width_is_refused_at_start(sgl, installed, delta):
     """The draft logits' real width (its LogitsProcessor's vocab_size, what the head's slice
     leaves) is checked at startup, before any X' can be drawn or written (defect 5: the old
-    check compared the target V with itself, head.vocab_size being V). Negative control:
-    the same model at the target's width is accepted."""
-    narrow = eagle3(sgl, draft_vocab=V - 8)
-    probe = SGLangDraftHead(narrow, V)
-    assert probe.vocab_size == V and probe.logits_width == V - 8
-    assert probe.logits(torch.randn(2, H)).shape == (2, V - 8), "the real width of the draft's logits"
+    check compared the target V with itself, head.vocab_size being V): a narrower draft and
+    a wider one are refused. Negative control: the same model at the target's width is
+    accepted."""
+    other = eagle3(sgl, draft_vocab=V + delta)
+    probe = SGLangDraftHead(other, V)
+    assert probe.vocab_size == V and probe.logits_width == V + delta
+    assert probe.logits(torch.randn(2, H)).shape == (2, V + delta), "the real width of the draft's logits"
     rc = installed.recompute
-    with pytest.raises(ConfigError, match=rf"logits over {V - 8} ids, the target's vocabulary is {V}"):
-        start(sgl, installed, narrow)
+    with pytest.raises(ConfigError, match=rf"logits over {V + delta} ids, the target's vocabulary is {V}"):
+        start(sgl, installed, other)
     assert rc.head is None and rc.synth is None
     b = batch(3)
     si = build(sgl, b)  # nothing bound: every request keeps the prefill's X, one-hot
@@ -760,3 +915,217 @@ def test_a_draft_whose_logits_are_not_the_target_width_is_refused_at_start(sgl, 
     assert [r.output_topk_index.tolist() for r in b.reqs] == [[5]] * 3
     start(sgl, installed, eagle3(sgl, draft_vocab=V))
     assert rc.head is not None and rc.head.logits_width == V
+
+
+# ----------------------------------------------------------------------------- a live A/B arm
+
+ARMS_CONFIG = Path(__file__).parent.parent / "configs" / "sglang_live_ab_recompute.toml"
+
+
+@pytest.fixture
+def armed(sgl):
+    """configs/sglang_live_ab_recompute.toml (arms recompute, sparse, one_hot) on an
+    activated decode with the in-band channel, V = 97, and the real EAGLE3 head captured."""
+    facts = S.EngineFacts(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
+    m = eagle3(sgl)
+    start(sgl, inst, m)
+    yield inst, m
+    S.uninstall()
+
+
+def arms_of(rooms):
+    """The arm ab_split gives each room (the plugin's own hash), for the config's three arms."""
+    from pd_middleware_plugins.ab_split import arm_for
+
+    return [arm_for(str(r), ("recompute", "sparse", "one_hot"), (1, 2, 3)) for r in rooms]
+
+
+def shipped(inst, b, seed=5):
+    """What the prefill ships for every request of ``b`` (the config's sparse encoder, X ~ q_k),
+    committed as the in-band commit does (the request's X, then ``on_row``); the payloads."""
+    import msgspec
+
+    from pd_middleware.core.payload import Payload
+    from pd_middleware.middleware import build_encoders
+
+    cfg = inst.config
+    cfg = msgspec.structs.replace(cfg, arms=[], model=cfg.model.with_shapes(V, 1, engine="test"))
+    enc = build_encoders(cfg)["default"]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(len(b.reqs), V, generator=g) * 2, -1)
+    out = enc.encode(q, generator=g)
+    payloads = []
+    for i, r in enumerate(b.reqs):
+        x = int(out.tokens[i, 0])
+        p = Payload(
+            request_id=str(r.bootstrap_room),
+            draft_tokens=(x,),
+            draft_probs=(float(out.token_probs[i, 0]),),
+            vocab_size=V,
+            provenance=out.provenance,
+            proposal=out.proposals[i],
+        )
+        r.output_topk_index = torch.tensor([x])
+        r.output_topk_p = out.token_probs[i].clone()
+        inst.proposer.on_row(r, p)
+        payloads.append(p)
+    return payloads
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_live_ab_arms_mix_recompute_shipped_and_one_hot_each_row_with_its_own_law(sgl, armed, overlap):
+    """One mixed batch through SGLang's real builder: every row gets its arm's law, and the
+    pair (X, q) handed per row is one X drawn from that q. Recompute rows: X' drawn (SGLang's
+    seeded sampler, the row's own seed and position) from q' = softmax(head(h)/T) of that
+    row, q' handed; sparse rows: the prefill's X with the shipped q_k it was drawn from;
+    one-hot rows: δ at the prefill's X. Only the recompute rows are recomputed (counted)."""
+    from pd_middleware.sampling.encodings import sparse_law_tensor
+
+    inst, m = armed
+    seeds = torch.arange(24, dtype=torch.int64) + 40
+    b = batch(24, seeds=seeds, overlap=overlap)
+    arms = arms_of(r.bootstrap_room for r in b.reqs)
+    assert set(arms) == {"recompute", "sparse", "one_hot"}
+    payloads = shipped(inst, b)
+    fm = RecordingFutureMap()
+    si = build(sgl, b, fm)
+    if overlap:  # acted before the stash: the relay carries every row's X and q
+        assert torch.equal(fm.stashed.topk_index, si.topk_index) and torch.equal(fm.stashed.draft_probs, si.draft_probs)
+    mine = [i for i, a in enumerate(arms) if a == "recompute"]
+    idx = torch.tensor(mine)
+    hidden = torch.stack([b.reqs[i].hidden_states_tensor for i in mine])
+    q = sgl.spec_utils.sampling_softmax(own_logits(sgl, m, hidden), temperatures=b.sampling_info.temperatures[idx])
+    if inst.recompute.sampler == "sglang.fast_sample":
+        p_x, x = sgl.spec_utils.fast_sample(q, 1, sampling_seed=seeds[idx], positions=b.seq_lens[idx])
+    else:
+        p_x, x = inverse_cdf(q, seeds[idx], b.seq_lens[idx])
+    assert torch.equal(si.draft_probs[idx], q)
+    assert torch.equal(si.topk_index[idx], x) and torch.equal(si.topk_p[idx], p_x)
+    for i, a in enumerate(arms):
+        row, xi = si.draft_probs[i], int(si.topk_index[i, 0])
+        assert row[xi] > 0, (i, a)  # X is in the support of the q handed with it
+        assert b.reqs[i].pd_middleware.arm == a
+        if a == "sparse":
+            assert xi == payloads[i].draft_tokens[0]
+            assert torch.equal(row, sparse_law_tensor(payloads[i].proposal, 1, V)[0]), i
+            assert (row < 1).all()
+        elif a == "one_hot":
+            assert xi == payloads[i].draft_tokens[0]
+            assert torch.equal(row, torch.nn.functional.one_hot(torch.tensor(xi), V).float()), i
+        else:
+            assert b.reqs[i].pd_middleware.reason == "recompute"
+    assert inst.recompute.counts["recomputed"] == len(mine)
+    assert inst.proposer.counts["proposal:prefill"] == 24 - len(mine)
+
+
+def test_the_arm_split_is_a_function_of_the_request_the_same_on_every_rank(sgl, armed):
+    """Two installations (two TP ranks) over one batch: the same recompute rows, bit-identical
+    q and X; the batch in another order: each request keeps its arm."""
+    inst, m = armed
+    b0 = batch(16)
+    shipped(inst, b0)
+    first = build(sgl, b0)
+    rows0 = inst.source.prepare(b0).mine
+    S.uninstall()
+    facts = S.EngineFacts(role="decode", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    other = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
+    start(sgl, other, m)
+    b1 = batch(16)
+    shipped(other, b1)
+    second = build(sgl, b1)
+    assert other.source.prepare(b1).mine == rows0
+    assert torch.equal(first.draft_probs, second.draft_probs) and torch.equal(first.topk_index, second.topk_index)
+    rev = batch(16)
+    rev.reqs.reverse()
+    got = other.source.prepare(rev)
+    assert sorted(rev.reqs[i].bootstrap_room for i in got.mine) == sorted(b0.reqs[i].bootstrap_room for i in rows0)
+
+
+def test_live_ab_reports_the_recompute_arm(sgl, armed, tmp_path):
+    """The first verify of each request of the mixed batch is counted under its arm, and
+    ``pd-middleware live-ab`` lists the recompute arm beside the shipped ones."""
+    import json
+    import subprocess
+    import sys
+
+    inst, _ = armed
+    b = batch(24)
+    shipped(inst, b)
+    build(sgl, b)
+    for r in b.reqs:
+        r.spec_verify_ct = 0
+    before = inst.recorder.before(b)
+    for r in b.reqs:
+        r.spec_verify_ct = 1
+    accepted = [i % 2 for i in range(24)]
+    assert inst.recorder.after(b, SimpleNamespace(num_correct_drafts_per_req_cpu=accepted), before) == 24
+    snap = tmp_path / "snapshot.json"
+    snap.write_text(json.dumps(inst.metrics.snapshot()))
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_middleware.cli", "live-ab", "--from", str(snap), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["arm"]: r for r in json.loads(out.stdout)["arms"]}
+    arms = arms_of(r.bootstrap_room for r in b.reqs)
+    for a in ("recompute", "sparse", "one_hot"):
+        mine = [accepted[i] for i in range(24) if arms[i] == a]
+        assert rows[a]["first_verifies"] == len(mine) and rows[a]["acceptance"] == pytest.approx(sum(mine) / len(mine))
+    assert set(rows) == {"recompute", "sparse", "one_hot"}
+
+
+def test_two_recompute_arms_and_the_side_channel_are_refused(sgl):
+    import msgspec
+
+    cfg = load_config(ARMS_CONFIG)
+    arms = [*cfg.arms, msgspec.structs.replace(cfg.arms[0], name="recompute2")]
+    with pytest.raises(
+        ConfigError, match=r"at arms: .*2 arms whose synthesizer needs the draft head \(recompute, recompute2\)"
+    ):
+        S.install(msgspec.structs.replace(cfg, arms=arms), S.InstallOptions(channel="metadata"))
+    with pytest.raises(ConfigError, match=r'at sglang.channel: .*recompute arm .* channel = "metadata" only'):
+        S.install(cfg, S.InstallOptions(channel="sidechannel"))
+    assert S.current() is None
+
+
+def test_a_prefill_with_a_recompute_arm_ships_every_request_and_captures_no_head(sgl):
+    """The same config on the prefill: its top-level encoder ships a row for every request
+    (whatever its arm: the decode splits), and nothing of the recompute runs there."""
+    from pd_middleware.integrations.sglang.arms import ArmedSource
+
+    facts = S.EngineFacts(role="prefill", vocab_size=V, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
+    try:
+        assert isinstance(inst.source, ArmedSource) and inst.recompute.head is None
+        reqs = [SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}") for i in range(6)]
+        enc = inst.stage_requests(
+            reqs, torch.softmax(torch.randn(6, V, generator=torch.Generator().manual_seed(2)), -1)
+        )
+        assert enc.tokens.shape == (6, 1)
+        assert all(p is not None and p.kind == "sparse" for p in enc.proposals)
+        assert inst.publisher.counts["staged"] == 6, dict(inst.publisher.counts)
+    finally:
+        S.uninstall()
+
+
+def test_a_recompute_arm_without_a_scheduler_splits_by_the_batchs_shapes(sgl):
+    """Function-level use (``hook_scheduler=False``, no activation: SGLang's own builder
+    tests): the split still routes with the batch's V, the recompute rows are recomputed
+    and the others, with no row committed, verify the one-hot at their X; no guard event."""
+    inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", hook_scheduler=False))
+    try:
+        start(sgl, inst, eagle3(sgl))
+        b = batch(12)
+        arms = arms_of(r.bootstrap_room for r in b.reqs)
+        si = build(sgl, b)
+        mine = [i for i, a in enumerate(arms) if a == "recompute"]
+        assert mine and inst.recompute.counts["recomputed"] == len(mine)
+        assert not inst.events.snapshot(), inst.events.snapshot()
+        for i, a in enumerate(arms):
+            if a != "recompute":
+                assert int(si.topk_index[i, 0]) == 5 and float(si.draft_probs[i, 5]) == 1.0
+    finally:
+        S.uninstall()

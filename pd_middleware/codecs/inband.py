@@ -68,6 +68,7 @@ __all__ = [
     "mark_overflow",
     "read_row",
     "row_bytes",
+    "row_extent",
     "write_row",
 ]
 
@@ -85,6 +86,7 @@ MAX_STEPS = 16
 _HEAD = struct.Struct("<IHHQQII")  # magic, version, flags, signature, room, length, digest
 _SHAPE = struct.Struct("<IBBBBd")  # vocab, steps, kind, dtype, index format, temperature
 _DIGEST_AT = 28
+_LENGTH_AT = 24  # the body length in _HEAD: after magic, version, flags, signature, room
 _KIND_NONE, _KIND_DENSE, _KIND_SPARSE = 0, 1, 2
 _DTYPES: tuple[Literal["fp32", "bf16", "fp16"], ...] = ("fp32", "bf16", "fp16")
 _INDEX_FORMATS = ("int32", "u16")
@@ -263,6 +265,17 @@ def _seal(row: np.ndarray, end: int) -> None:
 def row_digest(row: np.ndarray) -> int:
     """The digest field of ``row``'s header (a cleared row reads 0)."""
     return int.from_bytes(row[28:32].tobytes(), "little")
+
+
+def row_extent(row: np.ndarray) -> int:
+    """How many leading bytes of ``row`` a read needs: the header plus the body length
+    its header declares, at most the row's size. Reads the live row without checking it
+    (:func:`read_row` checks the copy); an unwritten row needs its header only."""
+    size = int(row.size)
+    if size < HEADER_BYTES:
+        return size
+    length = int.from_bytes(row[_LENGTH_AT : _LENGTH_AT + 4].tobytes(), "little")
+    return min(size, HEADER_BYTES + length)
 
 
 def clear_row(row: np.ndarray) -> None:

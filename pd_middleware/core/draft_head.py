@@ -7,7 +7,7 @@ the draft logits over the **target** vocabulary, batched, on the engine's device
 :attr:`~pd_middleware.core.contracts.PluginContext.capabilities` under :data:`DRAFT_HEAD`:
 
 - the SGLang decode, from its EAGLE worker's draft model, applying what SGLang's
-  ``LogitsProcessor`` applies (:mod:`pd_middleware.integrations.sglang.recompute`);
+  ``LogitsProcessor`` applies (:mod:`pd_middleware.integrations.sglang.draft_head`);
 - the ``pd-middleware ab`` job, from its workload (:mod:`pd_middleware.workloads.heads`).
 """
 

@@ -11,8 +11,16 @@
   non-identity permutation of the whole vocabulary; the drafts carry the target's
   embedding and head; the multi-layer draft's layer ``k`` reads the ids the worker's
   rotation gives it.
+- The DeepSeek-V3 pair (``trained_deepseek``, ``trained_deepseek_nextn``): configs say
+  what SGLang reads, the NextN draft's first-verify acceptance is in (0.2, 0.9) with a
+  sign-flipped draft outside it, the draft directory is the target's NextN layer, the
+  plain model's routing is the documented grouped top-k, and its batched draft equals a
+  per-anchor extend with a KV cache.
 - Tests marked ``sglang``: SGLang's own classes build from the configs and their
-  ``load_weights`` fill every parameter (``models/sglang_check.py``, in a child process).
+  ``load_weights`` fill every parameter (``models/sglang_check.py``, in a child process);
+  for DeepSeek every parameter also holds the file's tensors (fused and stacked ones too).
+- Marked ``server``: SGLang's own DeepSeek-V3 forward on CPU (a ``ModelRunner`` in a child
+  process, ``models/sglang_forward.py``) gives the plain model's logits on a prompt.
 
 Needs torch, transformers, safetensors and tokenizers (skipped without transformers).
 """
@@ -39,7 +47,7 @@ pytest.importorskip("tokenizers", reason="the model builders need tokenizers (ma
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaForCausalLM
 
-from server.models import MODEL_NAMES, build_models, corpus, evaluate, spec, token_map_path
+from server.models import MODEL_NAMES, build_models, corpus, deepseek, evaluate, spec, token_map_path
 from server.models.build import token_map
 from server.models.eagle1 import Eagle1Draft
 from server.models.eagle3 import Eagle3Draft
@@ -55,6 +63,8 @@ SHAPES = {
     "trained_eagle3": spec.TRAINED,
     "trained_multi_layer": spec.TRAINED,
     "trained_eagle1_token_map": spec.TRAINED,
+    "trained_deepseek": spec.DEEPSEEK,
+    "trained_deepseek_nextn": spec.DEEPSEEK,
 }
 TABLES = {
     "target": spec.target_tensors,
@@ -64,6 +74,8 @@ TABLES = {
     "trained_eagle3": spec.eagle3_tensors,
     "trained_multi_layer": spec.mtp_tensors,
     "trained_eagle1_token_map": spec.eagle1_tensors,
+    "trained_deepseek": spec.deepseek_tensors,
+    "trained_deepseek_nextn": spec.deepseek_nextn_tensors,
 }
 ARCHITECTURES = {
     "target": "LlamaForCausalLM",
@@ -73,6 +85,9 @@ ARCHITECTURES = {
     "trained_eagle3": "LlamaForCausalLMEagle3",
     "trained_multi_layer": "MiMoV2MTP",
     "trained_eagle1_token_map": "LlamaForCausalLMEagle",
+    # SGLang renames a DeepSeek draft's architecture to DeepseekV3ForCausalLMNextN.
+    "trained_deepseek": "DeepseekV3ForCausalLM",
+    "trained_deepseek_nextn": "DeepseekV3ForCausalLM",
 }
 DRAFT_OF = {
     "eagle3": "target",
@@ -83,6 +98,10 @@ DRAFT_OF = {
 }
 #: The drafts distil.py made from the trained target.
 DISTILLED = ("trained_multi_layer", "trained_eagle1_token_map")
+DEEPSEEK_NAMES = ("trained_deepseek", "trained_deepseek_nextn")
+#: How far (total variation per position) SGLang's bf16 DeepSeek forward may be from the
+#: plain fp32 model's on the same weights.
+TV_TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +126,9 @@ def test_checkpoint_holds_exactly_the_table(models: dict[str, Path], name: str) 
             assert t.dtype == torch.int64 and not t.any(), "d2t must be the identity map (all offsets 0)"
         elif key == "t2d":
             assert t.dtype == torch.bool and t.all(), "t2d must map every target id"
+        elif key.endswith("e_score_correction_bias"):
+            assert t.dtype == torch.float32, key  # SGLang's parameter is fp32, as HF stores it
+            assert t.abs().max() > 0, "the routing bias was never trained"
         else:
             assert t.dtype == torch.bfloat16, key
             assert torch.isfinite(t.float()).all(), key
@@ -120,6 +142,8 @@ def test_config_says_what_sglang_reads(models: dict[str, Path], name: str) -> No
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads) == (s.vocab, s.hidden, s.heads)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (spec.BOS, spec.EOS, spec.PAD)
     assert cfg.tie_word_embeddings is False
+    if ARCHITECTURES[name] == "DeepseekV3ForCausalLM":
+        return  # test_deepseek_config_says_what_sglang_reads
     if name in DRAFT_OF:
         target = AutoConfig.from_pretrained(str(models[DRAFT_OF[name]]))
         assert cfg.num_hidden_layers == 1
@@ -257,7 +281,11 @@ def test_distilled_drafts_carry_the_targets_embedding_and_head(models: dict[str,
 
 
 def _one_anchor(
-    draft: Eagle3Draft | Eagle1Draft, tokens: torch.Tensor, hidden: torch.Tensor, t: int, steps: int
+    draft: Eagle3Draft | Eagle1Draft | deepseek.NextnDraft,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    t: int,
+    steps: int,
 ) -> list[torch.Tensor]:
     """What SGLang runs for one request whose prompt ends at ``x_{t+1}``: a draft extend over
     positions 0..t with a KV cache (``hidden`` [B, >t, H]: what the extend reads), then
@@ -278,7 +306,7 @@ def _one_anchor(
     return result
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "nextn"])
 def test_unrolled_draft_equals_extend_then_steps_with_a_kv_cache(kind: str) -> None:
     # The batched training/evaluation forward against SGLang's order of work, per anchor.
     torch.manual_seed(0)
@@ -288,9 +316,15 @@ def test_unrolled_draft_equals_extend_then_steps_with_a_kv_cache(kind: str) -> N
     tokens = torch.randint(0, s.vocab, (2, T))
     with torch.no_grad():
         if kind == "eagle3":
-            draft: Eagle3Draft | Eagle1Draft = Eagle3Draft(s, embed).eval()
+            draft: Eagle3Draft | Eagle1Draft | deepseek.NextnDraft = Eagle3Draft(s, embed).eval()
             aux = torch.randn(2, T, len(spec.AUX_LAYER_IDS) * s.hidden)
             outs, hidden = draft.unroll(tokens, aux, steps), draft.fc(aux)
+        elif kind == "nextn":
+            ds = spec.DEEPSEEK
+            embed = torch.nn.Embedding(ds.vocab, ds.hidden)
+            draft = deepseek.NextnDraft(ds, embed, torch.nn.Linear(ds.hidden, ds.vocab, bias=False)).eval()
+            hidden = torch.randn(2, T, ds.hidden)
+            outs = draft.unroll(tokens, hidden, steps)
         else:
             draft = Eagle1Draft(s, embed, torch.nn.Linear(s.hidden, s.vocab, bias=False)).eval()
             hidden = torch.randn(2, T, s.hidden)
@@ -335,6 +369,118 @@ def test_mtp_layer_k_reads_the_ids_rotated_k_plus_one_times() -> None:
         assert not torch.allclose(stale[0, n - 1].float(), outs[1][0, n - 1], atol=1e-3)
 
 
+def test_deepseek_config_says_what_sglang_reads(models: dict[str, Path]) -> None:
+    s = spec.DEEPSEEK
+    text = (models["trained_deepseek"] / "config.json").read_text()
+    # The draft directory carries the target's config: SGLang renames the architecture of a
+    # DeepSeek draft (model_config.py) and finds the NextN layer at num_hidden_layers.
+    assert (models["trained_deepseek_nextn"] / "config.json").read_text() == text
+    raw = json.loads(text)
+    # transformers' DeepseekV3Config has neither field, and SGLang reads both: in the file.
+    assert (raw["topk_method"], raw["moe_layer_freq"]) == ("noaux_tc", 1)
+    cfg = AutoConfig.from_pretrained(str(models["trained_deepseek"]))
+    assert cfg.architectures == ["DeepseekV3ForCausalLM"] and cfg.model_type == "deepseek_v3"
+    assert (cfg.topk_method, cfg.moe_layer_freq, cfg.scoring_func) == ("noaux_tc", 1, "sigmoid")
+    assert cfg.num_nextn_predict_layers == 1  # SGLang's loader asserts 1
+    assert 0 < cfg.first_k_dense_replace < cfg.num_hidden_layers == s.layers  # dense, then MoE
+    assert cfg.norm_topk_prob is True and cfg.routed_scaling_factor == s.routed_scaling
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank) == (s.q_lora, s.kv_lora)
+    # The CPU rope factory takes only (deepseek_)yarn; factor 1 is plain RoPE, GPT-J style.
+    rope = cfg.rope_parameters
+    assert (rope["rope_type"], rope["factor"]) == ("yarn", 1.0)
+    assert rope["original_max_position_embeddings"] == cfg.max_position_embeddings
+    assert cfg.rope_interleave is True
+    # TP 2 on CPU: heads split evenly; intermediate sizes are multiples of TP x 32.
+    assert cfg.num_attention_heads % 2 == 0
+    assert cfg.intermediate_size % 64 == 0 and cfg.moe_intermediate_size % 64 == 0
+    assert cfg.n_routed_experts % cfg.n_group == 0 and cfg.n_routed_experts // cfg.n_group >= 2
+    assert (cfg.vocab_size, cfg.hidden_size) == (s.vocab, s.hidden)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (spec.BOS, spec.EOS, spec.PAD)
+    assert cfg.tie_word_embeddings is False
+
+
+def test_deepseek_nextn_directory_is_the_targets_nextn_layer(models: dict[str, Path]) -> None:
+    target = load_file(str(models["trained_deepseek"] / "model.safetensors"))
+    draft = load_file(str(models["trained_deepseek_nextn"] / "model.safetensors"))
+    prefix = f"model.layers.{spec.DEEPSEEK.layers}."
+    assert set(draft) == {k for k in target if k.startswith(prefix)}
+    assert all(torch.equal(draft[k], target[k]) for k in draft)
+    # DeepSeek's published layout: the NextN layer carries copies of the embedding and head.
+    assert torch.equal(draft[prefix + "embed_tokens.weight"], target["model.embed_tokens.weight"])
+    assert torch.equal(draft[prefix + "shared_head.head.weight"], target["lm_head.weight"])
+
+
+def test_deepseek_nextn_accepts_neither_never_nor_always(models: dict[str, Path], tmp_path: Path) -> None:
+    target, draft = models["trained_deepseek"], models["trained_deepseek_nextn"]
+    figures = evaluate.measure(target, draft, windows=16)
+    print("DeepSeek NextN, held-out stdlib text:", json.dumps(figures))
+    t1 = figures["T=1.0"]
+    assert 0.2 < t1["sum_min_pq"] < 0.9, t1
+    assert t1["one_hot_accept"] < t1["sum_min_pq"], t1
+    # The target's own directory is the same draft (its NextN layer is in the checkpoint).
+    assert evaluate.measure(target, target, windows=16) == figures
+
+    # Negative control: shared_head.norm's weight negated and scaled makes the logits
+    # lm_head(-20 h): the draft proposes what it rates least likely.
+    flipped = tmp_path / "flipped-nextn"
+    shutil.copytree(draft, flipped)
+    tensors = load_file(str(flipped / "model.safetensors"))
+    key = f"model.layers.{spec.DEEPSEEK.layers}.shared_head.norm.weight"
+    tensors[key] = tensors[key] * -20
+    save_file(tensors, str(flipped / "model.safetensors"), metadata={"format": "pt"})
+    control = evaluate.measure(target, flipped, windows=16)["T=1.0"]
+    print("flipped NextN (control):", json.dumps(control))
+    assert not 0.2 < control["sum_min_pq"] < 0.9, control
+
+
+def _grouped_top_k_by_enumeration(scores: list[float], bias: list[float], s: spec.DeepseekShape) -> set[int]:
+    """The experts one token picks, straight from the rule (``biased_grouped_topk_impl``)."""
+    size = s.routed_experts // s.groups
+    biased = [a + b for a, b in zip(scores, bias, strict=True)]
+    group_score = [sum(sorted(biased[g * size : (g + 1) * size])[-2:]) for g in range(s.groups)]
+    kept = sorted(range(s.groups), key=lambda g: group_score[g])[-s.topk_groups :]
+    allowed = [e for g in kept for e in range(g * size, (g + 1) * size)]
+    return set(sorted(allowed, key=lambda e: biased[e])[-s.experts_per_token :])
+
+
+def test_deepseek_routing_is_the_biased_grouped_top_k() -> None:
+    torch.manual_seed(0)
+    s = spec.DEEPSEEK
+    moe = deepseek.MoE(s).eval()
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.2)
+        moe.gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, s.routed_experts))
+    x = torch.randn(64, s.hidden)
+    with torch.no_grad():
+        w, ids = moe.route(x)
+        scores = (x @ moe.gate.weight.T).sigmoid()
+    bias = moe.gate.e_score_correction_bias.tolist()
+    for n in range(x.shape[0]):
+        assert set(ids[n].tolist()) == _grouped_top_k_by_enumeration(scores[n].tolist(), bias, s), n
+    # The weights are the unbiased scores of the picked experts, renormalised to sum 1.
+    picked = scores.gather(1, ids)
+    torch.testing.assert_close(w, picked / picked.sum(-1, keepdim=True))
+    # Negative control: the bias changes the choice for some tokens.
+    unbiased = [0.0] * s.routed_experts
+    assert any(
+        set(ids[n].tolist()) != _grouped_top_k_by_enumeration(scores[n].tolist(), unbiased, s) for n in range(64)
+    )
+
+
+def test_deepseek_rope_turns_adjacent_pairs() -> None:
+    # GPT-J style (SGLang's is_neox_style = not rope_interleave): pair (2i, 2i + 1) turns by
+    # position * theta ** (-2i / d).
+    d, theta, pos = 8, 10000.0, 5
+    x = torch.randn(1, d)
+    got = deepseek.rope_interleaved(x, torch.tensor([pos]), theta)[0]
+    for i in range(d // 2):
+        a = pos * theta ** (-2 * i / d)
+        c, s_ = math.cos(a), math.sin(a)
+        x0, x1 = x[0, 2 * i].item(), x[0, 2 * i + 1].item()
+        assert got[2 * i].item() == pytest.approx(x0 * c - x1 * s_, abs=1e-5)
+        assert got[2 * i + 1].item() == pytest.approx(x1 * c + x0 * s_, abs=1e-5)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -362,6 +508,9 @@ def test_sglang_classes_build_and_load_every_model(models: dict[str, Path]) -> N
     for name, r in report["models"].items():
         s = SHAPES[name]
         assert r["architecture"] == ARCHITECTURES[name]
+        if name in DEEPSEEK_NAMES:
+            _check_deepseek_report(name, r)
+            continue
         # SGLang skips unknown names silently, so a misnamed tensor shows up only here. EAGLE-1
         # loads no head: SGLang gives it the target's at start (set_embed_and_head).
         expect = ["lm_head.weight"] if r["architecture"] == "LlamaForCausalLMEagle" else []
@@ -379,3 +528,107 @@ def test_sglang_classes_build_and_load_every_model(models: dict[str, Path]) -> N
         if r["architecture"] == "LlamaForCausalLM":
             assert r["layers_to_capture"] == [i + 1 for i in spec.AUX_LAYER_IDS]
             assert max(r["layers_to_capture"]) < r["num_hidden_layers"]
+
+
+def _check_deepseek_report(name: str, r: dict[str, object]) -> None:
+    # The target's class only where the file holds the target; the NextN class always.
+    kinds = (
+        ["DeepseekV3ForCausalLMNextN"]
+        if name == "trained_deepseek_nextn"
+        else [
+            "DeepseekV3ForCausalLM",
+            "DeepseekV3ForCausalLMNextN",
+        ]
+    )
+    assert [k for k in r if k != "architecture"] == kinds
+    for kind in kinds:
+        k = r[kind]
+        assert isinstance(k, dict)
+        # The NextN draft loads no embedding or head: SGLang gives it the target's at start.
+        expect = ["lm_head.weight", "model.embed_tokens.weight"] if kind.endswith("NextN") else []
+        assert k["unfilled"] == expect, (name, kind, k["unfilled"])
+        # Every other parameter holds the file's tensor (fused q_a/kv_a and gate/up, the
+        # routed experts stacked), and the absorbed-MLA matrices are kv_b_proj's split.
+        assert sorted(k["equal"]) == sorted(set(k["parameters"]) - set(expect)), (name, kind)
+        assert all(k["equal"].values()), (name, kind, k["equal"])
+        assert k["kv_b_split"] and all(k["kv_b_split"]), (name, kind)
+        assert k["bias_dtype"] == "torch.float32"
+
+
+@pytest.mark.server
+def test_sglang_deepseek_forward_gives_the_plain_models_logits(models: dict[str, Path]) -> None:
+    # SGLang's ModelRunner at TP 1 on CPU (the tier's stand-ins), in a child process: a
+    # prefill, then greedy decode steps (models/sglang_forward.py; every attention call on
+    # the absorbed MLA path, as every decode runs). The plain model (models/deepseek.py) on
+    # the same sequence must give the same laws: bf16 against fp32 arithmetic, so close,
+    # not equal.
+    from server.harness import server_env
+
+    path = models["trained_deepseek"]
+    ids = load_tokenizer(path)("def main(argv):\n    for name in argv:\n")["input_ids"]
+    steps = 4
+    env = server_env(None)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(TESTS)])
+    cmd = [sys.executable, "-m", "server.models.sglang_forward", str(path), json.dumps(ids), str(steps)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["seq"][: len(ids)] == ids and len(r["seq"]) == len(ids) + steps
+    got = torch.tensor([r["prefill_last"], *r["decode"]])
+
+    def plain(model: deepseek.DeepseekTarget) -> torch.Tensor:
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([r["seq"]]))
+        return logits[0, len(ids) - 1 :]
+
+    def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1)
+
+    target = deepseek.load_target(path, spec.DEEPSEEK)
+    want = plain(target)
+    tv = total_variation(got, want)
+    print("SGLang vs plain model: total variation per position", [round(v, 5) for v in tv.tolist()])
+    print("max |logit difference|", (got - want).abs().max().item(), "logit std", want.std().item())
+    assert tv.max() < TV_TOLERANCE, tv
+    # SGLang's greedy tokens are the plain model's.
+    assert got.argmax(-1)[:-1].tolist() == r["seq"][len(ids) :]
+    assert want.argmax(-1)[:-1].tolist() == r["seq"][len(ids) :]
+
+    # The NextN draft extend after the prefill, in SGLang, reading SGLang's captured hidden
+    # states (the target's final normed ones: the plain target's, up to bf16).
+    n, H = len(ids), spec.DEEPSEEK.hidden
+    hidden = torch.tensor(r["hidden"])
+    with torch.no_grad():
+        _, plain_hidden = target(torch.tensor([ids]))
+    print("captured hidden: max |difference|", (hidden - plain_hidden[0]).abs().max().item())
+    assert hidden.shape == (n, H)
+    torch.testing.assert_close(hidden, plain_hidden[0], atol=0.1, rtol=0.05)
+    draft = deepseek.load_nextn(
+        models["trained_deepseek_nextn"], spec.DEEPSEEK, target.model.embed_tokens, target.lm_head
+    )
+    tokens = torch.tensor([r["seq"][: n + 1]])  # the draft reads x_{t+1} at position t
+    nextn_got = torch.tensor(r["nextn_logits"])
+
+    def plain_nextn() -> torch.Tensor:
+        with torch.no_grad():
+            return draft.unroll(tokens, torch.cat([hidden, hidden[-1:]])[None], 1)[0][0]
+
+    nextn_tv = total_variation(nextn_got, plain_nextn())
+    print("NextN: total variation per position", [round(v, 5) for v in nextn_tv.tolist()])
+    assert nextn_tv.max() < TV_TOLERANCE, nextn_tv
+
+    # Negative controls, each farther from SGLang than the tolerance: the plain target
+    # without its routing bias (other experts picked), and the plain NextN layer reading
+    # cat(h, embedding) instead of cat(embedding, h) (eh_proj's halves swapped).
+    for layer in target.model.layers:
+        if isinstance(layer.mlp, deepseek.MoE):
+            layer.mlp.gate.e_score_correction_bias.zero_()
+    control = total_variation(got, plain(target))
+    print("control (routing bias zeroed): total variation", [round(v, 5) for v in control.tolist()])
+    assert control.max() > TV_TOLERANCE, control
+    with torch.no_grad():
+        w = draft.eh_proj.weight
+        w.copy_(torch.cat([w[:, H:], w[:, :H]], 1))
+    nextn_control = total_variation(nextn_got, plain_nextn())
+    print("control (eh_proj halves swapped): total variation", round(nextn_control.max().item(), 5))
+    assert nextn_control.max() > TV_TOLERANCE, nextn_control

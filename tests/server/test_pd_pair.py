@@ -1,9 +1,11 @@
 """A real PD pair (EAGLE3, rejection sampling, Mooncake over TCP, sglang-router) with the drop-in on.
 
-The pair runs ``configs/sglang_live_ab.toml``: the prefill ships a sparse distribution
-with a uniform floor (the ``sparse_floor.toml`` encoding) and the decode splits the
-traffic live between two arms, ``sparse`` (the shipped distribution) and ``one_hot``
-(the same payloads, the distribution ignored: SGLang's own baseline). It is compared with
+The pair runs ``configs/sglang_live_ab_recompute.toml``: the prefill ships a sparse
+distribution with a uniform floor (the ``sparse_floor.toml`` encoding) and the decode
+splits the traffic live between three arms, ``recompute`` (the decode redraws X' from
+its own draft head's q', the shipped default's source), ``sparse`` (the shipped
+distribution) and ``one_hot`` (the same payloads, the distribution ignored: SGLang's own
+baseline). It is compared with
 the session's aggregated server (the reference) and its PD pair without the drop-in
 (SGLang's own one-hot proposal): ``conftest.shared``. The decode also runs the seed's
 builder (``PDM_TEST_SEED_BUILDER=1``: SGLang's own PD proposal made inert, as before
@@ -39,8 +41,8 @@ from server.conftest import Shared, attach_logs
 pytestmark = pytest.mark.server
 
 REPO = Path(__file__).resolve().parents[2]
-ARMS = ("one_hot", "sparse")
-N_ACCEPT = 160  # requests at T = 1, max_new_tokens = 2 (about 80 per arm)
+ARMS = ("one_hot", "recompute", "sparse")
+N_ACCEPT = 240  # requests at T = 1, max_new_tokens = 2 (about 80 per arm)
 N_GREEDY = 12
 N_EXACT = 192  # one prompt, T = 1, max_new_tokens = 2: the committed token after the bonus
 Z_SAME = 3.29  # two-sided alpha = 1e-3: "within the CI of aggregated"
@@ -68,7 +70,8 @@ def servers(
 ) -> Iterator[Servers]:
     models = h.Models(server_models["target"], server_models["eagle3"])
     cfg = h.server_config(
-        REPO / "configs" / "sglang_live_ab.toml", tmp_path_factory.mktemp("cfg") / "sglang_live_ab.toml"
+        REPO / "configs" / "sglang_live_ab_recompute.toml",
+        tmp_path_factory.mktemp("cfg") / "sglang_live_ab_recompute.toml",
     )
     dropin = h.start_pair(
         models,
@@ -120,7 +123,9 @@ def test_greedy_outputs_equal_aggregated(servers: Servers) -> None:
     assert [r.output_ids for r in base] == [r.output_ids for r in agg]
 
 
-def test_first_verify_acceptance_shipped_arm_matches_aggregated_and_beats_one_hot(servers: Servers) -> None:
+def test_first_verify_acceptance_recompute_and_shipped_arms_match_aggregated_and_beat_one_hot(
+    servers: Servers,
+) -> None:
     texts = w.prompts(N_ACCEPT, offset=2)
     agg = w.first_verify_rate(w.generate(servers.agg.url, texts, temperature=1.0, max_new_tokens=2))
     before = w.arm_counts(servers.decode_metrics)
@@ -131,16 +136,19 @@ def test_first_verify_acceptance_shipped_arm_matches_aggregated_and_beats_one_ho
     base = w.first_verify_rate(w.generate(servers.onehot.router.url, texts, temperature=1.0, max_new_tokens=2))  # type: ignore[union-attr]
     arms = w.arm_rates_since(servers.decode_metrics, before, N_ACCEPT)
     print(
-        f"first-verify acceptance: aggregated {agg}, PD + drop-in (both arms, SGLang's figures) {pd}, "
-        f"arm sparse {arms.get('sparse')}, arm one_hot {arms.get('one_hot')}, PD without the drop-in {base}"
+        f"first-verify acceptance: aggregated {agg}, PD + drop-in (all arms, SGLang's figures) {pd}, "
+        f"arm recompute {arms.get('recompute')}, arm sparse {arms.get('sparse')}, arm one_hot {arms.get('one_hot')}, "
+        f"PD without the drop-in {base}"
     )
     assert sorted(arms) == sorted(ARMS)
     # The decode's per-arm counts are SGLang's own per-request results, each request once.
     assert sum(r.n for r in arms.values()) == N_ACCEPT
     assert sum(r.hits for r in arms.values()) == pd.hits
-    shipped, onehot = arms["sparse"], arms["one_hot"]
-    assert abs(w.z_diff(shipped, agg)) <= Z_SAME, f"arm sparse {shipped} vs aggregated {agg}: outside the 1e-3 band"
-    assert w.z_diff(shipped, base) >= Z_BETTER, f"arm sparse {shipped} not above one-hot {base} at alpha 1e-2"
+    onehot = arms["one_hot"]
+    for name in ("recompute", "sparse"):
+        rate = arms[name]
+        assert abs(w.z_diff(rate, agg)) <= Z_SAME, f"arm {name} {rate} vs aggregated {agg}: outside the 1e-3 band"
+        assert w.z_diff(rate, base) >= Z_BETTER, f"arm {name} {rate} not above one-hot {base} at alpha 1e-2"
     # The drop-in's one-hot arm is SGLang's own proposal: the same law as the pair without it.
     assert abs(w.z_diff(onehot, base)) <= Z_SAME, f"arm one_hot {onehot} vs SGLang's one-hot {base}"
 
@@ -148,7 +156,7 @@ def test_first_verify_acceptance_shipped_arm_matches_aggregated_and_beats_one_ho
 def test_first_token_after_the_bonus_is_distributed_as_aggregated(servers: Servers) -> None:
     """At T = 1 the committed token after the prefill's bonus has the aggregated law.
 
-    Both arms are exact, so the mixed traffic is too. The two samples are compared by the
+    Every arm is exact, so the mixed traffic is too. The two samples are compared by the
     permutation test of their TV (``w.same_law``: false-positive bound alpha = 1e-3 at any
     number of categories; the trained model spreads this token over about 100, where the
     former TV threshold 2 * tv_bound(K, N, 1e-6) was above 1, vacuous). Its power at this
@@ -188,8 +196,9 @@ def test_live_ab_reports_both_arms_from_the_running_decode(servers: Servers) -> 
     for arm in by_arm.values():
         lo, hi = arm["acceptance_ci"]
         assert 0.0 <= lo <= arm["acceptance"] <= hi <= 1.0
-    # The shipped arm's lower bound is above the one-hot arm's upper bound on these models.
-    assert by_arm["sparse"]["acceptance_ci"][0] > by_arm["one_hot"]["acceptance_ci"][1]
+    # The shipped and recompute arms' lower bounds are above the one-hot arm's upper bound on these models.
+    for name in ("recompute", "sparse"):
+        assert by_arm[name]["acceptance_ci"][0] > by_arm["one_hot"]["acceptance_ci"][1], by_arm
 
 
 def test_counters_on_both_nodes_count_each_request_once(servers: Servers) -> None:
@@ -213,8 +222,12 @@ def test_counters_on_both_nodes_count_each_request_once(servers: Servers) -> Non
     def event(values: dict[str, float], part: str, name: str) -> float:
         return sum(v for k, v in values.items() if f'part="{part}"' in k and f'event="{name}"' in k)
 
-    # Every request's proposal came from the prefill's payload (either arm), none from a fallback.
-    assert event(events, "decode", "proposal:prefill") == sent
+    # Every request's proposal came from the prefill's payload (arms sparse and one_hot) or
+    # was recomputed by the decode's draft head (arm recompute), once each, none from a fallback.
+    recomputed = event(events, "recompute", "recomputed")
+    assert recomputed > 0 and event(events, "decode", "proposal:prefill") + recomputed == sent
+    assert event(events, "decode", "attached:prefill") == sent  # each row read and attached once
+    assert not [k for k, v in events.items() if 'part="recompute"' in k and "fallback" in k and v], events
     assert event(events, "decode", "proposal:local") == 0
     assert event(events, "inband", "inband:read") >= sent
     # The prefill staged one payload per request (its warmups and health checks apart), and

@@ -18,6 +18,8 @@ The package is laid out by role (``docs/architecture.md``):
   :class:`~.sources.InBandSource` (``[sglang].channel = "metadata"``, :mod:`.metadata`),
   :class:`~.sources.SideChannelSource` (``"sidechannel"``) and
   :class:`~.recompute.RecomputeSource` (decode-only: the synthesizer needs the draft head);
+  :class:`~.arms.ArmedSource` holds a channel's source and a recompute source, for a live
+  A/B whose ``[[arms]]`` mix a recompute arm with shipped ones (:mod:`.arms`);
 - :mod:`.prefill` (the prefill's encoder and its wrapper), :mod:`.chain` (the multi-layer
   prefill), :mod:`.draft_kv` (every chain step's draft KV in the PD transfer, the peer check), :mod:`.startup` (the scheduler-start checks), :mod:`.live_ab` (first verifies
   per arm, the copy into SGLang's ``/metrics``): each declares its feature of the table
@@ -48,6 +50,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ...core._errors import ConfigError, PDMiddlewareError, PluginError
 
 # The feature modules register their part of the table at import (the order is the table's).
@@ -56,6 +60,7 @@ from . import draft_kv as _draft_kv  # noqa: F401  # registers "draft_kv", "peer
 from . import live_ab as _live_ab  # noqa: F401  # registers "live_ab", "metrics_export"
 from . import metadata as _metadata  # noqa: F401  # registers "metadata"
 from . import recompute as _recompute  # noqa: F401  # registers "recompute"
+from .arms import ArmedSource, recompute_arms, recompute_config, shipped_config
 from .common import ATTACH_ATTR, RequestProposal, room_key
 from .installation import ENV_ALLOW_UNSUPPORTED, ENV_CONFIG, Installation, InstallOptions
 from .live_ab import make_recorder
@@ -210,13 +215,37 @@ def _choose_source(config: Any, opts: InstallOptions, registry: Any) -> Proposal
             f'head, e.g. synthesizer = "recompute"), got {channel!r}',
             path="sglang.channel",
         )
+    mixed = recompute_arms(
+        config, lambda ref: needs_draft_head(msgspec.structs.replace(config, synthesizer=ref), registry)
+    )
+    if len(mixed) > 1:
+        raise ConfigError(
+            f"[[arms]] holds {len(mixed)} arms whose synthesizer needs the draft head ({', '.join(mixed)}); "
+            "a live A/B takes one recompute arm",
+            path="arms",
+        )
+    if mixed and channel != "metadata":
+        # The side channel's store would keep the recompute rows' payloads, never taken.
+        raise ConfigError(
+            f'[[arms]] with a recompute arm ({mixed[0]!r}) runs on channel = "metadata" only, got {channel!r}',
+            path="sglang.channel",
+        )
+    shipped_cfg = shipped_config(config, mixed[0]) if mixed else config
     store = (
         opts.store if opts.store is not None else ProposalStore(opts.receiver) if opts.receiver is not None else None
     )
-    proposer = DecodeProposer(config, store, registry=opts.registry, metrics=metrics)
+    proposer = DecodeProposer(shipped_cfg, store, registry=opts.registry, metrics=metrics)
+    source: ProposalSource
     if channel == "metadata":
-        return InBandSource(proposer, MetadataChannel(config.sglang.capacity_bytes))
-    return SideChannelSource(proposer)
+        source = InBandSource(proposer, MetadataChannel(config.sglang.capacity_bytes))
+    else:
+        source = SideChannelSource(proposer)
+    if mixed:
+        # A live A/B with a recompute arm: that arm's rows recomputed, the others shipped (.arms).
+        return ArmedSource(
+            source, RecomputeSource(recompute_config(config, mixed[0]), opts.registry, metrics), mixed[0]
+        )
+    return source
 
 
 def _installation(ver: str, config: Any, opts: InstallOptions, source: ProposalSource, found: Any) -> Installation:
@@ -226,6 +255,8 @@ def _installation(ver: str, config: Any, opts: InstallOptions, source: ProposalS
     metrics = proposer.metrics if proposer is not None else opts.metrics if opts.metrics is not None else Metrics()
     if isinstance(source, RecomputeSource):
         source.metrics = metrics
+    elif isinstance(source, ArmedSource):
+        source.recompute.metrics = metrics
     reads = [p for patches in found.values() for p in patches if p.target.wrap is None]
     inst = Installation(
         ver,

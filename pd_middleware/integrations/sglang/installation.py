@@ -23,7 +23,7 @@ from ...core.metrics import Metrics
 from .patching import FEATURES, Hook, Patch, SGLangModules, Symbols, announce, apply, build, feature_of, hook_source
 from .prefill import ProposalPublisher
 from .sources import InBandSource, ProposalSource
-from .startup import EngineFacts, check, check_layout, check_registration
+from .startup import EngineFacts, check, check_draft, check_layout, check_registration
 from .store import ProposalStore
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
@@ -110,7 +110,9 @@ class Installation:
     @property
     def channel(self) -> Any:
         """The in-band :class:`~.metadata.MetadataChannel`, or None for another source."""
-        return self.source.channel if isinstance(self.source, InBandSource) else None
+        if isinstance(self.source, InBandSource):
+            return self.source.channel
+        return getattr(self.source, "channel", None)  # a live A/B with a recompute arm (.arms)
 
     @property
     def proposer(self) -> Any:
@@ -120,6 +122,9 @@ class Installation:
     @property
     def recompute(self) -> Any:
         """The decode-only recompute source, or None for a shipped-law source."""
+        inner = getattr(self.source, "recompute", None)  # a live A/B's recompute arm (.arms)
+        if inner is not None:
+            return inner
         return self.source if "recompute" in self.source.features else None
 
     @property
@@ -179,6 +184,7 @@ class Installation:
         (:meth:`announce`).
         """
         check(self.config, facts, self.channel_name)
+        check_draft(scheduler, facts, self.symbols)
         self.facts = facts
         self.source.bind(facts, scheduler)
         if scheduler is not None and self.draft_kv is None and {"draft_kv", "peer_check"} <= self.applied_features():
@@ -203,7 +209,9 @@ class Installation:
         logger.info(
             "pd-middleware active: %s node, %s, V=%d, S=%d",
             facts.role,
-            "decode-only recompute" if self.recompute is not None else f"channel {self.channel_name}",
+            "decode-only recompute"
+            if self.recompute is self.source
+            else f"channel {self.channel_name}" + (", a recompute arm" if self.recompute is not None else ""),
             facts.vocab_size,
             facts.num_steps,
         )

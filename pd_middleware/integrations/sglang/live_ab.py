@@ -27,9 +27,9 @@ unattributed.
 
 The copy into SGLang's own ``/metrics`` (:func:`start_sglang_export`, with or without
 arms, on the prefill and the decode) is started at scheduler start by the installation's
-activation, when SGLang runs with ``--enable-metrics``, on the ranks where SGLang itself
-reports (attention-TP rank 0, or every scheduler with
-``--enable-metrics-for-all-schedulers``). It carries the middleware's counters and the
+activation, when SGLang runs with ``--enable-metrics``, on SGLang's stats-logging rank of
+each DP group only (attention-TP rank 0 and attention-CP rank 0), under every metrics
+flag: see :func:`sglang_exports_metrics`. It carries the middleware's counters and the
 integration's own (:class:`CounterSource`: ``pd_middleware_integration_events_total``).
 """
 
@@ -127,13 +127,20 @@ class FirstVerifyRecorder:
 
 
 def sglang_exports_metrics(symbols: Symbols) -> bool:
-    """Whether this SGLang scheduler process reports to SGLang's ``/metrics``.
+    """Whether this SGLang scheduler process copies the counters into SGLang's ``/metrics``.
 
-    True under ``--enable-metrics`` with ``PROMETHEUS_MULTIPROC_DIR`` set, on
-    attention-TP rank 0 (or every scheduler with ``--enable-metrics-for-all-schedulers``),
-    SGLang's own rule (``Scheduler.__init__``), so each DP group's first verifies are
-    counted once, not once per TP rank. False outside a scheduler whose runtime context
-    is published (SGLang's ``runtime_context``, through the table's READ targets).
+    True under ``--enable-metrics`` with ``PROMETHEUS_MULTIPROC_DIR`` set, on SGLang's
+    stats-logging rank (``SchedulerMetricsCollectorContext.init_new``: attention-TP rank 0
+    and attention-CP rank 0), **with or without** ``--enable-metrics-for-all-schedulers``.
+    Every attention-TP (and CP) rank of a DP group runs the same requests, so its
+    counters are the same series; our families carry no rank label, and SGLang's
+    ``MultiProcessCollector`` sums one series over every process that writes it, so a
+    copy from each rank would multiply every count by the group's size. SGLang's own
+    series under that flag carry ``tp_rank``; ours are copied once per DP group instead,
+    and the DP groups (distinct requests) add up. Rank 0's counters are also the ones
+    that describe what is verified: SGLang broadcasts the verify's result from
+    attention-TP rank 0 (``docs/sglang.md``). False outside a scheduler whose runtime
+    context is published (SGLang's ``runtime_context``, through the table's READ targets).
     """
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return False
@@ -142,10 +149,10 @@ def sglang_exports_metrics(symbols: Symbols) -> bool:
     if get_observability is None or get_parallel is None:
         return False
     try:
-        obs = get_observability()
-        if not obs.enable_metrics:
+        if not get_observability().enable_metrics:
             return False
-        return get_parallel().attn_tp_rank == 0 or bool(obs.enable_metrics_for_all_schedulers)
+        par = get_parallel()
+        return bool(par.attn_tp_rank == 0 and par.attn_cp_rank == 0)
     except (AttributeError, ValueError):  # not a published scheduler context
         return False
 

@@ -51,6 +51,7 @@ from ...codecs.inband import (
     mark_overflow,
     read_row,
     row_digest,
+    row_extent,
     write_row,
 )
 from ...core._errors import ConfigError
@@ -196,7 +197,11 @@ class MetadataChannel:
             return RowFault("not_sent", "these metadata buffers were made before the drop-in was installed")
         # One copy: the digest check and the decode read the same bytes even if a late
         # write lands in the buffer meanwhile (SGLang's TCP aux path writes from its own thread).
-        row = rows[idx].copy()
+        # Only the bytes the prefill wrote (header + the length it declares), not the whole
+        # capacity: a chain's row holds about 40% of an 80 KB capacity. A late write that
+        # changes the length after it is read here leaves a snapshot that fails read_row's
+        # length or digest check (a fault, never a wrong row).
+        row = rows[idx][: row_extent(rows[idx])].copy()
         # The snapshot is this request's own: the payload's buffers may view it.
         got = read_row(row, int(room), self.layout, request_id=str(int(room)), copy=False)
         if not isinstance(got, RowFault):

@@ -10,7 +10,7 @@ last position (``EAGLEWorkerV2._draft_extend_for_prefill`` returns
 :class:`RecomputeSource` computes, for the whole prebuilt batch at once, with the
 synthesizer's own law and draw (:meth:`~pd_middleware.decode.recompute.RecomputeSynthesizer.recompute`):
 
-- q' = softmax(logits / T) with logits from :class:`SGLangDraftHead`, the decode's own
+- q' = softmax(logits / T) with logits from :class:`~.draft_head.SGLangDraftHead`, the decode's own
   draft model with what its ``LogitsProcessor`` applies, run inside SGLang's draft TP
   context (``draft_tp_context(draft_worker.parallel_layout)``, as SGLang wraps every draft
   call), so its vocab-parallel gather uses the group SGLang uses for this draft;
@@ -28,13 +28,16 @@ then **the ranks agree** (:func:`~.agreement.agree`) per request on (ok, X', the
 prefill's X): a request that any rank could not serve, or whose X' differs between
 ranks, falls back on every rank to the exact one-hot at the same X (the smallest
 prefill X any rank holds). A failure on one rank is its vote; the head's gather still
-runs on every rank. X' and q'(X') are written into each agreed request's
+runs on every rank, on the same bytes (:class:`~.draft_head.SGLangDraftHead`). Everything that can
+fail on one rank runs before the vote (:meth:`RecomputeSource._stage`); after it a rank
+only assigns what it staged. X' and q'(X') are written into each agreed request's
 ``output_topk_index``/``output_topk_p`` (the fields the builder reads), and q' is the
 builder's ``pd_first_draft_proposal``. All of it happens inside the original builder's
 call, so **before** ``future_map.stash`` copies the draft input under the overlap
 scheduler.
 
-Where it runs, and what is refused at startup (:func:`capture`, ``docs/sglang.md``):
+Where it runs, and what is refused at startup (:func:`capture`, with the checks of
+:mod:`.startup` and :mod:`.draft_head`; ``docs/sglang.md``):
 the builder runs on the scheduler thread (``Scheduler.get_new_prebuilt_batch`` ->
 ``process_prebuilt``). A head with no collective (TP 1, or DP attention with
 ``--enable-dp-lm-head`` at attention-TP 1) is safe there. A vocab-parallel head (TP > 1)
@@ -44,11 +47,12 @@ same prebuilt batch in the same order, since SGLang's transfer polls are all-red
 over the TP group), so it is refused with overlap on. A draft whose LogitsProcessor
 gathers hidden states over every DP rank (DP attention without ``--enable-dp-lm-head``,
 for a draft that shares the target's layout) is refused: DP ranks' prebuilt batches are
-not synchronised. A token map that is not the identity, and a draft vocabulary whose
-width is not the target's, are refused at startup too.
+not synchronised. A token map that is not the identity, a draft vocabulary whose width
+is not the target's, and a quantised or LoRA ``lm_head``
+(:func:`~.draft_head.check_servable`) are refused at startup too.
 
-:data:`ARCHITECTURES` is the table of DESIGN section 10, read in SGLang 0.5.23's model
-code: which hidden state the prefill ships, and so what the head applies to it.
+This module is the source alone: the head adapter is :mod:`.draft_head`, the placement
+and width checks are :mod:`.startup`'s.
 """
 
 from __future__ import annotations
@@ -68,10 +72,11 @@ from ...core.events import Events
 from ...decode.recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
 from .agreement import NEUTRAL, Verdict, agree, group_of
 from .common import is_probe, one_hot_at
+from .draft_head import SGLangDraftHead, find_draft_model
 from .patching import LOGITS_MODULE, SPEC_UTILS_MODULE, WORKER_MODULE, Feature, Symbols, read, register_feature
 from .proposer import request_tokens
 from .sources import ProposalSource
-from .startup import check_token_map, draft_worker_of, token_map_of
+from .startup import check_placement, check_token_map, check_width, draft_worker_of, token_map_of
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -89,191 +94,18 @@ ENV_TEST_FAULT_WHILE = "PDM_TEST_RECOMPUTE_FAULT_WHILE"
 LP = f"{LOGITS_MODULE}.LogitsProcessor"
 FAST_SAMPLE = f"{SPEC_UTILS_MODULE}.fast_sample"
 DRAFT_TP_CONTEXT = f"{SPEC_UTILS_MODULE}.draft_tp_context"
-FUSED_SOFTCAP = f"{LOGITS_MODULE}.fused_softcap"
 
 
-@dataclass(frozen=True)
-class HeadRule:
-    """How one draft architecture turns the shipped hidden state into logits.
+@dataclass
+class Staged:
+    """What one rank writes after the vote, built before it (:meth:`RecomputeSource._stage`):
+    ``rec`` the batch's q' and X'; ``x`` int64 (B, 1) the builder's X' (a draft id under a
+    token map); ``p`` float32 (B, 1) q'(X'); ``valid`` bool (B,); all on CPU."""
 
-    ``norm``: attribute path of the norm applied before ``lm_head`` (None: ``lm_head(h)``);
-    ``normed_if``: a config flag under which the shipped h is already normed;
-    ``shipped``: what the prefill ships (for the docs and error messages).
-    """
-
-    norm: str | None
-    normed_if: str | None
-    shipped: str
-
-
-#: Draft architectures the head knows (SGLang 0.5.23; checked at startup).
-ARCHITECTURES: dict[str, HeadRule] = {
-    # llama_eagle3.py LlamaModel.forward: `_, aux = self.norm(hidden, residual)`; aux (the
-    # pre-norm residual sum) is captured unless config.norm_output.
-    "LlamaForCausalLMEagle3": HeadRule("model.norm", "norm_output", "pre-norm residual sum"),
-    # llama_eagle.py: the layer output goes to the LogitsProcessor unnormed.
-    "LlamaForCausalLMEagle": HeadRule(None, None, "layer output, no final norm"),
-    # deepseek_nextn.py: hidden_states after shared_head.norm go to the LogitsProcessor.
-    "DeepseekV3ForCausalLMNextN": HeadRule(None, None, "after shared_head.norm"),
-    # qwen3_next_mtp.py: the model's output, after its final norm.
-    "Qwen3NextForCausalLMMTP": HeadRule(None, None, "after the final norm"),
-}
-
-
-def _attr(obj: Any, path: str) -> Any:
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
-class SGLangDraftHead:
-    """The decode's draft model as a :class:`~pd_middleware.core.draft_head.DraftHead`.
-
-    ``model``: the draft model (``scheduler.draft_worker.draft_worker.draft_runner.model``);
-    ``vocab_size``: the target's V; ``hot_token_id``: the draft's token map (draft id ->
-    target id: the worker's or the model's), None for none; ``scope``: a context manager
-    factory the head runs in (SGLang's draft TP context); ``symbols``: the table's READ
-    targets (``fused_softcap``). Applies, in ``LogitsProcessor._get_logits``' order: the
-    architecture's norm (:data:`ARCHITECTURES`), ``_compute_lm_head`` (quantised and LoRA
-    heads included), ``logit_scale``, the TP gather, the slice to the vocab and the fp32
-    cast (``_copy_logits_to_buffer``), softcapping; then scatters through the token map
-    into target ids. Raises PluginError for an unknown architecture.
-
-    **The gather runs on every rank, always**: a failure of this rank's part before it
-    (its norm or matmul) is remembered, the gather runs on zeros, and the failure is
-    raised after it, so no rank leaves the others waiting in the collective.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        vocab_size: int,
-        *,
-        hot_token_id: torch.Tensor | None = None,
-        scope: Callable[[], Any] = contextlib.nullcontext,
-        symbols: Symbols | None = None,
-    ) -> None:
-        arch = type(model).__name__
-        rule = ARCHITECTURES.get(arch)
-        if rule is None:
-            raise PluginError(
-                f"draft model {arch} is not in the recompute head table ({', '.join(ARCHITECTURES)})", plugin="sglang"
-            )
-        self.model = model
-        self.arch = arch
-        self.lp = model.logits_processor
-        self.lm_head = model.lm_head
-        self.scope = scope
-        self.symbols = symbols if symbols is not None else Symbols()
-        # The server tier's fault switch (ENV_TEST_FAULT = "head:<rank>"): this rank's part fails.
-        self.fault = False
-        cfg = getattr(model, "config", None)
-        normed = rule.normed_if is not None and bool(getattr(cfg, rule.normed_if, False))
-        self.norm: Callable[[torch.Tensor], torch.Tensor] | None = (
-            None if rule.norm is None or normed else _attr(model, rule.norm)
-        )
-        self.vocab_size = int(vocab_size)
-        weight = getattr(self.lm_head, "weight", None)
-        self.hidden_size = int(getattr(cfg, "hidden_size", 0) or (weight.shape[1] if weight is not None else 0))
-        self.local_width = int(weight.shape[0]) if weight is not None else self.vocab_size
-        self.dtype = weight.dtype if weight is not None else torch.bfloat16
-        self.device = weight.device if weight is not None else torch.device("cpu")
-        hot = hot_token_id if hot_token_id is not None else getattr(model, "hot_token_id", None)
-        self.hot_token_id: torch.Tensor | None = None
-        self.draft_id_of: torch.Tensor | None = None
-        if hot is not None:
-            hot = hot.to(self.device, torch.int64)
-            if hot.numel() != self.vocab_size:
-                # SGLang refuses this under rejection sampling (eagle_worker_v2.py, draft vocab != target).
-                raise PluginError(f"hot_token_id maps {hot.numel()} draft ids, target V={vocab_size}", plugin="sglang")
-            self.hot_token_id = hot
-            inv = torch.empty_like(hot)
-            inv[hot] = torch.arange(hot.numel(), device=hot.device)
-            self.draft_id_of = inv
-
-    @property
-    def logits_width(self) -> int:
-        """The width of the draft's logits after the gather and the slice: its LogitsProcessor's vocab."""
-        return int(getattr(self.lp, "vocab_size", self.local_width))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 (B, V) target-vocab logits for ``hidden`` (B, H)."""
-        lp = self.lp
-        with torch.no_grad(), self.scope():
-            failed: BaseException | None = None
-            try:
-                if self.fault:
-                    raise RuntimeError(f"injected by {ENV_TEST_FAULT}: the head fails on this rank")
-                h = hidden.to(self.device, self.dtype)
-                if self.norm is not None:
-                    h = self.norm(h)
-                logits = lp._compute_lm_head(h, self.lm_head)
-                if lp.logit_scale is not None:
-                    logits.mul_(lp.logit_scale)
-            except Exception as exc:  # this rank's part failed: the gather below still runs
-                failed = exc
-                logits = torch.zeros((hidden.shape[0], self.local_width), dtype=self.dtype, device=self.device)
-            if lp.do_tensor_parallel_all_gather:
-                # Placement checked at startup (check_placement): no forward in flight.
-                logits = lp._gather_attn_tp_logits(logits) if lp.use_attn_tp_group else lp._logits_gatherer(logits)
-            if failed is not None:
-                raise failed
-            logits = self._finish(logits)
-        out: torch.Tensor = logits
-        return out
-
-    def _finish(self, logits: torch.Tensor) -> torch.Tensor:
-        lp = self.lp
-        cap = lp.final_logit_softcapping
-        fuse = bool(cap) and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16)
-        logits = lp._copy_logits_to_buffer(logits, None, use_buffer=False, softcap=cap if fuse else None)
-        if cap and not fuse:
-            if logits.is_cuda:  # SGLang's in-place Triton kernel, as LogitsProcessor on CUDA
-                self.symbols[FUSED_SOFTCAP](logits, cap)
-            else:  # the CPU/NPU formula of LogitsProcessor._get_logits
-                logits = cap * torch.tanh(logits / cap)
-        if self.hot_token_id is not None:
-            logits = torch.empty_like(logits).scatter_(1, self.hot_token_id.expand_as(logits), logits)
-        return logits
-
-
-def find_draft_model(scheduler: Any) -> Any:
-    """The decode's draft model: ``scheduler.draft_worker`` (EAGLEWorkerV2) -> ``draft_worker``
-    (its EagleDraftWorker) -> ``draft_runner`` (ModelRunner) -> ``model``; None when absent
-    (no speculative worker, or not the last PP stage)."""
-    worker = getattr(scheduler, "draft_worker", None)
-    inner = draft_worker_of(scheduler)
-    runner = getattr(inner, "draft_runner", None) if inner is not None else None
-    if runner is None and worker is not None:
-        runner = getattr(worker, "draft_runner", None)
-    return getattr(runner, "model", None) if runner is not None else None
-
-
-def check_placement(lp: Any, *, enable_overlap: bool) -> None:
-    """Refuse (ConfigError) the setups where the head cannot run from the scheduler thread."""
-    if getattr(lp, "do_tensor_parallel_all_gather_dp_attn", False):
-        raise ConfigError(
-            'synthesizer = "recompute" under DP attention needs --enable-dp-lm-head: without it the draft head '
-            "gathers hidden states over every DP rank, whose prebuilt batches are not synchronised",
-            path="synthesizer",
-        )
-    if getattr(lp, "do_tensor_parallel_all_gather", False) and enable_overlap:
-        raise ConfigError(
-            'synthesizer = "recompute" with a vocab-parallel draft head (TP > 1) all-gathers its logits from the '
-            "scheduler thread, which is unsafe while an overlapped forward is in flight: run the decode with "
-            "--disable-overlap-schedule, or use a shipped strategy (configs/sparse_floor.toml)",
-            path="synthesizer",
-        )
-
-
-def check_width(head: SGLangDraftHead) -> None:
-    """Refuse (ConfigError) a draft whose logits are not the target's width, before any X' is drawn."""
-    if head.logits_width != head.vocab_size:
-        raise ConfigError(
-            f'synthesizer = "recompute": the draft {head.arch} produces logits over {head.logits_width} ids, the '
-            f"target's vocabulary is {head.vocab_size}; rejection sampling needs a full-vocabulary draft",
-            path="synthesizer",
-        )
+    rec: Recomputed
+    x: torch.Tensor
+    p: torch.Tensor
+    valid: torch.Tensor
 
 
 @dataclass
@@ -431,9 +263,12 @@ class RecomputeSource(ProposalSource):
         return user
 
     def _votes(self, batch: Any, reqs: list[Any], seen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (ok (B,), [X', prefill X] (B, 2)); raises for a failure of this rank's own."""
+        """This rank's (ok (B,), [X', prefill X] (B, 2)), with everything the write after the
+        vote assigns staged in ``seen``; raises for a failure of this rank's own (its vote)."""
         assert self.synth is not None and self.head is not None
         b, head = len(reqs), self.head
+        # Where a fallen-back row's agreed X is written after the vote (no allocation there).
+        seen["spare"] = torch.empty((b, 1), dtype=torch.int64)
         failed: BaseException | None = None
         try:
             seen["x"] = torch.tensor([request_tokens(r, 1)[0] for r in reqs], dtype=torch.int64)
@@ -461,9 +296,29 @@ class RecomputeSource(ProposalSource):
         tokens = rec.tokens
         if head.draft_id_of is not None:
             tokens = head.draft_id_of[tokens]  # the builder's X is a draft id: SGLang maps it through the map
-        seen["rec"], seen["tokens"] = rec, tokens.to("cpu", torch.int64)
+        staged = self._stage(rec, tokens)
         self._faulty(None, "draw")
-        return rec.valid.cpu(), torch.stack([seen["tokens"], seen["x"]], 1)
+        seen["staged"] = staged
+        return staged.valid, torch.stack([staged.x[:, 0], seen["x"]], 1)
+
+    def _stage(self, rec: Recomputed, tokens: torch.Tensor) -> Staged:
+        """What the write after the vote assigns, as CPU tensors, with q''s width checked:
+        the device-to-host copies and the checks that could fail on one rank run here,
+        before the vote, where a failure is this rank's vote."""
+        assert self.head is not None
+        b, width = len(rec), self.head.vocab_size
+        if tuple(rec.probs.shape) != (b, width):
+            # Never after the startup checks (the head's width is the target's); the shapes
+            # are the same on every rank, so every rank votes the same: no row keeps X'.
+            raise _Shape(
+                f"the recomputed q' is {tuple(rec.probs.shape)}, the builder reads ({b}, {width})", field="draft_probs"
+            )
+        return Staged(
+            rec,
+            x=tokens.to("cpu", torch.int64).reshape(b, 1).clone(),
+            p=rec.token_probs.to("cpu", torch.float32).reshape(b, 1).clone(),
+            valid=rec.valid.to("cpu", torch.bool).reshape(b).clone(),
+        )
 
     def _hidden(self, reqs: list[Any]) -> torch.Tensor:
         assert self.head is not None
@@ -499,36 +354,39 @@ class RecomputeSource(ProposalSource):
         return value
 
     def _settle(self, reqs: list[Any], verdict: Verdict, seen: dict[str, Any], user: torch.Tensor) -> Prepared | None:
-        """Apply the verdict: agreed rows get X', the others the agreed prefill X (one-hot).
-        ``user``: the rows counted (:meth:`_user_rows`)."""
+        """Apply the verdict; after the vote nothing can fail on one rank alone. Agreed rows
+        get the staged X' and q'(X'), a fallen-back row the agreed prefill X (the smallest any
+        rank holds) where this rank's differs: assignments of CPU tensors :meth:`_votes`
+        staged. Then the counts (``user``: the rows counted, :meth:`_user_rows`)."""
+        staged: Staged | None = seen.get("staged")
         agreed = verdict.ok & (verdict.lo[:, 0] == verdict.hi[:, 0]) & (verdict.lo[:, 0] != NEUTRAL)
-        self._count_fallbacks(verdict, seen, agreed, user)
-        rec = seen.get("rec")
-        width = self.head.vocab_size if self.head is not None else -1
-        if rec is not None and tuple(rec.probs.shape) != (len(reqs), width):
-            # Never after the startup checks (the head's width is the target's); the shapes
-            # are the same on every rank, so every rank takes this branch: no row keeps X'.
-            self._fallback("shape", int((agreed & user).sum()))
+        if staged is None:  # this rank's own vote failed (its ok is False on every row already)
             agreed = torch.zeros_like(agreed)
         x_agreed = verdict.lo[:, 1]
         mine = seen.get("x")
+        spare = seen.get("spare")
+        if spare is None:  # votes() failed at its first line: nothing of this batch was built
+            spare = torch.empty((len(reqs), 1), dtype=torch.int64)
         for i in (~agreed).nonzero().view(-1).tolist():
             # Every rank verifies the same X: the smallest any rank holds (they all hold it normally).
             if x_agreed[i] != NEUTRAL and (mine is None or int(mine[i]) != int(x_agreed[i])):
-                reqs[i].output_topk_index = torch.tensor([int(x_agreed[i])], dtype=torch.int64)
-        n_ok = int(agreed.sum())
-        if rec is None or n_ok == 0:
-            return None
-        toks, tps = seen["tokens"].tolist(), rec.token_probs.float().cpu().tolist()
-        for i in agreed.nonzero().view(-1).tolist():
-            reqs[i].output_topk_index = torch.tensor([toks[i]], dtype=torch.int64)
-            reqs[i].output_topk_p = torch.tensor([tps[i]], dtype=torch.float32)
-        self.events.count("recomputed", int((agreed & user).sum()))
-        return Prepared(rec, agreed, user)
+                spare[i, 0] = x_agreed[i]
+                reqs[i].output_topk_index = spare[i]
+        state: Prepared | None = None
+        if staged is not None and bool(agreed.any()):
+            for i in agreed.nonzero().view(-1).tolist():
+                reqs[i].output_topk_index = staged.x[i]
+                reqs[i].output_topk_p = staged.p[i]
+            state = Prepared(staged.rec, agreed, user)
+        try:
+            self._count(verdict, staged, agreed, user)
+        except Exception as exc:  # counting never changes what this rank hands SGLang after the vote
+            events = self.inst.events if self.inst is not None else self.events
+            events.failed("recompute_count", exc, "the batch as agreed (its counts are lost)")
+        return state
 
-    def _count_fallbacks(
-        self, verdict: Verdict, seen: dict[str, Any], agreed: torch.Tensor, user: torch.Tensor
-    ) -> None:
+    def _count(self, verdict: Verdict, staged: Staged | None, agreed: torch.Tensor, user: torch.Tensor) -> None:
+        self.events.count("recomputed", int((agreed & user).sum()))
         n_bad = int((~agreed & user).sum())
         if n_bad == 0:
             return
@@ -543,8 +401,7 @@ class RecomputeSource(ProposalSource):
                 events.failed("recompute", err, "the prefill's X with a one-hot proposal (on every rank)")
             self._fallback(reason, n_bad)
         else:
-            rec = seen.get("rec")
-            valid = rec.valid.cpu() if rec is not None else torch.zeros_like(agreed)
+            valid = staged.valid if staged is not None else torch.zeros_like(agreed)
             invalid = int((~valid & user).sum())
             peer = int((valid & ~verdict.ok & user).sum())
             differs = n_bad - invalid - peer

@@ -15,6 +15,10 @@ no-op default (vLLM's ``KVConnectorBase_V1`` has this shape):
   returns is in scope for the proposal;
 - :meth:`~ProposalSource.propose` (decode, the same call, when SGLang asks its
   ``pd_first_draft_proposal``): the (b, n, V) float32 proposal;
+- :meth:`~ProposalSource.returned` (decode, the same call, before ``prepare``): how many
+  requests of the batch came back without a new transfer (a retraction SGLang resumed,
+  :func:`returning`); they are left out of ``prepare``/``propose`` and verify the
+  one-hot at their X;
 - :meth:`~ProposalSource.close` (uninstall).
 
 The sources:
@@ -64,6 +68,8 @@ class ProposalSource:
     name = "none"
     features: frozenset[str] = frozenset()
     inst: Any = None
+    #: This source's counters part (:class:`~pd_middleware.core.events.Events`), or None.
+    events: Any = None
 
     def attach(self, inst: Any) -> None:
         """Install time: the installation this source serves (its events, symbols, options)."""
@@ -88,6 +94,22 @@ class ProposalSource:
         """This source's counters by part (SGLang's ``integration_events``)."""
         return {}
 
+    def returned(self, n: int) -> None:
+        """Decode, in the builder: ``n`` requests of the batch came back without a new
+        transfer (a retraction SGLang resumed). They are never handed to :meth:`prepare`
+        or :meth:`propose`; each verifies the one-hot at its X. Counted once each,
+        ``retracted``, in this source's part."""
+        if self.events is not None:
+            self.events.count(
+                "retracted",
+                n,
+                log=(
+                    "pd-middleware: a retracted request came back through SGLang's first-draft builder; it "
+                    "verifies the one-hot at its X (exact), its proposal is neither rebuilt nor counted again"
+                ),
+                level=logging.INFO,
+            )
+
     def close(self) -> None:
         """Uninstall: release what :meth:`bind` made."""
 
@@ -100,6 +122,7 @@ class PipelineSource(ProposalSource):
 
     def __init__(self, proposer: DecodeProposer) -> None:
         self.proposer = proposer
+        self.events = proposer.events
 
     def propose(self, batch: Any, state: Any, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return self.proposer.propose(batch, topk_index, vocab_size)
@@ -261,32 +284,101 @@ def needs_draft_head(config: Any, registry: Any) -> bool:
 
 @dataclass
 class Building:
-    """The prebuilt batch whose first draft input SGLang is building, and what its source prepared."""
+    """The prebuilt batch whose first draft input SGLang is building, and what its source
+    prepared. ``fresh``: the positions of the requests the source serves (None: all of
+    them); the others came back through the builder (:func:`returning`)."""
 
     batch: Any
     state: Any
+    fresh: list[int] | None = None
 
 
 #: Set by the builder's wrapper, read by the proposal's replacement within the same call.
 BUILDING: Scope[Building] = Scope("pd_middleware_sglang_building")
+
+#: Req attribute: the ``output_topk_index`` row object its first draft input was built from.
+BUILT_ATTR = "pd_middleware_built"
+
+
+def returning(reqs: Any) -> list[bool]:
+    """Per request of a prebuilt batch: whether it comes back through the builder without a
+    new transfer. SGLang's transfer commit gives each transfer a new ``output_topk_index``
+    row object (ours are written into it in place), and a retracted decode request keeps
+    its row when SGLang resumes it (``resume_retracted_reqs`` puts it back in the waiting
+    queue, and ``process_prebuilt`` builds its first draft input again). So the row the
+    first build saw (:data:`BUILT_ATTR`), still there, is a return; a rebootstrapped
+    request (a new transfer) is fresh. Every TP rank builds the same batches from the same
+    commits, so every rank finds the same returns (the recompute vote relies on it)."""
+    out = []
+    for req in reqs:
+        row = getattr(req, "output_topk_index", None)
+        out.append(row is not None and getattr(req, BUILT_ATTR, None) is row)
+    return out
+
+
+class BatchRows:
+    """Rows ``rows`` of SGLang's prebuilt ``batch``, as a source reads a batch: ``reqs``,
+    ``seq_lens`` and every per-request tensor of ``sampling_info`` (first dimension B)
+    are those rows; every other attribute is the batch's."""
+
+    def __init__(self, batch: Any, rows: list[int]) -> None:
+        self._batch = batch
+        b = len(batch.reqs)
+        self.reqs = [batch.reqs[i] for i in rows]
+        self.seq_lens = _take(getattr(batch, "seq_lens", None), rows, b)
+        info = getattr(batch, "sampling_info", None)
+        self.sampling_info = None if info is None else _Rows(info, rows, b)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batch, name)
+
+
+class _Rows:
+    def __init__(self, obj: Any, rows: list[int], b: int) -> None:
+        self._obj, self._rows, self._b = obj, rows, b
+
+    def __getattr__(self, name: str) -> Any:
+        return _take(getattr(self._obj, name), self._rows, self._b)
+
+
+def _take(value: Any, rows: list[int], b: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == b:
+        return value[torch.tensor(rows, dtype=torch.long, device=value.device)]
+    return value
 
 
 def wrap_build(build: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     """``build_eagle_disagg_draft_input``: the source prepares the batch inside the call
     (before SGLang's body, so before the overlap scheduler's stash copies the draft input).
 
-    Guarded: a failure of ``prepare`` is counted (``guard:prepare:<error>``) and the batch
-    keeps the prefill's X with the drop-in's one-hot proposal (exact for any X).
+    A request that comes back without a new transfer (:func:`returning`: a retraction
+    SGLang resumed) is left out of the source's batch: it keeps its X and verifies the
+    one-hot at it (exact; recomputing it would redraw X from a hidden state of another
+    position, and the shipped proposal was consumed at its first build), counted once
+    (``retracted``, :meth:`ProposalSource.returned`). Guarded: a failure of ``prepare``
+    is counted (``guard:prepare:<error>``) and the batch keeps the prefill's X with the
+    drop-in's one-hot proposal (exact for any X).
     """
 
     def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
+        fresh: list[int] | None = None
         try:
-            state = inst.source.prepare(batch)
+            back = returning(batch.reqs)
+            if any(back):
+                fresh = [i for i, r in enumerate(back) if not r]
+                inst.source.returned(len(back) - len(fresh))
+            state = inst.source.prepare(batch if fresh is None else BatchRows(batch, fresh)) if fresh != [] else None
         except Exception as exc:
             inst.events.failed("prepare", exc, "the prefill's X with a one-hot proposal")
             state = None
-        with BUILDING.enter(Building(batch, state)):
-            return build(batch, last_tokens_tensor, future_map)
+        with BUILDING.enter(Building(batch, state, fresh)):
+            out = build(batch, last_tokens_tensor, future_map)
+        for req in batch.reqs:  # the row each request's first draft input was built from
+            try:
+                setattr(req, BUILT_ATTR, req.output_topk_index)
+            except Exception as exc:  # a request that takes no attribute: never a return
+                inst.events.failed("build_mark", exc, "no retraction check for that request")
+        return out
 
     return build_eagle_disagg_draft_input
 
@@ -304,8 +396,19 @@ def wrap_proposal(first: Callable[..., Any], inst: Any) -> Callable[..., Any]:
         if building is None:
             return first(topk_index, vocab_size)  # not the PD first draft input: not ours
         try:
-            out = inst.source.propose(building.batch, building.state, topk_index, vocab_size)
-            check_proposal(out, topk_index, vocab_size)
+            fresh = building.fresh
+            if fresh is None:
+                out = inst.source.propose(building.batch, building.state, topk_index, vocab_size)
+                check_proposal(out, topk_index, vocab_size)
+                return out
+            # Returned requests (retractions SGLang resumed): the one-hot at their X.
+            out = one_hot_at(topk_index, vocab_size)
+            if fresh:
+                rows = torch.tensor(fresh, dtype=torch.long, device=topk_index.device)
+                sub = topk_index[rows]
+                got = inst.source.propose(BatchRows(building.batch, fresh), building.state, sub, vocab_size)
+                check_proposal(got, sub, vocab_size)
+                out[rows] = got
             return out
         except Exception as exc:
             inst.events.failed("propose", exc, "a one-hot proposal at the builder's X")

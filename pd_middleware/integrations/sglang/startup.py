@@ -24,6 +24,7 @@ from .patching import (
     HOOKS_MODULE,
     RUNTIME_MODULE,
     SCHEDULER_MODULE,
+    WORKER_MODULE,
     Feature,
     Hook,
     Symbols,
@@ -259,6 +260,39 @@ def check_registration(info_cls: Any, channel: Any) -> None:
         )
 
 
+# ----------------------------------------------------------------------- recompute's draft head: placement, width
+
+
+def check_placement(lp: Any, *, enable_overlap: bool) -> None:
+    """Refuse (ConfigError) the setups where decode-only recompute's draft head cannot run
+    from the scheduler thread; ``lp``: the draft's ``LogitsProcessor``."""
+    if getattr(lp, "do_tensor_parallel_all_gather_dp_attn", False):
+        raise ConfigError(
+            'synthesizer = "recompute" under DP attention needs --enable-dp-lm-head: without it the draft head '
+            "gathers hidden states over every DP rank, whose prebuilt batches are not synchronised",
+            path="synthesizer",
+        )
+    if getattr(lp, "do_tensor_parallel_all_gather", False) and enable_overlap:
+        raise ConfigError(
+            'synthesizer = "recompute" with a vocab-parallel draft head (TP > 1) all-gathers its logits from the '
+            "scheduler thread, which is unsafe while an overlapped forward is in flight: run the decode with "
+            "--disable-overlap-schedule, or use a shipped strategy (configs/sparse_floor.toml)",
+            path="synthesizer",
+        )
+
+
+def check_width(head: Any) -> None:
+    """Refuse (ConfigError) a draft whose logits are not the target's width, before any X' is
+    drawn; ``head``: an :class:`~.draft_head.SGLangDraftHead` (``arch``, ``logits_width``,
+    ``vocab_size``)."""
+    if head.logits_width != head.vocab_size:
+        raise ConfigError(
+            f'synthesizer = "recompute": the draft {head.arch} produces logits over {head.logits_width} ids, the '
+            f"target's vocabulary is {head.vocab_size}; rejection sampling needs a full-vocabulary draft",
+            path="synthesizer",
+        )
+
+
 # ----------------------------------------------------------------------- the draft's token map
 
 
@@ -286,8 +320,11 @@ def check_token_map(hot: torch.Tensor | None, vocab_size: int) -> None:
     around 757 and 897) but never its draft *probabilities*: every draft step's
     ``draft_probs`` stays in draft-id order while the verify reads it at target ids, so a
     map that is not the identity makes the verify inexact at every step, the ones SGLang
-    drafts on the decode included. No proposal the drop-in hands the first verify can
-    repair the later steps, so the deployment is refused at startup.
+    drafts on the decode included. The first verify is no better: a shipped q is in
+    draft-id order too, and a one-hot at the received X (SGLang's own, or the drop-in's
+    fallback) sits at the draft id while the verify reads ``hot[X]``. Scattering the first
+    proposal into target ids would repair that step only, never the later ones, so the
+    deployment is refused at startup, whatever the strategy (:func:`check_draft`).
     """
     if hot is None:
         return
@@ -301,6 +338,20 @@ def check_token_map(hot: torch.Tensor | None, vocab_size: int) -> None:
         "drop the token map (a full-vocabulary draft needs none) or run without --speculative-use-rejection-sampling",
         path="sglang",
     )
+
+
+def check_draft(scheduler: Any, facts: EngineFacts, symbols: Symbols) -> None:
+    """Scheduler start, every role and strategy: refuse what no proposal can serve exactly
+    in the scheduler's draft (today its token map, :func:`check_token_map`). ``scheduler``
+    None (a harness that passes facts) or one without a draft worker: nothing to check.
+    SGLang's ``EagleDraftWorker`` must carry ``hot_token_id`` (a READ target of the
+    ``scheduler`` feature): a renamed attribute is refused, never read as "no map"."""
+    if scheduler is None or not facts.rejection_sampling:
+        return
+    worker = draft_worker_of(scheduler)
+    if type(worker).__name__ == "EagleDraftWorker":
+        symbols.check_instance(worker, f"{WORKER_MODULE}.EagleDraftWorker")
+    check_token_map(token_map_of(worker), facts.vocab_size)
 
 
 # ----------------------------------------------------------------------- the features
@@ -332,6 +383,7 @@ register_feature(
             read(RUNTIME_MODULE, "get_disagg", ()),
             read(RUNTIME_MODULE, "get_parallel", ()),
             read(RUNTIME_MODULE, "get_observability", ()),
+            read(WORKER_MODULE, "EagleDraftWorker.hot_token_id", instance=True),
         ),
         lambda plan: plan.options.facts is None and plan.options.hook_scheduler,
         summary="scheduler start: the checks, the engine's shapes, the role's objects",

@@ -14,6 +14,12 @@
 - ``trained_eagle1_token_map``: an EAGLE-1 draft for ``trained_target``, distilled by
   ``distil.py``, with a non-identity full-size ``--speculative-token-map`` beside its weights
   (``token_map_path``): a fixed-seed permutation of the 1024 ids.
+- ``trained_deepseek``: the shipped DeepSeek-V3-style target (``spec.DEEPSEEK``: MLA, the
+  first layer dense and the rest MoE, ``noaux_tc`` routing), made by ``train_deepseek.py``,
+  with its NextN layer in the same checkpoint (``model.layers.{layers}.*``, as DeepSeek
+  publishes it; SGLang's target loader skips it, so the directory is also its own draft);
+- ``trained_deepseek_nextn``: the NextN draft alone (the same config, only the NextN
+  layer's tensors), for ``--speculative-draft-model-path``.
 
 The random weights come from fixed seeds (one ``torch.Generator`` per model, tensors filled
 in name order), so every build is the same bytes: torch's CPU generator is deterministic
@@ -54,6 +60,8 @@ MODEL_NAMES = (
     "trained_eagle3",
     "trained_multi_layer",
     "trained_eagle1_token_map",
+    "trained_deepseek",
+    "trained_deepseek_nextn",
 )
 SEEDS = {"target": 0, "eagle3": 1, "eagle1": 2, "token_map": 3}
 INIT_STD = 0.02
@@ -116,11 +124,14 @@ def _shipped_files() -> list[Path]:
         TRAINED / "eagle3" / "model.safetensors": "train",
         TRAINED / "multi_layer" / "model.safetensors": "distil",
         TRAINED / "eagle1" / "model.safetensors": "distil",
+        TRAINED / "deepseek" / "model.safetensors": "train_deepseek",
     }
     missing = {str(p.relative_to(HERE)): how for p, how in need.items() if not p.is_file()}
     if missing:
         how = " then ".join(
-            f"`python -m tests.server.models.{m}`" for m in ("train", "distil") if m in missing.values()
+            f"`python -m tests.server.models.{m}`"
+            for m in ("train", "distil", "train_deepseek")
+            if m in missing.values()
         )
         raise FileNotFoundError(f"shipped model files missing: {', '.join(missing)}; remake them with {how}")
     return sorted(p for p in TRAINED.rglob("*") if p.is_file())
@@ -158,6 +169,7 @@ def _build_into(root: Path, key: str) -> None:
     )
     # SGLang's load_token_map: torch.load(path, weights_only=True), then an int64 tensor.
     torch.save(token_map(), str(root / "trained_eagle1_token_map" / spec.TOKEN_MAP_FILE))
+    _build_deepseek(root)
     manifest = {
         "key": key,
         "models": {
@@ -166,6 +178,28 @@ def _build_into(root: Path, key: str) -> None:
         },
     }
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _build_deepseek(root: Path) -> None:
+    """The DeepSeek target (with its NextN layer) and the NextN draft alone. Both NextN
+    layers get copies of the target's embedding and head under ``spec.NEXTN_SHARED``
+    (DeepSeek's published layout; SGLang's loader skips them)."""
+    src = TRAINED / "deepseek"
+    tensors = load_file(str(src / "model.safetensors"))
+    prefix = f"model.layers.{spec.DEEPSEEK.layers}."
+    embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+    shared = dict(zip((prefix + n for n in spec.NEXTN_SHARED), (embed, head), strict=True))
+    _shipped_with(root / "trained_deepseek", src, shared)
+    nextn = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+    dst = root / "trained_deepseek_nextn"
+    dst.mkdir()
+    shutil.copy2(src / "config.json", dst / "config.json")
+    save_file(
+        {k: (nextn | shared)[k].contiguous() for k in sorted(nextn | shared)},
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    _copy_tokenizer(dst)
 
 
 def _shipped_with(dst: Path, src: Path, extra: dict[str, torch.Tensor]) -> None:

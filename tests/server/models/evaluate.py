@@ -1,4 +1,4 @@
-"""Offline acceptance of a draft (EAGLE3, EAGLE-1 or multi-layer MTP) against its target, on held-out stdlib text.
+"""Offline acceptance of a draft (EAGLE3, EAGLE-1, multi-layer MTP, or DeepSeek NextN) against its target, on held-out stdlib text.
 
 At a draft step with target law p and proposal law q (both at temperature T), rejection
 sampling accepts the drafted token with probability ``Σ_x min(p(x), q(x))``. A verifier
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from . import corpus, eagle1, eagle3, mtp
+from . import corpus, deepseek, eagle1, eagle3, mtp
 from .layers import final_states
-from .spec import BOS, MTP_DEPTH, Shape
+from .spec import BOS, DEEPSEEK, MTP_DEPTH, Shape
 from .tokenizer import encode_files, load_tokenizer
 
 
@@ -66,6 +66,22 @@ def draft_logits(
     raise ValueError(f"{draft_dir}: no offline model of architecture {arch}")
 
 
+def pair_logits(
+    target_dir: Path, draft_dir: Path, tokens: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``draft_logits`` for any target the tier ships: a Llama (HF's class) or a DeepSeek-V3
+    (``deepseek.py``, shape ``spec.DEEPSEEK``; its draft is the NextN layer in ``draft_dir``,
+    which may be the target's own directory)."""
+    arch = json.loads((target_dir / "config.json").read_text())["architectures"][0]
+    if arch == "DeepseekV3ForCausalLM":
+        target = deepseek.load_target(target_dir, DEEPSEEK)
+        draft = deepseek.load_nextn(draft_dir, DEEPSEEK, target.model.embed_tokens, target.lm_head)
+        logits, hidden = target(tokens)
+        return logits, draft.unroll(tokens, hidden, steps)
+    llama = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    return draft_logits(llama, draft_dir, tokens, steps)
+
+
 @torch.no_grad()
 def measure(
     target_dir: Path,
@@ -80,11 +96,10 @@ def measure(
 ) -> dict[str, object]:
     """Offline figures of the pair on ``windows`` held-out windows of ``length`` tokens
     (the tokenizer is read from ``tokenizer_dir``, by default the target's directory)."""
-    target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     _, held = corpus.split()
     ids = encode_files(load_tokenizer(tokenizer_dir or target_dir), held)
     x = corpus.windows(ids, windows, length, torch.Generator().manual_seed(seed), BOS)
-    logits, outs = draft_logits(target, draft_dir, x, steps)
+    logits, outs = pair_logits(target_dir, draft_dir, x, steps)
     res: dict[str, object] = {"heldout_tokens": len(ids), "anchors": windows * (length - 1)}
     top1, accept = [], []
     for k, q_logits in enumerate(outs):

@@ -13,8 +13,10 @@ which parameters the checkpoint did not fill (SGLang skips unknown names silentl
 misnamed tensor shows up only here) and whether the fused projections hold the file's
 tensors. A multi-layer MTP draft is built once per chain step, with ``draft_model_idx``,
 and its checkpoint goes through SGLang's own per-step filter first
-(``DefaultModelLoader._filter_mtp_weights``), as the multi-layer worker loads it. Prints
-one JSON object.
+(``DefaultModelLoader._filter_mtp_weights``), as the multi-layer worker loads it. A
+DeepSeek-V3 directory is built as ``DeepseekV3ForCausalLM`` (when it holds the target) and
+as ``DeepseekV3ForCausalLMNextN`` (the class SGLang gives a DeepSeek draft), and every
+filled parameter is compared with the file (``check_deepseek``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ ARCHITECTURES = {
     "LlamaForCausalLMEagle3": "sglang.srt.models.llama_eagle3",
     "LlamaForCausalLMEagle": "sglang.srt.models.llama_eagle",
     "MiMoV2MTP": "sglang.srt.models.mimo_v2_nextn",
+    "DeepseekV3ForCausalLM": "sglang.srt.models.deepseek_v2",
+    "DeepseekV3ForCausalLMNextN": "sglang.srt.models.deepseek_nextn",
 }
 
 
@@ -150,6 +154,84 @@ def check_mtp(path: Path, config: Any, cls: type) -> dict[str, Any]:
     }
 
 
+def _deepseek_expected(name: str, tensors: dict[str, torch.Tensor], source: Any, experts: int) -> torch.Tensor | None:
+    """The file's tensor(s) a DeepSeek parameter should hold (fused ones concatenated, the
+    routed experts stacked); None for a parameter the file does not carry."""
+
+    def get(stem: str) -> torch.Tensor:
+        return tensors[source(stem)]
+
+    if name.endswith("fused_qkv_a_proj_with_mqa.weight"):
+        base = name.removesuffix("fused_qkv_a_proj_with_mqa.weight")
+        return torch.cat([get(base + "q_a_proj.weight"), get(base + "kv_a_proj_with_mqa.weight")], 0)
+    if name.endswith("gate_up_proj.weight"):
+        base = name.removesuffix("gate_up_proj.weight")
+        return torch.cat([get(base + "gate_proj.weight"), get(base + "up_proj.weight")], 0)
+    if name.endswith("experts.w13_weight"):
+        base = name.removesuffix("w13_weight")
+        return torch.stack(
+            [
+                torch.cat([get(f"{base}{e}.gate_proj.weight"), get(f"{base}{e}.up_proj.weight")], 0)
+                for e in range(experts)
+            ]
+        )
+    if name.endswith("experts.w2_weight"):
+        base = name.removesuffix("w2_weight")
+        return torch.stack([get(f"{base}{e}.down_proj.weight") for e in range(experts)])
+    return tensors.get(source(name))
+
+
+def check_deepseek(path: Path, config: Any, arch: str) -> dict[str, Any]:
+    """``DeepseekV3ForCausalLM`` (when the file holds the target) and ``DeepseekV3ForCausalLMNextN``
+    (the architecture SGLang gives a DeepSeek draft, ``model_config.py``), each loaded from
+    the whole file by its own ``load_weights``: which parameters stay unfilled, whether every
+    filled one holds the file's tensors (fused and stacked ones included), and whether the
+    absorbed-MLA matrices ``w_kc``/``w_vc`` are ``kv_b_proj``'s split."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    layer = f"model.layers.{config.num_hidden_layers}."
+    out: dict[str, Any] = {"architecture": arch}
+    kinds = (["DeepseekV3ForCausalLM"] if "model.norm.weight" in tensors else []) + ["DeepseekV3ForCausalLMNextN"]
+    for kind in kinds:
+        config.architectures = [kind]
+        cls = getattr(importlib.import_module(ARCHITECTURES[kind]), kind)
+        model = cls(config)
+        params, unfilled = _load(model, iter(tensors.items()))
+        if kind == "DeepseekV3ForCausalLM":
+            source: Any = lambda stem: stem  # noqa: E731  # the target's names are the file's
+            attns = [m.self_attn for m in model.model.layers]
+        else:
+
+            def source(stem: str) -> str:
+                return layer + stem.removeprefix("model.decoder.").removeprefix("model.")
+
+            attns = [model.model.decoder.self_attn]
+        equal = {}
+        for name, p in params.items():
+            if name in unfilled:
+                continue  # reported apart: the loader gave it nothing
+            want = _deepseek_expected(name, tensors, source, config.n_routed_experts)
+            if want is not None:
+                equal[name] = bool(torch.equal(p.data.to(want.dtype), want))
+        heads, nope, v = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
+        split = []
+        for a in attns:
+            kv_b = a.kv_b_proj.weight.data.view(heads, nope + v, config.kv_lora_rank)
+            split.append(
+                bool(torch.equal(a.w_kc, kv_b[:, :nope]) and torch.equal(a.w_vc, kv_b[:, nope:].transpose(1, 2)))
+            )
+        out[kind] = {
+            "class": f"{cls.__module__}.{cls.__name__}",
+            "parameters": {n: list(p.shape) for n, p in params.items()},
+            "unfilled": unfilled,
+            "equal": equal,
+            "kv_b_split": split,
+            "bias_dtype": str(next(p.dtype for n, p in params.items() if n.endswith("e_score_correction_bias"))),
+        }
+    return out
+
+
 def check(path: Path, aux_ids: list[int] | None = None) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -159,6 +241,8 @@ def check(path: Path, aux_ids: list[int] | None = None) -> dict[str, Any]:
     cls = getattr(importlib.import_module(ARCHITECTURES[arch]), arch)
     if arch == "MiMoV2MTP":
         return check_mtp(path, config, cls)
+    if arch == "DeepseekV3ForCausalLM":
+        return check_deepseek(path, config, arch)
     model = cls(config)
     tensors = load_file(str(path / "model.safetensors"))
     params, unfilled = _load(model, iter(tensors.items()))
