@@ -130,6 +130,11 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
     # Seed of the prefill encoder's draw; each request's draws invert uniforms of
     # (seed, bootstrap room, rid) alone, so every prefill TP rank writes identical bytes.
     seed: int = 0
+    # Multi-layer EAGLE (--enable-multi-layer-eagle): which draft KV pools SGLang's PD
+    # transfer carries. "all_steps": every chain step's pool, after the target's, in step
+    # order (both nodes must say so; a pair that differs is refused at bootstrap);
+    # "first_step": step 1's pool only, as SGLang does (pairs with a node without the drop-in).
+    draft_kv: Literal["all_steps", "first_step"] = "all_steps"
 
     def __post_init__(self) -> None:
         c = self.capacity_bytes

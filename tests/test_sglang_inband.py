@@ -2,7 +2,7 @@
 
 Real: ``MetadataBuffers`` (both nodes, with the drop-in's buffer), its ``set_buf`` /
 ``get_buf_infos`` / ``clear_slot``, ``DecodeTransferQueue._commit_transfer_to_req``,
-``KVArgsRegisterInfo.from_zmq`` and ``MooncakeKVManager._validate_peer_state_layout``,
+``KVArgsRegisterInfo.from_zmq`` and ``MooncakeKVManager._validate_peer_state_layout`` (feature ``peer_check``),
 and the builder ``build_eagle_disagg_draft_input``. Stand-ins, said where used: the copy
 between the two nodes' buffers is ``send_aux``'s own loop (row i of each registered
 buffer, prefill item lengths, ``ctypes.memmove`` instead of Mooncake; the two-process
@@ -1177,12 +1177,12 @@ def test_fault_metadata_wrappers_never_raise_and_sglangs_part_still_runs(sg) -> 
     assert int(pbuf.bootstrap_room[2, 0]) == 71
     pbuf.clear_slot(2)
     assert int(pbuf.bootstrap_room[2, 0]) == 0
-    from pd_middleware.integrations.sglang.metadata import wrap_validate
+    from pd_middleware.integrations.sglang.draft_kv import wrap_validate
 
     msg = wrap_registration(lambda self: [b"None", b"x"], inst)(SimpleNamespace())
     assert msg == [b"None", b"x"]  # without our frame: the prefill rejects such a decode
     fully, why = wrap_validate(lambda self, info: (True, None), inst)(None, SimpleNamespace())
-    assert fully is True and why.startswith("pd-middleware could not check the decode's proposal rows")
+    assert fully is True and why.startswith("pd-middleware could not check the decode's registration")
     assert inst.guard.counts == {
         "guard:set_buf:RuntimeError": 1,
         "guard:clear_slot:RuntimeError": 1,

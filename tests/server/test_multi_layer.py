@@ -23,6 +23,12 @@ unset), ``MiMoV2MTP.set_embed_and_head``'s ``torch.cuda.synchronize()`` (cpu_gap
 - Counters, read from both nodes' ``/metrics``: each request the drop-in pair served is
   staged once by the prefill and received once by the decode, its chain taken from the
   prefill's row (no fallback).
+- Each chain step's draft KV at a request's prompt positions, as the decode holds it once
+  the transfer landed, against what the prefill computed (``PDM_TEST_DRAFT_KV_DUMP`` on
+  both nodes of both pairs, ``site/draft_kv_dump.py``): every step equal with the drop-in
+  (``[sglang].draft_kv = "all_steps"``: every step's pool is transferred); on the stock
+  pair step 1 equal and steps 2..S different (SGLang transfers step 1's pool only): the
+  negative control.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import draft_kv_dump  # tests/server/site is on sys.path (conftest.py)
 import pytest
 
 from server import harness as h
@@ -44,6 +51,7 @@ MULTI_LAYER = ["--enable-multi-layer-eagle", "--disable-hybrid-swa-memory"]
 STEPS = 3
 N_ACCEPT = 128
 N_GREEDY = 12
+N_KV = 4
 Z_SAME, Z_BETTER = 3.29, 2.33
 
 
@@ -52,6 +60,8 @@ class Servers:
     agg: h.Server
     stock: h.Pair
     dropin: h.Pair
+    # Where each pair's nodes write their draft KV dumps while the folder exists (by pair name).
+    kv_dumps: dict[str, Path]
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +71,29 @@ def servers(
     if "trained_multi_layer" not in server_models:
         pytest.skip("PDM_SERVER_MODELS holds no multi-layer draft: the tier's built models have one")
     models = h.Models(server_models["trained_target"], server_models["trained_multi_layer"], algorithm="EAGLE")
+    dumps = tmp_path_factory.mktemp("draft_kv")
+    kv_dumps = {name: dumps / name for name in ("stock", "dropin")}  # created by the test that reads them
+    kv_env = {name: {draft_kv_dump.ENV: str(path)} for name, path in kv_dumps.items()}
     cfg = h.server_config(REPO / "configs" / "multi_layer.yaml", tmp_path_factory.mktemp("cfg") / "multi_layer.yaml")
     starts = {
         "agg": lambda: h.start_server(
             "aggregated", models, log_dir / "agg", extra_args=MULTI_LAYER, sleep_on_idle=True
         ),
-        "stock": lambda: h.start_pair(models, log_dir / "stock", extra_args=MULTI_LAYER, sleep_on_idle=True),
+        "stock": lambda: h.start_pair(
+            models,
+            log_dir / "stock",
+            prefill_env=kv_env["stock"],
+            decode_env=kv_env["stock"],
+            extra_args=MULTI_LAYER,
+            sleep_on_idle=True,
+        ),
         "dropin": lambda: h.start_pair(
             models,
             log_dir / "dropin",
             prefill_config=cfg,
             decode_config=cfg,
+            prefill_env=kv_env["dropin"],
+            decode_env=kv_env["dropin"],
             extra_args=[*MULTI_LAYER, "--enable-metrics"],
             sleep_on_idle=True,
         ),
@@ -98,7 +120,7 @@ def servers(
     try:
         if errors:
             raise errors[0]
-        s = Servers(out["agg"], out["stock"], out["dropin"])  # type: ignore[arg-type]
+        s = Servers(out["agg"], out["stock"], out["dropin"], kv_dumps)  # type: ignore[arg-type]
         attach_logs([s.agg, *s.stock.servers, *s.dropin.servers])
         yield s
     finally:
@@ -157,3 +179,37 @@ def test_counters_count_each_request_once(servers: Servers) -> None:
     assert w.event(dec, "decode", "proposal:local") == 0
     fallbacks = {k: v for k, v in dec.items() if "fallback" in k and v}
     assert fallbacks == {}, fallbacks
+
+
+def dump_draft_kv(pair: h.Pair, out: Path, offset: int) -> dict[tuple[str, int, int], dict[str, object]]:
+    """Serve N_KV requests with ``out`` present (both nodes dump each chain step's draft KV
+    at the prompt positions into it), then stop the dumps; returns the records."""
+    out.mkdir()
+    try:
+        res = w.generate(pair.router.url, w.prompts(N_KV, offset=offset), temperature=0.0, max_new_tokens=2)  # type: ignore[union-attr]
+    finally:
+        done = out.with_name(out.name + "-done")
+        out.rename(done)  # the nodes write only while `out` exists
+    bad = [r.error for r in res if r.status != 200]
+    assert not bad, bad
+    return draft_kv_dump.load(done)
+
+
+def test_every_chain_steps_draft_kv_crosses_the_transfer(servers: Servers) -> None:
+    """Last in the module: its N_KV requests through the drop-in pair come after the counters' count."""
+    for name in ("dropin", "stock"):
+        pair: h.Pair = getattr(servers, name)
+        records = dump_draft_kv(pair, servers.kv_dumps[name], offset=3)
+        same = draft_kv_dump.compare(records)  # room -> [step 1 equal, ..., step S equal]
+        print(f"{name}: draft KV at the prompt positions equal to the prefill's, per chain step: {same}")
+        assert len(same) == N_KV, f"{name}: the decode dumped {sorted(same)}"
+        prefill = [r for (role, _, _), r in records.items() if role == "prefill"]
+        # The prefill's draft extend wrote every step's pool (else "equal" would prove nothing).
+        assert draft_kv_dump.nonzero_steps(prefill) == set(range(1, STEPS + 1))
+        if name == "dropin":
+            assert all(steps == [True] * STEPS for steps in same.values()), same
+            for srv in (pair.prefill, pair.decode):
+                assert "carries every chain step's draft KV pool" in srv.log(10**7), srv.name
+        else:
+            # Negative control: SGLang sends step 1's pool only.
+            assert all(steps == [True] + [False] * (STEPS - 1) for steps in same.values()), same

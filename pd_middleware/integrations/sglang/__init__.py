@@ -21,7 +21,7 @@ The package is laid out by role (``docs/architecture.md``):
   :class:`~.arms.ArmedSource` holds a channel's source and a recompute source, for a live
   A/B whose ``[[arms]]`` mix a recompute arm with shipped ones (:mod:`.arms`);
 - :mod:`.prefill` (the prefill's encoder and its wrapper), :mod:`.chain` (the multi-layer
-  prefill), :mod:`.startup` (the scheduler-start checks), :mod:`.live_ab` (first verifies
+  prefill), :mod:`.draft_kv` (every chain step's draft KV in the PD transfer, the peer check), :mod:`.startup` (the scheduler-start checks), :mod:`.live_ab` (first verifies
   per arm, the copy into SGLang's ``/metrics``): each declares its feature of the table
   next to its wrappers;
 - :mod:`.agreement`: the one cross-rank vote (a failure on a rank is its vote, never a
@@ -56,6 +56,7 @@ from ...core._errors import ConfigError, PDMiddlewareError, PluginError
 
 # The feature modules register their part of the table at import (the order is the table's).
 from . import chain as _chain  # noqa: F401  # registers "chain"
+from . import draft_kv as _draft_kv  # noqa: F401  # registers "draft_kv", "peer_check"
 from . import live_ab as _live_ab  # noqa: F401  # registers "live_ab", "metrics_export"
 from . import metadata as _metadata  # noqa: F401  # registers "metadata"
 from . import recompute as _recompute  # noqa: F401  # registers "recompute"

@@ -94,6 +94,8 @@ class Installation:
     deferred: dict[str, list[Patch]] = field(default_factory=dict)
     events: Events = field(default_factory=lambda: Events("guard", source="sglang", logger=logger))
     recorder: Any = None
+    # Every chain step's draft KV pool in the PD transfer (a multi-layer node, :mod:`.draft_kv`), or None.
+    draft_kv: Any = None
     exporters: list[Any] = field(default_factory=list)
     announced: bool = False
     self_checked: bool = False
@@ -185,6 +187,11 @@ class Installation:
         check_draft(scheduler, facts, self.symbols)
         self.facts = facts
         self.source.bind(facts, scheduler)
+        if scheduler is not None and self.draft_kv is None and {"draft_kv", "peer_check"} <= self.applied_features():
+            # Before SGLang's init_disaggregation builds its KV manager from the pools.
+            from .draft_kv import attach
+
+            self.draft_kv = attach(scheduler, facts.num_steps, facts.backend)
         if facts.role == "prefill" and self.publisher is not None:
             if self.channel is not None:
                 self._warn_capacity(facts)
@@ -208,6 +215,11 @@ class Installation:
             facts.vocab_size,
             facts.num_steps,
         )
+
+    def applied_features(self) -> set[str]:
+        """The features whose every target is applied (patched or resolved) in this installation."""
+        have = {p.target.path for p in self.patches} | set(self.symbols)
+        return {name for name, f in FEATURES.items() if f.targets and all(t.path in have for t in f.targets)}
 
     def _export_counters(self) -> None:
         """Under SGLang's ``--enable-metrics``: copy the counters (the middleware's and
@@ -305,6 +317,9 @@ class Installation:
         exporters, self.exporters = self.exporters, []
         for e in exporters:
             e.stop()
+        if self.draft_kv is not None:
+            self.draft_kv.remove()
+            self.draft_kv = None
         if self.receiver is not None:
             self.receiver.stop()
         if self.store is not None:

@@ -26,7 +26,7 @@ Layout handshake (Mooncake backend): the decode appends a trailing frame
 (``MooncakeKVManager.build_receiver_registration_message``); SGLang's parser reads
 fixed positions and ignores it (checked at scheduler start: :func:`~.startup.check_registration`
 round-trips ``KVArgsRegisterInfo.from_zmq`` with the frame). The prefill's ``_validate_peer_state_layout`` (SGLang's
-own per-session rejection hook) compares that layout and the aux buffer counts with
+own per-session rejection hook, wrapped by the ``peer_check`` feature of :mod:`.draft_kv`) compares that layout and the aux buffer counts with
 its own; a difference rejects the session, and every transfer to it then fails with a
 reason that names both layouts (SGLang's ``conclude_failure``). Without the check a
 larger prefill row would be written past the decode's buffer. A decode that has the
@@ -418,20 +418,6 @@ def wrap_from_zmq(func: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     return from_zmq
 
 
-def wrap_validate(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
-    def _validate_peer_state_layout(self: Any, registration_info: Any) -> Any:
-        fully_checked, mismatch = orig(self, registration_info)
-        if mismatch is None:
-            try:
-                mismatch = inst.channel.validate(self, registration_info)
-            except Exception as exc:
-                inst.events.failed("validate_peer", exc, "rejecting the session")
-                mismatch = f"pd-middleware could not check the decode's proposal rows: {exc}"
-        return fully_checked, mismatch
-
-    return _validate_peer_state_layout
-
-
 #: SGLang's check that a request's transfer was a warmup's fake one (read at commit).
 IS_FAKE_TRANSFER = f"{UTILS_MODULE}._is_fake_transfer"
 
@@ -459,13 +445,6 @@ register_feature(
                 wrap_registration,
             ),
             Target(MOONCAKE_MODULE, "KVArgsRegisterInfo.from_zmq", ("cls", "msg"), Hook.AROUND, wrap_from_zmq),
-            Target(
-                MOONCAKE_MODULE,
-                "MooncakeKVManager._validate_peer_state_layout",
-                ("self", "registration_info"),
-                Hook.AROUND,
-                wrap_validate,
-            ),
         ),
         lambda plan: "metadata" in plan.features,
         summary='the in-band row in SGLang\'s PD metadata buffers ([sglang].channel = "metadata")',

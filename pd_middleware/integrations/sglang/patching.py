@@ -388,6 +388,8 @@ DOC_ORDER = (
     "prefill",
     "metadata",
     "chain",
+    "draft_kv",
+    "peer_check",
     "recompute",
     "scheduler",
     "live_ab",

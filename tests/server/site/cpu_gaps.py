@@ -63,9 +63,13 @@ and do nothing without it:
     ``DeepseekV2ForCausalLM.set_embed_and_head``, which the EAGLE worker calls on a DeepSeek
     NextN draft (``DeepseekV3ForCausalLMNextN`` inherits it) at start; the same no-op.
 
-And one test-only switch, off unless asked: ``seed_builder`` (``PDM_TEST_SEED_BUILDER=1``)
+And two test-only switches, off unless asked: ``seed_builder`` (``PDM_TEST_SEED_BUILDER=1``)
 makes SGLang's own PD proposal inert, so its builder leaves ``draft_probs`` unset as
-before SGLang's fix: the negative control of ``tests/server/test_seed.py``.
+before SGLang's fix: the negative control of ``tests/server/test_seed.py``; and
+``draft_kv_prefill`` / ``draft_kv_decode`` (``PDM_TEST_DRAFT_KV_DUMP=<dir>``) write each
+chain step's draft KV at a request's prompt positions to files, on the prefill after its
+forward and on the decode once the transfer landed (:mod:`draft_kv_dump`; read by
+``tests/server/test_multi_layer.py``). They only read.
 
 ``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all twelve).
 """
@@ -84,6 +88,7 @@ from typing import Any
 
 ENV_GAPS = "PDM_CPU_GAPS"
 ENV_SEED = "PDM_TEST_SEED_BUILDER"
+ENV_DRAFT_KV = "PDM_TEST_DRAFT_KV_DUMP"
 
 
 class OverrideRefused(RuntimeError):
@@ -455,6 +460,69 @@ SEED_BUILDER = Override(
     _inert_proposal,
 )
 
+
+def _method_params(name: str, expected: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(cls: Any) -> str:
+        fn = getattr(cls, name, None)
+        if fn is None:
+            return f"{cls.__name__} has no {name}"
+        got = tuple(inspect.signature(fn).parameters)
+        return "" if got == expected else f"{cls.__name__}.{name} has parameters {got}, expected {expected}"
+
+    return check
+
+
+_PREFILL_RESULT = ("self", "batch", "result")
+_COMMIT = ("self", "decode_req")
+
+
+def _dump_before_prefill_result(module: types.ModuleType, cls: Any) -> None:
+    """Each chain step's draft KV of the batch's requests, before SGLang processes the prefill's result."""
+    import draft_kv_dump
+
+    orig = cls.process_batch_result_disagg_prefill
+
+    def process_batch_result_disagg_prefill(self: Any, batch: Any, result: Any) -> Any:
+        draft_kv_dump.on_prefill(self, batch)
+        return orig(self, batch, result)
+
+    cls.process_batch_result_disagg_prefill = process_batch_result_disagg_prefill
+
+
+def _dump_after_commit(module: types.ModuleType, cls: Any) -> None:
+    """Each chain step's draft KV of a request once its transfer landed on the decode."""
+    import draft_kv_dump
+
+    orig = cls._commit_transfer_to_req
+    is_fake = module._is_fake_transfer
+
+    def _commit_transfer_to_req(self: Any, decode_req: Any) -> Any:
+        out = orig(self, decode_req)
+        draft_kv_dump.on_decode(self, decode_req, is_fake)
+        return out
+
+    cls._commit_transfer_to_req = _commit_transfer_to_req
+
+
+DRAFT_KV_DUMP = (
+    Override(
+        "draft_kv_prefill",
+        "sglang.srt.disaggregation.prefill",
+        "SchedulerDisaggregationPrefillMixin",
+        None,
+        _dump_before_prefill_result,
+        check=_method_params("process_batch_result_disagg_prefill", _PREFILL_RESULT),
+    ),
+    Override(
+        "draft_kv_decode",
+        "sglang.srt.disaggregation.decode",
+        "DecodeTransferQueue",
+        None,
+        _dump_after_commit,
+        check=_method_params("_commit_transfer_to_req", _COMMIT),
+    ),
+)
+
 _CHAIN_PARAMS = (
     "predicts",
     "accept_index",
@@ -535,7 +603,7 @@ _installed: _Finder | None = None
 
 
 def selected(environ: Any = None) -> list[Override]:
-    """The overrides ``PDM_CPU_GAPS`` and ``PDM_TEST_SEED_BUILDER`` ask for. Raises ValueError on an unknown name."""
+    """The overrides ``PDM_CPU_GAPS``, ``PDM_TEST_SEED_BUILDER`` and ``PDM_TEST_DRAFT_KV_DUMP`` ask for. Raises ValueError on an unknown name."""
     env = os.environ if environ is None else environ
     names = [n.strip() for n in env.get(ENV_GAPS, "").split(",") if n.strip()]
     known = {ov.name for ov in GAPS}
@@ -547,6 +615,8 @@ def selected(environ: Any = None) -> list[Override]:
         chosen.append(RENORM_P)
     if env.get(ENV_SEED) == "1":
         chosen.append(SEED_BUILDER)
+    if env.get(ENV_DRAFT_KV):
+        chosen.extend(DRAFT_KV_DUMP)
     return chosen
 
 

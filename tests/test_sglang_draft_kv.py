@@ -1,0 +1,414 @@
+"""Every chain step's draft KV across the PD transfer, through SGLang 0.5.23's real code.
+
+Real: ``MHATokenToKVPool`` (target and one pool per chain step, on the CPU), their
+``get_contiguous_buf_infos``, ``BaseSpecWorker.primary_draft_kv_pool`` (the property the
+scheduler hands the transfer), ``MooncakeKVManager._send_kvcache_generic`` and
+``CommonKVManager.get_mha_kv_ptrs_with_pp`` (how Mooncake pairs the two nodes' KV entries),
+``MooncakeKVManager._validate_peer_state_layout``, ``KVArgsRegisterInfo.from_zmq`` and
+``CommonKVManager.try_ensure_parallel_info``. Stand-ins, said where used: the transfer
+engine is ``ctypes.memmove`` of each block SGLang plans (``_transfer_data``), the KV
+managers and the scheduler are namespaces with the attributes those functions read, and
+the bootstrap server's answer is a patched ``requests.get``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from types import MethodType, SimpleNamespace
+from unittest.mock import patch
+
+import numpy as np
+import pytest
+import torch
+
+from pd_middleware.config import parse_config
+from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations.sglang import draft_kv as D
+
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
+
+STEPS = 3
+SLOTS = 24
+HEADS, DIM = 2, 4
+SEED = 5
+
+
+@pytest.fixture
+def sg(sglang_importable):
+    import importlib
+
+    return SimpleNamespace(
+        pool=importlib.import_module("sglang.srt.mem_cache.memory_pool"),
+        mooncake=importlib.import_module("sglang.srt.disaggregation.mooncake.conn"),
+        common=importlib.import_module("sglang.srt.disaggregation.common.conn"),
+        spec=importlib.import_module("sglang.srt.speculative.base_spec_worker"),
+        prefill=importlib.import_module("sglang.srt.disaggregation.prefill"),
+        decode=importlib.import_module("sglang.srt.disaggregation.decode"),
+    )
+
+
+def pool(sg, layers=1):
+    return sg.pool.MHATokenToKVPool(SLOTS, 1, torch.bfloat16, HEADS, DIM, layers, "cpu", False)
+
+
+class Node:
+    """One node's pools: the target's and one per chain step, sharing one slot index space."""
+
+    def __init__(self, sg, target_layers, steps=STEPS):
+        self.target = pool(sg, target_layers)
+        self.steps = [pool(sg) for _ in range(steps)]
+        allocator = object()  # the one allocator every runner shares (tp_worker.py around 405)
+        slots = SimpleNamespace(req_to_token=torch.zeros((2, SLOTS), dtype=torch.int32))
+        self.runners = [
+            SimpleNamespace(token_to_kv_pool=p, token_to_kv_pool_allocator=allocator, req_to_token_pool=slots)
+            for p in self.steps
+        ]
+        runners = self.runners
+
+        class SpecWorker:  # the scheduler's draft_worker: SGLang's own property picks the primary pool
+            primary_draft_kv_pool = sg.spec.BaseSpecWorker.primary_draft_kv_pool
+            draft_worker = SimpleNamespace(draft_runners=runners)
+
+            def _draft_model_runners(self):
+                return tuple(runners)
+
+        self.scheduler = SimpleNamespace(
+            draft_worker=SpecWorker(),
+            token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: self.target),
+        )
+
+    def fill(self, gen, slots):
+        for p in [self.target, *self.steps]:
+            for buf in [*p.k_buffer, *p.v_buffer]:
+                buf[slots] = torch.randn(buf[slots].shape, generator=gen).to(buf.dtype)
+
+    def kv_data(self):
+        """``kv_args.kv_data_ptrs/lens/item_lens`` as prefill.py/decode.py build them: the
+        target's, then SGLang's primary draft pool's ``get_contiguous_buf_infos()``."""
+        ptrs, lens, items = (list(x) for x in self.target.get_contiguous_buf_infos())
+        primary = self.scheduler.draft_worker.primary_draft_kv_pool
+        p, n, i = primary.get_contiguous_buf_infos()
+        return ptrs + list(p), lens + list(n), items + list(i), len(p)
+
+
+def transfer(sg, src: Node, dst: Node, src_slots, dst_slots) -> int:
+    """Mooncake's send path for one request (real pairing; memmove as the engine)."""
+    ptrs, _, items, num_draft = src.kv_data()
+    dst_ptrs = dst.kv_data()[0]
+
+    def _transfer_data(session, blocks):
+        for s, d, n in blocks:
+            ctypes.memmove(int(d), int(s), int(n))
+        return 0
+
+    mgr = SimpleNamespace(
+        kv_args=SimpleNamespace(prefill_start_layer=0, num_draft_entries=num_draft),
+        is_mla_backend=False,
+        is_hybrid_mla_backend=False,
+        enable_custom_mem_pool=False,
+        max_transfer_batch_indices=0,
+        pp_size=1,
+        _transfer_data=_transfer_data,
+    )
+    mgr.get_mha_kv_ptrs_with_pp = MethodType(sg.common.CommonKVManager.get_mha_kv_ptrs_with_pp, mgr)
+    return sg.mooncake.MooncakeKVManager._send_kvcache_generic(
+        mgr,
+        mooncake_session_id="decode",
+        src_data_ptrs=ptrs,
+        dst_data_ptrs=dst_ptrs,
+        item_lens=items,
+        prefill_data_indices=np.asarray(src_slots, dtype=np.int32),
+        dst_data_indices=np.asarray(dst_slots, dtype=np.int32),
+        executor=None,
+    )
+
+
+def equal_at(a, b, a_slots, b_slots) -> bool:
+    return all(
+        torch.equal(x[a_slots], y[b_slots]) for x, y in zip([*a.k_buffer, *a.v_buffer], [*b.k_buffer, *b.v_buffer])
+    )
+
+
+def per_step(src: Node, dst: Node, s, d) -> list[bool]:
+    return [equal_at(p, q, s, d) for p, q in zip(src.steps, dst.steps)]
+
+
+PROMPT_SRC, PROMPT_DST = [3, 4, 5, 9, 10], [7, 8, 2, 12, 13]
+
+
+def test_facts_every_step_owns_a_pool_in_one_slot_space_and_sglang_transfers_the_first(sg) -> None:
+    """The code read as facts: the primary pool is step 1's, and SGLang's list holds it alone."""
+    node = Node(sg, target_layers=2)
+    assert node.scheduler.draft_worker.primary_draft_kv_pool is node.steps[0]
+    ptrs, _, _, num_draft = node.kv_data()
+    assert num_draft == 2 and ptrs[-2:] == node.steps[0].get_contiguous_buf_infos()[0]
+    others = {p for s in node.steps[1:] for p in s.get_contiguous_buf_infos()[0]}
+    assert not others & set(ptrs)  # steps 2..S are not in the transfer
+
+
+@pytest.mark.parametrize("target_layers", [1, 2, 3])
+def test_stock_pairing_sends_step_one_only_and_all_steps_sends_every_step(sg, target_layers) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    p, d = Node(sg, target_layers), Node(sg, target_layers)
+    p.fill(gen, PROMPT_SRC)
+    # Stock SGLang on both nodes (negative control): steps 2..S never arrive.
+    assert transfer(sg, p, d, PROMPT_SRC, PROMPT_DST) == 0
+    assert equal_at(p.target, d.target, PROMPT_SRC, PROMPT_DST)
+    assert per_step(p, d, PROMPT_SRC, PROMPT_DST) == [True, False, False]
+    # The drop-in on both nodes: every step's pool in step order, the same pairing code.
+    dp, dd = D.DraftKV(p.steps), D.DraftKV(d.steps)
+    dp.install()
+    dd.install()
+    assert dp.entries == dd.entries == 2 * STEPS and dp.marker() == dd.marker()
+    assert transfer(sg, p, d, PROMPT_SRC, PROMPT_DST) == 0
+    assert equal_at(p.target, d.target, PROMPT_SRC, PROMPT_DST)
+    assert per_step(p, d, PROMPT_SRC, PROMPT_DST) == [True, True, True]
+
+
+def test_install_touches_only_the_primary_pool_and_remove_restores_it(sg) -> None:
+    node = Node(sg, target_layers=2)
+    own = [p.get_contiguous_buf_infos() for p in node.steps]
+    dk = D.DraftKV(node.steps)
+    dk.install()
+    got = node.steps[0].get_contiguous_buf_infos()
+    assert got == tuple([x for o in own for x in o[k]] for k in range(3))  # step order, each pool's order
+    assert [p.get_contiguous_buf_infos() for p in node.steps[1:]] == own[1:]
+    assert type(node.steps[0]).get_contiguous_buf_infos is sg.pool.MHATokenToKVPool.get_contiguous_buf_infos
+    dk.remove()
+    assert node.steps[0].get_contiguous_buf_infos() == own[0]
+    assert "get_contiguous_buf_infos" not in vars(node.steps[0])
+
+
+def test_a_pair_that_disagrees_would_write_into_the_wrong_buffers(sg) -> None:
+    """Why the pair must refuse (negative control of the checks below): a prefill with
+    SGLang's list and a decode with every step's pool, one target layer: SGLang pairs the
+    prefill's step-1 KV with the decode's step-2 pool; the other way round the send fails."""
+    gen = torch.Generator().manual_seed(SEED)
+    p, d = Node(sg, 1), Node(sg, 1)
+    p.fill(gen, PROMPT_SRC)
+    D.DraftKV(d.steps).install()
+    assert transfer(sg, p, d, PROMPT_SRC, PROMPT_DST) == 0
+    assert equal_at(p.steps[0], d.steps[1], PROMPT_SRC, PROMPT_DST)  # the wrong pool
+    assert not equal_at(p.steps[0], d.steps[0], PROMPT_SRC, PROMPT_DST)
+    p2, d2 = Node(sg, 1), Node(sg, 1)
+    D.DraftKV(p2.steps).install()
+    with pytest.raises(IndexError):  # SGLang's pairing runs past the decode's shorter list
+        transfer(sg, p2, d2, PROMPT_SRC, PROMPT_DST)
+
+
+# ------------------------------------------------------------------ the drop-in, activated
+
+
+def config(draft_kv="all_steps"):
+    return parse_config(
+        {
+            "decode": {"max_batch": 8},
+            "synthesizer": {"name": "sparse"},
+            "encoder": {"name": "sparse", "options": {"mode": "topk", "k": 5, "value_dtype": "fp32"}},
+            "sglang": {"seed": 7, "draft_kv": draft_kv},
+        }
+    )
+
+
+def activate(node, role, draft_kv="all_steps", steps=STEPS, backend="mooncake"):
+    inst = S.install(config(draft_kv), S.InstallOptions(channel="metadata", hook_scheduler=False))
+    facts = S.EngineFacts(
+        role=role, vocab_size=64, num_steps=steps, algorithm="EAGLE", topk=1, rejection_sampling=True, backend=backend
+    )
+    inst.activate(facts, scheduler=node.scheduler)
+    return inst
+
+
+def test_activation_registers_every_step_and_marks_the_layout(sg) -> None:
+    node = Node(sg, 2)
+    inst = activate(node, "prefill")
+    assert inst.draft_kv is not None and inst.draft_kv.steps == STEPS
+    assert node.kv_data()[3] == 2 * STEPS
+    marker = f"pd-middleware-draft-kv steps={STEPS} entries={2 * STEPS}"
+    assert manager_layout(sg, inst, None) == marker  # SGLang's own get_pd_kv_layout is None here
+    assert manager_layout(sg, inst, "v4-layout") == f"v4-layout+{marker}"
+    assert manager_layout(sg, inst, marker) == marker  # once
+    assert S.uninstall()
+    assert node.kv_data()[3] == 2
+    assert not getattr(sg.common.CommonKVManager.__init__, "__pd_middleware__", False)
+
+
+def manager_layout(sg, inst, layout):
+    """``kv_args.kv_layout`` as SGLang's KV manager reads it (``self.kv_layout = args.kv_layout``):
+    the installed wrapper of ``CommonKVManager.__init__``, around a stand-in of its body."""
+    wrapped = sg.common.CommonKVManager.__init__
+    assert wrapped.__pd_middleware__
+    seen = []
+    args = SimpleNamespace(kv_layout=layout)
+    D.wrap_manager_init(lambda self, a, *rest: seen.append(a.kv_layout), inst)(None, args, "prefill", None, False)
+    return seen[0]
+
+
+def test_sglangs_manager_reads_the_layout_from_its_args(sg) -> None:
+    import inspect
+
+    src = inspect.getsource(sg.common.CommonKVManager.__init__)
+    assert "self.kv_layout = args.kv_layout" in src
+    assert "kv_args.kv_layout = get_pd_kv_layout(self.token_to_kv_pool)" in inspect.getsource(
+        sg.prefill.PrefillBootstrapQueue._init_kv_manager
+    )
+
+
+@pytest.mark.parametrize(("draft_kv", "steps"), [("first_step", STEPS), ("all_steps", 1)])
+def test_activation_keeps_sglangs_list_otherwise(sg, draft_kv, steps) -> None:
+    node = Node(sg, 2, steps=steps)
+    inst = activate(node, "decode", draft_kv=draft_kv, steps=steps)
+    assert inst.draft_kv is None and node.kv_data()[3] == 2
+    if draft_kv == "first_step":  # nothing of draft_kv is patched
+        assert not getattr(sg.common.CommonKVManager.__init__, "__pd_middleware__", False)
+    else:
+        assert manager_layout(sg, inst, None) is None
+
+
+def _shared_allocator_broken(node):
+    node.runners[2].token_to_kv_pool_allocator = object()
+
+
+def _pool_shared(node):
+    node.runners[1].token_to_kv_pool = node.steps[0]
+
+
+def _fused(node):
+    type(node.scheduler.draft_worker).primary_draft_kv_pool = None  # SGLang's answer for a fused draft pool
+
+
+def _layer_ids(node):
+    node.target.get_kv_layer_ids = lambda: [0, 1]  # a HybridLinearKVPool-like target
+
+
+@pytest.mark.parametrize(
+    ("spoil", "backend", "why"),
+    [
+        (None, "nixl", "the nixl backend"),
+        (_shared_allocator_broken, "mooncake", "do not share one token index space"),
+        (_pool_shared, "mooncake", "do not own one KV pool each"),
+        (_fused, "mooncake", "a fused or unified draft pool"),
+        (_layer_ids, "mooncake", "pairs its entries by layer id"),
+    ],
+)
+def test_attach_keeps_sglangs_list_for_a_layout_it_does_not_read(sg, caplog, spoil, backend, why) -> None:
+    node = Node(sg, 2)
+    assert D.attach(Node(sg, 2).scheduler, STEPS, "mooncake") is not None  # unspoiled: attached
+    if spoil is not None:
+        spoil(node)
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        assert D.attach(node.scheduler, STEPS, backend) is None
+    assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
+    assert "get_contiguous_buf_infos" not in vars(node.steps[0])
+
+
+def _registration(kv_ptrs, aux_ptrs, frame):
+    from sglang.srt.disaggregation.common.utils import pack_int_lists
+
+    msg = [b"None", b"127.0.0.1", b"17000", b"127.0.0.1:17001", struct.pack(f"{len(kv_ptrs)}Q", *kv_ptrs)]
+    msg += [struct.pack(f"{len(aux_ptrs)}Q", *aux_ptrs), pack_int_lists([], "Q"), b"0", b"1", b"0"]
+    msg += [pack_int_lists([], "I"), pack_int_lists([], "I"), b"", b"", b"", b"", b"1", b"0", b"", b""]
+    return [*msg, frame]
+
+
+def _validate(sg, inst, node, decode_kv):
+    info = sg.mooncake.KVArgsRegisterInfo.from_zmq(
+        _registration([1] * decode_kv, [1] * 16, inst.channel.registration_frame())
+    )
+    mgr = SimpleNamespace(
+        kv_args=SimpleNamespace(state_types=[], aux_data_ptrs=[0] * 16, kv_data_ptrs=node.kv_data()[0]),
+        state_tp_size=1,
+        attn_tp_size=1,
+    )
+    with patch.object(sg.mooncake, "get_spec", return_value=SimpleNamespace(speculative_algorithm="EAGLE")):
+        return sg.mooncake.MooncakeKVManager._validate_peer_state_layout(mgr, info)[1]
+
+
+def test_the_prefill_rejects_a_decode_session_with_another_kv_list(sg) -> None:
+    node = Node(sg, 2)
+    inst = activate(node, "prefill")
+    local = len(node.kv_data()[0])  # 2 target layers x K,V + 3 steps x K,V
+    assert local == 4 + 2 * STEPS
+    assert _validate(sg, inst, node, local) is None
+    why = _validate(sg, inst, node, 4 + 2)  # a decode with SGLang's list (step 1 only)
+    assert why.startswith("pd-middleware: decode session 127.0.0.1:17001 registered 6 KV buffers, this prefill 10")
+    assert '[sglang].draft_kv = "all_steps"' in why and '[sglang].draft_kv = "first_step" on this prefill' in why
+    assert inst.guard.counts["draft_kv:peer_rejected"] == 1
+    # The in-band row's own check still runs behind it (a row layout that differs).
+    info_frame = b"pd-middleware-row rowv1 capacity=8192 vocab=64 steps=3 sig=0"
+    info = sg.mooncake.KVArgsRegisterInfo.from_zmq(_registration([1] * local, [1] * 16, info_frame))
+    mgr = SimpleNamespace(
+        kv_args=SimpleNamespace(state_types=[], aux_data_ptrs=[0] * 16, kv_data_ptrs=node.kv_data()[0]),
+        state_tp_size=1,
+        attn_tp_size=1,
+    )
+    with patch.object(sg.mooncake, "get_spec", return_value=SimpleNamespace(speculative_algorithm="EAGLE")):
+        assert (
+            "pd-middleware proposal rows differ"
+            in sg.mooncake.MooncakeKVManager._validate_peer_state_layout(mgr, info)[1]
+        )
+
+
+def test_a_prefill_without_all_steps_does_not_check_kv_counts(sg) -> None:
+    node = Node(sg, 2)
+    inst = activate(node, "prefill", draft_kv="first_step")
+    assert inst.draft_kv is None
+    assert _validate(sg, inst, node, 4 + 2 * STEPS + 7) is None  # SGLang's own tolerance, as before
+
+
+def _decode_manager(sg, layout):
+    mgr = SimpleNamespace(
+        prefill_info_table={},
+        kv_args=SimpleNamespace(page_size=1, engine_rank=0, state_types=[]),
+        kv_cache_dtype_str="auto",
+        kv_layout=layout,
+        dsv41_spec_layout=None,
+        attn_tp_size=1,
+        attn_cp_size=1,
+        dcp_size=1,
+        is_mla_backend=False,
+        is_hybrid_mla_backend=False,
+        _resolve_rank_mapping=lambda info: None,
+    )
+    return mgr
+
+
+def _ask(sg, mgr, prefill_layout):
+    data = dict(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=1, kv_cache_dtype=None)
+    data["follow_bootstrap_room"] = True
+    if prefill_layout is not None:
+        data["kv_layout"] = prefill_layout
+    answer = SimpleNamespace(status_code=200, json=lambda: data, text="")
+    with patch.object(sg.common.requests, "get", return_value=answer):
+        return sg.common.CommonKVManager.try_ensure_parallel_info(mgr, "10.0.0.1:8998")
+
+
+def test_the_decode_refuses_a_prefill_with_another_draft_kv_layout(sg) -> None:
+    node = Node(sg, 2)
+    inst = activate(node, "decode")
+    mine = inst.draft_kv.layout(None)
+    assert _ask(sg, _decode_manager(sg, mine), mine) is True  # the drop-in on both nodes
+    mgr = _decode_manager(sg, mine)
+    with pytest.raises(RuntimeError) as err:
+        _ask(sg, mgr, None)  # a prefill with SGLang's list: no drop-in, or "first_step"
+    msg = str(err.value)
+    assert msg.startswith("pd-middleware: the prefill at 10.0.0.1:8998 registers step 1's draft KV pool only")
+    assert '[sglang].draft_kv = "first_step" on this decode' in msg and mine in msg
+    assert mgr.prefill_info_table == {}  # never marked ready
+    with pytest.raises(RuntimeError, match=r"KV layout mismatch.*pd-middleware: this decode's layout is"):
+        _ask(sg, _decode_manager(sg, mine), "pd-middleware-draft-kv steps=2 entries=4")  # SGLang's own check
+
+
+def test_negative_control_without_the_drop_in_the_decode_accepts_that_prefill(sg) -> None:
+    # SGLang alone compares kv_layout only when both nodes publish one: nothing refuses.
+    mine = "pd-middleware-draft-kv steps=3 entries=6"
+    assert _ask(sg, _decode_manager(sg, mine), None) is True
+
+
+def test_the_flag_is_strict_and_defaults_to_all_steps() -> None:
+    from pd_middleware import ConfigError
+
+    assert parse_config({}).sglang.draft_kv == "all_steps"
+    with pytest.raises(ConfigError, match=r"at sglang.draft_kv: Invalid enum value 'every'"):
+        parse_config({"sglang": {"draft_kv": "every"}})
