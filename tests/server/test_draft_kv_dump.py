@@ -8,6 +8,7 @@ the hook reads.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import types
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,7 +47,11 @@ def _node(pools: list[object], slots: list[int]) -> SimpleNamespace:
 
 def _req(room: int, n: int, **over: object) -> SimpleNamespace:
     return SimpleNamespace(
-        bootstrap_room=room, origin_input_ids=list(range(100, 100 + n)), req_pool_idx=1, finished_reason=None, **over
+        bootstrap_room=room,
+        origin_input_ids=list(range(100, 100 + n)),
+        kv=SimpleNamespace(req_pool_idx=1),
+        finished_reason=None,
+        **over,
     )
 
 
@@ -180,3 +185,7 @@ def test_the_targets_match_sglang_0_5_23() -> None:
     for ov in cpu_gaps.DRAFT_KV_DUMP:
         assert cpu_gaps._refusal(ov, getattr(import_sglang(ov.module), ov.attr)) == "", ov.name
     assert hasattr(import_sglang("sglang.srt.disaggregation.decode"), "_is_fake_transfer")
+    # The request's req_to_token row, where prompt_slots reads it: Req.kv (a ReqKvInfo), not Req.
+    sb = import_sglang("sglang.srt.managers.schedule_batch")
+    assert sb.ReqKvInfo().req_pool_idx is None
+    assert "self.kv = ReqKvInfo()" in inspect.getsource(sb.Req.__init__)

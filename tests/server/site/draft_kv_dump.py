@@ -17,7 +17,7 @@ tests' requests leave nothing.
 One file per (node, request, chain step): ``<role>-<bootstrap_room>-step<k>.pt`` (k from
 1), a ``torch.save`` of ``{"role", "room", "step", "input_ids", "k", "v"}`` with ``k``/``v``
 of shape (layers, n, heads, head_dim): that step's pool at the request's n prompt slots
-(``req_to_token[req_pool_idx, :n]``; every step's runner shares the target's token index
+(``req_to_token[req.kv.req_pool_idx, :n]``; every step's runner shares the target's token index
 space, ``managers/tp_worker.py`` around 405).
 """
 
@@ -38,9 +38,10 @@ def step_pools(scheduler: Any) -> list[Any]:
 
 
 def prompt_slots(req_to_token_pool: Any, req: Any) -> Any:
-    """The KV slots of ``req``'s prompt positions: ``req_to_token[req_pool_idx, :len(origin_input_ids)]``."""
+    """The KV slots of ``req``'s prompt positions: ``req_to_token[req.kv.req_pool_idx, :len(origin_input_ids)]``
+    (SGLang 0.5.23 keeps the row on ``Req.kv``, a ``ReqKvInfo``)."""
     n = len(req.origin_input_ids)
-    return req_to_token_pool.req_to_token[req.req_pool_idx, :n].long().cpu()
+    return req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long().cpu()
 
 
 def read_kv(pool: Any, slots: Any) -> dict[str, Any]:
