@@ -136,16 +136,28 @@ def _rc(delta: dict[str, float], name: str) -> float:
     return w.event(delta, "recompute", name)
 
 
+def _agree(name: str, got: list[w.Result], ref: list[w.Result]) -> None:
+    exact = sum(g.output_ids == r.output_ids for g, r in zip(got, ref, strict=True))
+    print(f"greedy, {name}: {exact} of {len(ref)} outputs equal aggregated serving's token for token")
+    bad = w.greedy_mismatches(got, ref)
+    assert not bad, f"{name}: " + "; ".join(bad)
+
+
 def test_greedy_outputs_of_both_decodes_equal_aggregated(ds: DeepSeek) -> None:
+    """Token for token, up to bf16 near-ties of aggregated serving (``workload.greedy_mismatches``:
+    a verify over other drafts is a batch of another shape, and on this MoE model one prompt
+    in eight has shown a tie of 0.03 nats flip, the stock decode's and the drop-in's alike)."""
     texts = w.prompts(N_GREEDY, offset=7)
-    agg = w.generate(ds.agg.url, texts, temperature=0.0, max_new_tokens=GREEDY_TOKENS)
+    agg = w.generate(ds.agg.url, texts, temperature=0.0, max_new_tokens=GREEDY_TOKENS, top_logprobs=2)
     assert all(r.status == 200 for r in agg), [r.error for r in agg if r.status != 200]
+    ds.seen["greedy"] = agg
     stock = _pd(ds, ds.stock, texts, temperature=0.0, max_new_tokens=GREEDY_TOKENS)
     rec = _pd(ds, ds.recompute, texts, temperature=0.0, max_new_tokens=GREEDY_TOKENS)
-    want = [r.output_ids for r in agg]
-    assert [r.output_ids for r in stock] == want
-    assert [r.output_ids for r in rec] == want
-    assert len(set(want)) > 1  # the prompts lead somewhere different: not a degenerate model
+    _agree("stock decode", stock, agg)
+    _agree("recompute decode", rec, agg)
+    assert len({r.output_ids for r in agg}) > 1  # the prompts lead somewhere different: not a degenerate model
+    # The negative control of the comparison: another prompt's output is not "equal up to ties".
+    assert w.greedy_mismatches(rec[1:] + rec[:1], agg)
 
 
 def test_recompute_matches_aggregated_acceptance_and_beats_sglangs_one_hot(ds: DeepSeek) -> None:
@@ -180,7 +192,9 @@ def _dp_round(ds: DeepSeek, *, label: str) -> tuple[list[w.Result], w.Rate, dict
 
 def test_dp_attention_every_head_failing_is_sglangs_one_hot_on_that_topology(ds: DeepSeek) -> None:
     greedy, rate, delta, n = _dp_round(ds, label="every head failing")
-    ds.seen["dp_greedy"], ds.seen["dp_one_hot"] = [r.output_ids for r in greedy], rate
+    ds.seen["dp_greedy"], ds.seen["dp_one_hot"] = greedy, rate
+    if "greedy" in ds.seen:
+        _agree("DP decode, every head failing (SGLang's one-hot)", greedy, ds.seen["greedy"])  # type: ignore[arg-type]
     assert _rc(delta, "fallback:failed") == n and _rc(delta, "recomputed") == 0, delta
 
 
@@ -199,14 +213,16 @@ def test_dp_attention_a_fault_on_one_ranks_head_falls_back_there_only(ds: DeepSe
 
 
 def test_dp_attention_recompute_matches_aggregated_and_its_stock_outputs(ds: DeepSeek) -> None:
-    if "dp_greedy" not in ds.seen or "aggregated" not in ds.seen:
+    if "dp_greedy" not in ds.seen or "aggregated" not in ds.seen or "greedy" not in ds.seen:
         pytest.skip("needs the aggregated rate and the DP decode's stock phase (earlier tests of this module)")
     os.unlink(ds.switch)
     greedy, r, delta, n = _dp_round(ds, label="recompute")
     a, o = ds.seen["aggregated"], ds.seen["dp_one_hot"]
     assert isinstance(a, w.Rate) and isinstance(o, w.Rate)
     print(f"DP attention: aggregated {a}, recompute {r}, stock one-hot on this topology {o}")
-    assert [x.output_ids for x in greedy] == ds.seen["dp_greedy"]
+    _agree("DP decode, recompute", greedy, ds.seen["greedy"])  # type: ignore[arg-type]
+    same = sum(a.output_ids == b.output_ids for a, b in zip(greedy, ds.seen["dp_greedy"]))  # type: ignore[call-overload]
+    print(f"greedy, DP decode: {same} of {len(greedy)} outputs equal its stock phase's token for token")
     assert abs(w.z_diff(r, a)) <= Z_SAME
     assert w.z_diff(r, o) >= Z_BETTER
     assert _rc(delta, "recomputed") == n, delta  # /metrics counts each request once, both DP ranks summed

@@ -59,19 +59,31 @@ class Result:
     verify_ct: int | None
     accept_length: float | None
     error: str = ""
+    #: per output token, SGLang's top logprobs as (logprob, token id), best first (asked with
+    #: ``top_logprobs``; empty otherwise)
+    top_logprobs: tuple[tuple[tuple[float, int], ...], ...] = ()
 
 
 def _result(status: int, body: Any) -> Result:
     if status != 200 or not isinstance(body, dict):
         return Result(status, (), None, None, None, str(body)[:500])
     m = body.get("meta_info", {})
+    top = tuple(tuple((float(e[0]), int(e[1])) for e in row) for row in m.get("output_top_logprobs") or ())
     return Result(
         status,
         tuple(body.get("output_ids", ())),
         m.get("spec_num_correct_drafts"),
         m.get("spec_verify_ct"),
         m.get("spec_accept_length"),
+        top_logprobs=top,
     )
+
+
+def _body(text: str, params: dict[str, Any], top_logprobs: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"text": text, "sampling_params": params}
+    if top_logprobs:
+        body.update(return_logprob=True, top_logprobs_num=top_logprobs)
+    return body
 
 
 def _params(temperature: float, max_new_tokens: int, seed: int | None, i: int) -> dict[str, Any]:
@@ -90,11 +102,13 @@ def generate(
     concurrency: int = 8,
     seed: int | None = None,
     timeout_s: float = 600.0,
+    top_logprobs: int = 0,
 ) -> list[Result]:
-    """POST ``/generate`` for every text (``concurrency`` at a time, each bounded by its timeout)."""
+    """POST ``/generate`` for every text (``concurrency`` at a time, each bounded by its timeout);
+    ``top_logprobs``: that many top logprobs per output token in each result."""
 
     def one(i: int) -> Result:
-        body = {"text": texts[i], "sampling_params": _params(temperature, max_new_tokens, seed, i)}
+        body = _body(texts[i], _params(temperature, max_new_tokens, seed, i), top_logprobs)
         return _result(*post_json(url + "/generate", body, timeout_s=timeout_s))
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -119,7 +133,7 @@ def generate_pd(
     decode's answer is the result; a request whose prefill answer is not 200 fails with it."""
 
     def one(i: int) -> Result:
-        body = {"text": texts[i], "sampling_params": _params(temperature, max_new_tokens, None, i)}
+        body = _body(texts[i], _params(temperature, max_new_tokens, None, i), 0)
         (ps, pb), (ds, db) = post_pd(prefill, decode, body, next(_ROOMS), timeout_s=timeout_s)
         if ps != 200:
             return Result(ps, (), None, None, None, f"prefill: {str(pb)[:500]}")
@@ -127,6 +141,34 @@ def generate_pd(
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(texts))))
+
+
+#: A greedy pick whose two best logits are this close (nats) is a tie within bf16 noise: the
+#: tiny models' bf16 logits step by 1/32 near their peaks, and a verify batch of another
+#: shape (other drafts, another TP layout) moves a logit by a step or two.
+GREEDY_TIE_NATS = 0.1
+
+
+def greedy_mismatches(got: Sequence[Result], ref: Sequence[Result], *, tie_nats: float = GREEDY_TIE_NATS) -> list[str]:
+    """Greedy outputs that differ from the reference's other than at a near-tie.
+
+    ``ref`` carries top logprobs (``generate(..., top_logprobs=2)``). Each output must equal
+    its reference, or first differ at a position where it took the reference's runner-up
+    and the reference's two best were within ``tie_nats``: greedy decoding in bf16 is
+    exact only up to such ties, whatever the proposal (from there on the texts diverge).
+    Returns one line per output that breaks this (empty: all agree)."""
+    bad = []
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        j = next((k for k, (a, b) in enumerate(zip(g.output_ids, r.output_ids)) if a != b), None)
+        if j is None:
+            if len(g.output_ids) != len(r.output_ids):
+                bad.append(f"prompt {i}: {len(g.output_ids)} tokens, the reference {len(r.output_ids)}")
+            continue
+        top = r.top_logprobs[j] if j < len(r.top_logprobs) else ()
+        gap = top[0][0] - top[1][0] if len(top) >= 2 else float("inf")
+        if len(top) < 2 or top[1][1] != g.output_ids[j] or gap > tie_nats:
+            bad.append(f"prompt {i}: token {j} is {g.output_ids[j]}, the reference's top two {top} (gap {gap:.3f})")
+    return bad
 
 
 @dataclass(frozen=True)
