@@ -19,9 +19,11 @@ Strategies: ``none`` (no drop-in: SGLang's own one-hot), ``sglang`` (configs/sgl
 decode-only recompute: the decode alone runs it), ``sparse_floor``, ``full_fp32``,
 ``full_bf16``, ``sparse_topk``, ``sparse_topp``, ``one_hot``, ``live_ab`` (configs/sglang_live_ab.toml: arms sparse and one_hot on one
 pair). The models are ``PDM_SERVER_MODELS`` (a folder with target/ and eagle3/) or the
-tier's own trained pair (tests/server/models/build.py, cached under build/). Usage::
+tier's own trained pair (tests/server/models/build.py, cached under build/); with
+``--model deepseek`` the tier's DeepSeek-V3-style target (MLA, MoE) with its NextN layer as
+the draft (``--speculative-algorithm EAGLE``, the target its own draft). Usage::
 
-    python benchmarks/server_acceptance.py [--n 128] [--strategies none sglang ...]
+    python benchmarks/server_acceptance.py [--n 128] [--model llama|deepseek] [--strategies none sglang ...]
 """
 
 from __future__ import annotations
@@ -73,18 +75,24 @@ def _arm_rates(text: str) -> dict[str, dict[str, float | int]] | None:
     return {a: _rate_json(w.Rate(v.n - v.counts[0], v.n)) for a, v in sorted(arms.items()) if v.n}
 
 
-def load_models() -> h.Models:
+def load_models(kind: str = "llama") -> h.Models:
     """The tier's models (``PDM_SERVER_MODELS`` or the trained pair, built and cached under
-    build/), after the CPU gap transformers' torchvision import needs."""
+    build/; ``kind`` ``deepseek``: the trained DeepSeek target, its own NextN draft), after
+    the CPU gap transformers' torchvision import needs."""
     sys.path.insert(0, str(REPO / "tests" / "server" / "site"))
     import cpu_gaps  # transformers (the model builder) imports torchvision: its CPU gap first
 
     cpu_gaps.install_from_env({cpu_gaps.ENV_GAPS: "torchvision_meta"})
-    return _models()
+    return _models(kind)
 
 
-def _models() -> h.Models:
+def _models(kind: str) -> h.Models:
     root = os.environ.get("PDM_SERVER_MODELS")
+    if kind == "deepseek":
+        from server.models.build import build_models
+
+        target = Path(build_models(REPO / "build" / "server-models")["trained_deepseek"])
+        return h.Models(target, target, "EAGLE")
     if root:
         eagle3 = Path(root) / "eagle3"
         if not eagle3.is_dir():
@@ -109,14 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=128, help="requests per mode at max_new_tokens = 2 (default 128)")
     ap.add_argument("--strategies", nargs="*", default=list(STRATEGIES), choices=list(STRATEGIES))
+    ap.add_argument(
+        "--model",
+        choices=("llama", "deepseek"),
+        default="llama",
+        help="the tier's Llama target with its EAGLE3 draft (default), or its DeepSeek-V3-style target with NextN",
+    )
     args = ap.parse_args(argv)
     if importlib.util.find_spec("sglang_router") is None:
         # run_all.py shows a skipped row: this figure needs the server tier (make setup-server).
         print(json.dumps({"bench": "server_acceptance", "skipped": "needs make setup-server (docs/server.md)"}))
         return 0
-    models = load_models()
+    models = load_models(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="server-acceptance-"))
-    out: dict[str, object] = {"bench": "server_acceptance", "n": args.n, "temperature": 1.0}
+    out: dict[str, object] = {"bench": "server_acceptance", "model": args.model, "n": args.n, "temperature": 1.0}
     t0 = time.monotonic()
     agg = h.start_server("aggregated", models, tmp / "agg")
     try:
