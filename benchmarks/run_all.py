@@ -25,10 +25,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # ab_memory runs the main job at 1,000 to 16,000 requests per arm (about an hour on 2
-# cores, past any per-script timeout here), and server_acceptance and pd_stall start real
+# cores, past any per-script timeout here), and server_acceptance, pd_stall and multi_layer_kv start real
 # SGLang servers, a pair per strategy or mode (20 minutes and more): run them alone
 # (docs/performance.md, docs/server.md).
-SKIP = {"_common", "run_all", "ab_memory", "server_acceptance", "pd_stall"}
+SKIP = {"_common", "run_all", "ab_memory", "server_acceptance", "pd_stall", "multi_layer_kv"}
 #: Extra runs of a script with arguments, reported under their own name: the receive
 #: target must hold with CURVE on (issue 13), measured in the same run as the plain one.
 VARIANTS: dict[str, tuple[str, list[str]]] = {"receive_curve": ("receive", ["--curve"])}
