@@ -192,3 +192,17 @@ def test_a_resumed_request_is_not_recomputed_and_a_fresh_one_beside_it_is(sg) ->
     back.output_topk_index = back.output_topk_index.clone()
     build(sg, [back])
     assert rc.counts["recomputed"] == 3 and rc.counts["retracted"] == 1
+
+
+def test_a_live_ab_with_a_recompute_arm_counts_a_returning_request_once() -> None:
+    """ArmedSource (live A/B arms mixing recompute and shipped) counts ``retracted`` in the
+    shipped arms' part, once per returning request; without it the return went uncounted."""
+    from pd_middleware.core.events import Events
+    from pd_middleware.integrations.sglang.arms import ArmedSource
+
+    decode, recompute = Events("decode"), Events("recompute")
+    shipped = SimpleNamespace(name="metadata", features=frozenset({"prefill"}), events=decode)
+    rc = SimpleNamespace(features=frozenset({"recompute"}), events=recompute)
+    armed = ArmedSource(shipped, rc, "recompute")  # type: ignore[arg-type]
+    armed.returned(2)
+    assert decode.counts["retracted"] == 2 and recompute.counts["retracted"] == 0

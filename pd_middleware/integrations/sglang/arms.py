@@ -136,6 +136,9 @@ class ArmedSource(ProposalSource):
         self.arm = arm
         self.name = shipped.name
         self.features = shipped.features | recompute.features
+        # A retracted request that comes back (ProposalSource.returned) is counted once, in
+        # the shipped arms' part, whichever arm it had: neither source prepares it again.
+        self.events = shipped.events
         self._router: Any = None
 
     @property
