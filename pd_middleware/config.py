@@ -128,7 +128,8 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
     # full fp32 at that V needs 608,384, bf16 304,256 (docs/sglang.md, "Bytes").
     capacity_bytes: int = 20480
     # Seed of the prefill encoder's draw; each request's draws invert uniforms of
-    # (seed, bootstrap room, rid) alone, so every prefill TP rank writes identical bytes.
+    # (seed, bootstrap room, rid, position) alone, so every prefill TP rank writes identical
+    # bytes (the position, the request's seq_len, is new for each life of a rebootstrapped request).
     seed: int = 0
     # Multi-layer EAGLE (--enable-multi-layer-eagle): which draft KV pools SGLang's PD
     # transfer carries. "all_steps": every chain step's pool, after the target's, in step

@@ -6,6 +6,9 @@ real transport.
   and q' = the row the synthesizer hands the verifier (through the assembler).
 - Negative controls: the biased pairs of DESIGN.md section 2 come out biased when the
   guard is bypassed and exact with it on.
+- A request SGLang rebootstraps (two lives, same rid and room): the second life's token
+  has law p given the first's, exactly, because the draw's key holds its position; the
+  key without it (life 1's uniform reused) is the negative control.
 - Monte Carlo through ZMQ + Mooncake, the receive pipeline, the assembler and the
   reference chain verifier, with the TV bound at alpha = 1e-6.
 """
@@ -495,3 +498,138 @@ def test_listed_zero_under_a_floor_is_outside_the_proposal():
         Payload(request_id="x4", draft_tokens=(4,), draft_probs=(f,), vocab_size=V, provenance=prov, proposal=enc)
     )
     assert type(out).__name__ == "SparseProposal" and out.values_at((4,)) == [f]
+
+
+# ----------------------------------------------------------------------------- a rebootstrapped request's two lives
+
+#: Grid of the enumerated uniforms: every law below is a multiple of 1/8, so the inverse
+#: CDF at u = j/8 (j = 0..7, each with probability 1/8) draws X with exactly its law.
+GRID_N = 8
+PROMPT = [101, 102, 103]
+T0 = 9  # the prefill's first token, committed with life 1's X
+
+
+class GridOracle:
+    """``room_seed`` as a random function on a grid: the k-th distinct key the draws ask for
+    gets the uniform ``js[k] / GRID_N`` (through the real ``>> 10`` and 2**-53 of
+    ``request_uniforms``). Enumerating every ``js`` with weight 1/GRID_N per key is the
+    exact law of draws whose distinct keys get independent uniforms and whose equal keys
+    share one, which is what a keyed digest gives."""
+
+    def __init__(self, js):
+        self.js, self.keys = js, {}
+
+    def __call__(self, seed, room, salt="", position=None):
+        k = self.keys.setdefault((seed, room, salt, position), len(self.keys))
+        return (self.js[k] * (2**53 // GRID_N)) << 10
+
+
+REBOOT_ENCODERS = {
+    # configs/sparse_floor.toml's options (topp, fp16 values, u16 indices, floor).
+    "sparse_floor": (
+        lambda c: sparse.SparseEncoder(
+            sparse.SparseEncoderOptions(
+                mode="topp", epsilon=0.005, k_max=4000, value_dtype="fp16", index_format="u16", floor=True
+            ),
+            c,
+        ),
+        "sparse",
+    ),
+    "sparse-topk-floor": (
+        lambda c: sparse.SparseEncoder(sparse.SparseEncoderOptions(mode="topk", k=2, floor=True), c),
+        "sparse",
+    ),
+    "full-fp32": (lambda c: full.FullEncoder(full.FullEncoderOptions(dtype="fp32"), c), "full_distribution"),
+    "full-bf16": (lambda c: full.FullEncoder(full.FullEncoderOptions(dtype="bf16"), c), "full_distribution"),
+}
+H = Fraction(1, 2)
+Q4 = Fraction(1, 4)
+REBOOT_CASES = {
+    # (V, p of life 1's verify, q of life 1's draft, p and q at life 2's position)
+    "V2-flat": (2, [H, H], [H, H], [H, H], [H, H]),
+    "V3": (3, [H, Q4, Q4], [Q4, H, Q4], [Q4, Q4, H], [H, Q4, Q4]),
+}
+
+
+def two_lives(enc_name, case):
+    """Exact joint law of (Y1, Y2): life 1 draws X1 (the real publisher and encoder, the
+    draw keyed by the real code) and the verify commits Y1 from the q' the real
+    synthesizer and assembler hand it; SGLang rebootstraps the request (same rid and room,
+    the prompt plus the output so far as its new prompt, a fresh metadata row); life 2
+    draws X2 with the key the code gives it and the verify commits Y2 from its shipped q'.
+    The verify's own coin and residual draw are fresh per life (the decode's)."""
+    from types import SimpleNamespace
+
+    from pd_middleware.integrations.sglang.prefill import ProposalPublisher
+    from pd_middleware.sampling import draws
+
+    v, p1, q1, p2, q2 = case
+    make_enc, synth_name = REBOOT_ENCODERS[enc_name]
+    asm = ProposalAssembler(v, 1, max_batch=1)
+    synth = SYNTHS[synth_name](ctx(v), False)
+
+    def life(req, p, q):
+        staged = []
+        pub = ProposalPublisher(
+            make_enc(ctx(v, side="prefill")), vocab_size=v, seed=SEED, stage=lambda t, pl: staged.append(pl)
+        )
+        pub.publish([req.bootstrap_room], torch.tensor([[float(x) for x in q]]), 1.0, targets=[req])
+        (payload,) = staged
+        x = payload.draft_tokens[0]
+        q_row = fr(asm.build([synth.synthesize(payload)])[0])
+        return exact_verify_law(p, q_row, [Fraction(int(y == x)) for y in range(v)])
+
+    joint = {}
+    for j1 in range(GRID_N):
+        for j2 in range(GRID_N):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(draws, "room_seed", GridOracle((j1, j2)))
+                first = SimpleNamespace(rid="req-7", bootstrap_room=7, origin_input_ids=list(PROMPT), output_ids=[])
+                for y1, a in enumerate(life(first, p1, q1)):
+                    if a == 0:
+                        continue
+                    # The decode's output [T0, Y1, bonus]; the retract pops the boundary (bonus),
+                    # the rebootstrap's /generate carries the prompt plus [T0, Y1].
+                    second = SimpleNamespace(
+                        rid="req-7", bootstrap_room=7, origin_input_ids=[*PROMPT, T0, y1], output_ids=[]
+                    )
+                    for y2, b in enumerate(life(second, p2, q2)):
+                        joint[(y1, y2)] = joint.get((y1, y2), Fraction(0)) + Fraction(1, GRID_N**2) * a * b
+    return joint
+
+
+def conditional_laws(joint, v):
+    """{y1: the law of Y2 given Y1 = y1} over the y1 with positive probability."""
+    out = {}
+    for y1 in range(v):
+        m = sum(joint.get((y1, y2), Fraction(0)) for y2 in range(v))
+        if m:
+            out[y1] = [joint.get((y1, y2), Fraction(0)) / m for y2 in range(v)]
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(REBOOT_CASES))
+@pytest.mark.parametrize("enc_name", sorted(REBOOT_ENCODERS))
+def test_a_rebootstrapped_request_commits_p_given_its_first_life(enc_name, case, monkeypatch):
+    """Issue 40: after SGLang's retract-mode pause rebootstraps a request, the token its
+    second life commits has the target's law given everything the first life committed:
+    P(Y2 | Y1 = y1) = p2 for every y1, exactly (Fraction enumeration), and Y1 has law p1.
+
+    Negative control: the draw keyed on (seed, room, rid) alone, as before the position
+    was in the key, gives life 2 life 1's uniform; at V = 2 with q = p flat the second token
+    then copies the first with probability 1 (the target says 1/2)."""
+    from pd_middleware.integrations.sglang import prefill
+
+    v, p1, _, p2, _ = REBOOT_CASES[case]
+    joint = two_lives(enc_name, REBOOT_CASES[case])
+    assert sum(joint.values()) == 1
+    marginal = [sum(joint.get((y1, y2), Fraction(0)) for y2 in range(v)) for y1 in range(v)]
+    assert marginal == p1, f"{enc_name} {case}: life 1 {[str(x) for x in marginal]}"
+    for y1, law in conditional_laws(joint, v).items():
+        assert law == p2, f"{enc_name} {case}: Y2 | Y1 = {y1} has law {[str(x) for x in law]}, not p"
+    # Negative control: the old key (no position), under the same enumeration.
+    monkeypatch.setattr(prefill, "draw_position", lambda req: None)
+    stale = conditional_laws(two_lives(enc_name, REBOOT_CASES[case]), v)
+    assert any(law != p2 for law in stale.values()), f"{enc_name} {case}: the old key is not caught"
+    if case == "V2-flat":
+        assert all(law[y1] == 1 for y1, law in stale.items()), "the second token copies the first"

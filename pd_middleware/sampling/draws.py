@@ -3,9 +3,20 @@
 Every rank that runs a prefill batch must draw the same X for a request, whatever the
 batch around it, so a draw's randomness is a function of the request alone: one
 float64 uniform per (request, step), the top 53 bits of a keyed BLAKE2b digest of
-(``seed``, room, salt). SGLang's request id is the salt (the same on every TP rank and
-new for every request), so a client that reuses a bootstrap room does not get the same
-draw twice. Step k of a multi-step chain mixes ``":k"`` into the salt.
+(``seed``, room, salt, position). SGLang's request id is the salt (the same on every TP
+rank and new for every request), so a client that reuses a bootstrap room does not get
+the same draw twice. Step k of a multi-step chain mixes ``":k"`` into the salt.
+
+The position is the number of tokens the prefill ran for the request (its ``seq_len`` at
+the draw: the prompt, plus the output already generated when SGLang rebootstraps it),
+the same on every rank. It is what differs between a request's lives: a retract-mode
+pause (``pause_generation(mode="retract")``) sends the request back to the prefill with
+the same rid and room, and a draw keyed on those alone would reuse the uniform whose
+verify outcome the output already records, so the new X would not be drawn from its law
+given the history (V = 2, q = p flat: the new token would copy the old one). A life
+that follows a verify has a longer prefix (every verify commits a token), hence another
+position and a fresh uniform; a life that follows none draws the same X again, whose
+outcome nothing has recorded yet.
 
 A whole batch is then one encoder call with a (B, S) tensor of uniforms
 (``encode(..., uniforms=u)``, :func:`encode_requests`): no generator object per request,
@@ -33,9 +44,15 @@ from ..core._errors import ValidationError
 _UNIT = 2.0**-53
 
 
-def room_seed(seed: int, room: Any, salt: str = "") -> int:
-    """A 63-bit digest of (``seed``, room, ``salt``), equal on every rank."""
-    raw = f"{int(seed)}:{room}:{salt}".encode()
+def room_seed(seed: int, room: Any, salt: str = "", position: int | None = None) -> int:
+    """A 63-bit digest of (``seed``, room, ``salt``, ``position``), equal on every rank.
+
+    ``position`` None (a caller that knows none) leaves it out of the key; an int is
+    appended after ``@``, which no position contains, so (salt, position) pairs never
+    collide with each other.
+    """
+    key = f"{int(seed)}:{room}:{salt}" if position is None else f"{int(seed)}:{room}:{salt}@{int(position)}"
+    raw = key.encode()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8, person=b"pd-mw-draw").digest(), "little") >> 1
 
 
@@ -45,17 +62,32 @@ def step_salt(salt: str, step: int, steps: int) -> str:
 
 
 def request_uniforms(
-    seed: int, rooms: Sequence[Any], salts: Sequence[str] | None = None, steps: int = 1
+    seed: int,
+    rooms: Sequence[Any],
+    salts: Sequence[str] | None = None,
+    steps: int = 1,
+    positions: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
-    """float64 (B, ``steps``) uniforms in [0, 1): row i, column k from (``seed``, rooms[i], salt of step k).
+    """float64 (B, ``steps``) uniforms in [0, 1): row i, column k from
+    (``seed``, rooms[i], salt of step k, positions[i]).
 
-    ``salts``: one string per request (SGLang's rid), or None for "". Each value is a
-    multiple of 2**-53, so it is exact in float64 on any device.
+    ``salts``: one string per request (SGLang's rid), or None for "". ``positions``: one
+    per request (the prefill's ``seq_len`` at the draw; None: left out of the key), or
+    None for none. Each value is a multiple of 2**-53, so it is exact in float64 on any
+    device.
     """
     if salts is not None and len(salts) != len(rooms):
         raise ValueError(f"{len(salts)} salts for {len(rooms)} rooms")
+    if positions is not None and len(positions) != len(rooms):
+        raise ValueError(f"{len(positions)} positions for {len(rooms)} rooms")
     bits = [
-        room_seed(seed, room, step_salt(salts[i] if salts is not None else "", k, steps)) >> 10
+        room_seed(
+            seed,
+            room,
+            step_salt(salts[i] if salts is not None else "", k, steps),
+            positions[i] if positions is not None else None,
+        )
+        >> 10
         for i, room in enumerate(rooms)
         for k in range(steps)
     ]
@@ -83,11 +115,13 @@ def encode_requests(
     salts: Sequence[str] | None,
     *,
     batched: bool = True,
+    positions: Sequence[int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
     """``encoder``'s draws for B requests: (X int64 (B, S), q'(X) (B, S), B proposals, B provenances).
 
     ``probs``: (B, V) or (B, S, V), any device; ``temps``: B temperatures; ``salts``: B
-    per-request strings (SGLang's rid) or None. ``batched``: one encoder call per
+    per-request strings (SGLang's rid) or None; ``positions``: B draw positions (the
+    prefill's ``seq_len`` per request) or None, mixed into the key. ``batched``: one encoder call per
     distinct temperature, where ``probs`` lives, at :func:`request_uniforms`; X and q'(X)
     stay where the encoder left them. Else (an encoder without ``uniforms``) one call per
     request on a host copy, with a generator seeded from :func:`room_seed`.
@@ -100,7 +134,12 @@ def encode_requests(
                 host[i : i + 1],
                 temperature=temps[i],
                 generator=torch.Generator().manual_seed(
-                    room_seed(seed, rooms[i], salts[i] if salts is not None else "")
+                    room_seed(
+                        seed,
+                        rooms[i],
+                        salts[i] if salts is not None else "",
+                        positions[i] if positions is not None else None,
+                    )
                 ),
             )
             for i in range(b)
@@ -112,7 +151,7 @@ def encode_requests(
             [e.provenance for e in encs],
         )
     steps = probs.shape[1] if probs.dim() == 3 else 1
-    u = request_uniforms(seed, rooms, salts, steps).to(probs.device)
+    u = request_uniforms(seed, rooms, salts, steps, positions).to(probs.device)
     groups: dict[float, list[int]] = {}
     for i, t in enumerate(temps):
         groups.setdefault(float(t), []).append(i)

@@ -12,13 +12,14 @@ The two patches (feature ``chain`` of the table, declared at the end of this mod
 applied when a prefill starts with S > 1):
 
 - the AROUND wrapper of ``_draft_extend_for_prefill`` puts a :class:`ChainDraw` for the
-  batch in scope (:func:`chain_for`: its requests' bootstrap rooms, temperatures and
-  rids), and leaves the finished S-step payloads on the returned draft input
+  batch in scope (:func:`chain_for`: its requests' bootstrap rooms, temperatures, rids
+  and draw positions), and leaves the finished S-step payloads on the returned draft input
   (``next_draft_input.pd_middleware_payloads``: one per batch row, or None);
 - the REPLACE of ``sample_draft_proposal`` calls SGLang's function for q_k, then
   :func:`draw_step` encodes the batch's q_k with the configured encoder, in one call
-  where q_k lives, each row from its uniform of (seed, room, rid:k)
-  (:mod:`pd_middleware.sampling.draws`), and returns SGLang's q_k with the encoder's q'_k(X_k)
+  where q_k lives, each row from its uniform of (seed, room, rid:k, position)
+  (:mod:`pd_middleware.sampling.draws`; the position, the request's ``seq_len``, keeps a
+  rebootstrapped request's steps off its earlier life's uniforms), and returns SGLang's q_k with the encoder's q'_k(X_k)
   and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's. X_k stays on
   the device: our code reads nothing back until the loop ends, so the chain syncs the
   device only where the encoder must read its rows to pack them (``sparse``, ``full``).
@@ -41,7 +42,7 @@ import torch
 from ...core.payload import DenseEncoding, Payload, SparseEncoding
 from .common import Scope, room_key
 from .patching import MULTI_LAYER_MODULE, Feature, Hook, Target, register_feature
-from .prefill import PAYLOADS_ATTR
+from .prefill import PAYLOADS_ATTR, draw_position
 
 #: The batch whose chain the prefill is drafting (set by the extend wrapper).
 CHAIN: Scope[ChainDraw] = Scope("pd_middleware_sglang_chain")
@@ -56,6 +57,9 @@ class ChainDraw:
     temperatures: list[float]
     # Per-row SGLang request ids, mixed into each draw's uniforms (pd_middleware.sampling.draws).
     salts: list[str] = field(default_factory=list)
+    # Per-row draw positions (prefill.draw_position: the request's seq_len), mixed in too,
+    # so a rebootstrapped request (same rid and room) never redraws with an earlier life's uniform.
+    positions: list[int | None] = field(default_factory=list)
     steps: list[tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]] = field(default_factory=list)
     # A step failed or was SGLang's own: the chain is no longer the encoder's throughout.
     broken: bool = False
@@ -73,7 +77,10 @@ class ChainDraw:
             self.broken = True
             return None
         salts = [f"{self.salts[i] if i < len(self.salts) else ''}:{step}" for i in range(b)]
-        x, p, proposals, provenances = self.publisher.encode_rows(self.rooms, probs.detach(), self.temperatures, salts)
+        positions = [self.positions[i] if i < len(self.positions) else None for i in range(b)]
+        x, p, proposals, provenances = self.publisher.encode_rows(
+            self.rooms, probs.detach(), self.temperatures, salts, positions
+        )
         x, p = x.reshape(b), p.reshape(b).clamp(0.0, 1.0)
         self.steps.append((x, p, proposals, provenances))
         return p.view(b, 1), x.view(b, 1)
@@ -130,7 +137,7 @@ def join_steps(encodings: list[Any]) -> Any:
 
 
 def chain_for(publisher: Any, batch: Any) -> ChainDraw:
-    """A chain draw for ``batch`` through ``publisher``: its rooms, temperatures and rids."""
+    """A chain draw for ``batch`` through ``publisher``: its rooms, temperatures, rids and draw positions."""
     temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
     n = len(batch.reqs)
     tl = temps.detach().to("cpu", torch.float64).reshape(-1).tolist() if isinstance(temps, torch.Tensor) else [1.0] * n
@@ -139,6 +146,7 @@ def chain_for(publisher: Any, batch: Any) -> ChainDraw:
         [getattr(r, "bootstrap_room", None) for r in batch.reqs],
         (tl * n)[:n] if len(tl) == 1 else tl,
         [str(getattr(r, "rid", "")) for r in batch.reqs],
+        [draw_position(r) for r in batch.reqs],
     )
 
 

@@ -155,20 +155,24 @@ class Installation:
         """The integration's own counters by part: the source's, and the guard's."""
         return {**self.source.parts(), "guard": self.events.snapshot()}
 
-    def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0) -> Any:
+    def stage_requests(self, reqs: Any, draft_probs: Any, temperature: Any = 1.0, positions: Any = None) -> Any:
         """Prefill, without a scheduler (a harness): what the prefill wrapper does for ``reqs``.
 
         ``reqs``: SGLang Reqs (``bootstrap_room`` set); ``draft_probs``: float (B, V)
-        after temperature. Encodes each request from its (seed, room, rid) uniforms,
-        stages its row for ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index``
-        / ``output_topk_p`` to the encoder's X and q'(X), as SGLang's
-        ``process_batch_result_disagg_prefill`` would after the wrapper. Returns the
-        :class:`~pd_middleware.core.contracts.EncodedBatch`.
+        after temperature; ``positions``: B draw positions, default each Req's
+        ``len(origin_input_ids) + len(output_ids)`` (:func:`~.prefill.draw_position`: a
+        rebootstrapped request's longer prefix gives it a fresh uniform). Encodes each
+        request from its (seed, room, rid, position) uniforms, stages its row for
+        ``MetadataBuffers.set_buf`` and sets ``req.output_topk_index`` / ``output_topk_p`` to
+        the encoder's X and q'(X), as SGLang's ``process_batch_result_disagg_prefill`` would
+        after the wrapper. Returns the :class:`~pd_middleware.core.contracts.EncodedBatch`.
         """
         if self.publisher is None:
             raise ConfigError("stage_requests needs an activated prefill (EngineFacts(role='prefill'))")
         reqs = list(reqs)
-        enc = self.publisher.publish([r.bootstrap_room for r in reqs], draft_probs, temperature, targets=reqs)
+        enc = self.publisher.publish(
+            [r.bootstrap_room for r in reqs], draft_probs, temperature, targets=reqs, positions=positions
+        )
         for i, r in enumerate(reqs):
             r.output_topk_index = enc.tokens[i].clone()
             r.output_topk_p = enc.token_probs[i].clone()

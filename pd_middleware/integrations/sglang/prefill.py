@@ -11,9 +11,11 @@ string). Where the payload goes is the publisher's ``sink``:
   request's proposal row (:mod:`.metadata`);
 - the side channel: sent through a :class:`~pd_middleware.transport.PrefillSender`.
 
-**Each request's draws are a function of (``seed``, room, rid) alone**
+**Each request's draws are a function of (``seed``, room, rid, position) alone**
 (:func:`~pd_middleware.sampling.draws.request_uniforms`: counter-based uniforms, not one
-per-process generator), so every prefill TP rank that writes a request's row (several
+per-process generator; the position is the request's ``seq_len`` at the draw,
+:func:`draw_position`, which a rebootstrap after SGLang's retract-mode pause changes, so
+a request's lives never share a uniform), so every prefill TP rank that writes a request's row (several
 do under MHA TP) draws the same X, given identical draft distributions, whatever the
 batch around it. The batch is encoded in one call where the draft rows live; nothing
 V-wide reaches the host unless the encoder ships V-wide rows (``full``). That is not
@@ -74,7 +76,8 @@ class ProposalPublisher:
     returning one (connected lazily on first publish, so a prefill may start before its
     decode), or None with ``stage`` given; ``stage(req_or_room, payload)``: the
     metadata channel's sink (the wrapper passes SGLang's Req); ``vocab_size``: V;
-    ``seed``: mixed with each request's room and rid into its uniforms (:mod:`pd_middleware.sampling.draws`).
+    ``seed``: mixed with each request's room, rid and position into its uniforms
+    (:mod:`pd_middleware.sampling.draws`).
     """
 
     def __init__(
@@ -213,13 +216,17 @@ class ProposalPublisher:
         draft_probs: torch.Tensor,
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
         salts: Sequence[str] | None = None,
+        positions: Sequence[int | None] | None = None,
     ) -> tuple[EncodedBatch, list[Payload]]:
-        """Encode one batch; each request's draws come from (seed, room, salt) alone (salt: SGLang's rid).
+        """Encode one batch; each request's draws come from (seed, room, salt, position) alone
+        (salt: SGLang's rid; position: its ``seq_len`` at the draw).
 
         ``rooms``: B bootstrap rooms (ints) or request ids; ``draft_probs``: float
         (B, V) or (B, S, V) draft probabilities after temperature, any device;
         ``temperature``: one value or B values (recorded in each provenance);
-        ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``).
+        ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``);
+        ``positions``: B draw positions (:func:`draw_position`; None, or a None entry:
+        left out of the key), so a rebootstrapped request draws from a fresh uniform.
 
         The encoder runs where ``draft_probs`` lives, once per distinct temperature, with
         the batch's uniforms (:func:`~pd_middleware.sampling.draws.request_uniforms`); nothing
@@ -234,8 +241,10 @@ class ProposalPublisher:
             raise ValueError(f"{len(rooms)} rooms for {b} rows of draft_probs")
         if salts is not None and len(salts) != b:
             raise ValueError(f"{len(salts)} salts for {b} rows of draft_probs")
+        if positions is not None and len(positions) != b:
+            raise ValueError(f"{len(positions)} positions for {b} rows of draft_probs")
         temps = _temperatures(temperature, b)
-        tokens, token_probs, proposals, provenances = self.encode_rows(rooms, probs, temps, salts)
+        tokens, token_probs, proposals, provenances = self.encode_rows(rooms, probs, temps, salts, positions)
         # One host copy of X and q'(X) for the whole batch (X < 2**53 is exact in float64).
         steps = tokens.shape[1]
         both = torch.cat([tokens.double(), token_probs.double()], 1).cpu()
@@ -269,12 +278,19 @@ class ProposalPublisher:
         return self._uniform_check[1]
 
     def encode_rows(
-        self, rooms: Sequence[Any], probs: torch.Tensor, temps: Sequence[float], salts: Sequence[str] | None
+        self,
+        rooms: Sequence[Any],
+        probs: torch.Tensor,
+        temps: Sequence[float],
+        salts: Sequence[str] | None,
+        positions: Sequence[int | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
         """The encoder's draws for B rows (:func:`~pd_middleware.sampling.draws.encode_requests`):
         X and q'(X) stay where the encoder left them, so the multi-layer chain feeds X to
         the next step without a host copy."""
-        return encode_requests(self.encoder, self.seed, rooms, probs, temps, salts, batched=self._takes_uniforms())
+        return encode_requests(
+            self.encoder, self.seed, rooms, probs, temps, salts, batched=self._takes_uniforms(), positions=positions
+        )
 
     def deliver(self, targets: Sequence[Any], payloads: Sequence[Payload]) -> None:
         """Hand already-encoded payloads to the sink (``targets``: what ``stage`` receives)."""
@@ -308,15 +324,19 @@ class ProposalPublisher:
         draft_probs: torch.Tensor,
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
         targets: Sequence[Any] | None = None,
+        positions: Sequence[int | None] | None = None,
     ) -> EncodedBatch:
         """Encode one batch (:meth:`encode`) and hand each payload to the sink; returns the batch.
 
         ``targets``: what ``stage`` receives per request (SGLang's Reqs; default the
-        rooms). A request whose send fails is counted (``send_failed:<error>``) and
+        rooms); each Req's rid and position key its draws (``positions``, default
+        :func:`draw_position` of each target). A request whose send fails is counted (``send_failed:<error>``) and
         logged once per error; the decode then falls back to one-hot for it.
         """
         salts = [str(getattr(t, "rid", "")) for t in targets] if targets is not None else None
-        enc, payloads = self.encode(rooms, draft_probs, temperature, salts)
+        if positions is None and targets is not None:
+            positions = [draw_position(t) for t in targets]
+        enc, payloads = self.encode(rooms, draft_probs, temperature, salts, positions)
         self.deliver(targets if targets is not None else rooms, payloads)
         return enc
 
@@ -333,6 +353,21 @@ def _temperatures(temperature: Any, b: int) -> list[float]:
     if len(vals) != b:
         raise ValueError(f"{len(vals)} temperatures for {b} requests")
     return vals
+
+
+def draw_position(req: Any) -> int | None:
+    """The position a request's draw is keyed on: its ``seq_len`` at the draw, the tokens the
+    prefill ran (``len(origin_input_ids) + len(output_ids)``; None for a target that is no
+    Req, which then keys on (seed, room, rid) alone).
+
+    The same on every rank (each holds the same Req), and it is what differs between a
+    request's lives: SGLang's rebootstrap after a retract-mode pause sends the prompt plus
+    the output so far as the new prompt, with the same rid and room.
+    """
+    ids = getattr(req, "origin_input_ids", None)
+    if ids is None:
+        return None
+    return len(ids) + len(getattr(req, "output_ids", None) or ())
 
 
 def _finishing(req: Any) -> bool:
@@ -371,7 +406,9 @@ def _encode_rows(
     temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
     temperature: Any = temps.reshape(-1)[rows] if isinstance(temps, torch.Tensor) else 1.0
     salts = [str(getattr(r, "rid", "")) for r in reqs]
-    enc, payloads = publisher.encode([r.bootstrap_room for r in reqs], q2, temperature, salts)
+    enc, payloads = publisher.encode(
+        [r.bootstrap_room for r in reqs], q2, temperature, salts, [draw_position(r) for r in reqs]
+    )
     return enc.tokens.to(torch.int64), enc.token_probs, list(payloads)
 
 
@@ -400,7 +437,7 @@ def publish_batch(publisher: ProposalPublisher, batch: Any, result: Any, *, grou
 
     1. waits for ``copy_done``, clears what an earlier batch staged on these requests,
        reads SGLang's own X and encodes the finishing requests (each request's draws from
-       (seed, room, rid) alone); **any failure here is this rank's "not ok" vote**;
+       (seed, room, rid, position) alone); **any failure here is this rank's "not ok" vote**;
     2. takes part in the one agreement all-reduce (:func:`~.agreement.agree`) of
        [encoded OK, X] per request;
     3. a request whose ranks all encoded, and all drew the same X, gets it: ``topk_index``
