@@ -2,13 +2,15 @@
 
 ``ProposalPublisher.encode`` and the multi-layer chain (:mod:`pd_middleware.integrations.
 sglang.chain`) run the encoder once per batch where the draft rows live, each row drawn at
-its uniform of (seed, room, rid). These tests check, on CPU tensors (no GPU here; the
+its uniform of (seed, room, rid, position). These tests check, on CPU tensors (no GPU here; the
 host-copy check counts the transfer *calls*, which are the same code on any device):
 
 - the uniforms are uniform (DKW bound) and a request's X does not depend on its batch;
 - the uniforms of one request's chain steps are pairwise independent (a grid chi-square
   of the pairs and (u_j - u_i) mod 1, family-wise false-positive bound 1e-6), and they are
   what the multi-layer chain hands its encoder;
+- the position (the prefill's seq_len) is in the key: a request that SGLang rebootstraps
+  draws its next life, every step, from uniforms independent of its first life's;
 - X is drawn from the very law that is sent (chi-square, false-positive bound 1e-6);
 - nothing V-wide is read back to the host unless the encoder ships V-wide rows.
 Each has a negative control that makes it fail.
@@ -179,6 +181,70 @@ def test_the_chain_draws_step_k_at_column_k_of_the_request_uniforms():
             assert sglang_chain.draw_step(k, draft(b, seed=SEED + k), topk_p, topk_index) is not None
     want = request_uniforms(SEED, [100 + i for i in range(b)], [f"r{i}" for i in range(b)], steps=3)
     assert torch.equal(torch.cat([s.reshape(b, 1) for s in seen], 1), want)
+
+
+def test_the_position_is_in_the_key_of_every_step_and_of_the_chain():
+    """Issue 40: the draw's position (the prefill's seq_len) is in the key, so a request's
+    next life (same seed, room and rid, a longer prefix) draws from other uniforms, at
+    every step; the key keeps its properties: reproducible, per row whatever the batch,
+    distinct across steps. The chain hands its encoder the same columns, with each Req's
+    ``len(origin_input_ids) + len(output_ids)`` as its position."""
+    rooms, rids = [1, 2, 3], ["a", "b", "c"]
+    u = request_uniforms(SEED, rooms, rids, steps=3, positions=[10, 10, 12])
+    assert torch.equal(u, request_uniforms(SEED, rooms, rids, steps=3, positions=[10, 10, 12]))
+    assert torch.equal(request_uniforms(SEED, [3], ["c"], steps=3, positions=[12])[0], u[2])
+    later = request_uniforms(SEED, rooms, rids, steps=3, positions=[11, 13, 13])
+    assert bool((later != u).all()), "another position: every step of every row draws again"
+    assert bool((u != request_uniforms(SEED, rooms, rids, steps=3)).all()), "a position is not the old key"
+    assert all(len(set(row)) == 3 for row in u.tolist()), "steps stay distinct"
+    assert float(u[0, 0]) == (room_seed(SEED, 1, "a:0", 10) >> 10) * 2.0**-53
+    with pytest.raises(ValueError, match="2 positions for 3 rooms"):
+        request_uniforms(SEED, rooms, rids, positions=[1, 2])
+    # The chain, on Reqs whose prompt and output give positions 5 + i.
+    seen = []
+
+    class Recording(TrustingArgmax):
+        def encode(self, probs, *, temperature=1.0, generator=None, uniforms=None):
+            seen.append(uniforms.clone())
+            return super().encode(probs, temperature=temperature)
+
+    b = 4
+    pub = ProposalPublisher(Recording(None, ctx()), vocab_size=V, seed=SEED, stage=lambda t, p: None)
+    reqs = [
+        SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}", origin_input_ids=[7] * (4 + i), output_ids=[8])
+        for i in range(b)
+    ]
+    chain = sglang_chain.chain_for(pub, SimpleNamespace(reqs=reqs, sampling_info=None))
+    topk_p, topk_index = torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.int64)
+    with sglang_chain.CHAIN.enter(chain):
+        for k in range(3):
+            assert sglang_chain.draw_step(k, draft(b, seed=SEED + k), topk_p, topk_index) is not None
+    want = request_uniforms(
+        SEED, [100 + i for i in range(b)], [f"r{i}" for i in range(b)], steps=3, positions=[5 + i for i in range(b)]
+    )
+    assert torch.equal(torch.cat([s.reshape(b, 1) for s in seen], 1), want)
+
+
+def test_a_rebootstrapped_requests_uniforms_are_independent_of_its_first_lifes():
+    """40,000 requests, each drawn at its prompt's length and again after a rebootstrap
+    (same seed, room and rid; a prefix longer by 1 to 3 tokens), steps 0 and 1: every pair
+    of (life, step) columns passes the grid chi-square and the (u_j - u_i) mod 1 DKW band,
+    family-wise false-positive bound 1e-6 (seed shown on failure). Negative control: the
+    key without the position fails both checks of every cross-life pair of one step."""
+    n = N_PAIRS
+    rooms, rids = [1000 + i for i in range(n)], [f"rid-{i}" for i in range(n)]
+    first = [17 + i % 50 for i in range(n)]
+    second = [f + 1 + i % 3 for i, f in enumerate(first)]
+    u = torch.cat(
+        [
+            request_uniforms(SEED, rooms, rids, steps=2, positions=first),
+            request_uniforms(SEED, rooms, rids, steps=2, positions=second),
+        ],
+        1,
+    )
+    assert independence_failures(u) == [], f"seed {SEED}"
+    old = torch.cat([request_uniforms(SEED, rooms, rids, steps=2)] * 2, 1)
+    assert len(independence_failures(old)) == 4, "steps (0, 0) and (1, 1) across lives: 2 checks each"
 
 
 def test_independence_check_detects_a_step_that_reuses_or_shifts_step_0():
