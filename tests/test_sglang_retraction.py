@@ -10,6 +10,11 @@ build saw is still there) and serves it the one-hot at its X, counted once ``ret
 recompute does not redraw X from a hidden state of another position, and a shipped
 proposal (consumed at the first build) is not looked for again.
 
+SGLang's retract-mode pause (``pause_generation(mode="retract")``, the RL weight-sync loop)
+instead sends every running request back to the prefill (a rebootstrap: same rid and room,
+the prompt plus the output so far); the last tests check that its new life draws X from
+uniforms its first life never used (issue 40), single step and multi-layer chain.
+
 Real: SGLang's ``Req`` (its constructor and ``reset_for_retract``), its
 ``DecodePreallocQueue.resume_retracted_reqs``, and the builder
 ``build_eagle_disagg_draft_input``. Stand-ins, said where used: the prealloc queue is a
@@ -206,3 +211,268 @@ def test_a_live_ab_with_a_recompute_arm_counts_a_returning_request_once() -> Non
     armed = ArmedSource(shipped, rc, "recompute")  # type: ignore[arg-type]
     armed.returned(2)
     assert decode.counts["retracted"] == 2 and recompute.counts["retracted"] == 0
+
+
+# ---------------------------------------------------------------- a rebootstrap draws afresh (issue 40)
+#
+# Real: SGLang's Req (constructor, finished, reset_for_retract, build_rebootstrap_payload),
+# Scheduler.pause_generation(mode="retract") and continue_generation, the prealloc queue's
+# hold_rebootstrap / enqueue_held_rebootstrap / _submit_prefill_recompute, and the drop-in's
+# prefill path (the wrapper of process_batch_result_disagg_prefill, the chain's draw step).
+# Stand-ins, said where used: the scheduler and the prealloc queue are namespaces with the
+# attributes those methods read; retract_all's KV release is skipped (it only frees pools)
+# and ends, as SGLang's release_req does, in req.reset_for_retract(); the queue's add
+# (which opens a KV receiver) records the request; the kv manager's HTTP POST of the
+# rebootstrap /generate records its payload, and the prefill's Req is built from it as
+# the prefill's scheduler does from a /generate (rid, input_ids, sampling params, room).
+
+N_LIVES = 2000
+PROMPT_LEN = 6
+RL_V = 64
+
+
+def sparse_floor_config(steps=1):
+    """configs/sparse_floor.toml (in-band), at this test's vocabulary and chain length."""
+    import tomllib
+    from pathlib import Path
+
+    data = tomllib.loads((Path(__file__).resolve().parents[1] / "configs" / "sparse_floor.toml").read_text())
+    data["model"] = {"vocab_size": RL_V, "num_steps": steps}
+    data["sglang"] = {"capacity_bytes": 16384, "seed": 5}
+    return parse_config(data)
+
+
+def prefill_reqs(sg, generates):
+    """The prefill's Reqs for /generate bodies (what its scheduler builds from each)."""
+    out = []
+    for g in generates:
+        req = sg.sb.Req(
+            g["rid"],
+            "",
+            list(g["input_ids"]),
+            sg.sp.SamplingParams(**{k: v for k, v in g["sampling_params"].items() if k != "max_new_tokens"}),
+            bootstrap_host=g["bootstrap_host"],
+            bootstrap_port=g["bootstrap_port"],
+            bootstrap_room=g["bootstrap_room"],
+        )
+        out.append(req)
+    return out
+
+
+def first_generates(n):
+    return [
+        {
+            "rid": f"rl-{i}",
+            "input_ids": [3 + (i + j) % 50 for j in range(PROMPT_LEN + i % 5)],
+            "sampling_params": {"temperature": 1.0},
+            "bootstrap_host": "10.0.0.2",
+            "bootstrap_port": 8998,
+            "bootstrap_room": 7000 + i,
+        }
+        for i in range(n)
+    ]
+
+
+def decode_lives(sg, generates, xs, bonus):
+    """The decode's Reqs for ``generates`` after their first life: the commit's first token
+    (9), then a verify step that committed Y1 = X1 (accepted: q = p) and a bonus token."""
+    out = []
+    for g, x, b in zip(generates, xs, bonus):
+        req = sg.sb.Req(
+            g["rid"],
+            "",
+            list(g["input_ids"]),
+            sg.sp.SamplingParams(max_new_tokens=64, temperature=1.0),
+            bootstrap_host=g["bootstrap_host"],
+            bootstrap_port=g["bootstrap_port"],
+            bootstrap_room=g["bootstrap_room"],
+        )
+        req.output_ids.extend([9, x, b])
+        out.append(req)
+    return out
+
+
+def pause_and_resume(sg, running):
+    """SGLang's pause_generation(mode="retract") then continue_generation on a decode whose
+    running batch is ``running``; returns the /generate bodies its rebootstraps send."""
+    import types
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers import scheduler as sched
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+    added, posted = [], []
+    queue = SimpleNamespace(
+        held_rebootstrap_reqs=[],
+        add=lambda req, is_rebootstrap=False: added.append((req, is_rebootstrap)),
+        kv_manager=SimpleNamespace(submit_prefill_recompute=lambda receiver, payload: posted.append(payload)),
+    )
+    for name in ("hold_rebootstrap", "enqueue_held_rebootstrap", "_submit_prefill_recompute"):
+        setattr(queue, name, types.MethodType(getattr(sg.decode.DecodePreallocQueue, name), queue))
+    scheduler = SimpleNamespace(
+        _engine_paused=False,
+        enable_overlap=False,
+        enable_overlap_mlx=False,
+        _pause_started_at=None,
+        _pause_intervals=[],
+        running_batch=SimpleNamespace(reqs=list(running), batch_is_full=True),
+        last_batch=None,
+        cur_batch_for_debug=None,
+        chunked_req=None,
+        disaggregation_mode=DisaggregationMode.DECODE,
+        waiting_queue=[],
+        decode_offload_manager=None,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+        tree_cache=None,
+        hisparse_coordinator=None,
+        disagg_decode_prealloc_queue=queue,
+        metrics_reporter=SimpleNamespace(last_gen_throughput=1.0, current_scheduler_metrics_enabled=False),
+        kv_events_publisher=SimpleNamespace(publish_kv_events=lambda: None),
+    )
+
+    def release(*, reqs, **kw):  # retract_all without the pools: release_req ends with this
+        for r in reqs:
+            r.reset_for_retract()
+
+    with patch.object(sched, "retract_all", release):
+        sched.Scheduler.pause_generation(scheduler, PauseGenerationReqInput(mode="retract"))
+        assert scheduler.running_batch.reqs == [] and queue.held_rebootstrap_reqs == list(running)
+        sched.Scheduler.continue_generation(scheduler, ContinueGenerationReqInput(torch_empty_cache=False))
+    assert [r for r, again in added if again] == list(running) and not scheduler._engine_paused
+    for req, _ in added:  # the early-allocation policy's /generate, right after send_metadata
+        sg.decode.DecodePreallocQueue._submit_prefill_recompute(queue, SimpleNamespace(req=req, kv_receiver=None))
+    return posted
+
+
+def recorded(inst):
+    """Record the uniforms each encoder call of ``inst``'s prefill is handed."""
+    enc = inst.publisher.encoder
+    real, seen = enc.encode, []
+
+    def encode(probs, *, temperature=1.0, generator=None, uniforms=None):
+        seen.append(uniforms.clone())
+        return real(probs, temperature=temperature, uniforms=uniforms)
+
+    enc.encode = encode
+    return seen
+
+
+def prefill_single(inst, reqs, q):
+    """One prefill batch of ``reqs`` through the drop-in's wrapper (SGLang's draw replaced by
+    the encoder's); returns each request's X."""
+    from pd_middleware.integrations.sglang.prefill import wrap_prefill_result
+
+    b = len(reqs)
+    di = SimpleNamespace(
+        topk_index=torch.zeros((b, 1), dtype=torch.int64), topk_p=torch.full((b, 1), 0.5), draft_probs=q
+    )
+    batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1))))
+
+    def sglang_copies(self, batch, result):  # what process_batch_result_disagg_prefill copies
+        for i, r in enumerate(batch.reqs):
+            r.output_topk_index = result.next_draft_input.topk_index[i]
+
+    wrap_prefill_result(sglang_copies, inst)(None, batch, SimpleNamespace(next_draft_input=di))
+    assert inst.publisher.counts["staged"] == b, dict(inst.publisher.counts)
+    inst.publisher.counts.clear()
+    return [int(r.output_topk_index[0]) for r in reqs]
+
+
+def match_bound(law, n, alpha=1e-6):
+    """Largest count of X2 == X1 over n independent pairs (each with probability
+    sum_x law(x)^2) that Hoeffding's bound lets pass: P(count > bound) <= alpha."""
+    import math
+
+    pi = float((law.double() ** 2).sum())
+    return n * (pi + math.sqrt(math.log(1 / alpha) / (2 * n)))
+
+
+def test_a_rebootstrapped_request_draws_its_x_from_a_fresh_uniform(sg) -> None:
+    """Issue 40, single step, configs/sparse_floor.toml in-band: 2,000 requests' first lives
+    draw X1 at the prefill; the decode commits Y1 = X1 (q = p flat: always accepted) and a
+    bonus; SGLang's real retract-mode pause retracts every running request and its resume
+    sends each back to the prefill (same rid and room, the prompt plus the output so far).
+    Each second life is drawn from another uniform than its first life's, and X2 == X1 no
+    more often than independence allows (q flat: probability sum s(x)^2 = 1/64 each;
+    Hoeffding, false-positive bound 1e-6, fixed seeds). On the key without the position,
+    every X2 equals X1 (negative control)."""
+    from pd_middleware.integrations.sglang import prefill as sglang_prefill
+
+    def run():
+        S.uninstall()
+        inst = S.install(sparse_floor_config(), S.InstallOptions(channel="metadata", facts=prefill_facts(1)))
+        seen = recorded(inst)
+        q = torch.full((N_LIVES, RL_V), 1.0 / RL_V)
+        gens = first_generates(N_LIVES)
+        x1 = prefill_single(inst, prefill_reqs(sg, gens), q)
+        bonus = torch.randint(0, RL_V, (N_LIVES,), generator=torch.Generator().manual_seed(11)).tolist()
+        again = pause_and_resume(sg, decode_lives(sg, gens, x1, bonus))
+        assert [(g["rid"], g["bootstrap_room"]) for g in again] == [(g["rid"], g["bootstrap_room"]) for g in gens]
+        assert [len(g["input_ids"]) for g in again] == [len(g["input_ids"]) + 2 for g in gens]
+        x2 = prefill_single(inst, prefill_reqs(sg, again), q)
+        return seen, x1, x2
+
+    seen, x1, x2 = run()
+    u1, u2 = seen  # one encoder call per prefill batch (one temperature)
+    assert bool((u1 != u2).all()), "a second life reused its first life's uniform"
+    law = torch.full((RL_V,), 1.0 / RL_V)  # sparse_floor lists every token of a flat q
+    matches = sum(a == b for a, b in zip(x1, x2))
+    assert matches <= match_bound(law, N_LIVES), f"{matches} of {N_LIVES} second lives copied X1"
+    # Negative control: the old key (seed, room, rid) alone.
+    with patch.object(sglang_prefill, "draw_position", lambda req: None):
+        seen, x1, x2 = run()
+    assert torch.equal(seen[0], seen[1]) and x1 == x2
+
+
+def prefill_facts(steps):
+    return S.EngineFacts(
+        role="prefill", vocab_size=RL_V, num_steps=steps, algorithm="EAGLE", topk=1, rejection_sampling=True
+    )
+
+
+def test_a_rebootstrapped_requests_chain_draws_every_step_from_fresh_uniforms(sg) -> None:
+    """Issue 40, a 3-step multi-layer chain (configs/sparse_floor.toml in-band, the chain's
+    draw step, :mod:`pd_middleware.integrations.sglang.chain`): after SGLang's real
+    retract-mode pause and resume, every step k of each second life is drawn from another
+    uniform than step k of its first life (and the steps stay distinct), and X2_k == X1_k
+    no more often than independence allows, per step (Hoeffding, Bonferroni over the 3
+    steps: family-wise false-positive bound 1e-6). Negative control: the old key repeats
+    every step."""
+    from pd_middleware.integrations.sglang import chain as sglang_chain
+
+    steps = 3
+
+    def chain(inst, reqs):
+        b = len(reqs)
+        batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones((b, 1))))
+        draw = sglang_chain.chain_for(inst.publisher, batch)
+        q = torch.full((b, RL_V), 1.0 / RL_V)
+        zp, zi = torch.zeros(b, 1), torch.zeros(b, 1, dtype=torch.int64)
+        with sglang_chain.CHAIN.enter(draw):
+            for k in range(steps):  # what SGLang's sample_draft_proposal does at each step
+                assert sglang_chain.draw_step(k, q, zp, zi) is not None
+        return [list(p.draft_tokens) for p in draw.payloads()]
+
+    def run():
+        S.uninstall()
+        inst = S.install(sparse_floor_config(steps), S.InstallOptions(channel="metadata", facts=prefill_facts(steps)))
+        seen = recorded(inst)
+        gens = first_generates(N_LIVES)
+        x1 = chain(inst, prefill_reqs(sg, gens))
+        bonus = torch.randint(0, RL_V, (N_LIVES,), generator=torch.Generator().manual_seed(12)).tolist()
+        again = pause_and_resume(sg, decode_lives(sg, gens, [x[0] for x in x1], bonus))
+        x2 = chain(inst, prefill_reqs(sg, again))
+        return torch.cat([s.reshape(N_LIVES, 1) for s in seen], 1), x1, x2
+
+    u, x1, x2 = run()
+    first, second = u[:, :steps], u[:, steps:]
+    assert bool((first != second).all()), "a step of a second life reused its first life's uniform"
+    assert all(len(set(row)) == 2 * steps for row in u.tolist()), "every (life, step) has its own uniform"
+    law = torch.full((RL_V,), 1.0 / RL_V)
+    for k in range(steps):
+        matches = sum(a[k] == b[k] for a, b in zip(x1, x2))
+        assert matches <= match_bound(law, N_LIVES, 1e-6 / steps), f"step {k}: {matches} of {N_LIVES} copied"
+    with patch.object(sglang_chain, "draw_position", lambda req: None):  # the chain's own reference
+        u, x1, x2 = run()
+    assert torch.equal(u[:, :steps], u[:, steps:]) and x1 == x2
