@@ -48,8 +48,8 @@ def room_seed(seed: int, room: Any, salt: str = "", position: int | None = None)
     """A 63-bit digest of (``seed``, room, ``salt``, ``position``), equal on every rank.
 
     ``position`` None (a caller that knows none) leaves it out of the key; an int is
-    appended after ``@``, which no position contains, so (salt, position) pairs never
-    collide with each other.
+    appended after ``@``, which no int's digits contain, so two keys with positions are
+    equal only when their salts and their positions are.
     """
     key = f"{int(seed)}:{room}:{salt}" if position is None else f"{int(seed)}:{room}:{salt}@{int(position)}"
     raw = key.encode()

@@ -19,8 +19,8 @@ applied when a prefill starts with S > 1):
   :func:`draw_step` encodes the batch's q_k with the configured encoder, in one call
   where q_k lives, each row from its uniform of (seed, room, rid:k, position)
   (:mod:`pd_middleware.sampling.draws`; the position, the request's ``seq_len``, keeps a
-  rebootstrapped request's steps off its earlier life's uniforms), and returns SGLang's q_k with the encoder's q'_k(X_k)
-  and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's. X_k stays on
+  rebootstrapped request's steps off its earlier life's uniforms), and returns SGLang's
+  q_k with the encoder's q'_k(X_k) and X_k. Outside a ChainDraw (the decode's own drafting) it is SGLang's. X_k stays on
   the device: our code reads nothing back until the loop ends, so the chain syncs the
   device only where the encoder must read its rows to pack them (``sparse``, ``full``).
 
