@@ -476,3 +476,24 @@ def test_a_rebootstrapped_requests_chain_draws_every_step_from_fresh_uniforms(sg
     with patch.object(sglang_chain, "draw_position", lambda req: None):  # the chain's own reference
         u, x1, x2 = run()
     assert torch.equal(u[:, :steps], u[:, steps:]) and x1 == x2
+
+
+def test_stage_requests_keys_each_draw_on_the_reqs_seq_len_by_default(sg) -> None:
+    """The harness entry ``Installation.stage_requests`` keys each request's draw as the
+    prefill wrapper does: by default on the Req's ``len(origin_input_ids) + len(output_ids)``;
+    ``positions`` given, on those (another position: another uniform for every request)."""
+    from pd_middleware.sampling.draws import request_uniforms
+
+    inst = S.install(sparse_floor_config(), S.InstallOptions(channel="metadata", facts=prefill_facts(1)))
+    seen = recorded(inst)
+    gens = first_generates(8)
+    reqs = prefill_reqs(sg, gens)
+    q = torch.softmax(2 * torch.randn(8, RL_V, generator=torch.Generator().manual_seed(4)), -1)
+    lens = [len(g["input_ids"]) for g in gens]
+    enc = inst.stage_requests(reqs, q)
+    assert [int(r.output_topk_index[0]) for r in reqs] == enc.tokens[:, 0].tolist()
+    inst.stage_requests(reqs, q, positions=lens)
+    inst.stage_requests(reqs, q, positions=[n + 1 for n in lens])
+    want = request_uniforms(5, [g["bootstrap_room"] for g in gens], [g["rid"] for g in gens], positions=lens)
+    assert torch.equal(seen[0], want) and torch.equal(seen[1], want)
+    assert bool((seen[2] != want).all())
