@@ -48,14 +48,19 @@ def sg(sglang_importable):
     )
 
 
-def pool(sg, layers=1):
-    return sg.pool.MHATokenToKVPool(SLOTS, 1, torch.bfloat16, HEADS, DIM, layers, "cpu", False)
+def pool(sg, layers=1, heads=HEADS):
+    return sg.pool.MHATokenToKVPool(SLOTS, 1, torch.bfloat16, heads, DIM, layers, "cpu", False)
+
+
+def sg_pool_heads(node, heads):
+    return pool(node.sg, heads=heads)
 
 
 class Node:
     """One node's pools: the target's and one per chain step, sharing one slot index space."""
 
     def __init__(self, sg, target_layers, steps=STEPS):
+        self.sg = sg
         self.target = pool(sg, target_layers)
         self.steps = [pool(sg) for _ in range(steps)]
         allocator = object()  # the one allocator every runner shares (tp_worker.py around 405)
@@ -282,6 +287,17 @@ def _layer_ids(node):
     node.target.get_kv_layer_ids = lambda: [0, 1]  # a HybridLinearKVPool-like target
 
 
+def _step_slots_differ(node):
+    # The allocator still shared: only step 3's req_to_token is its own.
+    node.runners[2].req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros((2, SLOTS), dtype=torch.int32))
+
+
+def _other_shape(node):
+    # Step 2's MTP layer with twice the target's KV heads (its own pool, the same slots).
+    other = node.steps[1] = sg_pool_heads(node, 2 * HEADS)
+    node.runners[1].token_to_kv_pool = other
+
+
 @pytest.mark.parametrize(
     ("spoil", "backend", "why"),
     [
@@ -290,6 +306,8 @@ def _layer_ids(node):
         (_pool_shared, "mooncake", "do not own one KV pool each"),
         (_fused, "mooncake", "a fused or unified draft pool"),
         (_layer_ids, "mooncake", "pairs its entries by layer id"),
+        (_step_slots_differ, "mooncake", "do not share one token index space"),
+        (_other_shape, "mooncake", "chain step 2's KV shape (4, 4, 4, (32,)) is not the target's (2, 4, 4, (16,))"),
     ],
 )
 def test_attach_keeps_sglangs_list_for_a_layout_it_does_not_read(sg, caplog, spoil, backend, why) -> None:
@@ -301,6 +319,73 @@ def test_attach_keeps_sglangs_list_for_a_layout_it_does_not_read(sg, caplog, spo
         assert D.attach(node.scheduler, STEPS, backend) is None
     assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
     assert "get_contiguous_buf_infos" not in vars(node.steps[0])
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        (D.TransferSettings(pp_size=2), "pipeline parallelism (2 stages"),
+        (D.TransferSettings(staging=True), "SGLANG_DISAGG_STAGING_BUFFER is set"),
+        (D.TransferSettings(host_receive=True), "host receive (--disaggregation-decode-host-receive-threshold"),
+    ],
+)
+def test_attach_refuses_all_steps_where_sglang_would_not_move_every_entry(sg, caplog, settings, why) -> None:
+    """The staging buffer (it gathers the primary draft pool only), a PP stage (stage-local
+    pools), host receive (host buffers mirror SGLang's list): "all_steps" is refused at
+    start with a line naming the flag, and nothing is advertised (no marker, SGLang's list
+    and SGLang's own ``get_contiguous_buf_infos`` on pool 0, which its host-pool check reads)."""
+    node = Node(sg, 2)
+    assert D.attach(node.scheduler, STEPS, "mooncake", D.TransferSettings()) is not None  # negative control
+    node = Node(sg, 2)
+    own = node.steps[0].get_contiguous_buf_infos()
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        assert D.attach(node.scheduler, STEPS, "mooncake", settings) is None
+    assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
+    assert "get_contiguous_buf_infos" not in vars(node.steps[0])
+    assert node.steps[0].get_contiguous_buf_infos() == own and node.kv_data()[3] == 2
+
+
+def test_transfer_settings_read_the_staging_switch_and_sglangs_runtime_context(monkeypatch) -> None:
+    par, dis = SimpleNamespace(pp_size=2), SimpleNamespace(disaggregation_decode_host_receive_threshold=0.5)
+    symbols = {f"{D.RUNTIME_MODULE}.get_parallel": lambda: par, f"{D.RUNTIME_MODULE}.get_disagg": lambda: dis}
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "true")
+    assert D.transfer_settings(symbols) == D.TransferSettings(pp_size=2, staging=True, host_receive=True)
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "0")
+    par.pp_size, dis.disaggregation_decode_host_receive_threshold = 1, 1
+    assert D.transfer_settings(symbols) == D.TransferSettings()
+
+
+@pytest.mark.parametrize(
+    ("channel", "backend", "attached"), [("sidechannel", "mooncake", True), ("sidechannel", "nixl", False)]
+)
+def test_a_multi_layer_decode_with_a_non_metadata_source_honours_the_backend(
+    sg, caplog, channel, backend, attached
+) -> None:
+    """Activation (not attach alone): a side-channel decode with "all_steps" attaches on
+    Mooncake and keeps SGLang's list on another backend, naming it (the pair's check
+    reads Mooncake's registration); a wrapper then passes SGLang's own answer through."""
+    node = Node(sg, 2)
+    cfg = config()
+    inst = S.install(cfg, S.InstallOptions(channel=channel, hook_scheduler=False))
+    facts = S.EngineFacts(
+        role="decode",
+        vocab_size=64,
+        num_steps=STEPS,
+        algorithm="EAGLE",
+        topk=1,
+        rejection_sampling=True,
+        backend=backend,
+    )
+    with (
+        caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"),
+        patch.dict("os.environ", {"PD_MIDDLEWARE_DECODE_ADDRESS": "tcp://127.0.0.1:1"}),
+    ):
+        inst.activate(facts, scheduler=node.scheduler)
+    assert (inst.draft_kv is not None) is attached
+    assert node.kv_data()[3] == (2 * STEPS if attached else 2)
+    if not attached:
+        assert f"the {backend} backend" in caplog.text and "[sglang].draft_kv" in caplog.text
+        assert _ask(sg, _decode_manager(sg, None), "pd-middleware-draft-kv steps=3 entries=6") is True
 
 
 def _registration(kv_ptrs, aux_ptrs, frame):
@@ -350,6 +435,18 @@ def test_the_prefill_rejects_a_decode_session_with_another_kv_list(sg) -> None:
         )
 
 
+@pytest.mark.parametrize("extra", [-2, 2, 2 * STEPS])
+def test_the_prefill_rejects_a_decode_with_fewer_or_more_kv_buffers(sg, extra) -> None:
+    """Both directions: a decode that registered fewer buffers than this prefill (SGLang's
+    list) and one that registered more (a longer chain, another target): each is rejected."""
+    node = Node(sg, 2)
+    inst = activate(node, "prefill")
+    local = len(node.kv_data()[0])
+    why = _validate(sg, inst, node, local + extra)
+    assert why is not None and f"registered {local + extra} KV buffers, this prefill {local}" in why
+    assert inst.guard.counts["draft_kv:peer_rejected"] == 1
+
+
 def test_a_prefill_without_all_steps_does_not_check_kv_counts(sg) -> None:
     node = Node(sg, 2)
     inst = activate(node, "prefill", draft_kv="first_step")
@@ -384,20 +481,175 @@ def _ask(sg, mgr, prefill_layout):
         return sg.common.CommonKVManager.try_ensure_parallel_info(mgr, "10.0.0.1:8998")
 
 
-def test_the_decode_refuses_a_prefill_with_another_draft_kv_layout(sg) -> None:
+GOOD, BAD = ("10.0.0.1", 8998), ("10.0.0.2", 8998)
+
+
+def _real_decode_manager(sg, layout):
+    """A real ``MooncakeKVManager`` object (its methods: ``try_ensure_parallel_info``,
+    ``update_status``, ``record_failure``, ``check_status``), built without its
+    ``__init__`` (which starts Mooncake's engine and threads): the state those methods
+    read. Stand-in: ``_resolve_rank_mapping`` (TP/CP rank arithmetic, one rank here)."""
+    import threading
+    from collections import defaultdict
+
+    mgr = object.__new__(sg.mooncake.MooncakeKVManager)
+    vars(mgr).update(
+        vars(_decode_manager(sg, layout)),
+        request_status={},
+        failure_records={},
+        failure_lock=threading.Lock(),
+        addr_to_rooms_tracker=defaultdict(set),
+        prefill_response_tracker={},
+        required_prefill_response_num_table={},
+        deferred_bootstrap=None,
+        defer_decode_allocation=False,
+        _deferred_ack_targets={},
+        _deferred_ack_poisoned_rooms=set(),
+        _staging_outstanding={},
+        enable_staging=False,
+        waiting_timeout=300,
+    )
+    return mgr
+
+
+def _answers(layouts):
+    """The prefills' bootstrap servers (``GET /route``), by address: a patched ``requests.get``."""
+
+    def get(url, timeout=None):
+        host_port = url.split("//", 1)[1].split("/", 1)[0]
+        data = dict(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=1, kv_cache_dtype=None)
+        data["follow_bootstrap_room"] = True
+        if layouts[host_port] is not None:
+            data["kv_layout"] = layouts[host_port]
+        return SimpleNamespace(status_code=200, json=lambda: data, text="")
+
+    return get
+
+
+def _queue(sg, mgr):
+    """SGLang's real ``DecodePreallocQueue`` (built without its ``__init__``, which needs a
+    scheduler and its pools): the state ``_resolve_pending_reqs``, ``_ensure_prefill_info``
+    and ``_update_handshake_waiters`` read, with SGLang's own retry settings."""
+    q = object.__new__(sg.decode.DecodePreallocQueue)
+    vars(q).update(
+        kv_manager=mgr,
+        pending_reqs=[],
+        queue=[],
+        _ensure_last_attempt_time={},
+        _ensure_retry_count={},
+        _ensure_retry_interval=1.0,
+        _max_ensure_retries=15,
+        _prefill_dp_rank_queries={},
+        pp_size=1,
+        gloo_group=None,
+        tp_rank=0,
+        scheduler=SimpleNamespace(metrics_reporter=SimpleNamespace(enable_metrics=False)),
+    )
+    return q
+
+
+def _enqueue(sg, q, mgr, addr, room):
+    """What ``DecodePreallocQueue.add`` does for a fresh request whose prefill is not yet
+    known: a real ``MooncakeKVReceiver`` (stand-in: its ``_setup_bootstrap_infos``, the
+    ZMQ connection to the prefill's ranks), queued and pending."""
+    req = SimpleNamespace(
+        rid=f"rid-{room}",
+        bootstrap_room=room,
+        bootstrap_host=addr[0],
+        bootstrap_port=addr[1],
+        disagg_prefill_dp_rank=None,
+        return_logprob=False,
+        finished_reason=None,
+        time_stats=SimpleNamespace(set_bootstrap_done_time=lambda: None),
+    )
+    receiver = sg.mooncake.MooncakeKVReceiver(mgr, f"{addr[0]}:{addr[1]}", room)
+    receiver._setup_bootstrap_infos = lambda: setattr(receiver, "bootstrap_infos", [])
+    dr = sg.decode.DecodeRequest(req=req, kv_receiver=receiver)
+    q.queue.append(dr)
+    q.pending_reqs.append(dr)
+    return dr
+
+
+def _step(sg, q, layouts):
+    """One pass of the scheduler's prealloc loop over the handshake: resolve the pending
+    requests (``_ensure_prefill_info`` calls ``try_ensure_parallel_info``), then the
+    handshake waiters (a failed poll ends the request with SGLang's error). Stand-ins:
+    the runtime context's allocation policy ("early", SGLang's default) and the one-rank
+    gloo all-reduce of the polls (a MIN over one rank: the polls themselves)."""
+    disagg = SimpleNamespace(disaggregation_decode_allocation_policy="early")
+    with (
+        patch.object(sg.common.requests, "get", _answers(layouts)),
+        patch.object(sg.decode, "get_disagg", lambda: disagg),
+        patch.object(sg.common, "get_disagg", lambda: disagg),
+        patch.object(sg.decode, "poll_and_all_reduce", lambda pollers, group: [int(p.poll()) for p in pollers]),
+    ):
+        q._resolve_pending_reqs()
+        q._update_handshake_waiters()
+
+
+def test_a_prefill_with_another_draft_kv_layout_fails_its_requests_and_the_decode_serves_the_others(sg) -> None:
+    """SGLang's real decode loop pieces: a request from a stock prefill (no drop-in, or
+    "first_step") and one from a matching prefill. The first ends with SGLang's handshake
+    error carrying the reason (naming the flag), counted once; the second goes on to wait
+    for its KV; later requests from either prefill are decided alike (the scheduler never
+    sees a raise). On the landed code ``_resolve_pending_reqs`` raised RuntimeError, which
+    stops SGLang's scheduler with every in-flight request."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    node = Node(sg, 2)
+    inst = activate(node, "decode")
+    mine = inst.draft_kv.layout(None)
+    layouts = {"10.0.0.1:8998": mine, "10.0.0.2:8998": None}
+    mgr = _real_decode_manager(sg, mine)
+    q = _queue(sg, mgr)
+    good, bad = _enqueue(sg, q, mgr, GOOD, 11), _enqueue(sg, q, mgr, BAD, 12)
+    _step(sg, q, layouts)
+    assert q.pending_reqs == []  # both prefills' info fetched and cached: no retries pending
+    assert set(mgr.prefill_info_table) == {"10.0.0.1:8998", "10.0.0.2:8998"}
+    # The refused request: SGLang's error, with the reason.
+    assert isinstance(bad.req.finished_reason, FINISH_ABORT)
+    msg = bad.req.finished_reason.message
+    assert msg.startswith("Decode handshake failed for request rank=0")
+    assert "pd-middleware: the prefill at 10.0.0.2:8998 registers step 1's draft KV pool only" in msg
+    assert '[sglang].draft_kv = "first_step" on this decode' in msg
+    assert inst.guard.counts["draft_kv:prefill_refused"] == 1
+    # The matching prefill's request is served: waiting for its KV, not failed.
+    assert good.req.finished_reason is None and good.waiting_for_input
+    assert mgr.request_status[11] == KVPoll.WaitingForInput
+    # The loop keeps going: new requests from both (the fast path: the info is cached).
+    good2, bad2 = _enqueue(sg, q, mgr, GOOD, 21), _enqueue(sg, q, mgr, BAD, 22)
+    _step(sg, q, layouts)
+    assert (
+        isinstance(bad2.req.finished_reason, FINISH_ABORT) and "[sglang].draft_kv" in bad2.req.finished_reason.message
+    )
+    assert good2.req.finished_reason is None and good2.waiting_for_input
+    assert inst.guard.counts["draft_kv:prefill_refused"] == 2  # once per refused request
+    # Another marker (a peer with another chain length) is refused the same way, not raised
+    # (SGLang's own comparison of both published layouts would raise here).
+    layouts["10.0.0.3:8998"] = "pd-middleware-draft-kv steps=2 entries=4"
+    other = _enqueue(sg, q, mgr, ("10.0.0.3", 8998), 31)
+    _step(sg, q, layouts)
+    assert "registers kv_layout 'pd-middleware-draft-kv steps=2 entries=4'" in other.req.finished_reason.message
+    assert mgr.kv_layout == mine  # the decode's own layout is left as it was
+
+
+def test_the_decode_refusal_names_the_flag_and_sglangs_own_fields_still_raise(sg) -> None:
     node = Node(sg, 2)
     inst = activate(node, "decode")
     mine = inst.draft_kv.layout(None)
     assert _ask(sg, _decode_manager(sg, mine), mine) is True  # the drop-in on both nodes
+    assert inst.draft_kv.refused == {}
     mgr = _decode_manager(sg, mine)
-    with pytest.raises(RuntimeError) as err:
-        _ask(sg, mgr, None)  # a prefill with SGLang's list: no drop-in, or "first_step"
-    msg = str(err.value)
-    assert msg.startswith("pd-middleware: the prefill at 10.0.0.1:8998 registers step 1's draft KV pool only")
-    assert '[sglang].draft_kv = "first_step" on this decode' in msg and mine in msg
-    assert mgr.prefill_info_table == {}  # never marked ready
-    with pytest.raises(RuntimeError, match=r"KV layout mismatch.*pd-middleware: this decode's layout is"):
-        _ask(sg, _decode_manager(sg, mine), "pd-middleware-draft-kv steps=2 entries=4")  # SGLang's own check
+    assert _ask(sg, mgr, None) is True  # cached, never raised: its requests fail one by one
+    why = inst.draft_kv.refused["10.0.0.1:8998"]
+    assert why.startswith("pd-middleware: the prefill at 10.0.0.1:8998 registers step 1's draft KV pool only")
+    assert '[sglang].draft_kv = "first_step" on this decode' in why and mine in why
+    # A page size mismatch is SGLang's own refusal, left as SGLang has it.
+    mgr = _decode_manager(sg, mine)
+    mgr.kv_args.page_size = 16
+    with pytest.raises(RuntimeError, match="Page size mismatch"):
+        _ask(sg, mgr, mine)
 
 
 def test_negative_control_without_the_drop_in_the_decode_accepts_that_prefill(sg) -> None:
@@ -406,9 +658,38 @@ def test_negative_control_without_the_drop_in_the_decode_accepts_that_prefill(sg
     assert _ask(sg, _decode_manager(sg, mine), None) is True
 
 
-def test_the_flag_is_strict_and_defaults_to_all_steps() -> None:
+def test_the_flag_is_strict_and_its_default_follows_the_source() -> None:
+    """Left out, "all_steps" only where the source ships proposals: a source that ships
+    nothing (decode-only recompute, channel = "none") runs behind a stock prefill."""
     from pd_middleware import ConfigError
+    from pd_middleware.integrations.sglang.patching import Plan
+    from pd_middleware.integrations.sglang.recompute import RecomputeSource
+    from pd_middleware.integrations.sglang.sources import InBandSource, SideChannelSource
 
-    assert parse_config({}).sglang.draft_kv == "all_steps"
+    assert parse_config({}).sglang.draft_kv is None
     with pytest.raises(ConfigError, match=r"at sglang.draft_kv: Invalid enum value 'every'"):
         parse_config({"sglang": {"draft_kv": "every"}})
+
+    def wanted(source, draft_kv=None):
+        cfg = parse_config({"sglang": {} if draft_kv is None else {"draft_kv": draft_kv}})
+        return D._all_steps(Plan(features=source.features, config=cfg, options=None))
+
+    assert wanted(InBandSource) and wanted(SideChannelSource)
+    assert not wanted(RecomputeSource)
+    assert wanted(RecomputeSource, "all_steps") and not wanted(InBandSource, "first_step")
+
+
+def test_the_shipped_recompute_config_keeps_sglangs_draft_kv_transfer() -> None:
+    """configs/sglang.toml (a decode behind a stock prefill) says "first_step": flipped to
+    "all_steps", a multi-layer decode would refuse every request of that stock prefill."""
+    import tomllib
+    from pathlib import Path
+
+    from pd_middleware.integrations.sglang.patching import Plan
+    from pd_middleware.integrations.sglang.recompute import RecomputeSource
+
+    raw = tomllib.loads((Path(__file__).resolve().parents[1] / "configs" / "sglang.toml").read_text())
+    cfg = parse_config(raw)
+    assert cfg.sglang.draft_kv == "first_step"
+    for source in (RecomputeSource,):  # what it runs; any other source the same under "first_step"
+        assert not D._all_steps(Plan(features=source.features, config=cfg, options=None))

@@ -18,9 +18,12 @@ What SGLang 0.5.23 does (file:line under ``sglang/srt``):
   after the target's buffers. Steps 2..S's pools are never sent: on a decode, their MTP
   layers attend over prompt slots that hold zeros or another request's KV.
 
-What the drop-in does, under ``[sglang].draft_kv = "all_steps"`` (the default) on a node
-that runs S > 1 chain steps on the Mooncake backend (:func:`attach`, at scheduler start,
-before SGLang builds its KV manager):
+What the drop-in does, under ``[sglang].draft_kv = "all_steps"`` (the default when the
+source ships proposals; ``"first_step"`` under ``channel = "none"``) on a node that runs
+S > 1 chain steps on the Mooncake backend (:func:`attach`, at scheduler start, before
+SGLang builds its KV manager; it keeps SGLang's list, with a warning naming the flag,
+where SGLang would not move every entry it registers: the staging buffer, a PP stage,
+host receive, step pools whose KV shape is not the target's: :func:`_step_pools`):
 
 - ``get_contiguous_buf_infos`` of SGLang's primary draft pool (that one object: an
   instance attribute, :meth:`DraftKV.install`) returns every step's buffers, in step
@@ -33,9 +36,17 @@ before SGLang builds its KV manager):
   ``self.kv_layout``); the prefill publishes it to its bootstrap server
   (``common/conn.py:1599``).
 - The decode refuses a prefill whose layout differs (none: a prefill without the drop-in
-  or with ``"first_step"``) where SGLang refuses a page size, dtype or layout mismatch
-  (``CommonKVManager.try_ensure_parallel_info``, ``common/conn.py:1293-1357``): a
-  RuntimeError naming the flag.
+  or with ``"first_step"``) per session, never by raising: SGLang raises its own
+  mismatches inside ``CommonKVManager.try_ensure_parallel_info`` (``common/conn.py:1293-1357``),
+  which ``DecodePreallocQueue._ensure_prefill_info`` (``decode.py:1180``) calls without a
+  try, so a raise there stops the scheduler with every in-flight request. The wrapper
+  keeps SGLang's layout comparison to itself (it hands SGLang ``kv_layout = None`` for the
+  call), caches the prefill's info and notes the refusal; each request from that prefill
+  then fails where SGLang fails a request whose peer disagrees (``CommonKVReceiver.init``,
+  ``common/conn.py:2512-2535``, an allocation-policy mismatch): the receiver is aborted
+  and the room's failure reason is ours, so the handshake waiter ends the request with
+  SGLang's "Decode handshake failed ..." error carrying the reason (counted once per
+  request, ``guard.draft_kv:prefill_refused``). Every other prefill is served.
 - The prefill rejects a decode session that registered another number of KV buffers
   (``MooncakeKVManager._validate_peer_state_layout``, SGLang's per-session rejection hook:
   every transfer to it fails with the reason), before the in-band row's own check
@@ -45,11 +56,12 @@ before SGLang builds its KV manager):
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .patching import MOONCAKE_MODULE, Feature, Hook, Target, register_feature
+from .patching import MOONCAKE_MODULE, RUNTIME_MODULE, Feature, Hook, Target, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -75,6 +87,9 @@ class DraftKV:
 
     pools: Sequence[Any]
     entries: int = 0  # KV buffers the draft adds to the transfer (all steps), set by install
+    # Decode: bootstrap address -> why its requests fail (a prefill with another layout),
+    # set when SGLang fetches that prefill's info, read as each request's receiver starts.
+    refused: dict[str, str] = field(default_factory=dict)
     _originals: list[Callable[[], BufInfos]] = field(default_factory=list)
 
     @property
@@ -144,16 +159,56 @@ class DraftKV:
         )
 
 
-def attach(scheduler: Any, num_steps: int, backend: str) -> DraftKV | None:
+#: SGLang's switch of the staging-buffer path (MHA, prefill and decode attention TP differ).
+STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """SGLang's settings under which its transfer does not move every registered entry.
+
+    ``pp_size``: this node's pipeline stages (each stage registers its own layers' pools);
+    ``staging``: ``SGLANG_DISAGG_STAGING_BUFFER`` (the staging path gathers the primary
+    draft pool only, ``mooncake/conn.py:2707``); ``host_receive``:
+    ``--disaggregation-decode-host-receive-threshold`` below 1 (the decode receives into
+    host buffers that mirror SGLang's list, ``decode.py:683-720``).
+    """
+
+    pp_size: int = 1
+    staging: bool = False
+    host_receive: bool = False
+
+
+def transfer_settings(symbols: Any) -> TransferSettings:
+    """This node's :class:`TransferSettings`, from SGLang's runtime context (through the
+    installation's READ symbols) and the environment. A harness without SGLang's runtime
+    context (no published parallel/disagg config) gets the defaults: one stage, no host
+    receive."""
+    staging = os.environ.get(STAGING_ENV, "").strip().lower() in ("1", "true", "yes", "y")
+    pp_size, host_receive = 1, False
+    get_parallel = symbols.get(f"{RUNTIME_MODULE}.get_parallel") if symbols is not None else None
+    get_disagg = symbols.get(f"{RUNTIME_MODULE}.get_disagg") if symbols is not None else None
+    try:
+        if get_parallel is not None:
+            pp_size = int(get_parallel().pp_size)
+        if get_disagg is not None:
+            host_receive = float(get_disagg().disaggregation_decode_host_receive_threshold) < 1
+    except Exception as exc:  # no runtime context: a harness, not a server
+        logger.debug("pd-middleware: SGLang's runtime context is not published (%s): transfer defaults", exc)
+    return TransferSettings(pp_size=pp_size, staging=staging, host_receive=host_receive)
+
+
+def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSettings | None = None) -> DraftKV | None:
     """At scheduler start: every chain step's pool into the transfer, or None (SGLang's list kept).
 
-    None when there is one step, or when this node's layout is not the one this module
-    reads (said once in the log, with the reason; both nodes of a pair decide alike:
-    the same model and flags).
+    None when there is one step, or when SGLang would not move every entry this module
+    registers here (said once in the log, naming the flag and the reason; the node then
+    advertises no marker, so a peer with ``"all_steps"`` refuses it per session, naming
+    the flag: nothing is advertised that is not sent).
     """
     if num_steps <= 1:
         return None
-    why, pools = _step_pools(scheduler, num_steps, backend)
+    why, pools = _step_pools(scheduler, num_steps, backend, settings or TransferSettings())
     if why is not None:
         logger.warning(
             "pd-middleware: %s = \"all_steps\" left SGLang's draft KV transfer as it is (step 1's pool only): %s",
@@ -170,9 +225,27 @@ def attach(scheduler: Any, num_steps: int, backend: str) -> DraftKV | None:
     return dk
 
 
-def _step_pools(scheduler: Any, num_steps: int, backend: str) -> tuple[str | None, list[Any]]:
+def _step_pools(
+    scheduler: Any, num_steps: int, backend: str, settings: TransferSettings
+) -> tuple[str | None, list[Any]]:
     if backend != "mooncake":
         return f"the {backend} backend (the pair's check runs on mooncake only)", []
+    # Settings under which SGLang's transfer moves fewer entries than are registered.
+    if settings.pp_size > 1:
+        return (
+            f"pipeline parallelism ({settings.pp_size} stages: each stage registers its own layers' pools, "
+            "so no stage's list matches a peer's)"
+        ), []
+    if settings.staging:
+        return (
+            f"{STAGING_ENV} is set (its path, for different attention TP sizes, gathers step 1's pool only); "
+            f'unset it or set {FLAG} = "first_step" on both nodes'
+        ), []
+    if settings.host_receive:
+        return (
+            "host receive (--disaggregation-decode-host-receive-threshold below 1: the host buffers mirror "
+            "SGLang's list, step 1's pool only)"
+        ), []
     spec = getattr(scheduler, "draft_worker", None)
     runners = list(getattr(getattr(spec, "draft_worker", None), "draft_runners", None) or ())
     if len(runners) != num_steps:
@@ -195,7 +268,29 @@ def _step_pools(scheduler: Any, num_steps: int, backend: str) -> tuple[str | Non
     if hasattr(target, "get_kv_layer_ids") or hasattr(pools[0], "get_kv_layer_ids"):
         # SGLang then pairs entries by layer id, and numbers every step's entries alike.
         return f"a {type(target).__name__} target pool (the transfer pairs its entries by layer id)", []
+    shape = _kv_shape(target)
+    for i, p in enumerate(pools):
+        if shape is not None and _kv_shape(p) != shape:
+            # Between different attention TP sizes SGLang slices every entry with the
+            # target's item length and head count (send_kvcache_slice, mooncake/conn.py:1672).
+            return (
+                f"chain step {i + 1}'s KV shape {_kv_shape(p)} is not the target's {shape} (a head-sliced "
+                "transfer between different attention TP sizes would cut it with the target's)"
+            ), []
     return None, pools
+
+
+def _kv_shape(pool: Any) -> tuple[Any, ...] | None:
+    """(heads, head dim, value head dim, bytes per token entry) of an MHA pool, or None."""
+    if pool is None or not hasattr(pool, "head_num"):
+        return None
+    items = list(pool.get_contiguous_buf_infos()[2])
+    return (
+        getattr(pool, "head_num", None),
+        getattr(pool, "head_dim", None),
+        getattr(pool, "v_head_dim", None),
+        tuple(sorted(set(items))),
+    )
 
 
 # --------------------------------------------------------------------- the features
@@ -219,30 +314,47 @@ def wrap_manager_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]
 def wrap_parallel_info(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     def try_ensure_parallel_info(self: Any, bootstrap_addr: str) -> Any:
         dk = inst.draft_kv
-        if dk is None:
-            return orig(self, bootstrap_addr)
+        if dk is None or bootstrap_addr in self.prefill_info_table:
+            return orig(self, bootstrap_addr)  # cached: decided when it was fetched
         mine = getattr(self, "kv_layout", None)
+        # SGLang raises on a layout mismatch here, and its caller has no try: the
+        # scheduler would stop with every in-flight request. Hand SGLang no layout for
+        # this call (it compares only when both nodes publish one) and compare here.
+        self.kv_layout = None
         try:
             ok = orig(self, bootstrap_addr)
-        except RuntimeError as exc:
-            if "KV layout mismatch" not in str(exc):
-                raise
-            # SGLang's own refusal (both sides publish a layout) names other flags: name ours too.
-            raise RuntimeError(
-                f"{exc} (pd-middleware: this decode's layout is {mine!r}; run both nodes with the drop-in and the "
-                f'same {FLAG}, or set {FLAG} = "first_step" on this decode)'
-            ) from exc
+        finally:
+            self.kv_layout = mine
         if not ok:
             return ok
         info = self.prefill_info_table.get(bootstrap_addr)
         why = dk.decode_refusal(bootstrap_addr, getattr(info, "kv_layout", None), mine)
-        if why is not None:
-            self.prefill_info_table.pop(bootstrap_addr, None)  # never marked ready
-            logger.error("%s", why)
-            raise RuntimeError(why)
+        if why is None:
+            dk.refused.pop(bootstrap_addr, None)
+        else:
+            dk.refused[bootstrap_addr] = why  # each request from it fails as its receiver starts
+            logger.error("%s; its requests fail, every other prefill is served", why)
         return ok
 
     return try_ensure_parallel_info
+
+
+def wrap_receiver_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def init(self: Any, prefill_dp_rank: int) -> Any:
+        dk = inst.draft_kv
+        why = None if dk is None else dk.refused.get(self.bootstrap_addr)
+        if why is None or self.conclude_state is not None:
+            return orig(self, prefill_dp_rank)
+        # Where SGLang fails a request whose peer disagrees (its allocation-policy
+        # mismatch in this method): the room fails with the reason, never the scheduler.
+        # abort() marks it Failed (it records a generic reason), then ours replaces it,
+        # as SGLang's own _fail_prefill_recompute does.
+        self.abort()
+        self.kv_mgr.record_failure(self.bootstrap_room, why)
+        inst.events.count("draft_kv:prefill_refused")
+        return None
+
+    return init
 
 
 def peer_mismatch(inst: Any, manager: Any, info: Any) -> str | None:
@@ -279,7 +391,14 @@ def wrap_validate(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
 
 
 def _all_steps(plan: Any) -> bool:
-    return bool(plan.config.sglang.draft_kv == "all_steps")
+    """``[sglang].draft_kv`` as this node runs it: left out, "all_steps" only when the
+    source ships proposals (its features hold ``prefill``); a source that ships nothing
+    (decode-only recompute, ``channel = "none"``) runs behind a stock prefill, which sends
+    step 1's pool only, so "all_steps" there would fail every request."""
+    chosen = plan.config.sglang.draft_kv
+    if chosen is None:
+        return "prefill" in plan.features
+    return bool(chosen == "all_steps")
 
 
 register_feature(
@@ -299,6 +418,13 @@ register_feature(
                 ("self", "bootstrap_addr"),
                 Hook.AROUND,
                 wrap_parallel_info,
+            ),
+            Target(
+                COMMON_CONN_MODULE,
+                "CommonKVReceiver.init",
+                ("self", "prefill_dp_rank"),
+                Hook.AROUND,
+                wrap_receiver_init,
             ),
         ),
         _all_steps,
