@@ -97,10 +97,11 @@ class Node:
         return ptrs + list(p), lens + list(n), items + list(i), len(p)
 
 
-def transfer(sg, src: Node, dst: Node, src_slots, dst_slots) -> int:
-    """Mooncake's send path for one request (real pairing; memmove as the engine)."""
+def transfer(sg, src: Node, dst: Node, src_slots, dst_slots, dst_ptrs=None) -> int:
+    """Mooncake's send path for one request (real pairing; memmove as the engine).
+    ``dst_ptrs``: the decode's registered list (its ``kv_args.kv_data_ptrs`` if None)."""
     ptrs, _, items, num_draft = src.kv_data()
-    dst_ptrs = dst.kv_data()[0]
+    dst_ptrs = dst.kv_data()[0] if dst_ptrs is None else dst_ptrs
 
     def _transfer_data(session, blocks):
         for s, d, n in blocks:
@@ -481,7 +482,8 @@ def _ask(sg, mgr, prefill_layout):
         return sg.common.CommonKVManager.try_ensure_parallel_info(mgr, "10.0.0.1:8998")
 
 
-GOOD, BAD = ("10.0.0.1", 8998), ("10.0.0.2", 8998)
+GOOD, STOCK, OTHER = ("10.0.0.1", 8998), ("10.0.0.2", 8998), ("10.0.0.3", 8998)
+OTHER_LAYOUT = "pd-middleware-draft-kv steps=2 entries=4"  # a peer with another chain length
 
 
 def _real_decode_manager(sg, layout):
@@ -508,6 +510,10 @@ def _real_decode_manager(sg, layout):
         _staging_outstanding={},
         enable_staging=False,
         waiting_timeout=300,
+        local_ip="127.0.0.1",
+        rank_port=17000,
+        dcp_rank=0,
+        get_session_id=lambda: "127.0.0.1:17001",  # Mooncake's engine's id (stand-in)
     )
     return mgr
 
@@ -545,13 +551,15 @@ def _queue(sg, mgr):
         tp_rank=0,
         scheduler=SimpleNamespace(metrics_reporter=SimpleNamespace(enable_metrics=False)),
     )
+    q.sent = {}  # the registration each prefill got (test only)
     return q
 
 
 def _enqueue(sg, q, mgr, addr, room):
     """What ``DecodePreallocQueue.add`` does for a fresh request whose prefill is not yet
     known: a real ``MooncakeKVReceiver`` (stand-in: its ``_setup_bootstrap_infos``, the
-    ZMQ connection to the prefill's ranks), queued and pending."""
+    ZMQ connection to the prefill's ranks, which runs SGLang's real ``_register_kv_args``
+    and captures the message), queued and pending."""
     req = SimpleNamespace(
         rid=f"rid-{room}",
         bootstrap_room=room,
@@ -563,7 +571,15 @@ def _enqueue(sg, q, mgr, addr, room):
         time_stats=SimpleNamespace(set_bootstrap_done_time=lambda: None),
     )
     receiver = sg.mooncake.MooncakeKVReceiver(mgr, f"{addr[0]}:{addr[1]}", room)
-    receiver._setup_bootstrap_infos = lambda: setattr(receiver, "bootstrap_infos", [])
+
+    def setup():  # SGLang's registration with one prefill rank, the ZMQ send captured
+        receiver.bootstrap_infos = [{"rank_ip": addr[0], "rank_port": 9000}]
+        receiver._send_bootstrap_message = lambda *, bootstrap_info, message, operation: (
+            q.sent.setdefault(f"{addr[0]}:{addr[1]}", message) is not None
+        )
+        assert receiver._register_kv_args()
+
+    receiver._setup_bootstrap_infos = setup
     dr = sg.decode.DecodeRequest(req=req, kv_receiver=receiver)
     q.queue.append(dr)
     q.pending_reqs.append(dr)
@@ -587,64 +603,113 @@ def _step(sg, q, layouts):
         q._update_handshake_waiters()
 
 
+def _kv_args(node):
+    ptrs, lens, items, num_draft = node.kv_data()
+    return SimpleNamespace(
+        kv_data_ptrs=ptrs,
+        kv_data_lens=lens,
+        kv_item_lens=items,
+        num_draft_entries=num_draft,
+        aux_data_ptrs=[1] * 16,
+        state_data_ptrs=[],
+        state_item_lens=[],
+        state_layer_ids=[],
+        kv_layer_ids=[],
+        page_size=1,
+        engine_rank=0,
+        state_types=[],
+    )
+
+
 def test_a_prefill_with_another_draft_kv_layout_fails_its_requests_and_the_decode_serves_the_others(sg) -> None:
-    """SGLang's real decode loop pieces: a request from a stock prefill (no drop-in, or
-    "first_step") and one from a matching prefill. The first ends with SGLang's handshake
-    error carrying the reason (naming the flag), counted once; the second goes on to wait
-    for its KV; later requests from either prefill are decided alike (the scheduler never
-    sees a raise). On the landed code ``_resolve_pending_reqs`` raised RuntimeError, which
-    stops SGLang's scheduler with every in-flight request."""
+    """SGLang's real decode loop pieces, three prefills: one with the same layout, a stock
+    one (no drop-in, or "first_step": SGLang's list) and one with another chain length.
+    The last one's request ends with SGLang's handshake error carrying the reason (naming
+    the flag), counted once; the stock prefill gets SGLang's list registered and its
+    request is served with step 1's KV (counted); the matching one gets every step's. The
+    scheduler never sees a raise: on the landed code ``_resolve_pending_reqs`` raised
+    RuntimeError, which stops SGLang's scheduler with every in-flight request."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     node = Node(sg, 2)
     inst = activate(node, "decode")
     mine = inst.draft_kv.layout(None)
-    layouts = {"10.0.0.1:8998": mine, "10.0.0.2:8998": None}
+    layouts = {"10.0.0.1:8998": mine, "10.0.0.2:8998": None, "10.0.0.3:8998": OTHER_LAYOUT}
     mgr = _real_decode_manager(sg, mine)
+    mgr.kv_args = SimpleNamespace(**{**vars(mgr.kv_args), **vars(_kv_args(node))})
     q = _queue(sg, mgr)
-    good, bad = _enqueue(sg, q, mgr, GOOD, 11), _enqueue(sg, q, mgr, BAD, 12)
+    good, stock, other = (_enqueue(sg, q, mgr, a, r) for a, r in ((GOOD, 11), (STOCK, 12), (OTHER, 13)))
     _step(sg, q, layouts)
-    assert q.pending_reqs == []  # both prefills' info fetched and cached: no retries pending
-    assert set(mgr.prefill_info_table) == {"10.0.0.1:8998", "10.0.0.2:8998"}
+    assert q.pending_reqs == []  # every prefill's info fetched and cached: no retries pending
+    assert set(mgr.prefill_info_table) == set(layouts)
     # The refused request: SGLang's error, with the reason.
-    assert isinstance(bad.req.finished_reason, FINISH_ABORT)
-    msg = bad.req.finished_reason.message
+    assert isinstance(other.req.finished_reason, FINISH_ABORT)
+    msg = other.req.finished_reason.message
     assert msg.startswith("Decode handshake failed for request rank=0")
-    assert "pd-middleware: the prefill at 10.0.0.2:8998 registers step 1's draft KV pool only" in msg
+    assert f"pd-middleware: the prefill at 10.0.0.3:8998 registers kv_layout '{OTHER_LAYOUT}'" in msg
     assert '[sglang].draft_kv = "first_step" on this decode' in msg
     assert inst.guard.counts["draft_kv:prefill_refused"] == 1
-    # The matching prefill's request is served: waiting for its KV, not failed.
-    assert good.req.finished_reason is None and good.waiting_for_input
-    assert mgr.request_status[11] == KVPoll.WaitingForInput
-    # The loop keeps going: new requests from both (the fast path: the info is cached).
-    good2, bad2 = _enqueue(sg, q, mgr, GOOD, 21), _enqueue(sg, q, mgr, BAD, 22)
+    # The matching and the stock prefills' requests are served: waiting for their KV.
+    for served, room in ((good, 11), (stock, 12)):
+        assert served.req.finished_reason is None and served.waiting_for_input
+        assert mgr.request_status[room] == KVPoll.WaitingForInput
+    assert inst.guard.counts["draft_kv:first_step_requests"] == 1
+    # What each prefill was told: every step's pool, or SGLang's list (step 1's).
+    registered = {a: sg.mooncake.KVArgsRegisterInfo.from_zmq(m).dst_kv_ptrs for a, m in q.sent.items()}
+    assert set(registered) == {"10.0.0.1:8998", "10.0.0.2:8998"}  # the refused prefill is never contacted
+    assert registered["10.0.0.1:8998"] == node.kv_data()[0] and len(node.kv_data()[0]) == 4 + 2 * STEPS
+    assert registered["10.0.0.2:8998"] == node.kv_data()[0][: 4 + 2]
+    assert mgr.kv_args.kv_data_ptrs == node.kv_data()[0]  # the decode's own list is left as it was
+    # The loop keeps going: new requests from all three (the fast path: the info is cached).
+    good2, stock2, other2 = (_enqueue(sg, q, mgr, a, r) for a, r in ((GOOD, 21), (STOCK, 22), (OTHER, 23)))
     _step(sg, q, layouts)
     assert (
-        isinstance(bad2.req.finished_reason, FINISH_ABORT) and "[sglang].draft_kv" in bad2.req.finished_reason.message
+        isinstance(other2.req.finished_reason, FINISH_ABORT)
+        and "[sglang].draft_kv" in other2.req.finished_reason.message
     )
     assert good2.req.finished_reason is None and good2.waiting_for_input
+    assert stock2.req.finished_reason is None and stock2.waiting_for_input
     assert inst.guard.counts["draft_kv:prefill_refused"] == 2  # once per refused request
-    # Another marker (a peer with another chain length) is refused the same way, not raised
-    # (SGLang's own comparison of both published layouts would raise here).
-    layouts["10.0.0.3:8998"] = "pd-middleware-draft-kv steps=2 entries=4"
-    other = _enqueue(sg, q, mgr, ("10.0.0.3", 8998), 31)
-    _step(sg, q, layouts)
-    assert "registers kv_layout 'pd-middleware-draft-kv steps=2 entries=4'" in other.req.finished_reason.message
+    assert inst.guard.counts["draft_kv:first_step_requests"] == 2
     assert mgr.kv_layout == mine  # the decode's own layout is left as it was
+
+
+def test_a_stock_prefill_sends_step_one_into_step_one_through_the_registered_list(sg) -> None:
+    """Why SGLang's list is what the decode registers with a stock prefill: through
+    Mooncake's real pairing, step 1's KV lands in the decode's step-1 pool and the target's
+    in the target's (with the decode's full list it landed in step 2's: the negative
+    control, ``test_a_pair_that_disagrees_would_write_into_the_wrong_buffers``)."""
+    gen = torch.Generator().manual_seed(SEED)
+    p, d = Node(sg, 1), Node(sg, 1)
+    p.fill(gen, PROMPT_SRC)
+    dk = D.DraftKV(d.steps)
+    dk.install()
+    full = d.kv_data()
+    ptrs, items = dk.sglang_list(full[0], full[2])
+    assert transfer(sg, p, d, PROMPT_SRC, PROMPT_DST, dst_ptrs=ptrs) == 0
+    assert equal_at(p.target, d.target, PROMPT_SRC, PROMPT_DST)
+    assert per_step(p, d, PROMPT_SRC, PROMPT_DST) == [True, False, False]
+    assert items == full[2][: len(ptrs)]
 
 
 def test_the_decode_refusal_names_the_flag_and_sglangs_own_fields_still_raise(sg) -> None:
     node = Node(sg, 2)
     inst = activate(node, "decode")
-    mine = inst.draft_kv.layout(None)
+    dk = inst.draft_kv
+    mine = dk.layout(None)
     assert _ask(sg, _decode_manager(sg, mine), mine) is True  # the drop-in on both nodes
-    assert inst.draft_kv.refused == {}
-    mgr = _decode_manager(sg, mine)
-    assert _ask(sg, mgr, None) is True  # cached, never raised: its requests fail one by one
-    why = inst.draft_kv.refused["10.0.0.1:8998"]
-    assert why.startswith("pd-middleware: the prefill at 10.0.0.1:8998 registers step 1's draft KV pool only")
+    assert dk.refused == {} and dk.first_step_only == set()
+    assert _ask(sg, _decode_manager(sg, mine), None) is True  # SGLang's list: served with step 1's KV
+    assert dk.refused == {} and dk.first_step_only == {"10.0.0.1:8998"}
+    assert _ask(sg, _decode_manager(sg, mine), OTHER_LAYOUT) is True  # cached, never raised
+    why = dk.refused["10.0.0.1:8998"]
+    assert dk.first_step_only == set()  # re-decided at each fetch
+    assert why.startswith(f"pd-middleware: the prefill at 10.0.0.1:8998 registers kv_layout '{OTHER_LAYOUT}'")
     assert '[sglang].draft_kv = "first_step" on this decode' in why and mine in why
+    # SGLang's own layout part: a prefill with it alone is SGLang's list; another is refused.
+    assert dk.first_step_only_from("v4", dk.layout("v4")) and not dk.first_step_only_from(None, dk.layout("v4"))
+    assert dk.decode_refusal("a", "v5", dk.layout("v4")) is not None
     # A page size mismatch is SGLang's own refusal, left as SGLang has it.
     mgr = _decode_manager(sg, mine)
     mgr.kv_args.page_size = 16
@@ -680,8 +745,10 @@ def test_the_flag_is_strict_and_its_default_follows_the_source() -> None:
 
 
 def test_the_shipped_recompute_config_keeps_sglangs_draft_kv_transfer() -> None:
-    """configs/sglang.toml (a decode behind a stock prefill) says "first_step": flipped to
-    "all_steps", a multi-layer decode would refuse every request of that stock prefill."""
+    """configs/sglang.toml (a decode behind a stock prefill) says "first_step", written out
+    so it stays: flipped to "all_steps", a multi-layer decode would patch SGLang's KV
+    manager and receivers and register every step's pool for a prefill that never sends
+    them (on the landed code it refused every request of that prefill)."""
     import tomllib
     from pathlib import Path
 

@@ -35,18 +35,25 @@ host receive, step pools whose KV shape is not the target's: :func:`_step_pools`
   as ``CommonKVManager.__init__`` starts (``common/conn.py:316-325`` reads it into
   ``self.kv_layout``); the prefill publishes it to its bootstrap server
   (``common/conn.py:1599``).
-- The decode refuses a prefill whose layout differs (none: a prefill without the drop-in
-  or with ``"first_step"``) per session, never by raising: SGLang raises its own
-  mismatches inside ``CommonKVManager.try_ensure_parallel_info`` (``common/conn.py:1293-1357``),
-  which ``DecodePreallocQueue._ensure_prefill_info`` (``decode.py:1180``) calls without a
-  try, so a raise there stops the scheduler with every in-flight request. The wrapper
-  keeps SGLang's layout comparison to itself (it hands SGLang ``kv_layout = None`` for the
-  call), caches the prefill's info and notes the refusal; each request from that prefill
-  then fails where SGLang fails a request whose peer disagrees (``CommonKVReceiver.init``,
-  ``common/conn.py:2512-2535``, an allocation-policy mismatch): the receiver is aborted
-  and the room's failure reason is ours, so the handshake waiter ends the request with
-  SGLang's "Decode handshake failed ..." error carrying the reason (counted once per
-  request, ``guard.draft_kv:prefill_refused``). Every other prefill is served.
+- The decode decides per prefill, as SGLang fetches its info, and never by raising:
+  SGLang raises its own mismatches inside ``CommonKVManager.try_ensure_parallel_info``
+  (``common/conn.py:1293-1357``), which ``DecodePreallocQueue._ensure_prefill_info``
+  (``decode.py:1180``) calls without a try, so a raise there stops the scheduler with
+  every in-flight request. The wrapper keeps the layout comparison to itself (it hands
+  SGLang ``kv_layout = None`` for the call) and caches the prefill's info:
+
+  - the same layout: every step's pool;
+  - SGLang's list (no marker: no drop-in, or ``"first_step"``): the decode registers
+    SGLang's list with that prefill (``CommonKVReceiver._register_kv_args``, sent once per
+    prefill rank), so step 1's KV lands in step 1's pool, and serves its requests with
+    step 1's KV and SGLang's chain, as a stock pair does (counted once per request,
+    ``guard.draft_kv:first_step_requests``);
+  - another marker (another chain): each request from that prefill fails where SGLang
+    fails a request whose peer disagrees (``CommonKVReceiver.init``,
+    ``common/conn.py:2512-2535``, an allocation-policy mismatch): the receiver is aborted
+    and the room's failure reason is ours, so the handshake waiter ends the request with
+    SGLang's "Decode handshake failed ..." error carrying the reason (counted once per
+    request, ``guard.draft_kv:prefill_refused``). Every other prefill is served.
 - The prefill rejects a decode session that registered another number of KV buffers
   (``MooncakeKVManager._validate_peer_state_layout``, SGLang's per-session rejection hook:
   every transfer to it fails with the reason), before the in-band row's own check
@@ -87,9 +94,13 @@ class DraftKV:
 
     pools: Sequence[Any]
     entries: int = 0  # KV buffers the draft adds to the transfer (all steps), set by install
-    # Decode: bootstrap address -> why its requests fail (a prefill with another layout),
-    # set when SGLang fetches that prefill's info, read as each request's receiver starts.
+    first_entries: int = 0  # of which step 1's (SGLang's own list), set by install
+    # Decode, by bootstrap address, set when SGLang fetches that prefill's info and read as
+    # each request's receiver starts: why its requests fail (another marker) ...
     refused: dict[str, str] = field(default_factory=dict)
+    # ... or that it sends step 1's pool only (SGLang's list): this decode registers
+    # SGLang's list with it and serves its requests with step 1's KV.
+    first_step_only: set[str] = field(default_factory=set)
     _originals: list[Callable[[], BufInfos]] = field(default_factory=list)
 
     @property
@@ -123,6 +134,7 @@ class DraftKV:
         # Bound methods taken before the override: pools[0]'s is SGLang's own.
         self._originals = [getattr(p, BUF_INFOS) for p in self.pools]
         self.entries = len(self.buf_infos()[0])
+        self.first_entries = len(self._originals[0]()[0])
         setattr(self.pools[0], BUF_INFOS, self.buf_infos)
 
     def remove(self) -> None:
@@ -131,20 +143,33 @@ class DraftKV:
             vars(self.pools[0]).pop(BUF_INFOS, None)
             self._originals = []
 
+    def sglang_list(self, ptrs: Sequence[int], items: Sequence[int]) -> tuple[list[int], list[int]]:
+        """SGLang's own KV list (the target's, then step 1's) out of this node's (every step's)."""
+        cut = len(ptrs) - (self.entries - self.first_entries)
+        return list(ptrs[:cut]), list(items[:cut])
+
     # -- the pair's agreement -----------------------------------------------------------
-    def decode_refusal(self, bootstrap_addr: str, prefill_layout: str | None, decode_layout: str | None) -> str | None:
-        """Decode: why the prefill at ``bootstrap_addr`` must not send to this node, or None."""
-        if prefill_layout == decode_layout:
+    def sglang_layout(self, decode_layout: str | None) -> str | None:
+        """This node's ``kv_layout`` without the marker: what SGLang alone publishes here."""
+        marker = self.marker()
+        if decode_layout is None or decode_layout == marker:
             return None
-        theirs = (
-            f"kv_layout {prefill_layout!r}"
-            if prefill_layout is not None
-            else "step 1's draft KV pool only (SGLang's list: no drop-in, or draft_kv = \"first_step\")"
-        )
+        return decode_layout[: -len(marker) - 1] if decode_layout.endswith(f"+{marker}") else decode_layout
+
+    def first_step_only_from(self, prefill_layout: str | None, decode_layout: str | None) -> bool:
+        """Decode: whether that prefill registers SGLang's list (step 1's pool only: no
+        drop-in, or ``"first_step"``), which this decode can pair by registering it too."""
+        return prefill_layout == self.sglang_layout(decode_layout)
+
+    def decode_refusal(self, bootstrap_addr: str, prefill_layout: str | None, decode_layout: str | None) -> str | None:
+        """Decode: why the prefill at ``bootstrap_addr`` must not send to this node, or None
+        (the same layout, or SGLang's list: :meth:`first_step_only_from`)."""
+        if prefill_layout == decode_layout or self.first_step_only_from(prefill_layout, decode_layout):
+            return None
         return (
-            f"pd-middleware: the prefill at {bootstrap_addr} registers {theirs}, this decode registers every "
-            f"chain step's draft KV pool ({decode_layout}); their KV buffers would not pair up. Run both nodes with "
-            f'the drop-in and {FLAG} = "all_steps", or set {FLAG} = "first_step" on this decode'
+            f"pd-middleware: the prefill at {bootstrap_addr} registers kv_layout {prefill_layout!r}, this decode "
+            f"{decode_layout!r} (every chain step's draft KV pool); their KV buffers would not pair up. Run both "
+            f'nodes with the drop-in and the same {FLAG} and chain, or set {FLAG} = "first_step" on this decode'
         )
 
     def prefill_refusal(self, session: str, local: int, remote: int) -> str | None:
@@ -328,12 +353,22 @@ def wrap_parallel_info(orig: Callable[..., Any], inst: Any) -> Callable[..., Any
         if not ok:
             return ok
         info = self.prefill_info_table.get(bootstrap_addr)
-        why = dk.decode_refusal(bootstrap_addr, getattr(info, "kv_layout", None), mine)
-        if why is None:
-            dk.refused.pop(bootstrap_addr, None)
-        else:
+        theirs = getattr(info, "kv_layout", None)
+        why = dk.decode_refusal(bootstrap_addr, theirs, mine)
+        dk.refused.pop(bootstrap_addr, None)
+        dk.first_step_only.discard(bootstrap_addr)
+        if why is not None:
             dk.refused[bootstrap_addr] = why  # each request from it fails as its receiver starts
             logger.error("%s; its requests fail, every other prefill is served", why)
+        elif theirs != mine:
+            dk.first_step_only.add(bootstrap_addr)
+            logger.warning(
+                "pd-middleware: the prefill at %s registers step 1's draft KV pool only (no drop-in, or %s = "
+                "\"first_step\"): this decode registers SGLang's list with it and serves its requests with step 1's "
+                "KV and SGLang's chain (steps 2..S's prompt KV not sent), counted draft_kv:first_step_requests",
+                bootstrap_addr,
+                FLAG,
+            )
         return ok
 
     return try_ensure_parallel_info
@@ -344,6 +379,8 @@ def wrap_receiver_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any
         dk = inst.draft_kv
         why = None if dk is None else dk.refused.get(self.bootstrap_addr)
         if why is None or self.conclude_state is not None:
+            if dk is not None and self.conclude_state is None and self.bootstrap_addr in dk.first_step_only:
+                inst.events.count("draft_kv:first_step_requests")
             return orig(self, prefill_dp_rank)
         # Where SGLang fails a request whose peer disagrees (its allocation-policy
         # mismatch in this method): the room fails with the reason, never the scheduler.
@@ -355,6 +392,27 @@ def wrap_receiver_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any
         return None
 
     return init
+
+
+def wrap_register(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def _register_kv_args(self: Any) -> Any:
+        dk = inst.draft_kv
+        if dk is None or self.bootstrap_addr not in dk.first_step_only:
+            return orig(self)
+        # A prefill that sends step 1's pool only: register SGLang's list with it (its
+        # entries then pair up, position by position), for this call only. SGLang sends
+        # this registration once per prefill rank (its connection pool caches the rest).
+        # The decode's scheduler thread is the one that reads these lists (a decode is
+        # written to, it sends no KV), and it is the thread running this call.
+        args = self.kv_mgr.kv_args
+        ptrs, items = args.kv_data_ptrs, args.kv_item_lens
+        args.kv_data_ptrs, args.kv_item_lens = dk.sglang_list(ptrs, items)
+        try:
+            return orig(self)
+        finally:
+            args.kv_data_ptrs, args.kv_item_lens = ptrs, items
+
+    return _register_kv_args
 
 
 def peer_mismatch(inst: Any, manager: Any, info: Any) -> str | None:
@@ -425,6 +483,13 @@ register_feature(
                 ("self", "prefill_dp_rank"),
                 Hook.AROUND,
                 wrap_receiver_init,
+            ),
+            Target(
+                COMMON_CONN_MODULE,
+                "CommonKVReceiver._register_kv_args",
+                ("self",),
+                Hook.AROUND,
+                wrap_register,
             ),
         ),
         _all_steps,
