@@ -355,6 +355,15 @@ def test_transfer_settings_read_the_staging_switch_and_sglangs_runtime_context(m
     par.pp_size, dis.disaggregation_decode_host_receive_threshold = 1, 1
     assert D.transfer_settings(symbols) == D.TransferSettings()
 
+    def unpublished():
+        raise ValueError("config namespace 'parallel' not published")  # SGLang's answer without a context
+
+    assert D.transfer_settings({f"{D.RUNTIME_MODULE}.get_parallel": unpublished}) == D.TransferSettings()
+    assert D.transfer_settings(None) == D.TransferSettings()
+    del par.pp_size  # a published context without the field: another SGLang, said, not defaulted
+    with pytest.raises(AttributeError, match="pp_size"):
+        D.transfer_settings(symbols)
+
 
 @pytest.mark.parametrize(
     ("channel", "backend", "attached"), [("sidechannel", "mooncake", True), ("sidechannel", "nixl", False)]

@@ -206,21 +206,29 @@ class TransferSettings:
 
 def transfer_settings(symbols: Any) -> TransferSettings:
     """This node's :class:`TransferSettings`, from SGLang's runtime context (through the
-    installation's READ symbols) and the environment. A harness without SGLang's runtime
-    context (no published parallel/disagg config) gets the defaults: one stage, no host
-    receive."""
+    installation's READ symbols) and the environment. Without the context (an
+    installation given its facts, a harness: no READ symbols, or a namespace not
+    published) the defaults hold: one stage, no host receive. A published context that
+    lacks the attribute raises (another SGLang), as the scheduler-start checks do."""
     staging = os.environ.get(STAGING_ENV, "").strip().lower() in ("1", "true", "yes", "y")
-    pp_size, host_receive = 1, False
-    get_parallel = symbols.get(f"{RUNTIME_MODULE}.get_parallel") if symbols is not None else None
-    get_disagg = symbols.get(f"{RUNTIME_MODULE}.get_disagg") if symbols is not None else None
-    try:
-        if get_parallel is not None:
-            pp_size = int(get_parallel().pp_size)
-        if get_disagg is not None:
-            host_receive = float(get_disagg().disaggregation_decode_host_receive_threshold) < 1
-    except Exception as exc:  # no runtime context: a harness, not a server
-        logger.debug("pd-middleware: SGLang's runtime context is not published (%s): transfer defaults", exc)
-    return TransferSettings(pp_size=pp_size, staging=staging, host_receive=host_receive)
+
+    def read(bag: str, attr: str) -> Any:
+        get = symbols.get(f"{RUNTIME_MODULE}.{bag}") if symbols is not None else None
+        try:
+            return None if get is None else getattr(get(), attr)
+        except ValueError as exc:  # SGLang's "config namespace ... not published"
+            if "not published" not in str(exc):
+                raise
+            logger.debug("pd-middleware: %s: the transfer settings' defaults", exc)
+            return None
+
+    pp_size = read("get_parallel", "pp_size")
+    threshold = read("get_disagg", "disaggregation_decode_host_receive_threshold")
+    return TransferSettings(
+        pp_size=1 if pp_size is None else int(pp_size),
+        staging=staging,
+        host_receive=threshold is not None and float(threshold) < 1,
+    )
 
 
 def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSettings | None = None) -> DraftKV | None:
