@@ -346,6 +346,38 @@ def test_attach_refuses_all_steps_where_sglang_would_not_move_every_entry(sg, ca
     assert node.steps[0].get_contiguous_buf_infos() == own and node.kv_data()[3] == 2
 
 
+def _host_receive_check(sg, node):
+    """SGLang's real host-pool check (``HostPoolGroup.get_contiguous_buf_infos``, which the
+    decode runs at start under host receive and compares with its KV transfer list) on the
+    target and the primary draft pool. Stand-ins: the group object and the host pool (its
+    per-layer host buffers, the shapes of the device ones)."""
+    import importlib
+
+    group = importlib.import_module("sglang.srt.mem_cache.pool_host.group")
+    pools = (node.target, node.steps[0])
+    device = [b for p in pools for b in p.k_buffer] + [b for p in pools for b in p.v_buffer]
+    host = SimpleNamespace(host_kv_data_refs=[torch.empty_like(b) for b in device], token_stride_size=HEADS * DIM * 2)
+    entry = SimpleNamespace(
+        name="kv", host_pool=host, device_pool=node.target, packed_draft_device_pools=(node.steps[0],)
+    )
+    return group.HostPoolGroup.get_contiguous_buf_infos(SimpleNamespace(entries=[entry], page_size=1))[0]
+
+
+def test_host_receive_keeps_what_sglangs_host_pool_check_sees(sg) -> None:
+    """The primary pool's override would reach SGLang's own host-pool check (the decode
+    then fails at start: the negative control); under host receive "all_steps" is refused
+    at start, so the check sees SGLang's own list, the one the decode transfers."""
+    node = Node(sg, 2)
+    sglang_list = node.kv_data()[:3]
+    dk = D.DraftKV(node.steps)
+    dk.install()
+    with pytest.raises(ValueError, match="Host receive requires contiguous per-layer KV buffers"):
+        _host_receive_check(sg, node)
+    dk.remove()
+    assert D.attach(node.scheduler, STEPS, "mooncake", D.TransferSettings(host_receive=True)) is None
+    assert _host_receive_check(sg, node) == tuple(sglang_list) == node.kv_data()[:3]
+
+
 def test_transfer_settings_read_the_staging_switch_and_sglangs_runtime_context(monkeypatch) -> None:
     par, dis = SimpleNamespace(pp_size=2), SimpleNamespace(disaggregation_decode_host_receive_threshold=0.5)
     symbols = {f"{D.RUNTIME_MODULE}.get_parallel": lambda: par, f"{D.RUNTIME_MODULE}.get_disagg": lambda: dis}
