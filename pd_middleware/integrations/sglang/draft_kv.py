@@ -236,8 +236,9 @@ def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSetti
 
     None when there is one step, or when SGLang would not move every entry this module
     registers here (said once in the log, naming the flag and the reason; the node then
-    advertises no marker, so a peer with ``"all_steps"`` refuses it per session, naming
-    the flag: nothing is advertised that is not sent).
+    advertises no marker: nothing is advertised that is not sent. A decode with
+    ``"all_steps"`` serves such a prefill with step 1's KV; a prefill with it rejects
+    such a decode's sessions, naming the flag).
     """
     if num_steps <= 1:
         return None
@@ -460,7 +461,7 @@ def _all_steps(plan: Any) -> bool:
     """``[sglang].draft_kv`` as this node runs it: left out, "all_steps" only when the
     source ships proposals (its features hold ``prefill``); a source that ships nothing
     (decode-only recompute, ``channel = "none"``) runs behind a stock prefill, which sends
-    step 1's pool only, so "all_steps" there would fail every request."""
+    step 1's pool only: "all_steps" there would only patch SGLang's transfer for nothing."""
     chosen = plan.config.sglang.draft_kv
     if chosen is None:
         return "prefill" in plan.features
