@@ -133,9 +133,15 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
     seed: int = 0
     # Multi-layer EAGLE (--enable-multi-layer-eagle): which draft KV pools SGLang's PD
     # transfer carries. "all_steps": every chain step's pool, after the target's, in step
-    # order (both nodes must say so; a pair that differs is refused at bootstrap);
-    # "first_step": step 1's pool only, as SGLang does (pairs with a node without the drop-in).
-    draft_kv: Literal["all_steps", "first_step"] = "all_steps"
+    # order (both nodes should say so: such a decode serves a prefill that sends step 1's
+    # pool only with that, and fails the requests of a prefill with another chain, naming
+    # this key; such a prefill rejects a decode that registers another list);
+    # "first_step": step 1's pool only, as SGLang does (pairs with a node without the
+    # drop-in). Left out (None): "all_steps"
+    # when the source ships proposals, "first_step" when it ships nothing (channel = "none",
+    # decode-only recompute: its prefill is stock and sends step 1's pool only), decided
+    # by the SGLang drop-in from the source it chose.
+    draft_kv: Literal["all_steps", "first_step"] | None = None
 
     def __post_init__(self) -> None:
         c = self.capacity_bytes

@@ -18,9 +18,12 @@ What SGLang 0.5.23 does (file:line under ``sglang/srt``):
   after the target's buffers. Steps 2..S's pools are never sent: on a decode, their MTP
   layers attend over prompt slots that hold zeros or another request's KV.
 
-What the drop-in does, under ``[sglang].draft_kv = "all_steps"`` (the default) on a node
-that runs S > 1 chain steps on the Mooncake backend (:func:`attach`, at scheduler start,
-before SGLang builds its KV manager):
+What the drop-in does, under ``[sglang].draft_kv = "all_steps"`` (the default when the
+source ships proposals; ``"first_step"`` under ``channel = "none"``) on a node that runs
+S > 1 chain steps on the Mooncake backend (:func:`attach`, at scheduler start, before
+SGLang builds its KV manager; it keeps SGLang's list, with a warning naming the flag,
+where SGLang would not move every entry it registers: the staging buffer, a PP stage,
+host receive, step pools whose KV shape is not the target's: :func:`_step_pools`):
 
 - ``get_contiguous_buf_infos`` of SGLang's primary draft pool (that one object: an
   instance attribute, :meth:`DraftKV.install`) returns every step's buffers, in step
@@ -32,10 +35,25 @@ before SGLang builds its KV manager):
   as ``CommonKVManager.__init__`` starts (``common/conn.py:316-325`` reads it into
   ``self.kv_layout``); the prefill publishes it to its bootstrap server
   (``common/conn.py:1599``).
-- The decode refuses a prefill whose layout differs (none: a prefill without the drop-in
-  or with ``"first_step"``) where SGLang refuses a page size, dtype or layout mismatch
-  (``CommonKVManager.try_ensure_parallel_info``, ``common/conn.py:1293-1357``): a
-  RuntimeError naming the flag.
+- The decode decides per prefill, as SGLang fetches its info, and never by raising:
+  SGLang raises its own mismatches inside ``CommonKVManager.try_ensure_parallel_info``
+  (``common/conn.py:1293-1357``), which ``DecodePreallocQueue._ensure_prefill_info``
+  (``decode.py:1180``) calls without a try, so a raise there stops the scheduler with
+  every in-flight request. The wrapper keeps the layout comparison to itself (it hands
+  SGLang ``kv_layout = None`` for the call) and caches the prefill's info:
+
+  - the same layout: every step's pool;
+  - SGLang's list (no marker: no drop-in, or ``"first_step"``): the decode registers
+    SGLang's list with that prefill (``CommonKVReceiver._register_kv_args``, sent once per
+    prefill rank), so step 1's KV lands in step 1's pool, and serves its requests with
+    step 1's KV and SGLang's chain, as a stock pair does (counted once per request,
+    ``guard.draft_kv:first_step_requests``);
+  - another marker (another chain): each request from that prefill fails where SGLang
+    fails a request whose peer disagrees (``CommonKVReceiver.init``,
+    ``common/conn.py:2512-2535``, an allocation-policy mismatch): the receiver is aborted
+    and the room's failure reason is ours, so the handshake waiter ends the request with
+    SGLang's "Decode handshake failed ..." error carrying the reason (counted once per
+    request, ``guard.draft_kv:prefill_refused``). Every other prefill is served.
 - The prefill rejects a decode session that registered another number of KV buffers
   (``MooncakeKVManager._validate_peer_state_layout``, SGLang's per-session rejection hook:
   every transfer to it fails with the reason), before the in-band row's own check
@@ -45,11 +63,12 @@ before SGLang builds its KV manager):
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .patching import MOONCAKE_MODULE, Feature, Hook, Target, register_feature
+from .patching import MOONCAKE_MODULE, RUNTIME_MODULE, Feature, Hook, Target, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -75,6 +94,13 @@ class DraftKV:
 
     pools: Sequence[Any]
     entries: int = 0  # KV buffers the draft adds to the transfer (all steps), set by install
+    first_entries: int = 0  # of which step 1's (SGLang's own list), set by install
+    # Decode, by bootstrap address, set when SGLang fetches that prefill's info and read as
+    # each request's receiver starts: why its requests fail (another marker) ...
+    refused: dict[str, str] = field(default_factory=dict)
+    # ... or that it sends step 1's pool only (SGLang's list): this decode registers
+    # SGLang's list with it and serves its requests with step 1's KV.
+    first_step_only: set[str] = field(default_factory=set)
     _originals: list[Callable[[], BufInfos]] = field(default_factory=list)
 
     @property
@@ -108,6 +134,7 @@ class DraftKV:
         # Bound methods taken before the override: pools[0]'s is SGLang's own.
         self._originals = [getattr(p, BUF_INFOS) for p in self.pools]
         self.entries = len(self.buf_infos()[0])
+        self.first_entries = len(self._originals[0]()[0])
         setattr(self.pools[0], BUF_INFOS, self.buf_infos)
 
     def remove(self) -> None:
@@ -116,20 +143,33 @@ class DraftKV:
             vars(self.pools[0]).pop(BUF_INFOS, None)
             self._originals = []
 
+    def sglang_list(self, ptrs: Sequence[int], items: Sequence[int]) -> tuple[list[int], list[int]]:
+        """SGLang's own KV list (the target's, then step 1's) out of this node's (every step's)."""
+        cut = len(ptrs) - (self.entries - self.first_entries)
+        return list(ptrs[:cut]), list(items[:cut])
+
     # -- the pair's agreement -----------------------------------------------------------
-    def decode_refusal(self, bootstrap_addr: str, prefill_layout: str | None, decode_layout: str | None) -> str | None:
-        """Decode: why the prefill at ``bootstrap_addr`` must not send to this node, or None."""
-        if prefill_layout == decode_layout:
+    def sglang_layout(self, decode_layout: str | None) -> str | None:
+        """This node's ``kv_layout`` without the marker: what SGLang alone publishes here."""
+        marker = self.marker()
+        if decode_layout is None or decode_layout == marker:
             return None
-        theirs = (
-            f"kv_layout {prefill_layout!r}"
-            if prefill_layout is not None
-            else "step 1's draft KV pool only (SGLang's list: no drop-in, or draft_kv = \"first_step\")"
-        )
+        return decode_layout[: -len(marker) - 1] if decode_layout.endswith(f"+{marker}") else decode_layout
+
+    def first_step_only_from(self, prefill_layout: str | None, decode_layout: str | None) -> bool:
+        """Decode: whether that prefill registers SGLang's list (step 1's pool only: no
+        drop-in, or ``"first_step"``), which this decode can pair by registering it too."""
+        return prefill_layout == self.sglang_layout(decode_layout)
+
+    def decode_refusal(self, bootstrap_addr: str, prefill_layout: str | None, decode_layout: str | None) -> str | None:
+        """Decode: why the prefill at ``bootstrap_addr`` must not send to this node, or None
+        (the same layout, or SGLang's list: :meth:`first_step_only_from`)."""
+        if prefill_layout == decode_layout or self.first_step_only_from(prefill_layout, decode_layout):
+            return None
         return (
-            f"pd-middleware: the prefill at {bootstrap_addr} registers {theirs}, this decode registers every "
-            f"chain step's draft KV pool ({decode_layout}); their KV buffers would not pair up. Run both nodes with "
-            f'the drop-in and {FLAG} = "all_steps", or set {FLAG} = "first_step" on this decode'
+            f"pd-middleware: the prefill at {bootstrap_addr} registers kv_layout {prefill_layout!r}, this decode "
+            f"{decode_layout!r} (every chain step's draft KV pool); their KV buffers would not pair up. Run both "
+            f'nodes with the drop-in and the same {FLAG} and chain, or set {FLAG} = "first_step" on this decode'
         )
 
     def prefill_refusal(self, session: str, local: int, remote: int) -> str | None:
@@ -144,16 +184,65 @@ class DraftKV:
         )
 
 
-def attach(scheduler: Any, num_steps: int, backend: str) -> DraftKV | None:
+#: SGLang's switch of the staging-buffer path (MHA, prefill and decode attention TP differ).
+STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """SGLang's settings under which its transfer does not move every registered entry.
+
+    ``pp_size``: this node's pipeline stages (each stage registers its own layers' pools);
+    ``staging``: ``SGLANG_DISAGG_STAGING_BUFFER`` (the staging path gathers the primary
+    draft pool only, ``mooncake/conn.py:2707``); ``host_receive``:
+    ``--disaggregation-decode-host-receive-threshold`` below 1 (the decode receives into
+    host buffers that mirror SGLang's list, ``decode.py:683-720``).
+    """
+
+    pp_size: int = 1
+    staging: bool = False
+    host_receive: bool = False
+
+
+def transfer_settings(symbols: Any) -> TransferSettings:
+    """This node's :class:`TransferSettings`, from SGLang's runtime context (through the
+    installation's READ symbols) and the environment. Without the context (an
+    installation given its facts, a harness: no READ symbols, or a namespace not
+    published) the defaults hold: one stage, no host receive. A published context that
+    lacks the attribute raises (another SGLang), as the scheduler-start checks do."""
+    staging = os.environ.get(STAGING_ENV, "").strip().lower() in ("1", "true", "yes", "y")
+
+    def read(bag: str, attr: str) -> Any:
+        get = symbols.get(f"{RUNTIME_MODULE}.{bag}") if symbols is not None else None
+        try:
+            return None if get is None else getattr(get(), attr)
+        except ValueError as exc:  # SGLang's "config namespace ... not published"
+            if "not published" not in str(exc):
+                raise
+            logger.debug("pd-middleware: %s: the transfer settings' defaults", exc)
+            return None
+
+    pp_size = read("get_parallel", "pp_size")
+    threshold = read("get_disagg", "disaggregation_decode_host_receive_threshold")
+    return TransferSettings(
+        pp_size=1 if pp_size is None else int(pp_size),
+        staging=staging,
+        host_receive=threshold is not None and float(threshold) < 1,
+    )
+
+
+def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSettings | None = None) -> DraftKV | None:
     """At scheduler start: every chain step's pool into the transfer, or None (SGLang's list kept).
 
-    None when there is one step, or when this node's layout is not the one this module
-    reads (said once in the log, with the reason; both nodes of a pair decide alike:
-    the same model and flags).
+    None when there is one step, or when SGLang would not move every entry this module
+    registers here (said once in the log, naming the flag and the reason; the node then
+    advertises no marker: nothing is advertised that is not sent. A decode with
+    ``"all_steps"`` serves such a prefill with step 1's KV; a prefill with it rejects
+    such a decode's sessions, naming the flag).
     """
     if num_steps <= 1:
         return None
-    why, pools = _step_pools(scheduler, num_steps, backend)
+    why, pools = _step_pools(scheduler, num_steps, backend, settings or TransferSettings())
     if why is not None:
         logger.warning(
             "pd-middleware: %s = \"all_steps\" left SGLang's draft KV transfer as it is (step 1's pool only): %s",
@@ -170,9 +259,27 @@ def attach(scheduler: Any, num_steps: int, backend: str) -> DraftKV | None:
     return dk
 
 
-def _step_pools(scheduler: Any, num_steps: int, backend: str) -> tuple[str | None, list[Any]]:
+def _step_pools(
+    scheduler: Any, num_steps: int, backend: str, settings: TransferSettings
+) -> tuple[str | None, list[Any]]:
     if backend != "mooncake":
         return f"the {backend} backend (the pair's check runs on mooncake only)", []
+    # Settings under which SGLang's transfer moves fewer entries than are registered.
+    if settings.pp_size > 1:
+        return (
+            f"pipeline parallelism ({settings.pp_size} stages: each stage registers its own layers' pools, "
+            "so no stage's list matches a peer's)"
+        ), []
+    if settings.staging:
+        return (
+            f"{STAGING_ENV} is set (its path, for different attention TP sizes, gathers step 1's pool only); "
+            f'unset it or set {FLAG} = "first_step" on both nodes'
+        ), []
+    if settings.host_receive:
+        return (
+            "host receive (--disaggregation-decode-host-receive-threshold below 1: the host buffers mirror "
+            "SGLang's list, step 1's pool only)"
+        ), []
     spec = getattr(scheduler, "draft_worker", None)
     runners = list(getattr(getattr(spec, "draft_worker", None), "draft_runners", None) or ())
     if len(runners) != num_steps:
@@ -195,7 +302,29 @@ def _step_pools(scheduler: Any, num_steps: int, backend: str) -> tuple[str | Non
     if hasattr(target, "get_kv_layer_ids") or hasattr(pools[0], "get_kv_layer_ids"):
         # SGLang then pairs entries by layer id, and numbers every step's entries alike.
         return f"a {type(target).__name__} target pool (the transfer pairs its entries by layer id)", []
+    shape = _kv_shape(target)
+    for i, p in enumerate(pools):
+        if shape is not None and _kv_shape(p) != shape:
+            # Between different attention TP sizes SGLang slices every entry with the
+            # target's item length and head count (send_kvcache_slice, mooncake/conn.py:1672).
+            return (
+                f"chain step {i + 1}'s KV shape {_kv_shape(p)} is not the target's {shape} (a head-sliced "
+                "transfer between different attention TP sizes would cut it with the target's)"
+            ), []
     return None, pools
+
+
+def _kv_shape(pool: Any) -> tuple[Any, ...] | None:
+    """(heads, head dim, value head dim, bytes per token entry) of an MHA pool, or None."""
+    if pool is None or not hasattr(pool, "head_num"):
+        return None
+    items = list(pool.get_contiguous_buf_infos()[2])
+    return (
+        getattr(pool, "head_num", None),
+        getattr(pool, "head_dim", None),
+        getattr(pool, "v_head_dim", None),
+        tuple(sorted(set(items))),
+    )
 
 
 # --------------------------------------------------------------------- the features
@@ -219,30 +348,80 @@ def wrap_manager_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]
 def wrap_parallel_info(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     def try_ensure_parallel_info(self: Any, bootstrap_addr: str) -> Any:
         dk = inst.draft_kv
-        if dk is None:
-            return orig(self, bootstrap_addr)
+        if dk is None or bootstrap_addr in self.prefill_info_table:
+            return orig(self, bootstrap_addr)  # cached: decided when it was fetched
         mine = getattr(self, "kv_layout", None)
+        # SGLang raises on a layout mismatch here, and its caller has no try: the
+        # scheduler would stop with every in-flight request. Hand SGLang no layout for
+        # this call (it compares only when both nodes publish one) and compare here.
+        self.kv_layout = None
         try:
             ok = orig(self, bootstrap_addr)
-        except RuntimeError as exc:
-            if "KV layout mismatch" not in str(exc):
-                raise
-            # SGLang's own refusal (both sides publish a layout) names other flags: name ours too.
-            raise RuntimeError(
-                f"{exc} (pd-middleware: this decode's layout is {mine!r}; run both nodes with the drop-in and the "
-                f'same {FLAG}, or set {FLAG} = "first_step" on this decode)'
-            ) from exc
+        finally:
+            self.kv_layout = mine
         if not ok:
             return ok
         info = self.prefill_info_table.get(bootstrap_addr)
-        why = dk.decode_refusal(bootstrap_addr, getattr(info, "kv_layout", None), mine)
+        theirs = getattr(info, "kv_layout", None)
+        why = dk.decode_refusal(bootstrap_addr, theirs, mine)
+        dk.refused.pop(bootstrap_addr, None)
+        dk.first_step_only.discard(bootstrap_addr)
         if why is not None:
-            self.prefill_info_table.pop(bootstrap_addr, None)  # never marked ready
-            logger.error("%s", why)
-            raise RuntimeError(why)
+            dk.refused[bootstrap_addr] = why  # each request from it fails as its receiver starts
+            logger.error("%s; its requests fail, every other prefill is served", why)
+        elif theirs != mine:
+            dk.first_step_only.add(bootstrap_addr)
+            logger.warning(
+                "pd-middleware: the prefill at %s registers step 1's draft KV pool only (no drop-in, or %s = "
+                "\"first_step\"): this decode registers SGLang's list with it and serves its requests with step 1's "
+                "KV and SGLang's chain (steps 2..S's prompt KV not sent), counted draft_kv:first_step_requests",
+                bootstrap_addr,
+                FLAG,
+            )
         return ok
 
     return try_ensure_parallel_info
+
+
+def wrap_receiver_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def init(self: Any, prefill_dp_rank: int) -> Any:
+        dk = inst.draft_kv
+        why = None if dk is None else dk.refused.get(self.bootstrap_addr)
+        if why is None or self.conclude_state is not None:
+            if dk is not None and self.conclude_state is None and self.bootstrap_addr in dk.first_step_only:
+                inst.events.count("draft_kv:first_step_requests")
+            return orig(self, prefill_dp_rank)
+        # Where SGLang fails a request whose peer disagrees (its allocation-policy
+        # mismatch in this method): the room fails with the reason, never the scheduler.
+        # abort() marks it Failed (it records a generic reason), then ours replaces it,
+        # as SGLang's own _fail_prefill_recompute does.
+        self.abort()
+        self.kv_mgr.record_failure(self.bootstrap_room, why)
+        inst.events.count("draft_kv:prefill_refused")
+        return None
+
+    return init
+
+
+def wrap_register(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    def _register_kv_args(self: Any) -> Any:
+        dk = inst.draft_kv
+        if dk is None or self.bootstrap_addr not in dk.first_step_only:
+            return orig(self)
+        # A prefill that sends step 1's pool only: register SGLang's list with it (its
+        # entries then pair up, position by position), for this call only. SGLang sends
+        # this registration once per prefill rank (its connection pool caches the rest).
+        # The decode's scheduler thread is the one that reads these lists (a decode is
+        # written to, it sends no KV), and it is the thread running this call.
+        args = self.kv_mgr.kv_args
+        ptrs, items = args.kv_data_ptrs, args.kv_item_lens
+        args.kv_data_ptrs, args.kv_item_lens = dk.sglang_list(ptrs, items)
+        try:
+            return orig(self)
+        finally:
+            args.kv_data_ptrs, args.kv_item_lens = ptrs, items
+
+    return _register_kv_args
 
 
 def peer_mismatch(inst: Any, manager: Any, info: Any) -> str | None:
@@ -279,7 +458,14 @@ def wrap_validate(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
 
 
 def _all_steps(plan: Any) -> bool:
-    return bool(plan.config.sglang.draft_kv == "all_steps")
+    """``[sglang].draft_kv`` as this node runs it: left out, "all_steps" only when the
+    source ships proposals (its features hold ``prefill``); a source that ships nothing
+    (decode-only recompute, ``channel = "none"``) runs behind a stock prefill, which sends
+    step 1's pool only: "all_steps" there would only patch SGLang's transfer for nothing."""
+    chosen = plan.config.sglang.draft_kv
+    if chosen is None:
+        return "prefill" in plan.features
+    return bool(chosen == "all_steps")
 
 
 register_feature(
@@ -299,6 +485,20 @@ register_feature(
                 ("self", "bootstrap_addr"),
                 Hook.AROUND,
                 wrap_parallel_info,
+            ),
+            Target(
+                COMMON_CONN_MODULE,
+                "CommonKVReceiver.init",
+                ("self", "prefill_dp_rank"),
+                Hook.AROUND,
+                wrap_receiver_init,
+            ),
+            Target(
+                COMMON_CONN_MODULE,
+                "CommonKVReceiver._register_kv_args",
+                ("self",),
+                Hook.AROUND,
+                wrap_register,
             ),
         ),
         _all_steps,
