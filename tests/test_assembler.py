@@ -243,7 +243,7 @@ def test_build_fresh_on_cpu_writes_every_byte_of_its_numpy_memory(num_steps, mon
     """On CPU build_fresh wraps uninitialised numpy memory (huge pages for a large batch).
     Here that memory starts as NaN, so any position the write path skipped would show;
     every kind of batch (all one-hot, sparse with and without a floor, dense, mixed)
-    must still equal the zeroed reference. Negative control: with the row fill
+    must still equal the zeroed reference. Negative control: with the write path
     skipped, the NaN shows."""
     import numpy as np
 
@@ -262,7 +262,7 @@ def test_build_fresh_on_cpu_writes_every_byte_of_its_numpy_memory(num_steps, mon
         got = out if num_steps > 1 else out.unsqueeze(1)
         assert not bool(torch.isnan(got).any()), f"seed={SEED} step={step}: an unwritten position"
         assert torch.equal(got, _reference(props, b, num_steps, v)), f"seed={SEED} step={step}"
-    # Negative control: without the row fill the NaN memory shows through.
-    monkeypatch.setattr(asm, "_fill", lambda *args: None)
+    # Negative control: without the write path the NaN memory shows through.
+    monkeypatch.setattr(asm, "_write_fresh_host", lambda *args: None)
     out = asm.build_fresh([OneHotProposal((0,) * num_steps)])
     assert bool(torch.isnan(out).any())
