@@ -11,7 +11,9 @@ value" rule lives there alone: a target (a persistent buffer, or a fresh tensor)
 what it may still hold, namely the entries and whole rows its previous build wrote, or
 every row of a ``torch.empty`` tensor. The write clears that, except the rows it is
 about to write whole, then fills floored rows, copies dense ones and scatters every
-one-hot and sparse entry.
+one-hot and sparse entry. The one exception is a fresh tensor on CPU
+(:meth:`ProposalAssembler._write_fresh_host`): its memory is uninitialised numpy memory
+(huge pages), every row of it is stale, and every row is written request by request.
 
 Cost per batch does not grow with V for one-hot and sparse rows: what the previous
 build wrote is remembered as flat positions and cleared by one indexed store; the new
