@@ -236,3 +236,33 @@ def test_device_write_path_on_cpu_tensors(num_steps):
         out = asm.build_fresh(fresh)
         got = out if num_steps > 1 else out.unsqueeze(1)
         assert torch.equal(got, _reference(fresh, len(fresh), num_steps, v)), f"seed={SEED} step={step}: fresh"
+
+
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_build_fresh_on_cpu_writes_every_byte_of_its_numpy_memory(num_steps, monkeypatch):
+    """On CPU build_fresh wraps uninitialised numpy memory (huge pages for a large batch).
+    Here that memory starts as NaN, so any position the write path skipped would show;
+    every kind of batch (all one-hot, sparse with and without a floor, dense, mixed)
+    must still equal the zeroed reference. Negative control: with the write path
+    skipped, the NaN shows."""
+    import numpy as np
+
+    from pd_middleware.decode import assembler as mod
+
+    monkeypatch.setattr(mod, "_host_empty", lambda shape: np.full(shape, np.nan, dtype=np.float32))
+    rng = random.Random(SEED + 13 * num_steps)
+    v = 37
+    asm = ProposalAssembler(v, num_steps, 4)
+    for step in range(40):
+        b = rng.randint(1, 9)
+        props = [_random_proposal(rng, num_steps, v) for _ in range(b)]
+        if step % 4 == 0:
+            props = [OneHotProposal(tuple(rng.randrange(v) for _ in range(num_steps))) for _ in range(b)]
+        out = asm.build_fresh(props)
+        got = out if num_steps > 1 else out.unsqueeze(1)
+        assert not bool(torch.isnan(got).any()), f"seed={SEED} step={step}: an unwritten position"
+        assert torch.equal(got, _reference(props, b, num_steps, v)), f"seed={SEED} step={step}"
+    # Negative control: without the write path the NaN memory shows through.
+    monkeypatch.setattr(asm, "_write_fresh_host", lambda *args: None)
+    out = asm.build_fresh([OneHotProposal((0,) * num_steps)])
+    assert bool(torch.isnan(out).any())
