@@ -53,18 +53,18 @@ CONFIG = Path(__file__).parent.parent / "configs" / "sglang.toml"
 def sgl(sglang_importable):
     """SGLang's runtime context and a one-rank gloo model-parallel group."""
     from _sglang_import import import_sglang
-    from _sglang_tp1 import init_tp1
+    from _sglang_tp1 import tp1
 
-    init_tp1()  # the rotary module's CPU flag too: see the module docstring (never called by the head)
-    return SimpleNamespace(
-        eagle3=import_sglang("sglang.srt.models.llama_eagle3"),
-        eagle1=import_sglang("sglang.srt.models.llama_eagle"),
-        lp=import_sglang("sglang.srt.layers.logits_processor"),
-        fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
-        spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
-        builder=import_sglang("sglang.srt.speculative.eagle_disaggregation"),
-        info=import_sglang("sglang.srt.speculative.eagle_info"),
-    )
+    with tp1():  # taken down after the module; the rotary CPU flag too (module docstring; never called by the head)
+        yield SimpleNamespace(
+            eagle3=import_sglang("sglang.srt.models.llama_eagle3"),
+            eagle1=import_sglang("sglang.srt.models.llama_eagle"),
+            lp=import_sglang("sglang.srt.layers.logits_processor"),
+            fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
+            spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
+            builder=import_sglang("sglang.srt.speculative.eagle_disaggregation"),
+            info=import_sglang("sglang.srt.speculative.eagle_info"),
+        )
 
 
 def llama_config(vocab=V, **extra):
