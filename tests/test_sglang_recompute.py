@@ -387,41 +387,6 @@ def test_missing_hidden_state_falls_back_to_one_hot_counted(sgl, installed):
     assert installed.recompute.counts["fallback:no_hidden"] == 2
 
 
-def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, installed, monkeypatch, tmp_path):
-    """``PDM_TEST_RECOMPUTE_FAULT=head:0`` with ``PDM_TEST_RECOMPUTE_FAULT_WHILE=<file>``:
-    rank 0's head fails (every row falls back to the one-hot at X, counted) while the file
-    exists, and recomputes again once it is gone: one running server serves both phases."""
-    from pd_middleware.integrations.sglang.recompute import ENV_TEST_FAULT, ENV_TEST_FAULT_WHILE
-
-    switch = tmp_path / "fault-on"
-    switch.touch()
-    monkeypatch.setenv(ENV_TEST_FAULT, "head:0")
-    monkeypatch.setenv(ENV_TEST_FAULT_WHILE, str(switch))
-    start(sgl, installed, eagle3(sgl))
-    rc = installed.recompute
-    si = build(sgl, batch(3))
-    assert torch.equal(si.topk_index, torch.full((3, 1), 5))  # the prefill's X, one-hot
-    assert rc.counts["fallback:failed"] == 3 and rc.counts["recomputed"] == 0
-    switch.unlink()
-    si = build(sgl, batch(3))
-    assert rc.counts["recomputed"] == 3 and rc.counts["fallback:failed"] == 3
-    monkeypatch.setenv(ENV_TEST_FAULT, "head:1")  # another rank's fault: none on rank 0
-    switch.touch()
-    start(sgl, installed, eagle3(sgl))
-    build(sgl, batch(2))
-    assert rc.counts["recomputed"] == 5
-    # A file that holds a spec overrides the environment's, per batch: every rank, then rank 1.
-    switch.write_text("head\n")
-    si = build(sgl, batch(2))
-    assert torch.equal(si.topk_index, torch.full((2, 1), 5)) and rc.counts["fallback:failed"] == 5
-    switch.write_text("head:1")
-    build(sgl, batch(2))
-    assert rc.counts["recomputed"] == 7 and rc.counts["fallback:failed"] == 5
-    switch.unlink()
-    build(sgl, batch(1))
-    assert rc.counts["recomputed"] == 8
-
-
 def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, installed):
     """The startup checks make it impossible, so it is forced here: the head's logits gain
     one column (probability 0), so the recomputed q' is V + 1 wide while the head, the
