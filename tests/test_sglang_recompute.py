@@ -248,6 +248,11 @@ def test_placement_refusals_name_the_flag():
         check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=True)
     check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=False)
     check_placement(SimpleNamespace(do_tensor_parallel_all_gather=False), enable_overlap=True)
+    # The attention-TP gather (--enable-dp-lm-head at attention TP > 1): refused under overlap alike.
+    attn_tp = SimpleNamespace(do_tensor_parallel_all_gather=True, use_attn_tp_group=True)
+    with pytest.raises(ConfigError, match=r"attention TP > 1 with --enable-dp-lm-head.*--disable-overlap-schedule"):
+        check_placement(attn_tp, enable_overlap=True)
+    check_placement(attn_tp, enable_overlap=False)
 
 
 # ----------------------------------------------------------------------------- the builder
