@@ -4,7 +4,10 @@ Each rank process runs :func:`rank_main` for one case:
 
 - ``tp2``: plain TP 2 (``--tp 2``);
 - ``dp2``: DP attention, ``--tp 2 --dp 2 --enable-dp-attention`` (attention TP 1);
-- ``dp2_lm_head``: the same with ``--enable-dp-lm-head``.
+- ``dp2_lm_head``: the same with ``--enable-dp-lm-head``;
+- ``attn_tp2_lm_head``: ``--tp 2 --dp 1 --enable-dp-attention --enable-dp-lm-head``
+  (attention TP 2: the LogitsProcessor gathers over the attention-TP group,
+  ``_gather_attn_tp_logits``).
 
 What is real: SGLang's runtime context (``publish`` of a real ``ServerArgs``), its
 ``parallel_state`` over gloo on 127.0.0.1 (``init_distributed_environment(world_size=2)``,
@@ -53,6 +56,7 @@ CASES = {
     "tp2": {},
     "dp2": {"enable_dp_attention": True, "dp_size": 2},
     "dp2_lm_head": {"enable_dp_attention": True, "dp_size": 2, "enable_dp_lm_head": True},
+    "attn_tp2_lm_head": {"enable_dp_attention": True, "dp_size": 1, "enable_dp_lm_head": True},
 }
 
 
@@ -119,9 +123,11 @@ def _run(rank: int, port: int, case: str) -> dict:
 
     gathers: list[dict] = []
 
-    def recorded(inner: Any) -> Any:
+    def recorded(inner: Any, *, attn_tp: bool = False) -> Any:
         def gather(x: torch.Tensor) -> torch.Tensor:
-            g = ps.get_tp_group()  # what SGLang's tensor_model_parallel_all_gather resolves now
+            # What SGLang's gather resolves now: the TP group, or the attention-TP group for
+            # the LogitsProcessor's _gather_attn_tp_logits (--enable-dp-lm-head).
+            g = ps.get_attn_tp_group() if attn_tp else ps.get_tp_group()
             gathers.append({"size": g.world_size, "ranks": list(g.ranks), "draft_group": g is layout.tp_group})
             return inner(x)
 
@@ -143,6 +149,7 @@ def _run(rank: int, port: int, case: str) -> dict:
 
     def decision(lp: Any) -> dict:
         got = {}
+        got["use_attn_tp_group"] = bool(lp.use_attn_tp_group)
         for overlap in (False, True):
             try:
                 check_placement(lp, enable_overlap=overlap)
@@ -201,7 +208,11 @@ def _run(rank: int, port: int, case: str) -> dict:
     head = source.head
     lp = head.lp
     res["head_lp_gathers"] = bool(lp.do_tensor_parallel_all_gather)
-    if lp.do_tensor_parallel_all_gather:
+    if lp.do_tensor_parallel_all_gather and lp.use_attn_tp_group:
+        # SGLang's own attention-TP gather, recorded (the head calls it as the LP does).
+        lp._gather_attn_tp_logits = recorded(lp._gather_attn_tp_logits, attn_tp=True)
+        forced = None
+    elif lp.do_tensor_parallel_all_gather:
         lp._logits_gatherer = recorded(lp._logits_gatherer)  # SGLang's own gatherer, recorded
         forced = None
     else:
@@ -237,6 +248,16 @@ def _run(rank: int, port: int, case: str) -> dict:
 
     if case == "tp2":
         res["scenarios"] = _tp2_scenarios(rank, source, sched, draft, capture)
+    if case == "attn_tp2_lm_head":
+        # The scheduler-start capture of this head under the overlap scheduler.
+        sched.enable_overlap = True
+        try:
+            capture(source, sched, vocab_size=V, num_steps=1, rs=True)
+            res["capture_under_overlap"] = "accepted"
+        except ConfigError as exc:
+            res["capture_under_overlap"] = f"refused: {exc}"
+        finally:
+            sched.enable_overlap = False
 
     # ---- negative control: the same head, its gather called OUTSIDE the draft TP context,
     # on DP rank 0 alone (rank 1 has no batch): it resolves the full TP group and blocks.
@@ -292,25 +313,27 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
     batches where one rank differs from the other: its head fails (a bf16 head, and a bf16
     head whose output is fp32: ``enable_lm_head_fp32``, the switch of ``--enable-fp32-lm-head``),
     its hidden state is missing, it draws another X', its row is invalid and its prefill X
-    differs, the staging of its write fails. Each runs both ranks' ``prepare`` in lockstep,
+    differs, the staging of its write fails, and (last: on a build where that rank skips the
+    gather, the ranks are left in different collectives) the copy of its batch to the head's
+    device fails. Each runs both ranks' ``prepare`` in lockstep,
     bounded (a rank left alone in a collective is reported ``hung``, and no later scenario runs).
     Per scenario: the X each request hands SGLang, the agreed rows, the count deltas, and every
     gather's (dtype, shape)."""
     import torch
 
-    from pd_middleware.integrations.sglang.recompute import ENV_TEST_FAULT
-
     out: dict[str, Any] = {}
 
-    def bind(model: Any, *, fault: str = "") -> None:
-        if fault:
-            os.environ[ENV_TEST_FAULT] = fault
-        try:
-            source.tp_rank = rank
-            sched.draft_worker.draft_worker.draft_runner.model = model
-            capture(source, sched, vocab_size=V, num_steps=1, rs=True)
-        finally:
-            os.environ.pop(ENV_TEST_FAULT, None)
+    def bind(model: Any, *, head_fails_on: int | None = None) -> None:
+        source.tp_rank = rank
+        sched.draft_worker.draft_worker.draft_runner.model = model
+        capture(source, sched, vocab_size=V, num_steps=1, rs=True)
+        if head_fails_on == rank:
+            # This rank's part of the head, before its gather, fails (what the tier's switch,
+            # tests/server/site/recompute_fault.py, does with head:<rank>).
+            def local(hidden: Any) -> Any:
+                raise RuntimeError(f"injected: the head fails on rank {rank}")
+
+            source.head._local = local
 
     def run(name: str, batch: Any) -> bool:
         lp = source.head.lp
@@ -357,11 +380,11 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
         }
         return status == "ok"
 
-    # The head fails on rank 1 (the tier's switch, head:1): fp32 output of a bf16 head, then bf16.
-    bind(draft(torch.bfloat16, enable_lm_head_fp32=True), fault="head:1")
+    # The head fails on rank 1: fp32 output of a bf16 head, then bf16.
+    bind(draft(torch.bfloat16, enable_lm_head_fp32=True), head_fails_on=1)
     if not run("fp32_output_head_fault", _batch(torch, 2, seed=21)):
         return out
-    bind(draft(torch.bfloat16), fault="head:1")
+    bind(draft(torch.bfloat16), head_fails_on=1)
     if not run("bf16_head_fault", _batch(torch, 2, seed=22)):
         return out
     bind(draft(torch.float32))
@@ -413,4 +436,26 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
         out["capture_under_overlap"] = f"refused: {exc}"
     finally:
         sched.enable_overlap = False
+    # Rank 1's copy of the batch's positions to the head's device fails (a rank-local error
+    # between the start of its vote and the head's gather). Last: where that rank skips the
+    # gather, the two ranks sit in different collectives and nothing after could run.
+    bind(draft(torch.float32))
+    b = _batch(torch, 2, seed=27)
+    if rank == 1:
+        b.seq_lens = _FailingCopy(b.seq_lens)
+    run("device_copy_fails_on_one_rank", b)
     return out
+
+
+class _FailingCopy:
+    """A batch field whose copy to a device fails on this rank (``.to`` raises), as a rank-local
+    device error would; everything else reads through to the tensor."""
+
+    def __init__(self, tensor: Any) -> None:
+        self._tensor = tensor
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: copying the batch to the head's device fails on this rank")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tensor, name)

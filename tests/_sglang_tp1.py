@@ -4,11 +4,19 @@ SGLang's model classes read their parallel groups from its runtime context, so a
 builds one needs a published context and a model-parallel group: here a one-rank gloo
 group on 127.0.0.1, built by SGLang's own ``init_distributed_environment`` and
 ``initialize_model_parallel``.
+
+A module holds it for its own span only (:func:`tp1`, a module-scoped fixture's ``with``):
+on the way out SGLang's groups, its gloo world and its published context are taken down,
+so the next module (whatever its order) starts from SGLang's pristine context. A module
+that runs after one and finds a TP 1 context published fails when it overrides the
+parallel sizes ("parallel topology is inconsistent").
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
 from _sglang_import import import_sglang
 
@@ -24,11 +32,11 @@ def init_tp1() -> None:
     """Publish SGLang's runtime context (a CPU ``ServerArgs`` at TP 1, world rank 0) and
     build the one-rank gloo model-parallel group.
 
-    Each test module calls it once. Groups an earlier module built were dropped from the
-    context when it was reset, so they are built again (the gloo world is reused). The
-    rotary embedding's constructor picks a vLLM kernel unless SGLang's CPU engine flag is
-    set, and the CPU engine itself needs sgl-kernel's CPU build (not installable here): the
-    flag of that one module is set, for the native rotary path.
+    Use it through :func:`tp1`, which takes it down again. Groups left in place by a caller
+    that did not are dropped first and built again. The rotary embedding's constructor picks
+    a vLLM kernel unless SGLang's CPU engine flag is set, and the CPU engine itself needs
+    sgl-kernel's CPU build (not installable here): the flag of that one module is set, for
+    the native rotary path.
     """
     rc = import_sglang("sglang.srt.runtime_context")
     ps = import_sglang("sglang.srt.distributed.parallel_state")
@@ -53,3 +61,28 @@ def init_tp1() -> None:
     ps.initialize_model_parallel()
     rb = import_sglang("sglang.srt.layers.rotary_embedding.base")
     rb._is_cpu = True
+
+
+def release_tp1() -> None:
+    """Take down what :func:`init_tp1` built: the model-parallel groups, the one-rank gloo
+    world, and SGLang's published runtime context (back to SGLang's pristine one)."""
+    rc = import_sglang("sglang.srt.runtime_context")
+    ps = import_sglang("sglang.srt.distributed.parallel_state")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()  # one rank: nothing to wait for
+    rc.reset_context()
+
+
+@contextlib.contextmanager
+def tp1() -> Iterator[None]:
+    """:func:`init_tp1` for the span of the ``with``; afterwards :func:`release_tp1`, and the
+    rotary module's CPU flag as it was."""
+    rb = import_sglang("sglang.srt.layers.rotary_embedding.base")
+    was_cpu = rb._is_cpu
+    init_tp1()
+    try:
+        yield
+    finally:
+        release_tp1()
+        rb._is_cpu = was_cpu

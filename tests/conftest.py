@@ -69,6 +69,21 @@ def sglang_importable() -> bool:
     return True
 
 
+@pytest.fixture(scope="module")
+def sglang_context(sglang_importable: bool) -> Iterator[None]:
+    """SGLang's runtime context as SGLang starts (nothing published) for a module's span, and
+    again after it: a module that overrides the context's server args or parallel sizes
+    (``get_context().override_server_args``) starts from the same context whatever ran
+    before it, and leaves none behind. Modules that build SGLang's models publish their own
+    (``tests/_sglang_tp1.py: tp1``)."""
+    from _sglang_import import import_sglang
+
+    rc = import_sglang("sglang.srt.runtime_context")
+    rc.reset_context()
+    yield
+    rc.reset_context()
+
+
 @pytest.fixture
 def sglang_uninstall() -> Iterator[None]:
     """Undo whatever SGLang installation a test made (tests of the drop-in use it for every test)."""

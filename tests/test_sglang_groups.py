@@ -153,6 +153,39 @@ def test_check_placement_refuses_exactly_a_gather_across_dp_ranks_or_under_overl
             assert p["overlap=True"].startswith("refused") and "--disable-overlap-schedule" in p["overlap=True"], p
 
 
+def test_an_attention_tp_gather_is_refused_under_the_overlap_scheduler():
+    """``--enable-dp-lm-head`` at attention TP 2 (``--tp 2 --dp 1 --enable-dp-attention``):
+    SGLang's real LogitsProcessor gathers its logits over the attention-TP group
+    (``use_attn_tp_group``, ``_gather_attn_tp_logits``). From the scheduler thread that is as
+    unsafe beside an overlapped forward as the vocab-parallel gather: ``check_placement``,
+    and the scheduler-start capture through it, refuse it under the overlap scheduler naming
+    ``--disable-overlap-schedule``, and accept it without. Negative control tried: a check
+    that refuses only the TP-group gather (``... and not lp.use_attn_tp_group``) accepts it
+    under overlap, and this test fails.
+
+    Without overlap the head calls SGLang's attention-TP gather once a batch on both ranks
+    and the vote runs over the attention-TP CPU group. On this CPU that gather raises on both
+    ranks alike (SGLang's ``attn_tp_all_gather_into_tensor`` dispatches to its custom op
+    ``sglang::reg_all_gather_into_tensor``, which has no CPU kernel): both ranks fall back,
+    counted ``failed`` once a request, and hand SGLang the same X; where the op runs, both
+    recompute."""
+    r0, r1 = run_case("attn_tp2_lm_head")
+    for r in (r0, r1):
+        assert (r["tp_size"], r["attn_tp_size"], r["attn_dp_size"]) == (2, 2, 1)
+        for kind in ("target_layout", "single_group"):
+            p = r["placement"][kind]
+            assert p["gather"] and p["use_attn_tp_group"] and not p["gather_dp_attn"], p
+            assert p["overlap=False"] == "accepted", p
+            assert p["overlap=True"].startswith("refused") and "--disable-overlap-schedule" in p["overlap=True"], p
+        got = r["capture_under_overlap"]
+        assert got.startswith("refused") and "--disable-overlap-schedule" in got, got
+        assert r["head_lp_gathers"] and not r.get("prepare_hung"), r
+        assert r["gathers"] == [{"size": 2, "ranks": [0, 1], "draft_group": False}], r["gathers"]
+        assert r["votes"] == [{"ranks": [0, 1], "attn_tp_cpu_group": True}], r["votes"]
+        assert r["counts"] in ({"batches": 1, "recomputed": 2}, {"batches": 1, "fallback:failed": 2}), r["counts"]
+    assert r0["counts"] == r1["counts"] and r0["x"] == r1["x"], (r0["counts"], r1["counts"])
+
+
 # ----------------------------------------------------------------------------- TP 2: one rank differs
 
 
@@ -170,7 +203,8 @@ def scenario(name: str) -> tuple[dict, dict]:
     ("name", "dtype"), [("fp32_output_head_fault", "torch.float32"), ("bf16_head_fault", "torch.bfloat16")]
 )
 def test_a_failing_head_on_one_rank_gathers_its_peers_dtype_and_both_fall_back_counted_once(name, dtype):
-    """The head fails on rank 1 (the tier's switch, ``head:1``). Its zeros enter SGLang's
+    """The head fails on rank 1 (its part before the gather raises, as the tier's switch
+    ``head:1`` makes it, tests/server/site/recompute_fault.py). Its zeros enter SGLang's
     gather with the dtype and width of a real output of the head: fp32 for a bf16 head
     under ``enable_lm_head_fp32`` (``--enable-fp32-lm-head``'s switch), bf16 without. No
     rank is left in the gather; both hand SGLang the prefill's X, one-hot; each request is
@@ -237,6 +271,24 @@ def test_a_failure_staging_the_write_on_one_rank_is_its_vote_never_a_divergent_x
         assert s["x"] == [5, 5] and s["agreed"] is None, s
     assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
     assert s1["counts"] == {"batches": 1, "fallback:failed": 2}, s1["counts"]
+
+
+def test_a_rank_whose_batch_fails_to_reach_the_heads_device_still_enters_the_gather():
+    """Rank 1's copy of the batch's positions to the head's device raises (a rank-local error
+    after its vote began, before the head's gather). It still enters SGLang's gather, on the
+    bytes its peer sends, then votes "not ok": both ranks hand SGLang the prefill's X, one-hot,
+    each request counted once on each rank (rank 1 ``failed``, rank 0 ``peer_failed``), and
+    no rank is left in a collective (each wait bounded: a rank left alone is reported hung
+    after ``SCENARIO_WAIT_S``). Negative control tried: the landed order (the copies made
+    outside the vote's try, before the head) leaves rank 1 in the vote's all-reduce and
+    rank 0 in the gather, and this test fails."""
+    s0, s1 = scenario("device_copy_fails_on_one_rank")
+    for s in (s0, s1):
+        assert s["gathers"] == [["torch.float32", [2, 64]]], s["gathers"]  # once, the same bytes on both
+        assert s["x"] == [5, 5] and s["agreed"] is None, s
+    assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "fallback:failed": 2}, s1["counts"]
+    assert s1["guard"] == {"guard:recompute:RuntimeError": 1} and s0["guard"] == {}, (s0["guard"], s1["guard"])
 
 
 def test_capture_refuses_a_vocab_parallel_head_under_the_overlap_scheduler():

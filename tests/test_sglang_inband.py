@@ -36,7 +36,7 @@ from pd_middleware.integrations.sglang.prefill import wrap_prefill_result
 from pd_middleware.sampling.draws import request_uniforms
 from pd_middleware.sampling.encodings import sparse_law_tensor
 
-pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_context", "sglang_uninstall")]
 
 V = 64
 SEED = 77

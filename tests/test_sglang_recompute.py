@@ -53,18 +53,18 @@ CONFIG = Path(__file__).parent.parent / "configs" / "sglang.toml"
 def sgl(sglang_importable):
     """SGLang's runtime context and a one-rank gloo model-parallel group."""
     from _sglang_import import import_sglang
-    from _sglang_tp1 import init_tp1
+    from _sglang_tp1 import tp1
 
-    init_tp1()  # the rotary module's CPU flag too: see the module docstring (never called by the head)
-    return SimpleNamespace(
-        eagle3=import_sglang("sglang.srt.models.llama_eagle3"),
-        eagle1=import_sglang("sglang.srt.models.llama_eagle"),
-        lp=import_sglang("sglang.srt.layers.logits_processor"),
-        fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
-        spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
-        builder=import_sglang("sglang.srt.speculative.eagle_disaggregation"),
-        info=import_sglang("sglang.srt.speculative.eagle_info"),
-    )
+    with tp1():  # taken down after the module; the rotary CPU flag too (module docstring; never called by the head)
+        yield SimpleNamespace(
+            eagle3=import_sglang("sglang.srt.models.llama_eagle3"),
+            eagle1=import_sglang("sglang.srt.models.llama_eagle"),
+            lp=import_sglang("sglang.srt.layers.logits_processor"),
+            fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
+            spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
+            builder=import_sglang("sglang.srt.speculative.eagle_disaggregation"),
+            info=import_sglang("sglang.srt.speculative.eagle_info"),
+        )
 
 
 def llama_config(vocab=V, **extra):
@@ -248,6 +248,11 @@ def test_placement_refusals_name_the_flag():
         check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=True)
     check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=False)
     check_placement(SimpleNamespace(do_tensor_parallel_all_gather=False), enable_overlap=True)
+    # The attention-TP gather (--enable-dp-lm-head at attention TP > 1): refused under overlap alike.
+    attn_tp = SimpleNamespace(do_tensor_parallel_all_gather=True, use_attn_tp_group=True)
+    with pytest.raises(ConfigError, match=r"attention TP > 1 with --enable-dp-lm-head.*--disable-overlap-schedule"):
+        check_placement(attn_tp, enable_overlap=True)
+    check_placement(attn_tp, enable_overlap=False)
 
 
 # ----------------------------------------------------------------------------- the builder
@@ -385,41 +390,6 @@ def test_missing_hidden_state_falls_back_to_one_hot_counted(sgl, installed):
     with pytest.raises(Exception):  # noqa: B017  SGLang's own stack of hidden states fails on None
         build(sgl, b)
     assert installed.recompute.counts["fallback:no_hidden"] == 2
-
-
-def test_the_tiers_fault_switch_fails_the_head_only_while_its_file_exists(sgl, installed, monkeypatch, tmp_path):
-    """``PDM_TEST_RECOMPUTE_FAULT=head:0`` with ``PDM_TEST_RECOMPUTE_FAULT_WHILE=<file>``:
-    rank 0's head fails (every row falls back to the one-hot at X, counted) while the file
-    exists, and recomputes again once it is gone: one running server serves both phases."""
-    from pd_middleware.integrations.sglang.recompute import ENV_TEST_FAULT, ENV_TEST_FAULT_WHILE
-
-    switch = tmp_path / "fault-on"
-    switch.touch()
-    monkeypatch.setenv(ENV_TEST_FAULT, "head:0")
-    monkeypatch.setenv(ENV_TEST_FAULT_WHILE, str(switch))
-    start(sgl, installed, eagle3(sgl))
-    rc = installed.recompute
-    si = build(sgl, batch(3))
-    assert torch.equal(si.topk_index, torch.full((3, 1), 5))  # the prefill's X, one-hot
-    assert rc.counts["fallback:failed"] == 3 and rc.counts["recomputed"] == 0
-    switch.unlink()
-    si = build(sgl, batch(3))
-    assert rc.counts["recomputed"] == 3 and rc.counts["fallback:failed"] == 3
-    monkeypatch.setenv(ENV_TEST_FAULT, "head:1")  # another rank's fault: none on rank 0
-    switch.touch()
-    start(sgl, installed, eagle3(sgl))
-    build(sgl, batch(2))
-    assert rc.counts["recomputed"] == 5
-    # A file that holds a spec overrides the environment's, per batch: every rank, then rank 1.
-    switch.write_text("head\n")
-    si = build(sgl, batch(2))
-    assert torch.equal(si.topk_index, torch.full((2, 1), 5)) and rc.counts["fallback:failed"] == 5
-    switch.write_text("head:1")
-    build(sgl, batch(2))
-    assert rc.counts["recomputed"] == 7 and rc.counts["fallback:failed"] == 5
-    switch.unlink()
-    build(sgl, batch(1))
-    assert rc.counts["recomputed"] == 8
 
 
 def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, installed):

@@ -65,18 +65,18 @@ CONFIG = Path(__file__).parent.parent / "configs" / "sglang.toml"
 def sgl(sglang_importable):
     """SGLang's runtime context and a one-rank gloo model-parallel group (TP 1)."""
     from _sglang_import import import_sglang
-    from _sglang_tp1 import init_tp1
+    from _sglang_tp1 import tp1
 
-    init_tp1()  # the rotary module's CPU flag too: see the module docstring
-    return SimpleNamespace(
-        nextn=import_sglang("sglang.srt.models.deepseek_nextn"),
-        fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
-        fc=import_sglang("sglang.srt.model_executor.forward_context"),
-        pool=import_sglang("sglang.srt.mem_cache.memory_pool"),
-        info=import_sglang("sglang.srt.speculative.eagle_info"),
-        spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
-        builder=import_sglang("sglang.srt.speculative.eagle_disaggregation"),
-    )
+    with tp1():  # taken down after the module; the rotary CPU flag too (see the module docstring)
+        yield SimpleNamespace(
+            nextn=import_sglang("sglang.srt.models.deepseek_nextn"),
+            fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
+            fc=import_sglang("sglang.srt.model_executor.forward_context"),
+            pool=import_sglang("sglang.srt.mem_cache.memory_pool"),
+            info=import_sglang("sglang.srt.speculative.eagle_info"),
+            spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
+            builder=import_sglang("sglang.srt.speculative.eagle_disaggregation"),
+        )
 
 
 def nextn_config() -> object:

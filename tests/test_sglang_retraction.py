@@ -36,7 +36,7 @@ from _sglang_builder import build_draft_input, namespace_batch
 from pd_middleware.config import parse_config
 from pd_middleware.integrations import sglang as S
 
-pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_uninstall")]
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_context", "sglang_uninstall")]
 
 V = 64
 

@@ -148,8 +148,6 @@ class SGLangDraftHead:
         self.lm_head = model.lm_head
         self.scope = scope
         self.symbols = symbols if symbols is not None else Symbols()
-        # The server tier's fault switch (recompute.ENV_TEST_FAULT = "head:<rank>"): this rank's part fails.
-        self.fault = False
         cfg = getattr(model, "config", None)
         normed = rule.normed_if is not None and bool(getattr(cfg, rule.normed_if, False))
         self.norm: Callable[[torch.Tensor], torch.Tensor] | None = (
@@ -193,8 +191,6 @@ class SGLangDraftHead:
         with torch.no_grad(), self.scope():
             failed: BaseException | None = None
             try:
-                if self.fault:
-                    raise RuntimeError("injected by the tier's fault switch: the head fails on this rank")
                 logits = self._local(hidden)
                 if logits.dtype != self.out_dtype or tuple(logits.shape) != (b, self.local_width):
                     raise ValidationError(

@@ -28,9 +28,14 @@ then **the ranks agree** (:func:`~.agreement.agree`) per request on (ok, X', the
 prefill's X): a request that any rank could not serve, or whose X' differs between
 ranks, falls back on every rank to the exact one-hot at the same X (the smallest
 prefill X any rank holds). A failure on one rank is its vote; the head's gather still
-runs on every rank, on the same bytes (:class:`~.draft_head.SGLangDraftHead`). Everything that can
+runs on every rank, on the same bytes (:class:`~.draft_head.SGLangDraftHead`): every step
+before the gather (reading the batch, copying it to the head's device:
+:meth:`RecomputeSource._inputs`) runs inside the vote, and a rank whose step failed runs
+the head on blank inputs of the same shapes, then votes "not ok". Everything that can
 fail on one rank runs before the vote (:meth:`RecomputeSource._stage`); after it a rank
-only assigns what it staged. X' and q'(X') are written into each agreed request's
+only assigns what it staged. Each per-rank step is a method of its own (``_hidden``,
+``_inputs``, ``_stage``; the head's ``_local``), so a deployment's fault injection wraps
+one without reaching into the vote (the server tier's does: ``docs/server.md``). X' and q'(X') are written into each agreed request's
 ``output_topk_index``/``output_topk_p`` (the fields the builder reads), and q' is the
 builder's ``pd_first_draft_proposal``. All of it happens inside the original builder's
 call, so **before** ``future_map.stash`` copies the draft input under the overlap
@@ -41,7 +46,8 @@ Where it runs, and what is refused at startup (:func:`capture`, with the checks 
 the builder runs on the scheduler thread (``Scheduler.get_new_prebuilt_batch`` ->
 ``process_prebuilt``). A head with no collective (TP 1, or DP attention with
 ``--enable-dp-lm-head`` at attention-TP 1) is safe there. A vocab-parallel head (TP > 1)
-all-gathers its logits: from the scheduler thread that is only safe with
+all-gathers its logits (over the attention-TP group with ``--enable-dp-lm-head`` at
+attention TP > 1): from the scheduler thread that is only safe with
 ``--disable-overlap-schedule`` (no forward in flight; every TP rank of a node builds the
 same prebuilt batch in the same order, since SGLang's transfer polls are all-reduced
 over the TP group), so it is refused with overlap on. A draft whose LogitsProcessor
@@ -59,7 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -80,17 +85,6 @@ from .startup import check_placement, check_token_map, check_width, draft_worker
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
-#: The fault switch only the server tier sets (never a config key): ``<where>:<rank>``
-#: makes this decode's step ``where`` (``hidden``, ``head``, ``draw``) fail on TP rank
-#: ``rank``, to show that a failure on one rank becomes its vote (docs/server.md).
-ENV_TEST_FAULT = "PDM_TEST_RECOMPUTE_FAULT"
-#: With it, the fault is on only while the file this names exists (checked per batch), so
-#: one running server can be served with the fault and without it. A file that is not empty
-#: holds the spec in force (``<where>[:<rank>]``, e.g. ``head`` for every rank), in place of
-#: the environment's: one server can then be served with a fault on every rank, on one rank,
-#: and none.
-ENV_TEST_FAULT_WHILE = "PDM_TEST_RECOMPUTE_FAULT_WHILE"
-
 LP = f"{LOGITS_MODULE}.LogitsProcessor"
 FAST_SAMPLE = f"{SPEC_UTILS_MODULE}.fast_sample"
 DRAFT_TP_CONTEXT = f"{SPEC_UTILS_MODULE}.draft_tp_context"
@@ -106,6 +100,19 @@ class Staged:
     x: torch.Tensor
     p: torch.Tensor
     valid: torch.Tensor
+
+
+@dataclass
+class _HeadInputs:
+    """What the head and the draw read for one batch, on the head's device: ``hidden``
+    (B, H) in the head's dtype; ``temperatures`` (B, 1) or (B,); ``seeds``, ``positions``
+    int64 (B,); ``greedy`` bool (B,) or None."""
+
+    hidden: torch.Tensor
+    temperatures: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor
+    greedy: torch.Tensor | None
 
 
 @dataclass
@@ -149,9 +156,6 @@ class RecomputeSource(ProposalSource):
         self.counts = self.events.counts
         #: Which sampler draws X' (set at bind): SGLang's seeded fast_sample, or the core's.
         self.sampler = ""
-        self._fault = ""  # the step failing on this rank now ("" for none)
-        self._fault_spec = ""  # what the tier's switch asks of this rank
-        self._fault_while = ""  # the file that gates it ("" for always)
 
     # -- scheduler start ---------------------------------------------------------------
     def bind(self, facts: Any, scheduler: Any) -> None:
@@ -214,9 +218,6 @@ class RecomputeSource(ProposalSource):
         self.synth, self.head, self.num_steps = synth, head, num_steps
         self.group = group_of(group, self.inst.rank_agreement if self.inst is not None else True)
         self.sampler = "sglang.fast_sample" if draw is not None else "pd_middleware.inverse_cdf"
-        self._fault_spec = _fault_for(self.tp_rank)
-        self._fault_while = os.environ.get(ENV_TEST_FAULT_WHILE, "") if os.environ.get(ENV_TEST_FAULT) else ""
-        self._arm_fault()
 
     # -- per batch ---------------------------------------------------------------------
     def _fallback(self, reason: str, n: int) -> None:
@@ -232,8 +233,6 @@ class RecomputeSource(ProposalSource):
         reqs = list(batch.reqs)
         b = len(reqs)
         self.events.count("batches")
-        if self._fault_while:
-            self._arm_fault()
         if b == 0:
             return None
         user = self._user_rows(reqs)
@@ -256,7 +255,12 @@ class RecomputeSource(ProposalSource):
         """bool (B,): the rows that are user requests. SGLang's warmups and health checks
         (a fake transfer: their hidden state is whatever the metadata slot last held) are
         served like the rest but counted apart, ``probe``, never as recomputed or fallen back."""
-        user = torch.tensor([not is_probe(r) for r in reqs], dtype=torch.bool)
+        try:
+            user = torch.tensor([not is_probe(r) for r in reqs], dtype=torch.bool)
+        except Exception as exc:  # never a reason to skip the vote: every row is counted as a user row
+            events = self.inst.events if self.inst is not None else self.events
+            events.failed("recompute_rows", exc, "every row of the batch counted as a user request")
+            return torch.ones(len(reqs), dtype=torch.bool)
         probes = int((~user).sum())
         if probes:
             self.events.count("probe", probes)
@@ -264,18 +268,47 @@ class RecomputeSource(ProposalSource):
 
     def _votes(self, batch: Any, reqs: list[Any], seen: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (ok (B,), [X', prefill X] (B, 2)), with everything the write after the
-        vote assigns staged in ``seen``; raises for a failure of this rank's own (its vote)."""
+        vote assigns staged in ``seen``; raises for a failure of this rank's own (its vote).
+
+        The head's gather is entered whatever happened before it: every step that reads
+        the batch or moves it to the head's device runs in one ``try``
+        (:meth:`_inputs`); a failure there leaves the head inputs of the same shapes
+        (:meth:`_blank`), the head and its gather run on those, and the failure is raised
+        after the gather. Nothing else runs between the start of the vote and the gather."""
         assert self.synth is not None and self.head is not None
-        b, head = len(reqs), self.head
-        # Where a fallen-back row's agreed X is written after the vote (no allocation there).
-        seen["spare"] = torch.empty((b, 1), dtype=torch.int64)
+        b = len(reqs)
         failed: BaseException | None = None
         try:
+            # Where a fallen-back row's agreed X is written after the vote (no allocation there).
+            seen["spare"] = torch.empty((b, 1), dtype=torch.int64)
             seen["x"] = torch.tensor([request_tokens(r, 1)[0] for r in reqs], dtype=torch.int64)
-            hidden = self._hidden(reqs)
-        except Exception as exc:  # no usable hidden state: this rank votes "not ok", after the head
+            inputs = self._inputs(batch, reqs)
+        except Exception as exc:  # this rank votes "not ok", after the head's gather
             failed = exc
-            hidden = torch.zeros((b, head.hidden_size), dtype=head.dtype, device=head.device)
+            inputs = self._blank(b)
+        # The head (and its gather) runs whatever happened above.
+        rec = self.synth.recompute(
+            inputs.hidden,
+            temperatures=inputs.temperatures,
+            seeds=inputs.seeds,
+            positions=inputs.positions,
+            greedy=inputs.greedy,
+        )
+        if failed is not None:
+            raise failed
+        tokens = rec.tokens
+        if self.head.draft_id_of is not None:
+            tokens = self.head.draft_id_of[tokens]  # the builder's X is a draft id: SGLang maps it through the map
+        staged = self._stage(rec, tokens)
+        seen["staged"] = staged
+        return staged.valid, torch.stack([staged.x[:, 0], seen["x"]], 1)
+
+    def _inputs(self, batch: Any, reqs: list[Any]) -> _HeadInputs:
+        """The head's and the draw's inputs for ``batch``, on the head's device: every read of
+        the batch that can fail on one rank, in one place (:meth:`_votes` runs it in its try)."""
+        assert self.head is not None
+        device = self.head.device
+        hidden = self._hidden(reqs)
         si = batch.sampling_info
         seeds = si.sampling_seed
         if seeds is None:
@@ -283,23 +316,27 @@ class RecomputeSource(ProposalSource):
             # the same on every TP rank (rooms are unique per request).
             seeds = seed_from_room([int(getattr(r, "bootstrap_room", 0) or 0) for r in reqs])
         top_ks = getattr(si, "top_ks", None)
-        # The head (and its gather) runs whatever happened above.
-        rec = self.synth.recompute(
+        return _HeadInputs(
             hidden,
-            temperatures=si.temperatures.to(head.device),
-            seeds=seeds.to(head.device),
-            positions=batch.seq_lens.to(head.device),
-            greedy=(top_ks <= 1).to(head.device) if top_ks is not None else None,
+            temperatures=si.temperatures.to(device),
+            seeds=seeds.to(device),
+            positions=batch.seq_lens.to(device),
+            greedy=(top_ks <= 1).to(device) if top_ks is not None else None,
         )
-        if failed is not None:
-            raise failed
-        tokens = rec.tokens
-        if head.draft_id_of is not None:
-            tokens = head.draft_id_of[tokens]  # the builder's X is a draft id: SGLang maps it through the map
-        staged = self._stage(rec, tokens)
-        self._faulty(None, "draw")
-        seen["staged"] = staged
-        return staged.valid, torch.stack([staged.x[:, 0], seen["x"]], 1)
+
+    def _blank(self, b: int) -> _HeadInputs:
+        """Head inputs of the shapes :meth:`_inputs` gives, for a rank whose own failed: the
+        head's gather sees the bytes a real batch of ``b`` rows sends (what is drawn is discarded)."""
+        assert self.head is not None
+        head = self.head
+        zeros = torch.zeros(b, dtype=torch.int64, device=head.device)
+        return _HeadInputs(
+            torch.zeros((b, head.hidden_size), dtype=head.dtype, device=head.device),
+            temperatures=torch.ones((b, 1), dtype=torch.float32, device=head.device),
+            seeds=zeros,
+            positions=zeros,
+            greedy=None,
+        )
 
     def _stage(self, rec: Recomputed, tokens: torch.Tensor) -> Staged:
         """What the write after the vote assigns, as CPU tensors, with q''s width checked:
@@ -323,7 +360,7 @@ class RecomputeSource(ProposalSource):
     def _hidden(self, reqs: list[Any]) -> torch.Tensor:
         assert self.head is not None
         hidden_list = [getattr(r, "hidden_states_tensor", None) for r in reqs]
-        if any(h is None for h in hidden_list) or "hidden" in self._fault:
+        if any(h is None for h in hidden_list):
             raise _NoHidden("a request arrived without the prefill's hidden state", field="hidden_states_tensor")
         hidden = torch.stack([torch.as_tensor(h).reshape(-1) for h in hidden_list]).to(self.head.device)
         if hidden.shape[1] != self.head.hidden_size:
@@ -332,26 +369,6 @@ class RecomputeSource(ProposalSource):
                 field="hidden_states_tensor",
             )
         return hidden
-
-    def _arm_fault(self) -> None:
-        """The tier's fault switch, now: on unless a gating file is named and absent."""
-        spec = self._fault_spec
-        if self._fault_while:
-            try:
-                with open(self._fault_while, encoding="utf-8") as f:
-                    text = f.read().strip()
-            except OSError:  # absent: the fault is off
-                spec = ""
-            else:
-                spec = _fault_where(text, self.tp_rank) if text else spec
-        self._fault = spec
-        if self.head is not None and hasattr(self.head, "fault"):
-            self.head.fault = self._fault == "head"
-
-    def _faulty(self, value: Any, where: str) -> Any:
-        if self._fault == where:
-            raise RuntimeError(f"injected by {ENV_TEST_FAULT}: {where} fails on TP rank {self.tp_rank}")
-        return value
 
     def _settle(self, reqs: list[Any], verdict: Verdict, seen: dict[str, Any], user: torch.Tensor) -> Prepared | None:
         """Apply the verdict; after the vote nothing can fail on one rank alone. Agreed rows
@@ -437,28 +454,6 @@ class _NoHidden(ValidationError):
 
 class _Shape(ValidationError):
     """The hidden states are not the draft head's width (fallback ``shape``)."""
-
-
-def _fault_where(spec: str, tp_rank: int) -> str:
-    """The step ``spec`` (``<where>[:<rank>]``) breaks on ``tp_rank`` ("" for none)."""
-    where, _, rank = spec.partition(":")
-    return "" if not where or (rank and rank != str(tp_rank)) else where
-
-
-def _fault_for(tp_rank: int) -> str:
-    """The step the tier's fault switch breaks on this rank ("" for none)."""
-    where = _fault_where(os.environ.get(ENV_TEST_FAULT, ""), tp_rank)
-    if not where:
-        return ""
-    gate = os.environ.get(ENV_TEST_FAULT_WHILE, "")
-    logger.warning(
-        "pd-middleware recompute: test fault %r is armed for TP rank %d (%s%s)",
-        where,
-        tp_rank,
-        ENV_TEST_FAULT,
-        f", on while {gate} exists" if gate else "",
-    )
-    return where
 
 
 # --------------------------------------------------------------------- scheduler start

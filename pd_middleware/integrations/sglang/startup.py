@@ -273,9 +273,12 @@ def check_placement(lp: Any, *, enable_overlap: bool) -> None:
             path="synthesizer",
         )
     if getattr(lp, "do_tensor_parallel_all_gather", False) and enable_overlap:
+        # Either gather: the TP group's, or the attention-TP group's (use_attn_tp_group:
+        # --enable-dp-lm-head at attention TP > 1); both are collectives beside the forward's.
+        width = "attention TP > 1 with --enable-dp-lm-head" if getattr(lp, "use_attn_tp_group", False) else "TP > 1"
         raise ConfigError(
-            'synthesizer = "recompute" with a vocab-parallel draft head (TP > 1) all-gathers its logits from the '
-            "scheduler thread, which is unsafe while an overlapped forward is in flight: run the decode with "
+            f'synthesizer = "recompute" with a vocab-parallel draft head ({width}) all-gathers its logits from '
+            "the scheduler thread, which is unsafe while an overlapped forward is in flight: run the decode with "
             "--disable-overlap-schedule, or use a shipped strategy (configs/sparse_floor.toml)",
             path="synthesizer",
         )

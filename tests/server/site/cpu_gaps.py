@@ -69,7 +69,11 @@ before SGLang's fix: the negative control of ``tests/server/test_seed.py``; and
 ``draft_kv_prefill`` / ``draft_kv_decode`` (``PDM_TEST_DRAFT_KV_DUMP=<dir>``) write each
 chain step's draft KV at a request's prompt positions to files, on the prefill after its
 forward and on the decode once the transfer landed (:mod:`draft_kv_dump`; read by
-``tests/server/test_multi_layer.py``). They only read.
+``tests/server/test_multi_layer.py``). They only read. And ``recompute_fault_source`` /
+``recompute_fault_head`` (``PDM_TEST_RECOMPUTE_FAULT=<where>[:<rank>]``) make one step of
+decode-only recompute fail on one TP rank, so a failure on one rank is seen to become its
+vote (:mod:`recompute_fault`; read by ``tests/server/test_recompute_tp2.py`` and
+``tests/server/test_deepseek.py``): they wrap the middleware's own per-rank steps, never SGLang.
 
 ``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all twelve).
 """
@@ -89,6 +93,7 @@ from typing import Any
 ENV_GAPS = "PDM_CPU_GAPS"
 ENV_SEED = "PDM_TEST_SEED_BUILDER"
 ENV_DRAFT_KV = "PDM_TEST_DRAFT_KV_DUMP"
+ENV_RECOMPUTE_FAULT = "PDM_TEST_RECOMPUTE_FAULT"
 
 
 class OverrideRefused(RuntimeError):
@@ -523,6 +528,55 @@ DRAFT_KV_DUMP = (
     ),
 )
 
+
+def _methods(expected: dict[str, tuple[str, ...]]) -> Callable[[Any], str]:
+    """A check that each named method of a class has the expected parameters."""
+    checks = [_method_params(name, params) for name, params in expected.items()]
+
+    def check(cls: Any) -> str:
+        return next((why for why in (c(cls) for c in checks) if why), "")
+
+    return check
+
+
+def _fault_source(module: types.ModuleType, cls: Any) -> None:
+    import recompute_fault
+
+    recompute_fault.wrap_source(cls)
+
+
+def _fault_head(module: types.ModuleType, cls: Any) -> None:
+    import recompute_fault
+
+    recompute_fault.wrap_head(cls)
+
+
+#: The per-rank steps of decode-only recompute the fault switch wraps (pd_middleware's own).
+RECOMPUTE_SOURCE_METHODS = {
+    "bind_head": ("self", "head", "vocab_size", "num_steps", "rejection_sampling", "group", "draw"),
+    "prepare": ("self", "batch"),
+    "_hidden": ("self", "reqs"),
+    "_stage": ("self", "rec", "tokens"),
+}
+RECOMPUTE_FAULT = (
+    Override(
+        "recompute_fault_source",
+        "pd_middleware.integrations.sglang.recompute",
+        "RecomputeSource",
+        None,
+        _fault_source,
+        check=_methods(RECOMPUTE_SOURCE_METHODS),
+    ),
+    Override(
+        "recompute_fault_head",
+        "pd_middleware.integrations.sglang.draft_head",
+        "SGLangDraftHead",
+        None,
+        _fault_head,
+        check=_method_params("_local", ("self", "hidden")),
+    ),
+)
+
 _CHAIN_PARAMS = (
     "predicts",
     "accept_index",
@@ -603,7 +657,8 @@ _installed: _Finder | None = None
 
 
 def selected(environ: Any = None) -> list[Override]:
-    """The overrides ``PDM_CPU_GAPS``, ``PDM_TEST_SEED_BUILDER`` and ``PDM_TEST_DRAFT_KV_DUMP`` ask for. Raises ValueError on an unknown name."""
+    """The overrides ``PDM_CPU_GAPS``, ``PDM_TEST_SEED_BUILDER``, ``PDM_TEST_DRAFT_KV_DUMP`` and
+    ``PDM_TEST_RECOMPUTE_FAULT`` ask for. Raises ValueError on an unknown name."""
     env = os.environ if environ is None else environ
     names = [n.strip() for n in env.get(ENV_GAPS, "").split(",") if n.strip()]
     known = {ov.name for ov in GAPS}
@@ -617,6 +672,8 @@ def selected(environ: Any = None) -> list[Override]:
         chosen.append(SEED_BUILDER)
     if env.get(ENV_DRAFT_KV):
         chosen.extend(DRAFT_KV_DUMP)
+    if env.get(ENV_RECOMPUTE_FAULT):
+        chosen.extend(RECOMPUTE_FAULT)
     return chosen
 
 
