@@ -185,6 +185,80 @@ def relay_checks() -> dict[str, Any]:
     return out
 
 
+def recompute_head_check() -> dict[str, Any]:
+    """The decode-only default with SGLang's real EAGLE3 draft head (one layer, V = 13, H = 16,
+    random weights) at TP 1: the builder's proposal must be q' = softmax(head(h) / T) from the
+    model's own LogitsProcessor, with X' drawn from it by the sampler the release's row picks."""
+    from _sglang_import import tiny_llama_config
+    from _sglang_tp1 import init_tp1
+
+    from pd_middleware.config import load_config
+    from pd_middleware.decode.recompute import inverse_cdf
+    from pd_middleware.integrations import sglang as S
+    from pd_middleware.integrations.sglang.recompute import capture
+
+    init_tp1()
+    eagle3 = import_sglang("sglang.srt.models.llama_eagle3")
+    lp = import_sglang("sglang.srt.layers.logits_processor")
+    fb = import_sglang("sglang.srt.model_executor.forward_batch_info")
+    builder = import_sglang(S.BUILDER_MODULE)
+    hidden_size, b = 16, 4
+    cfg = tiny_llama_config(V, hidden_size)
+    cfg.draft_vocab_size, cfg.norm_output = V, False
+    model = eagle3.LlamaForCausalLMEagle3(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.5)
+    inst = S.install(load_config(HERE.parent / "configs" / "sglang.toml"), S.InstallOptions(hook_scheduler=False))
+    try:
+        sched = SimpleNamespace(
+            draft_worker=SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(model=model))),
+            enable_overlap=False,
+        )
+        capture(inst.recompute, sched, vocab_size=V, num_steps=1, rs=True)
+        hidden = torch.randn((b, hidden_size), generator=g)
+        temps, seeds = torch.full((b, 1), 0.8), torch.tensor([7, 8, 9, 10])
+        reqs = [
+            SimpleNamespace(
+                output_topk_p=torch.tensor([0.5]),
+                output_topk_index=torch.tensor([5]),
+                hidden_states_tensor=hidden[i],
+                output_dsa_topk_indices=None,
+                bootstrap_room=1000 + i,
+                rid=f"r{i}",
+            )
+            for i in range(b)
+        ]
+        seq_lens = torch.arange(b, dtype=torch.int64) + 9
+        batch = namespace_batch(
+            reqs,
+            V,
+            req_pool_indices=torch.arange(b),
+            seq_lens=seq_lens,
+            sampling_info=SimpleNamespace(temperatures=temps, sampling_seed=seeds, top_ks=torch.full((b,), 50)),
+        )
+        with spec(1, False):
+            si = builder.build_eagle_disagg_draft_input(batch, torch.zeros(b, dtype=torch.int64), None)
+        meta = lp.LogitsMetadata(forward_mode=fb.ForwardMode.DECODE)
+        with torch.no_grad():
+            own = model.logits_processor(
+                torch.zeros(b, dtype=torch.long), model.model.norm(hidden), model.lm_head, meta
+            )
+        q = torch.softmax(own.next_token_logits.float() / temps, dim=-1)
+        rc = inst.recompute
+        out: dict[str, Any] = {"sampler": rc.sampler, "counts": dict(rc.counts)}
+        out["q_max_abs_diff"] = float((si.draft_probs - q).abs().max())
+        out["shape"] = list(si.draft_probs.shape)
+        if rc.sampler == "pd_middleware.inverse_cdf":
+            p_x, x = inverse_cdf(si.draft_probs, seeds, seq_lens)
+            out["x_is_the_draw"] = bool(torch.equal(si.topk_index, x) and torch.equal(si.topk_p, p_x))
+        out["x_redrawn"] = bool((si.topk_index[:, 0] != 5).any())
+        return out
+    finally:
+        S.uninstall()
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     import_sglang("sglang")
@@ -194,6 +268,7 @@ def main() -> None:
     report: dict[str, Any] = {"version": version, "file": str(Path(sglang.__file__).resolve())}
     report["rows"] = rows(version)
     report["relay"] = relay_checks()
+    report["recompute_head"] = recompute_head_check()
     print("PDM-RELEASE-CHECK " + json.dumps(report))
 
 

@@ -5,8 +5,9 @@ For each release folder present (``$PDM_SGLANG_RELEASES/<version>/``, default
 put first on ``PYTHONPATH``; the venv's own SGLang for 0.5.23 when no folder holds it),
 ``tests/_sglang_release_check.py`` runs in a subprocess (one SGLang per process) and
 reports: every row the table selects for that release resolved against the real modules
-(present, unpatched, that row's parameters: ``table_vs_versions`` by the real import),
-and SGLang's real PD first-draft builder with the drop-in installed, through the real
+(present, unpatched, that row's parameters: ``table_vs_versions`` by the real import);
+the decode-only default (``configs/sglang.toml``) with SGLang's real EAGLE3 draft head at
+TP 1 through the real builder; and SGLang's real PD first-draft builder with the drop-in installed, through the real
 ``FutureMap`` stash and resolve (the overlap scheduler's relay; stand-ins only for its
 two CUDA-only calls, said there). Negative control: the same builder without the
 drop-in leaves ``draft_probs`` None up to 0.5.21, and SGLang's first draft step
@@ -145,3 +146,14 @@ def test_negative_control_the_stock_builder(version) -> None:
     else:  # 0.5.22 on: SGLang's own one-hot at X
         assert torch.equal(torch.tensor(stock["built"]), one_hot(stock["chains"])[:, 0])
         assert stock["draft_step"] == "ok"
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+def test_the_decode_only_default_recomputes_with_the_real_head(version) -> None:
+    head = report(version)["recompute_head"]
+    # q' is softmax(head(h) / T) of the model's own LogitsProcessor, for every request.
+    assert head["counts"]["recomputed"] == 4 and head["shape"] == [4, V]
+    assert head["q_max_abs_diff"] <= 1e-6 and head["x_redrawn"]
+    if parse_version(version) < parse_version("0.5.23"):
+        # fast_sample has no seed there: the row hands the drop-in's seeded inverse-CDF draw.
+        assert head["sampler"] == "pd_middleware.inverse_cdf" and head["x_is_the_draw"]
