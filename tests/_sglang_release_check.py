@@ -153,6 +153,7 @@ def relay_checks() -> dict[str, Any]:
     except TypeError as exc:
         stock["draft_step"] = f"TypeError: {exc}"
     out["stock"] = stock
+    out["stock_multi"] = build_and_relay(builder, 3, True)  # a chain: the verify reads (b, S, V) or None
     # Decode-only recompute (configs/sglang.toml): no scheduler here, so no draft head is
     # bound; the source's proposal is then the one-hot at the builder's X (counted).
     root = HERE.parent

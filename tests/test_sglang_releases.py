@@ -138,13 +138,16 @@ def test_the_proposal_survives_the_real_builder_and_relay(version) -> None:
 
 @pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
 def test_negative_control_the_stock_builder(version) -> None:
-    stock = report(version)["relay"]["stock"]
+    stock, chain = report(version)["relay"]["stock"], report(version)["relay"]["stock_multi"]
     if parse_version(version) <= parse_version("0.5.21"):
-        # The seed's failure: no proposal, and the first draft step's stack raises.
-        assert stock["built"] is None
+        # The seed's failure: no proposal, and the first draft step's stack raises; a chain's
+        # verify gets None too (SGLang raises "Rejection sampling requires a target-vocab
+        # draft proposal" on it).
+        assert stock["built"] is None and chain["built"] is None
         assert stock["draft_step"].startswith("TypeError: expected Tensor as element 0")
-    else:  # 0.5.22 on: SGLang's own one-hot at X
+    else:  # 0.5.22 on: SGLang's own one-hot at X, (b, V) and (b, S, V)
         assert torch.equal(torch.tensor(stock["built"]), one_hot(stock["chains"])[:, 0])
+        assert torch.equal(torch.tensor(chain["built"]), one_hot(chain["chains"]))
         assert stock["draft_step"] == "ok"
 
 
