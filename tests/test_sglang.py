@@ -153,8 +153,10 @@ def test_detect_version_without_sglang(monkeypatch) -> None:
 def test_unsupported_version_refused_and_nothing_patched() -> None:
     m = fake_decode_module()
     build, prop = m.build_eagle_disagg_draft_input, m.pd_first_draft_proposal
-    with pytest.raises(PluginError, match=r"SGLang 0\.4\.0 is not a supported version \('0\.5\.23',\)"):
+    with pytest.raises(PluginError, match=r"SGLang 0\.4\.0 is older than the oldest supported release 0\.5\.18"):
         install(make_config(), decode_module=m, version="0.4.0")
+    with pytest.raises(PluginError, match=r"SGLang 0\.6\.0 is not a supported version \('0\.5\.18', .*'0\.5\.23'\)"):
+        install(make_config(), decode_module=m, version="0.6.0")
     assert m.build_eagle_disagg_draft_input is build and m.pd_first_draft_proposal is prop
     assert S.current() is None
 
@@ -380,8 +382,11 @@ def test_an_sglang_without_pd_first_draft_proposal_is_refused_whole() -> None:
     m = fake_decode_module(proposal=False)
     build = m.build_eagle_disagg_draft_input
     with pytest.raises(PluginError, match="not a supported version"):
-        install(make_config(), decode_module=m, version="0.5.9")
+        install(make_config(), decode_module=m, version="0.6.0")
     with pytest.raises(PluginError, match=r"fake_sglang_ed\.pd_first_draft_proposal not found"):
+        install(make_config(), decode_module=m, version="0.6.0", allow_unsupported=True)
+    # Older than the table: refused even when allowed (the table has no rows for it).
+    with pytest.raises(PluginError, match="older than the oldest supported release"):
         install(make_config(), decode_module=m, version="0.5.9", allow_unsupported=True)
     assert m.build_eagle_disagg_draft_input is build and S.current() is None
 

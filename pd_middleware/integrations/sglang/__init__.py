@@ -68,6 +68,9 @@ from .metadata import MetadataChannel
 from .patching import (
     BUILDER_MODULE,
     FEATURES,
+    NEWEST,
+    OLDEST,
+    RELEASES,
     SCHEDULER_MODULE,
     Patch,
     Plan,
@@ -76,6 +79,7 @@ from .patching import (
     apply,
     build,
     detect_version,
+    parse_version,
     resolve_features,
     restore,
 )
@@ -107,12 +111,13 @@ __all__ = [
     "room_key",
     "sglang_plugin",
     "uninstall",
+    "version_problem",
 ]
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
 #: SGLang releases whose decode path this adapter was verified against.
-SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.23",)
+SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = RELEASES
 
 _lock = threading.RLock()
 _installed: Installation | None = None
@@ -138,8 +143,10 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
         _check_plugins(config, registry)
         source = _choose_source(config, opts, registry)
         # Every SGLang symbol the wanted features use: present, unpatched, same signature.
-        found = resolve_features(Plan(frozenset({"decode", *source.features}), config, opts), opts.modules)
-        if "decode" not in found or len(found["decode"]) != len(FEATURES["decode"].targets):
+        plan = Plan(frozenset({"decode", *source.features}), config, opts, ver)
+        found = resolve_features(plan, opts.modules)
+        builder_rows = [t for t in FEATURES["decode"].targets_for(plan.release) if t.module == BUILDER_MODULE]
+        if sum(p.target.module == BUILDER_MODULE for p in found.get("decode", ())) != len(builder_rows):
             raise PluginError("no SGLang builder module given", plugin="sglang")
         inst = _installation(ver, config, opts, source, found)
         _patch(inst, found)
@@ -156,13 +163,38 @@ def install(config: Any, options: InstallOptions | None = None) -> Installation:
 
 def _check_version(opts: InstallOptions) -> str:
     ver = opts.version if opts.version is not None else detect_version()
-    if ver not in SUPPORTED_SGLANG_VERSIONS and not opts.allow_unsupported:
-        raise PluginError(
-            f"SGLang {ver} is not a supported version {SUPPORTED_SGLANG_VERSIONS}; pass "
-            f"allow_unsupported=True (or set {ENV_ALLOW_UNSUPPORTED}=1) to try it, signatures are still checked",
-            plugin="sglang",
-        )
+    problem = version_problem(ver, allow_unsupported=opts.allow_unsupported)
+    if problem is not None:
+        raise PluginError(problem, plugin="sglang")
     return ver
+
+
+def version_problem(ver: str, *, allow_unsupported: bool = False) -> str | None:
+    """Why SGLang ``ver`` is refused (one line), or None when the drop-in runs on it.
+
+    A release of the table runs on its rows. One older than the oldest row is refused
+    always (the table has no rows for it). Any other (newer than the table, or a pre/post
+    release of it) is refused unless ``allow_unsupported``; then it runs on the rows of
+    its release segment (the newest rows past the table), every signature still checked.
+    """
+    try:
+        release = parse_version(ver)
+    except ValueError:
+        return f"SGLang {ver!r} is not a version the drop-in can read"
+    if ver in SUPPORTED_SGLANG_VERSIONS:
+        return None
+    if release < parse_version(OLDEST):
+        return (
+            f"SGLang {ver} is older than the oldest supported release {OLDEST} "
+            f"(supported: {', '.join(SUPPORTED_SGLANG_VERSIONS)}); upgrade SGLang to one of them"
+        )
+    if allow_unsupported:
+        return None
+    return (
+        f"SGLang {ver} is not a supported version {SUPPORTED_SGLANG_VERSIONS}; pass allow_unsupported=True "
+        f"(or set {ENV_ALLOW_UNSUPPORTED}=1) to try it on the rows of {'.'.join(map(str, min(release, parse_version(NEWEST))))}: "
+        "every signature is still checked"
+    )
 
 
 def _load(config: Any) -> Any:

@@ -149,13 +149,14 @@ def finish(chain: ChainDraw, out: Any) -> None:
 
 
 def draw_step(
-    step: int, probs: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor
+    step: int | None, probs: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Inside a chain in scope: SGLang's q_k with the encoder's q'_k(X_k) and X_k (None: SGLang's draw stands)."""
+    """Inside a chain in scope: SGLang's q_k with the encoder's q'_k(X_k) and X_k (None: SGLang's draw stands).
+    ``step`` None (a caller that passes no ``draft_step``, up to SGLang 0.5.22): the chain's next step."""
     chain = CHAIN.get()
     if chain is None:
         return None  # not the PD prefill chain
-    got = chain.draw(step, probs)
+    got = chain.draw(len(chain.steps) if step is None else step, probs)
     if got is None:
         chain.publisher.events.count("chain:padded_batch")
         return None
@@ -191,11 +192,14 @@ def wrap_extend_for_prefill(extend: Callable[..., Any], inst: Any) -> Callable[.
 
 def wrap_sample(sample: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     def sample_draft_proposal(next_token_logits: Any, temperatures: Any, top_ks: Any = None, **kwargs: Any) -> Any:
-        probs, topk_p, topk_index = sample(next_token_logits, temperatures, top_ks, **kwargs)
+        # top_ks only when given: up to 0.5.20 SGLang's function takes (logits, temperatures).
+        args = (next_token_logits, temperatures) if top_ks is None else (next_token_logits, temperatures, top_ks)
+        probs, topk_p, topk_index = sample(*args, **kwargs)
         if top_ks is not None:
             return probs, topk_p, topk_index  # greedy rows: SGLang's
         try:
-            got = draw_step(int(kwargs.get("draft_step", 0)), probs, topk_p, topk_index)
+            step = kwargs.get("draft_step")
+            got = draw_step(None if step is None else int(step), probs, topk_p, topk_index)
         except Exception as exc:
             inst.events.failed("chain_step", exc, "SGLang's own draw (the chain is sent X only)")
             chain = CHAIN.get()
@@ -217,6 +221,25 @@ register_feature(
                 ("next_token_logits", "temperatures", "top_ks", "sampling_seed", "positions", "draft_step"),
                 Hook.REPLACE,
                 wrap_sample,
+                since="0.5.23",
+            ),
+            # Before 0.5.23 no seed, positions or step (the chain counts its steps); no top_ks up to 0.5.20.
+            Target(
+                MULTI_LAYER_MODULE,
+                "sample_draft_proposal",
+                ("next_token_logits", "temperatures", "top_ks"),
+                Hook.REPLACE,
+                wrap_sample,
+                since="0.5.21",
+                until="0.5.22",
+            ),
+            Target(
+                MULTI_LAYER_MODULE,
+                "sample_draft_proposal",
+                ("next_token_logits", "temperatures"),
+                Hook.REPLACE,
+                wrap_sample,
+                until="0.5.20",
             ),
             Target(
                 MULTI_LAYER_MODULE,
@@ -224,6 +247,15 @@ register_feature(
                 ("self", "batch", "target_hidden_states", "next_token_ids", "kv_loc_plan"),
                 Hook.AROUND,
                 wrap_extend_for_prefill,
+                since="0.5.22",
+            ),
+            Target(
+                MULTI_LAYER_MODULE,
+                "MultiLayerEagleDraftWorker._draft_extend_for_prefill",
+                ("self", "batch", "target_hidden_states", "next_token_ids"),
+                Hook.AROUND,
+                wrap_extend_for_prefill,
+                until="0.5.21",
             ),
         ),
         lambda plan: "prefill" in plan.features,

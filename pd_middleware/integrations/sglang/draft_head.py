@@ -25,6 +25,19 @@ from .patching import LOGITS_MODULE, Symbols
 from .startup import draft_worker_of
 
 FUSED_SOFTCAP = f"{LOGITS_MODULE}.fused_softcap"
+COPY_LOGITS = f"{LOGITS_MODULE}.LogitsProcessor._copy_logits_to_buffer"
+
+
+def copy_without_softcap(copy: Any) -> Callable[..., Any]:
+    """The ``_copy_logits_to_buffer`` row's adapter up to SGLang 0.5.21, whose copy takes no
+    ``softcap``: the copy (slice to the vocab, fp32), then the softcap by the CPU/NPU formula
+    of ``LogitsProcessor._get_logits`` (those releases cap after the copy themselves)."""
+
+    def copy_logits(self: Any, logits: Any, logits_metadata: Any, use_buffer: bool = True, softcap: Any = None) -> Any:
+        out = copy(self, logits, logits_metadata, use_buffer)
+        return out if not softcap else softcap * torch.tanh(out / softcap)
+
+    return copy_logits
 
 
 @dataclass(frozen=True)
@@ -229,7 +242,11 @@ class SGLangDraftHead:
         lp = self.lp
         cap = lp.final_logit_softcapping
         fuse = bool(cap) and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16)
-        logits = lp._copy_logits_to_buffer(logits, None, use_buffer=False, softcap=cap if fuse else None)
+        copy = self.symbols.get(COPY_LOGITS)  # the release's row, adapted to take softcap
+        if copy is not None:
+            logits = copy(lp, logits, None, use_buffer=False, softcap=cap if fuse else None)
+        else:  # stand-ins without the table's symbols
+            logits = lp._copy_logits_to_buffer(logits, None, use_buffer=False, softcap=cap if fuse else None)
         if cap and not fuse:
             if logits.is_cuda:  # SGLang's in-place Triton kernel, as LogitsProcessor on CUDA
                 self.symbols[FUSED_SOFTCAP](logits, cap)

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .patching import MOONCAKE_MODULE, Feature, Hook, Target, register_feature
+from .patching import MOONCAKE_MODULE, Feature, Hook, Refusal, Target, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -303,6 +303,13 @@ register_feature(
         ),
         _all_steps,
         summary="every chain step's draft KV pool in the PD transfer, the pair's layout marker and the decode's check ([sglang].draft_kv = \"all_steps\", S > 1)",
+        refused=(
+            Refusal(
+                "no kv_args.kv_layout, the carrier of every chain step's draft KV, before SGLang 0.5.23",
+                'run [sglang].draft_kv = "first_step" (the first step\'s draft KV, as SGLang transfers it)',
+                until="0.5.22",
+            ),
+        ),
     )
 )
 register_feature(
@@ -319,5 +326,12 @@ register_feature(
         ),
         lambda plan: "metadata" in plan.features or _all_steps(plan),
         summary="the prefill's check of each decode session: its KV buffer count (draft_kv) and its proposal row layout",
+        refused=(
+            Refusal(
+                "no MooncakeKVManager._validate_peer_state_layout before SGLang 0.5.22",
+                'run [sglang].channel = "sidechannel" for a shipped strategy and [sglang].draft_kv = "first_step"',
+                until="0.5.21",
+            ),
+        ),
     )
 )

@@ -20,7 +20,19 @@ import torch
 from ...core._errors import ConfigError
 from ...core.events import Events
 from ...core.metrics import Metrics
-from .patching import FEATURES, Hook, Patch, SGLangModules, Symbols, announce, apply, build, feature_of, hook_source
+from .patching import (
+    FEATURES,
+    Hook,
+    Patch,
+    Plan,
+    SGLangModules,
+    Symbols,
+    announce,
+    apply,
+    build,
+    feature_of,
+    hook_source,
+)
 from .prefill import ProposalPublisher
 from .sources import InBandSource, ProposalSource
 from .startup import EngineFacts, check, check_draft, check_layout, check_registration
@@ -219,7 +231,13 @@ class Installation:
     def applied_features(self) -> set[str]:
         """The features whose every target is applied (patched or resolved) in this installation."""
         have = {p.target.path for p in self.patches} | set(self.symbols)
-        return {name for name, f in FEATURES.items() if f.targets and all(t.path in have for t in f.targets)}
+        release = Plan(frozenset(), self.config, self.options, self.version).release  # this release's rows
+        out = set()
+        for name, f in FEATURES.items():
+            rows = f.targets_for(release)
+            if rows and all(t.path in have for t in rows):
+                out.add(name)
+        return out
 
     def _export_counters(self) -> None:
         """Under SGLang's ``--enable-metrics``: copy the counters (the middleware's and

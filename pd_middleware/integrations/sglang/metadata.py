@@ -57,7 +57,17 @@ from ...codecs.inband import (
 from ...core._errors import ConfigError
 from ...core.events import Events
 from ...core.payload import Payload
-from .patching import DECODE_QUEUE_MODULE, MOONCAKE_MODULE, UTILS_MODULE, Feature, Hook, Target, read, register_feature
+from .patching import (
+    DECODE_QUEUE_MODULE,
+    MOONCAKE_MODULE,
+    UTILS_MODULE,
+    Feature,
+    Hook,
+    Refusal,
+    Target,
+    read,
+    register_feature,
+)
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -448,5 +458,14 @@ register_feature(
         ),
         lambda plan: "metadata" in plan.features,
         summary='the in-band row in SGLang\'s PD metadata buffers ([sglang].channel = "metadata")',
+        refused=(
+            Refusal(
+                "no MetadataBuffers.clear_slot nor MooncakeKVManager.build_receiver_registration_message before "
+                "SGLang 0.5.23: the slot reset and the Mooncake registration are inline there",
+                'run a shipped strategy on [sglang].channel = "sidechannel" (drop-in on both nodes), or the decode-only '
+                'default (synthesizer = "recompute", channel = "none")',
+                until="0.5.22",
+            ),
+        ),
     )
 )

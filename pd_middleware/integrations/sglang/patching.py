@@ -68,13 +68,46 @@ class Hook(enum.Enum):
     READ = "read"  # a symbol the drop-in calls or relies on; checked, not patched
 
 
+#: The releases the table has rows for, oldest first (parsed versions compare, never strings).
+RELEASES: tuple[str, ...] = ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """The release segment of a version as integers (``0.5.21.post1`` -> (0, 5, 21)); pre,
+    post and local parts are left out: they share their release's rows. ValueError when
+    the text does not start with a dotted number."""
+    parts: list[int] = []
+    for piece in text.strip().lstrip("vV").split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break  # "21rc1", "21+local": the rest is not release segment
+    if not parts:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(parts[:3]) + (0,) * (3 - min(len(parts), 3))
+
+
 @dataclass(frozen=True)
 class Target:
     """One SGLang symbol: ``module`` + ``attr`` (dotted inside it), its expected parameter
     names (None: presence only), the hook type and the wrapper factory
     ``wrap(original, installation) -> replacement`` (None for READ). ``instance``: a READ
     of an attribute set on every instance of the class ``attr`` names up to its last dot
-    (checked on a live object at scheduler start, :meth:`Symbols.check_instance`)."""
+    (checked on a live object at scheduler start, :meth:`Symbols.check_instance`).
+
+    Versioned: the row holds for the releases ``since`` to ``until`` (inclusive; None: no
+    bound). Where SGLang changed a symbol, the feature declares one row per span, each with
+    its own parameters, wrapper or ``adapt`` (a READ's adapter: ``adapt(symbol)`` is what
+    :class:`Symbols` hands out, in the contract the drop-in calls, or None where that
+    release's symbol cannot serve it and the drop-in uses its own). Every field describes
+    the row for the release being checked (:func:`targets_for`)."""
 
     module: str
     attr: str
@@ -82,15 +115,62 @@ class Target:
     hook: Hook
     wrap: Callable[[Any, Any], Any] | None = None
     instance: bool = False
+    since: str | None = None
+    until: str | None = None
+    adapt: Callable[[Any], Any] | None = None
 
     @property
     def path(self) -> str:
         return f"{self.module}.{self.attr}"
 
+    def holds(self, release: tuple[int, ...]) -> bool:
+        """Whether this row is the one for ``release`` (a parsed version)."""
+        if self.since is not None and release < parse_version(self.since):
+            return False
+        return not (self.until is not None and release > parse_version(self.until))
 
-def read(module: str, attr: str, params: tuple[str, ...] | None = None, *, instance: bool = False) -> Target:
+    @property
+    def span(self) -> str:
+        """The releases this row holds for, in words (``0.5.18-0.5.21``, ``0.5.23+``, ``all``)."""
+        if self.since is None and self.until is None:
+            return "all"
+        lo = self.since or OLDEST
+        if self.until is None:
+            return f"{lo}+"
+        return lo if lo == self.until else f"{lo}-{self.until}"
+
+
+def read(
+    module: str,
+    attr: str,
+    params: tuple[str, ...] | None = None,
+    *,
+    instance: bool = False,
+    since: str | None = None,
+    until: str | None = None,
+    adapt: Callable[[Any], Any] | None = None,
+) -> Target:
     """A READ target: a symbol the drop-in calls or reads (checked at install, never patched)."""
-    return Target(module, attr, params, Hook.READ, None, instance)
+    return Target(module, attr, params, Hook.READ, None, instance, since, until, adapt)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A feature is not available on the releases ``since`` to ``until`` (inclusive; None:
+    no bound): ``why`` (what the release lacks) and ``instead`` (what to run there)."""
+
+    why: str
+    instead: str
+    since: str | None = None
+    until: str | None = None
+
+    def holds(self, release: tuple[int, ...]) -> bool:
+        if self.since is not None and release < parse_version(self.since):
+            return False
+        return not (self.until is not None and release > parse_version(self.until))
+
+    def line(self, version: str, feature: str) -> str:
+        return f"SGLang {version}: feature {feature!r} is not available ({self.why}); {self.instead}"
 
 
 @dataclass(frozen=True)
@@ -101,6 +181,14 @@ class Plan:
     features: frozenset[str]
     config: Any
     options: Any
+    #: The SGLang release whose rows are selected (None: the newest rows).
+    version: str | None = None
+
+    @property
+    def release(self) -> tuple[int, ...]:
+        """The release whose rows apply: the plan's, or the newest for one newer than the table."""
+        got = parse_version(self.version) if self.version is not None else parse_version(NEWEST)
+        return min(got, parse_version(NEWEST))
 
 
 @dataclass(frozen=True)
@@ -114,6 +202,18 @@ class Feature:
     wanted: Callable[[Plan], bool]
     applied: str = "install"
     summary: str = ""
+    #: The releases this feature is refused on, each with its line (:class:`Refusal`).
+    refused: tuple[Refusal, ...] = ()
+
+    def refusal(self, release: tuple[int, ...]) -> Refusal | None:
+        """The refusal for ``release`` (a parsed version), or None when the feature is available."""
+        return next((r for r in self.refused if r.holds(release)), None)
+
+    def targets_for(self, release: tuple[int, ...]) -> tuple[Target, ...]:
+        """This feature's rows for ``release`` (empty when the feature is refused there)."""
+        if self.refusal(release) is not None:
+            return ()
+        return tuple(t for t in self.targets if t.holds(release))
 
 
 @dataclass
@@ -299,9 +399,15 @@ class Symbols:
         p = self._by_path.get(path)
         if p is None:
             raise KeyError(f"{path} is not a resolved READ target of this installation")
-        return callable_of(p) if not p.target.instance else p.owner
+        if p.target.instance:
+            return p.owner
+        got = callable_of(p)
+        # A row's adapter: that release's symbol in the contract the drop-in calls (or None).
+        return p.target.adapt(got) if p.target.adapt is not None else got
 
     def get(self, path: str) -> Any:
+        """The symbol at ``path`` (adapted by its row), or None: left out by a test's stand-ins,
+        or a row whose adapter says that release's symbol cannot serve (the drop-in's own then)."""
         return self[path] if path in self._by_path else None
 
     def check_instance(self, obj: Any, class_path: str) -> None:
@@ -347,10 +453,16 @@ def register_feature(feature: Feature) -> None:
     """Add a feature to :data:`FEATURES` (ValueError when its name or a patched target is taken)."""
     if feature.name in FEATURES:
         raise ValueError(f"feature {feature.name!r} is already registered")
-    taken = {t.path: f.name for f in FEATURES.values() for t in f.targets if t.hook is not Hook.READ}
-    for t in feature.targets:
-        if t.hook is not Hook.READ and t.path in taken:
-            raise ValueError(f"{t.path} is already patched by feature {taken[t.path]!r}")
+    for v in RELEASES:
+        # One patch per symbol per release: rows of one path must not overlap in releases.
+        rel = parse_version(v)
+        taken = {t.path: f.name for f in FEATURES.values() for t in f.targets_for(rel) if t.hook is not Hook.READ}
+        mine = [t.path for t in feature.targets if t.hook is not Hook.READ and t.holds(rel)]
+        for path in mine:
+            if path in taken:
+                raise ValueError(f"{path} is already patched by feature {taken[path]!r} (SGLang {v})")
+        if len(mine) != len(set(mine)):
+            raise ValueError(f"feature {feature.name!r} has two rows for one target on SGLang {v}")
     FEATURES[feature.name] = feature
 
 
@@ -362,23 +474,41 @@ def feature_of(target: Target) -> str:
     return "?"
 
 
+def refusals(plan: Plan) -> list[str]:
+    """The line of every wanted feature that the plan's release does not have."""
+    out = []
+    for feat in FEATURES.values():
+        r = feat.refusal(plan.release)
+        if r is not None and feat.wanted(plan):
+            out.append(r.line(plan.version or NEWEST, feat.name))
+    return out
+
+
 def resolve_features(plan: Plan, mods: SGLangModules) -> dict[str, list[Patch]]:
-    """Every wanted feature's targets, resolved and checked; patches nothing.
+    """Every wanted feature's rows for the plan's release, resolved and checked; patches nothing.
 
     A target whose module is not given under ``only_given`` is left out. Raises
-    PluginError naming the first target that is missing or changed.
+    PluginError with the line of every wanted feature the release refuses (:class:`Refusal`)
+    and every target that is missing or changed (all of them, one per line).
     """
     out: dict[str, list[Patch]] = {}
+    problems = refusals(plan)
     for feat in FEATURES.values():
-        if not feat.wanted(plan):
+        if not feat.wanted(plan) or feat.refusal(plan.release) is not None:
             continue
         found = []
-        for t in feat.targets:
-            mod = module_for(t.module, mods)
-            if mod is not None:  # None: a module not given under only_given (a test's stand-ins)
-                found.append(resolve(t, mod))
+        for t in feat.targets_for(plan.release):
+            try:
+                mod = module_for(t.module, mods)
+                if mod is not None:  # None: a module not given under only_given (a test's stand-ins)
+                    found.append(resolve(t, mod))
+            except PluginError as exc:
+                if exc.detail not in problems:  # a module that fails to import: said once
+                    problems.append(exc.detail)
         if found:
             out[feat.name] = found
+    if problems:
+        raise PluginError("\n".join(problems), plugin="sglang")
     return out
 
 
@@ -398,11 +528,16 @@ DOC_ORDER = (
 )
 
 
-def table_markdown() -> str:
-    """The table as docs/sglang.md shows it (generated: tests check the page against it)."""
-    lines = ["| feature | target | hook | checked |", "| --- | --- | --- | --- |"]
+def _doc_features() -> list[Feature]:
     names = [n for n in DOC_ORDER if n in FEATURES] + [n for n in FEATURES if n not in DOC_ORDER]
-    for f in (FEATURES[n] for n in names):
+    return [FEATURES[n] for n in names]
+
+
+def table_markdown() -> str:
+    """The table as docs/sglang.md shows it (generated: tests check the page against it):
+    one line per row, with the releases it holds for."""
+    lines = ["| feature | target | hook | checked | releases |", "| --- | --- | --- | --- | --- |"]
+    for f in _doc_features():
         for t in f.targets:
             if t.instance:
                 what = "an attribute of every instance, at scheduler start"
@@ -410,5 +545,28 @@ def table_markdown() -> str:
                 what = "presence"
             else:
                 what = f"parameters ({', '.join(t.params)})" if t.params else "no parameters"
-            lines.append(f"| `{f.name}` | `{t.path}` | {t.hook.value} | {what} |")
+            if t.adapt is not None:
+                what += ", adapted"
+            lines.append(f"| `{f.name}` | `{t.path}` | {t.hook.value} | {what} | {t.span} |")
+    return "\n".join(lines)
+
+
+def release_status(version: str) -> dict[str, str | None]:
+    """Per feature, for ``version``: None (available: its rows for that release) or its refusal line."""
+    release = min(parse_version(version), parse_version(NEWEST))
+    out: dict[str, str | None] = {}
+    for f in _doc_features():
+        r = f.refusal(release)
+        out[f.name] = None if r is None else r.line(version, f.name)
+    return out
+
+
+def release_table_markdown() -> str:
+    """Release x feature, as docs/sglang.md shows it (generated): ``yes`` where the
+    feature's rows hold, ``no`` where it is refused (the line says why: ``pd-middleware sglang``)."""
+    feats = _doc_features()
+    lines = ["| feature | " + " | ".join(RELEASES) + " |", "| --- |" + " --- |" * len(RELEASES)]
+    for f in feats:
+        cells = ["no" if f.refusal(parse_version(v)) is not None else "yes" for v in RELEASES]
+        lines.append(f"| `{f.name}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)

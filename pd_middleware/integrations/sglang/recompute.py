@@ -72,7 +72,7 @@ from ...core.events import Events
 from ...decode.recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
 from .agreement import NEUTRAL, Verdict, agree, group_of
 from .common import is_probe, one_hot_at
-from .draft_head import SGLangDraftHead, find_draft_model
+from .draft_head import SGLangDraftHead, copy_without_softcap, find_draft_model
 from .patching import LOGITS_MODULE, SPEC_UTILS_MODULE, WORKER_MODULE, Feature, Symbols, read, register_feature
 from .proposer import request_tokens
 from .sources import ProposalSource
@@ -509,18 +509,63 @@ def capture(source: RecomputeSource, scheduler: Any, *, vocab_size: int, num_ste
 
 
 def _draft_scope(worker: Any, symbols: Symbols) -> Callable[[], Any]:
-    """SGLang's draft TP context for ``worker``'s layout (a no-op without one)."""
-    ctx = symbols.get(DRAFT_TP_CONTEXT)
-    layout = getattr(worker, "parallel_layout", None)
-    if ctx is None or layout is None:
+    """SGLang's draft TP context for ``worker`` (a no-op without one). The table's row for
+    the release adapts ``draft_tp_context`` to ``enter(worker)``: each release enters it
+    from what its draft worker holds (:func:`_enter_by`)."""
+    enter = symbols.get(DRAFT_TP_CONTEXT)
+    if enter is None or worker is None:
         return contextlib.nullcontext
 
     @contextlib.contextmanager
     def scope() -> Iterator[None]:
-        with ctx(layout):
+        with enter(worker):
             yield
 
     return scope
+
+
+def _enter_by(how: Callable[[Any, Any], Any]) -> Callable[[Any], Any]:
+    """A ``draft_tp_context`` row's adapter: ``enter(worker)`` = ``how(draft_tp_context, worker)``,
+    a no-op for a worker without the attribute the release enters by (a stand-in)."""
+
+    def adapt(ctx: Any) -> Callable[[Any], Any]:
+        def enter(worker: Any) -> Any:
+            try:
+                return how(ctx, worker)
+            except AttributeError:
+                return contextlib.nullcontext()
+
+        return enter
+
+    return adapt
+
+
+def _by_layout(ctx: Any, worker: Any) -> Any:
+    # 0.5.23: the worker's resolved DraftParallelLayout (None: no draft TP group of its own).
+    layout = worker.parallel_layout
+    return contextlib.nullcontext() if layout is None else ctx(layout)
+
+
+def _by_owns_attention(ctx: Any, worker: Any) -> Any:
+    # 0.5.22: draft_tp_context(owns_attention), as the worker enters it.
+    return ctx(worker.draft_owns_attention)
+
+
+def _by_worker_context(ctx: Any, worker: Any) -> Any:
+    # 0.5.21: the worker's own draft_tp_context (SGLang's, or an empty context without DP
+    # attention) on its draft runner's TP group, with its attention ownership.
+    return worker.draft_tp_context(worker.draft_runner.tp_group, owns_attention=worker.draft_owns_attention)
+
+
+def _by_worker_group(ctx: Any, worker: Any) -> Any:
+    # 0.5.18-0.5.20: the worker's own draft_tp_context on its draft runner's TP group.
+    return worker.draft_tp_context(worker.draft_runner.tp_group)
+
+
+def _unseeded(fast_sample: Any) -> None:
+    """``fast_sample`` before 0.5.23 takes no seed: it cannot give every rank the same X'.
+    None: the drop-in draws X' with its seeded inverse-CDF draw (same law, rank-agreed)."""
+    return None
 
 
 def _sglang_draw(symbols: Symbols, head: SGLangDraftHead | None) -> Any:
@@ -555,20 +600,58 @@ register_feature(
         "recompute",
         (
             read(
-                SPEC_UTILS_MODULE, "fast_sample", ("probs", "num_samples", "sampling_seed", "positions", "draft_step")
+                SPEC_UTILS_MODULE,
+                "fast_sample",
+                ("probs", "num_samples", "sampling_seed", "positions", "draft_step"),
+                since="0.5.23",
             ),
-            read(SPEC_UTILS_MODULE, "draft_tp_context", ("layout",)),
+            read(SPEC_UTILS_MODULE, "fast_sample", ("probs", "num_samples"), until="0.5.22", adapt=_unseeded),
+            read(SPEC_UTILS_MODULE, "draft_tp_context", ("layout",), since="0.5.23", adapt=_enter_by(_by_layout)),
+            read(
+                SPEC_UTILS_MODULE,
+                "draft_tp_context",
+                ("owns_attention",),
+                since="0.5.22",
+                until="0.5.22",
+                adapt=_enter_by(_by_owns_attention),
+            ),
+            read(
+                SPEC_UTILS_MODULE,
+                "draft_tp_context",
+                ("tp_group", "owns_attention"),
+                since="0.5.21",
+                until="0.5.21",
+                adapt=_enter_by(_by_worker_context),
+            ),
+            read(
+                SPEC_UTILS_MODULE, "draft_tp_context", ("tp_group",), until="0.5.20", adapt=_enter_by(_by_worker_group)
+            ),
             read(LOGITS_MODULE, "fused_softcap"),
             read(
                 LOGITS_MODULE,
                 "LogitsProcessor._compute_lm_head",
                 ("self", "hidden_states", "lm_head", "embedding_bias", "out"),
+                since="0.5.23",
+            ),
+            read(
+                LOGITS_MODULE,
+                "LogitsProcessor._compute_lm_head",
+                ("self", "hidden_states", "lm_head", "embedding_bias"),
+                until="0.5.22",
             ),
             read(LOGITS_MODULE, "LogitsProcessor._gather_attn_tp_logits", ("self", "logits")),
             read(
                 LOGITS_MODULE,
                 "LogitsProcessor._copy_logits_to_buffer",
                 ("self", "logits", "logits_metadata", "use_buffer", "softcap"),
+                since="0.5.22",
+            ),
+            read(
+                LOGITS_MODULE,
+                "LogitsProcessor._copy_logits_to_buffer",
+                ("self", "logits", "logits_metadata", "use_buffer"),
+                until="0.5.21",
+                adapt=copy_without_softcap,
             ),
             *(
                 read(LOGITS_MODULE, f"LogitsProcessor.{name}", instance=True)
@@ -582,7 +665,9 @@ register_feature(
                     "vocab_size",
                 )
             ),
-            read(WORKER_MODULE, "EagleDraftWorker.parallel_layout", instance=True),
+            read(WORKER_MODULE, "EagleDraftWorker.parallel_layout", instance=True, since="0.5.23"),
+            read(WORKER_MODULE, "EagleDraftWorker.draft_owns_attention", instance=True, since="0.5.21", until="0.5.22"),
+            read(WORKER_MODULE, "EagleDraftWorker.draft_tp_context", instance=True, until="0.5.21"),
             read(WORKER_MODULE, "EagleDraftWorker.hot_token_id", instance=True),
             read(WORKER_MODULE, "EagleDraftWorker.draft_runner", instance=True),
         ),

@@ -47,7 +47,7 @@ from ...core._errors import ConfigError
 from ...core.draft_head import DRAFT_HEAD
 from .agreement import NEUTRAL, agree, group_of
 from .common import ATTACH_ATTR, RequestProposal, Scope, check_proposal, one_hot_at
-from .patching import BUILDER_MODULE, Feature, Hook, Target, register_feature
+from .patching import BUILDER_MODULE, RUNTIME_MODULE, Feature, Hook, Target, register_feature
 from .prefill import ProposalPublisher
 from .proposer import DecodeProposer, request_tokens
 from .store import ProposalStore
@@ -383,38 +383,80 @@ def wrap_build(build: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     return build_eagle_disagg_draft_input
 
 
-def wrap_proposal(first: Callable[..., Any], inst: Any) -> Callable[..., Any]:
-    """``pd_first_draft_proposal``: the source's proposal for the batch being built.
+def proposal_for(inst: Any, building: Building, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The source's (b, n, V) proposal for the batch being built, at the builder's X.
 
     Guarded like every per-batch wrapper: a failure gives the drop-in's one-hot at the X
-    the builder read (never SGLang's own function, which a server may have made inert).
-    Called from anywhere but the PD first draft input, it is SGLang's.
+    the builder read (counted). Returned requests (retractions SGLang resumed) get the
+    one-hot at their X."""
+    try:
+        fresh = building.fresh
+        if fresh is None:
+            whole: torch.Tensor = inst.source.propose(building.batch, building.state, topk_index, vocab_size)
+            check_proposal(whole, topk_index, vocab_size)
+            return whole
+        out = one_hot_at(topk_index, vocab_size)
+        if fresh:
+            rows = torch.tensor(fresh, dtype=torch.long, device=topk_index.device)
+            sub = topk_index[rows]
+            got = inst.source.propose(BatchRows(building.batch, fresh), building.state, sub, vocab_size)
+            check_proposal(got, sub, vocab_size)
+            out[rows] = got
+        return out
+    except Exception as exc:
+        inst.events.failed("propose", exc, "a one-hot proposal at the builder's X")
+        return one_hot_at(topk_index, vocab_size)
+
+
+def wrap_proposal(first: Callable[..., Any], inst: Any) -> Callable[..., Any]:
+    """``pd_first_draft_proposal`` (SGLang 0.5.22 on): the source's proposal for the batch
+    being built (:func:`proposal_for`; never SGLang's own function inside the build, which a
+    server may have made inert). Called from anywhere but the PD first draft input, it is SGLang's.
     """
 
     def pd_first_draft_proposal(topk_index: Any, vocab_size: int) -> Any:
         building = BUILDING.get()
         if building is None:
             return first(topk_index, vocab_size)  # not the PD first draft input: not ours
-        try:
-            fresh = building.fresh
-            if fresh is None:
-                out = inst.source.propose(building.batch, building.state, topk_index, vocab_size)
-                check_proposal(out, topk_index, vocab_size)
-                return out
-            # Returned requests (retractions SGLang resumed): the one-hot at their X.
-            out = one_hot_at(topk_index, vocab_size)
-            if fresh:
-                rows = torch.tensor(fresh, dtype=torch.long, device=topk_index.device)
-                sub = topk_index[rows]
-                got = inst.source.propose(BatchRows(building.batch, fresh), building.state, sub, vocab_size)
-                check_proposal(got, sub, vocab_size)
-                out[rows] = got
-            return out
-        except Exception as exc:
-            inst.events.failed("propose", exc, "a one-hot proposal at the builder's X")
-            return one_hot_at(topk_index, vocab_size)
+        return proposal_for(inst, building, topk_index, vocab_size)
 
     return pd_first_draft_proposal
+
+
+#: SGLang's runtime spec reader (a READ of the decode feature where the builder sets no proposal).
+GET_SPEC = f"{RUNTIME_MODULE}.get_spec"
+
+
+def wrap_draft_input(cls: Any, inst: Any) -> Callable[..., Any]:
+    """The builder module's ``EagleDraftInput`` up to SGLang 0.5.21, whose builder never sets
+    ``draft_probs`` (the seed's TypeError on the eager draft path, a zero or stale proposal
+    under graph replay). Inside the drop-in's builder wrapper (:data:`BUILDING`) it constructs
+    SGLang's class with ``draft_probs`` = the source's proposal (:func:`proposal_for`): (b, V)
+    for single-layer EAGLE, (b, S, V) for a multi-layer chain, as 0.5.22's builder shapes
+    SGLang's own. Set at construction, so the proposal is in the draft input before the
+    overlap scheduler's stash (``RelayPayload.from_draft_input``): a proposal attached after
+    the builder returns would be replaced by the relay's buffer rows there. Without
+    rejection sampling (a greedy verify) no proposal is set, as on 0.5.22. Anywhere else,
+    SGLang's class unchanged."""
+
+    def EagleDraftInput(*args: Any, **kwargs: Any) -> Any:  # stands in for SGLang's class
+        building = BUILDING.get()
+        if building is None or kwargs.get("draft_probs") is not None or "topk_index" not in kwargs:
+            return cls(*args, **kwargs)
+        topk_index = kwargs["topk_index"]
+        try:
+            spec = inst.symbols[GET_SPEC]()
+            rs, multi = bool(spec.speculative_use_rejection_sampling), bool(spec.enable_multi_layer_eagle)
+            vocab_size = int(building.batch.model_config.vocab_size)
+        except Exception as exc:  # nothing to shape a proposal by: SGLang's input as it was
+            inst.events.failed("draft_input", exc, "SGLang's draft input without a proposal")
+            return cls(*args, **kwargs)
+        if rs:
+            probs = proposal_for(inst, building, topk_index, vocab_size)
+            kwargs["draft_probs"] = probs if multi else probs[:, 0]
+        return cls(*args, **kwargs)
+
+    return EagleDraftInput
 
 
 register_feature(
@@ -429,8 +471,16 @@ register_feature(
                 wrap_build,
             ),
             Target(
-                BUILDER_MODULE, "pd_first_draft_proposal", ("topk_index", "vocab_size"), Hook.REPLACE, wrap_proposal
+                BUILDER_MODULE,
+                "pd_first_draft_proposal",
+                ("topk_index", "vocab_size"),
+                Hook.REPLACE,
+                wrap_proposal,
+                since="0.5.22",
             ),
+            # Up to 0.5.21 the builder sets no proposal: the draft input it constructs gets the source's.
+            Target(BUILDER_MODULE, "EagleDraftInput", None, Hook.REPLACE, wrap_draft_input, until="0.5.21"),
+            Target(RUNTIME_MODULE, "get_spec", (), Hook.READ, until="0.5.21"),
         ),
         lambda plan: True,
         summary="the PD decode's first draft input and its proposal: the source's",
