@@ -355,7 +355,8 @@ def test_the_current_release_gets_the_twelve_overrides_as_before() -> None:
 def test_each_release_row_names_known_overrides_and_keeps_their_names(release: str) -> None:
     known = {ov.name for ov in cpu_gaps.GAPS}
     row = cpu_gaps.RELEASES[release]
-    assert set(row) <= known, set(row) - known
+    # A name outside GAPS is a gap of that release only: an override, never a reason.
+    assert all(not isinstance(row[name], str) for name in set(row) - known), row
     table, left_out = cpu_gaps.release_gaps(release)
     for name, alt in row.items():
         if isinstance(alt, str):
@@ -442,3 +443,28 @@ def test_the_older_releases_renorm_serves_cpu_tensors_with_the_torch_versions() 
     assert torch.allclose(mod.top_k_renorm_prob(probs, torch.tensor([2])), cpu_gaps.top_k_renorm_prob(probs, [2]))
     assert torch.allclose(mod.top_p_renorm_prob(probs, torch.tensor([0.6])), cpu_gaps.top_p_renorm_prob(probs, [0.6]))
     assert calls == []
+
+
+def test_the_attention_ops_of_0_5_18_get_unit_kv_scales() -> None:
+    calls: list[tuple[object, ...]] = []
+
+    class IntelAMXAttnBackend:
+        def __init__(self, model_runner: object) -> None:
+            self.decode_attention_fwd = lambda *a: calls.append(("decode", *a))
+            self.extend_attention_fwd = lambda *a: calls.append(("extend", *a))
+
+    ov = cpu_gaps.RELEASES["0.5.18"]["amx_unscaled_ops"][0]  # type: ignore[index]
+    cpu_gaps.apply(ov, _module(IntelAMXAttnBackend=IntelAMXAttnBackend))
+    backend = IntelAMXAttnBackend(None)
+    backend.decode_attention_fwd(*range(17))
+    backend.extend_attention_fwd(*range(19))
+    assert calls[0] == ("decode", 0, 1, 2, 1.0, 1.0, *range(3, 17))
+    assert calls[1] == ("extend", *range(6), 1.0, 1.0, *range(6, 19), True)
+    with pytest.raises(TypeError, match="18 arguments, this release passes 17"):
+        backend.decode_attention_fwd(*range(18))
+
+    class Scaled(IntelAMXAttnBackend):
+        """A release that passes the scales itself (k_scale in its source)."""
+
+    with pytest.raises(cpu_gaps.OverrideRefused, match="passes KV scales in this release"):
+        cpu_gaps.apply(ov, _module(IntelAMXAttnBackend=Scaled))

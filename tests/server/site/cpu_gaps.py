@@ -434,6 +434,48 @@ def _cpu_renorm(torch_version: Callable[[Any, Any], Any]) -> Callable[[types.Mod
     return make
 
 
+#: sgl-kernel's CPU attention ops of 0.5.18 and 0.5.19 had no KV scales (nor, for extend,
+#: ``is_causal``): their positional arguments, and where the stand-ins' schema (sgl-kernel
+#: 0.4.10's, ``sgl_cpu_ops.py``) takes the scales.
+_OLD_DECODE_ARGS, _OLD_EXTEND_ARGS = 17, 19
+_DECODE_SCALES_AT, _EXTEND_SCALES_AT = 3, 6
+
+
+def _unscaled_ops(module: types.ModuleType, cls: Any) -> None:
+    """``IntelAMXAttnBackend`` of 0.5.18/0.5.19 calls the CPU attention ops without KV
+    scales: each instance's two ops get them as 1.0 (the tier's KV cache is bf16, never
+    fp8; the scales multiply nothing else), and extend gets ``is_causal=True`` (those
+    releases' kernel had only causal extend)."""
+    orig_init = cls.__init__
+
+    def insert(op: Any, at: int, count: int, tail: tuple[Any, ...]) -> Any:
+        def call(*args: Any) -> Any:
+            if len(args) != count:
+                raise TypeError(f"cpu_gaps amx_unscaled_ops: {len(args)} arguments, this release passes {count}")
+            return op(*args[:at], 1.0, 1.0, *args[at:], *tail)
+
+        return call
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        self.decode_attention_fwd = insert(self.decode_attention_fwd, _DECODE_SCALES_AT, _OLD_DECODE_ARGS, ())
+        self.extend_attention_fwd = insert(self.extend_attention_fwd, _EXTEND_SCALES_AT, _OLD_EXTEND_ARGS, (True,))
+
+    cls.__init__ = __init__
+
+
+def _amx_backend_without_scales(cls: Any) -> str:
+    import inspect as _inspect
+
+    try:
+        src = _inspect.getsource(cls)
+    except (OSError, TypeError) as exc:
+        return f"IntelAMXAttnBackend's source cannot be read ({exc})"
+    if "k_scale" in src:
+        return "IntelAMXAttnBackend passes KV scales in this release (drop the override here)"
+    return _method_params("__init__", ("self", "model_runner"))(cls)
+
+
 GAPS: tuple[Override, ...] = (
     Override("torchvision_meta", "torchvision.extension", "_has_ops", (), lambda m, o: None),
     Override(
@@ -551,6 +593,14 @@ _AMX_IN_SERVER_ARGS = Override(
     _add_amx,
     check=_amx_absent,
 )
+_AMX_UNSCALED_OPS = Override(
+    "amx_unscaled_ops",
+    "sglang.srt.layers.attention.intel_amx_backend",
+    "IntelAMXAttnBackend",
+    None,
+    _unscaled_ops,
+    check=_amx_backend_without_scales,
+)
 _NO_HOST_INDICES = (
     "no host tensor indices before 0.5.23 (MooncakeKVSender has no supports_host_tensor_indices); the "
     "prefill's only torch.cuda.Event is under the overlap schedule, which the tier's prefill turns off"
@@ -560,7 +610,8 @@ _NO_ROW_ARGMAX = "no Triton row_argmax in this release (sglang.kernels.ops.specu
 
 #: Per SGLang release older than :data:`CURRENT`, the overrides of :data:`GAPS` that differ
 #: there: the release's variant(s) of that name, or the reason it is left out. The rest of
-#: :data:`GAPS` applies unchanged (each still refused where its target differs).
+#: :data:`GAPS` applies unchanged (each still refused where its target differs). A name
+#: outside :data:`GAPS` is a gap of that release only, applied after the others.
 RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
     "0.5.18": {
         "prefill_host_indices": _NO_HOST_INDICES,
@@ -570,6 +621,7 @@ RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
         "renorm": _CPU_RENORM,
         "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
         "deterministic_rejection_cpu": _NO_REFUSAL,
+        "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
     },
     "0.5.19": {
         "prefill_host_indices": _NO_HOST_INDICES,
@@ -579,6 +631,7 @@ RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
         "renorm": _CPU_RENORM,
         "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
         "deterministic_rejection_cpu": _NO_REFUSAL,
+        "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
     },
     "0.5.20": {
         "prefill_host_indices": _NO_HOST_INDICES,
@@ -619,6 +672,10 @@ def release_gaps(release: str) -> tuple[list[Override], dict[str, str]]:
             out.append(ov)
     if "renorm" not in diff:  # GAPS' renorm: its top-p half goes last, as it always has
         out.append(RENORM_P)
+    names = {ov.name for ov in GAPS}
+    for name, alt in diff.items():
+        if name not in names and not isinstance(alt, str):
+            out.extend(alt)
     return out, left_out
 
 
@@ -793,7 +850,7 @@ def selected(environ: Any = None, release: str | None = None) -> list[Override]:
     env = os.environ if environ is None else environ
     release = CURRENT if release is None else release
     names = [n.strip() for n in env.get(ENV_GAPS, "").split(",") if n.strip()]
-    known = {ov.name for ov in GAPS}
+    known = {ov.name for ov in GAPS} | {name for row in RELEASES.values() for name in row}
     unknown = sorted(set(names) - known)
     if unknown:
         raise ValueError(f"{ENV_GAPS}: unknown override(s) {unknown}; known: {sorted(known)}")
