@@ -408,16 +408,22 @@ def _verify_module(rejection_sampling: bool) -> types.ModuleType:
     return mod
 
 
+def _batch(all_greedy: bool) -> object:
+    return types.SimpleNamespace(sampling_info=types.SimpleNamespace(is_all_greedy=all_greedy))
+
+
 @pytest.mark.parametrize("rejection_sampling", [True, False])
 def test_the_rs_verify_of_the_older_releases_runs_eagle_sample_off_the_cpu_branch(rejection_sampling: bool) -> None:
     ov = cpu_gaps.RELEASES["0.5.18"]["verify_greedy"][0]  # type: ignore[index]
     mod = _verify_module(rejection_sampling)
     cpu_gaps.apply(ov, mod)
-    assert mod.eagle_sample(1, 2, 3) == ("sampling" if rejection_sampling else "greedy")
+    assert mod.eagle_sample(1, _batch(False), 3) == ("sampling" if rejection_sampling else "greedy")
     assert mod._is_cpu is True  # restored after the call
     with pytest.raises(RuntimeError, match="verify failed"):
-        mod.eagle_sample(1, 2, 3, "raise")
+        mod.eagle_sample(1, _batch(False), 3, "raise")
     assert mod._is_cpu is True and mod.seen == [not rejection_sampling] * 2
+    # An all-greedy batch keeps the CPU flag: its greedy verify picks the CPU op by it.
+    assert mod.eagle_sample(1, batch=_batch(True), logits_output=3) == "greedy" and mod.seen[-1] is True
     # 0.5.20's eagle_sample has one parameter more: 0.5.18's variant refuses it.
     ov20 = cpu_gaps.RELEASES["0.5.20"]["verify_greedy"][0]  # type: ignore[index]
     with pytest.raises(cpu_gaps.OverrideRefused, match="eagle_sample has parameters"):

@@ -81,9 +81,11 @@ The variants on those releases:
 
 - ``verify_greedy`` on 0.5.18 to 0.5.20: ``_verify_uses_greedy`` does not exist yet;
   ``eagle_utils.eagle_sample`` itself takes the greedy branch on ``_is_cpu`` (0.5.20
-  ``eagle_utils.py`` around 784). With rejection sampling on, ``eagle_sample`` runs with
-  the module's ``_is_cpu`` False for its span (it reads the flag only at that branch), so
-  a CPU verify is greedy only when every request is: the rejection-sampling verify.
+  ``eagle_utils.py`` around 784). With rejection sampling on and a batch not all greedy,
+  ``eagle_sample`` runs with the module's ``_is_cpu`` False for its span (its sampling
+  branch reads the flag nowhere else), so a CPU verify is greedy only when every request
+  is: the rejection-sampling verify. An all-greedy batch runs untouched (the greedy
+  branch's ``verify_tree_greedy_func`` reads ``_is_cpu`` to pick the CPU op).
 - ``renorm`` on 0.5.18 to 0.5.22: the verify imports ``top_k_renorm_prob`` and
   ``top_p_renorm_prob`` from ``sgl_kernel`` on the CPU (0.5.21 ``eagle_utils.py`` around
   920), whose GPU kernels do not exist here: the same torch versions, on CPU tensors.
@@ -404,11 +406,18 @@ def _no_cuda_sync_in_set_embed_and_head(module: types.ModuleType, cls: Any) -> N
 
 def _rs_verify_on_cpu(module: types.ModuleType, orig: Any) -> Any:
     """``eagle_sample`` of 0.5.18 to 0.5.20, which goes greedy on ``_is_cpu``: with rejection
-    sampling on, it runs with ``_is_cpu`` False (one scheduler thread calls it), so only
-    an all-greedy batch takes the greedy branch, as :func:`_verify_greedy` on 0.5.23."""
+    sampling on and a batch not all greedy, it runs with ``_is_cpu`` False (one scheduler
+    thread calls it), so it takes the sampling branch, as :func:`_verify_greedy` on 0.5.23.
+    An all-greedy batch runs untouched: the greedy branch calls ``verify_tree_greedy_func``,
+    which reads ``_is_cpu`` too (to pick the CPU op); the sampling branch reads it nowhere."""
 
     def eagle_sample(*args: Any, **kwargs: Any) -> Any:
-        if not (module._is_cpu and module.get_spec().speculative_use_rejection_sampling):
+        batch = args[1] if len(args) > 1 else kwargs["batch"]
+        if not (
+            module._is_cpu
+            and module.get_spec().speculative_use_rejection_sampling
+            and not batch.sampling_info.is_all_greedy
+        ):
             return orig(*args, **kwargs)
         module._is_cpu = False
         try:
