@@ -463,10 +463,12 @@ def test_the_attention_ops_of_0_5_18_get_unit_kv_scales() -> None:
     cpu_gaps.apply(ov, _module(IntelAMXAttnBackend=IntelAMXAttnBackend))
     backend = IntelAMXAttnBackend(None)
     backend.decode_attention_fwd(*range(17))
-    backend.extend_attention_fwd(*range(19))
+    backend.extend_attention_fwd(*range(19))  # 0.5.18: no is_causal
+    backend.extend_attention_fwd(*range(20))  # 0.5.19: is_causal last
     assert calls[0] == ("decode", 0, 1, 2, 1.0, 1.0, *range(3, 17))
     assert calls[1] == ("extend", *range(6), 1.0, 1.0, *range(6, 19), True)
-    with pytest.raises(TypeError, match="18 arguments, this release passes 17"):
+    assert calls[2] == ("extend", *range(6), 1.0, 1.0, *range(6, 20))
+    with pytest.raises(TypeError, match=r"18 arguments, these releases pass \[17\]"):
         backend.decode_attention_fwd(*range(18))
 
     class Scaled(IntelAMXAttnBackend):

@@ -443,32 +443,35 @@ def _cpu_renorm(torch_version: Callable[[Any, Any], Any]) -> Callable[[types.Mod
     return make
 
 
-#: sgl-kernel's CPU attention ops of 0.5.18 and 0.5.19 had no KV scales (nor, for extend,
-#: ``is_causal``): their positional arguments, and where the stand-ins' schema (sgl-kernel
-#: 0.4.10's, ``sgl_cpu_ops.py``) takes the scales.
-_OLD_DECODE_ARGS, _OLD_EXTEND_ARGS = 17, 19
+#: sgl-kernel's CPU attention ops of 0.5.18 and 0.5.19 had no KV scales: where the stand-ins'
+#: schema (sgl-kernel 0.4.10's, ``sgl_cpu_ops.py``) takes them, and, by the number of
+#: positional arguments a release passes, what goes at the end: 0.5.18's extend passes no
+#: ``is_causal`` (its kernel had only causal extend), 0.5.19's passes it last.
 _DECODE_SCALES_AT, _EXTEND_SCALES_AT = 3, 6
+_DECODE_TAILS: dict[int, tuple[Any, ...]] = {17: ()}
+_EXTEND_TAILS: dict[int, tuple[Any, ...]] = {19: (True,), 20: ()}
 
 
 def _unscaled_ops(module: types.ModuleType, cls: Any) -> None:
     """``IntelAMXAttnBackend`` of 0.5.18/0.5.19 calls the CPU attention ops without KV
     scales: each instance's two ops get them as 1.0 (the tier's KV cache is bf16, never
-    fp8; the scales multiply nothing else), and extend gets ``is_causal=True`` (those
-    releases' kernel had only causal extend)."""
+    fp8; the scales multiply nothing else), and 0.5.18's extend gets ``is_causal=True``."""
     orig_init = cls.__init__
 
-    def insert(op: Any, at: int, count: int, tail: tuple[Any, ...]) -> Any:
+    def insert(op: Any, at: int, tails: dict[int, tuple[Any, ...]]) -> Any:
         def call(*args: Any) -> Any:
-            if len(args) != count:
-                raise TypeError(f"cpu_gaps amx_unscaled_ops: {len(args)} arguments, this release passes {count}")
-            return op(*args[:at], 1.0, 1.0, *args[at:], *tail)
+            if len(args) not in tails:
+                raise TypeError(
+                    f"cpu_gaps amx_unscaled_ops: {len(args)} arguments, these releases pass {sorted(tails)}"
+                )
+            return op(*args[:at], 1.0, 1.0, *args[at:], *tails[len(args)])
 
         return call
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
-        self.decode_attention_fwd = insert(self.decode_attention_fwd, _DECODE_SCALES_AT, _OLD_DECODE_ARGS, ())
-        self.extend_attention_fwd = insert(self.extend_attention_fwd, _EXTEND_SCALES_AT, _OLD_EXTEND_ARGS, (True,))
+        self.decode_attention_fwd = insert(self.decode_attention_fwd, _DECODE_SCALES_AT, _DECODE_TAILS)
+        self.extend_attention_fwd = insert(self.extend_attention_fwd, _EXTEND_SCALES_AT, _EXTEND_TAILS)
 
     cls.__init__ = __init__
 
