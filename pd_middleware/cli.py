@@ -122,6 +122,61 @@ class _FormOnlyRegistry:
         )
 
 
+def _cmd_sglang(args: argparse.Namespace) -> int:
+    import json
+
+    from .integrations.sglang import SUPPORTED_SGLANG_VERSIONS, version_problem
+    from .integrations.sglang.installation import ENV_ALLOW_UNSUPPORTED
+    from .integrations.sglang.patching import detect_version
+    from .integrations.sglang.releases import release_report
+
+    if args.release is not None:
+        version, source = args.release, "--release"
+    else:
+        try:
+            version, source = detect_version(), "installed"  # package metadata: SGLang is not imported
+        except PluginError:
+            print(
+                "pd-middleware: SGLang is not installed here (no 'sglang' distribution); pass --release X.Y.Z "
+                f"to see what a release gets (supported: {', '.join(SUPPORTED_SGLANG_VERSIONS)})",
+                file=sys.stderr,
+            )
+            return EXIT_ERROR
+    allow = args.allow_unsupported or os.environ.get(ENV_ALLOW_UNSUPPORTED, "") == "1"
+    problem = version_problem(version, allow_unsupported=allow)
+    if problem is not None:
+        print(f"pd-middleware: {problem}", file=sys.stderr)
+        return EXIT_ERROR
+    rep = release_report(version)
+    rep["source"] = source
+    rep["supported"] = version in SUPPORTED_SGLANG_VERSIONS
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return EXIT_OK
+    state = (
+        "supported"
+        if rep["supported"]
+        else f"not in the table: tried on the rows of {rep['rows_of']}, every signature checked at install"
+    )
+    print(f"SGLang {version} ({source}): {state}")
+    print("\nfeatures:")
+    width = max(len(n) for n in rep["features"])
+    for name, f in rep["features"].items():
+        if f["available"]:
+            changed = [
+                f"{r['target'].rsplit('.', 1)[-1]} ({r['releases']})" for r in f["rows"] if r["releases"] != "all"
+            ]
+            note = f"  [release rows: {', '.join(changed)}]" if changed else ""
+            print(f"  {name:<{width}}  supported: {f['summary']}{note}")
+        else:
+            print(f"  {name:<{width}}  refused: {f['refused']}")
+    print("\nconfig per draft kind:")
+    for kind, text in rep["configs"].items():
+        print(f"  {kind}: {text}")
+    print(f"\nCUDA-graph path: {rep['graph_path']}")
+    return EXIT_OK
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -329,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow 'module:ATTR' plugins from DIR (repeatable); the working directory is never used implicitly",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_plugins, _add_check_config, _add_keys, _add_config, _add_ab):
+    for add in (_add_plugins, _add_check_config, _add_keys, _add_config, _add_ab, _add_sglang):
         add(sub)
     from .evaluation.live_ab import add_parser as add_live_ab
 
@@ -448,6 +503,28 @@ def _add_ab(sub: Any) -> None:
         "--fail-on-loss", action="store_true", help="exit 1 when any payload failed (not only when one was lost)"
     )
     p.set_defaults(func=_cmd_ab)
+
+
+def _add_sglang(sub: Any) -> None:
+    p = sub.add_parser(
+        "sglang",
+        help="what the SGLang drop-in does on an SGLang release (the installed one by default)",
+        description="Read the installed SGLang release from its package metadata (SGLang is not imported and "
+        "nothing starts), or take --release, and print per feature of the drop-in whether that release gets it "
+        "(supported, with the table rows that differ by release) or refuses it (the line install prints, with what "
+        "to run instead), the config to run per draft kind (single-layer EAGLE/EAGLE3, DeepSeek NextN, multi-layer "
+        "MTP chain), and how the proposal reaches the first verify under CUDA-graph replay. Exit 2 with one line "
+        "when SGLang is not installed and no --release is given, or the release is not supported (older than the "
+        "table; newer without --allow-unsupported).",
+    )
+    p.add_argument("--release", metavar="X.Y.Z", help="report on this SGLang release instead of the installed one")
+    p.add_argument(
+        "--allow-unsupported",
+        action="store_true",
+        help="a release newer than the table: report on the newest rows (as PD_MIDDLEWARE_ALLOW_UNSUPPORTED_SGLANG=1)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_sglang)
 
 
 def _setup_logging(level: str) -> None:

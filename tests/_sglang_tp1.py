@@ -37,7 +37,10 @@ def init_tp1() -> None:
     def publish() -> None:
         rc.reset_context()
         sa = ServerArgs(model_path="dummy", device="cpu", tp_size=1)
-        rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+        if hasattr(rc, "SpawnRanks"):  # 0.5.21 on: the spawn's ranks are published with it
+            rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+        else:  # up to 0.5.20 (tests/test_sglang_releases.py): the ranks come with the groups
+            rc.publish(sa, role="scheduler")
 
     publish()
     if ps.model_parallel_is_initialized():

@@ -528,7 +528,8 @@ DOC_ORDER = (
 )
 
 
-def _doc_features() -> list[Feature]:
+def doc_features() -> list[Feature]:
+    """Every feature in the docs' order (:data:`DOC_ORDER`, then the rest in registration order)."""
     names = [n for n in DOC_ORDER if n in FEATURES] + [n for n in FEATURES if n not in DOC_ORDER]
     return [FEATURES[n] for n in names]
 
@@ -537,7 +538,7 @@ def table_markdown() -> str:
     """The table as docs/sglang.md shows it (generated: tests check the page against it):
     one line per row, with the releases it holds for."""
     lines = ["| feature | target | hook | checked | releases |", "| --- | --- | --- | --- | --- |"]
-    for f in _doc_features():
+    for f in doc_features():
         for t in f.targets:
             if t.instance:
                 what = "an attribute of every instance, at scheduler start"
@@ -555,7 +556,7 @@ def release_status(version: str) -> dict[str, str | None]:
     """Per feature, for ``version``: None (available: its rows for that release) or its refusal line."""
     release = min(parse_version(version), parse_version(NEWEST))
     out: dict[str, str | None] = {}
-    for f in _doc_features():
+    for f in doc_features():
         r = f.refusal(release)
         out[f.name] = None if r is None else r.line(version, f.name)
     return out
@@ -564,7 +565,7 @@ def release_status(version: str) -> dict[str, str | None]:
 def release_table_markdown() -> str:
     """Release x feature, as docs/sglang.md shows it (generated): ``yes`` where the
     feature's rows hold, ``no`` where it is refused (the line says why: ``pd-middleware sglang``)."""
-    feats = _doc_features()
+    feats = doc_features()
     lines = ["| feature | " + " | ".join(RELEASES) + " |", "| --- |" + " --- |" * len(RELEASES)]
     for f in feats:
         cells = ["no" if f.refusal(parse_version(v)) is not None else "yes" for v in RELEASES]

@@ -47,7 +47,7 @@ from ...core._errors import ConfigError
 from ...core.draft_head import DRAFT_HEAD
 from .agreement import NEUTRAL, agree, group_of
 from .common import ATTACH_ATTR, RequestProposal, Scope, check_proposal, one_hot_at
-from .patching import BUILDER_MODULE, RUNTIME_MODULE, Feature, Hook, Target, register_feature
+from .patching import BUILDER_MODULE, Feature, Hook, Target, register_feature
 from .prefill import ProposalPublisher
 from .proposer import DecodeProposer, request_tokens
 from .store import ProposalStore
@@ -291,6 +291,8 @@ class Building:
     batch: Any
     state: Any
     fresh: list[int] | None = None
+    #: The builder's own ``get_spec`` (its module's global: the settings the builder reads), or None.
+    read_spec: Any = None
 
 
 #: Set by the builder's wrapper, read by the proposal's replacement within the same call.
@@ -371,7 +373,8 @@ def wrap_build(build: Callable[..., Any], inst: Any) -> Callable[..., Any]:
         except Exception as exc:
             inst.events.failed("prepare", exc, "the prefill's X with a one-hot proposal")
             state = None
-        with BUILDING.enter(Building(batch, state, fresh)):
+        read_spec = getattr(build, "__globals__", {}).get("get_spec")  # what the builder itself reads
+        with BUILDING.enter(Building(batch, state, fresh, read_spec)):
             out = build(batch, last_tokens_tensor, future_map)
         for req in batch.reqs:  # the row each request's first draft input was built from
             try:
@@ -423,10 +426,6 @@ def wrap_proposal(first: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     return pd_first_draft_proposal
 
 
-#: SGLang's runtime spec reader (a READ of the decode feature where the builder sets no proposal).
-GET_SPEC = f"{RUNTIME_MODULE}.get_spec"
-
-
 def wrap_draft_input(cls: Any, inst: Any) -> Callable[..., Any]:
     """The builder module's ``EagleDraftInput`` up to SGLang 0.5.21, whose builder never sets
     ``draft_probs`` (the seed's TypeError on the eager draft path, a zero or stale proposal
@@ -445,7 +444,7 @@ def wrap_draft_input(cls: Any, inst: Any) -> Callable[..., Any]:
             return cls(*args, **kwargs)
         topk_index = kwargs["topk_index"]
         try:
-            spec = inst.symbols[GET_SPEC]()
+            spec = building.read_spec()
             rs, multi = bool(spec.speculative_use_rejection_sampling), bool(spec.enable_multi_layer_eagle)
             vocab_size = int(building.batch.model_config.vocab_size)
         except Exception as exc:  # nothing to shape a proposal by: SGLang's input as it was
@@ -480,7 +479,8 @@ register_feature(
             ),
             # Up to 0.5.21 the builder sets no proposal: the draft input it constructs gets the source's.
             Target(BUILDER_MODULE, "EagleDraftInput", None, Hook.REPLACE, wrap_draft_input, until="0.5.21"),
-            Target(RUNTIME_MODULE, "get_spec", (), Hook.READ, until="0.5.21"),
+            # The settings the builder reads (rejection sampling, multi-layer), read as it reads them.
+            Target(BUILDER_MODULE, "get_spec", (), Hook.READ, until="0.5.21"),
         ),
         lambda plan: True,
         summary="the PD decode's first draft input and its proposal: the source's",

@@ -1,0 +1,300 @@
+"""The versioned table: which rows each SGLang release gets, what it refuses, and what the CLI says.
+
+No SGLang here: the selection is the table's (``patching``), the install runs on stand-in
+modules (``tests/test_sglang.py``'s, shaped like each release's builder), and the CLI reads
+only package metadata or ``--release``. The real releases are in
+``tests/test_sglang_releases.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pd_middleware import PluginError
+from pd_middleware.cli import main
+from pd_middleware.config import parse_config
+from pd_middleware.integrations import sglang as S
+from pd_middleware.integrations.sglang.patching import (
+    FEATURES,
+    RELEASES,
+    Plan,
+    SGLangModules,
+    parse_version,
+    release_table_markdown,
+)
+from pd_middleware.integrations.sglang.releases import release_report
+
+pytestmark = pytest.mark.usefixtures("sglang_uninstall")  # conftest: no installation outlives a test
+
+V = 11
+OLD = ("0.5.18", "0.5.19", "0.5.20", "0.5.21")
+
+
+def rows(feature: str, version: str) -> dict[str, tuple[str, ...] | None]:
+    """{attr: params} of a feature's rows for ``version``."""
+    return {t.attr: t.params for t in FEATURES[feature].targets_for(parse_version(version))}
+
+
+def test_versions_parse_as_numbers_not_strings() -> None:
+    assert parse_version("0.5.9") < parse_version("0.5.18") < parse_version("0.5.23") < parse_version("0.6")
+    assert parse_version("0.5.21.post1") == parse_version("0.5.21rc2") == (0, 5, 21)
+    assert S.SUPPORTED_SGLANG_VERSIONS == ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+    with pytest.raises(ValueError, match="not a version"):
+        parse_version("latest")
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_each_release_selects_the_rows_its_sglang_has(version) -> None:
+    old, r22 = version in OLD, version == "0.5.22"
+    decode = rows("decode", version)
+    # The builder's proposal: SGLang's hook from 0.5.22, the draft input's construction before.
+    assert ("pd_first_draft_proposal" in decode) is not old and ("EagleDraftInput" in decode) is old
+    rec = rows("recompute", version)
+    seeded = ("probs", "num_samples", "sampling_seed", "positions", "draft_step")
+    assert rec["fast_sample"] == (("probs", "num_samples") if old or r22 else seeded)
+    want_ctx = {"0.5.21": ("tp_group", "owns_attention"), "0.5.22": ("owns_attention",), "0.5.23": ("layout",)}
+    assert rec["draft_tp_context"] == want_ctx.get(version, ("tp_group",))
+    assert ("EagleDraftWorker.parallel_layout" in rec) is (version == "0.5.23")
+    assert rec["LogitsProcessor._compute_lm_head"][-1] == ("out" if version == "0.5.23" else "embedding_bias")
+    assert rec["LogitsProcessor._copy_logits_to_buffer"][-1] == ("use_buffer" if old else "softcap")
+    chain = rows("chain", version)
+    assert len(chain["sample_draft_proposal"]) == (
+        2 if version in OLD[:3] else 3 if version in ("0.5.21", "0.5.22") else 6
+    )
+    assert chain["MultiLayerEagleDraftWorker._draft_extend_for_prefill"][-1] == (
+        "next_token_ids" if old else "kv_loc_plan"
+    )
+    # One row per target per release.
+    for f in FEATURES.values():
+        paths = [t.path for t in f.targets_for(parse_version(version)) if not t.instance]
+        assert len(paths) == len(set(paths)), (f.name, version)
+
+
+def test_features_refused_by_release_with_their_line() -> None:
+    want = {
+        "metadata": {"0.5.23"},
+        "draft_kv": {"0.5.23"},
+        "peer_check": {"0.5.22", "0.5.23"},
+    }
+    for name, f in FEATURES.items():
+        have = {v for v in RELEASES if f.refusal(parse_version(v)) is None}
+        assert have == want.get(name, set(RELEASES)), name
+    line = FEATURES["draft_kv"].refusal(parse_version("0.5.22")).line("0.5.22", "draft_kv")
+    assert line.startswith("SGLang 0.5.22: feature 'draft_kv' is not available") and 'draft_kv = "first_step"' in line
+    assert "\n" not in line
+
+
+def cfg(**sglang):
+    return parse_config(
+        {"model": {"vocab_size": V, "num_steps": 1}, "transport": {"mooncake": {"enabled": False}}, "sglang": sglang}
+    )
+
+
+OLD_BUILDER = """
+import torch
+
+class EagleDraftInput:  # SGLang's dataclass: draft_probs defaults to None
+    def __init__(self, topk_p=None, topk_index=None, draft_probs=None, hidden_states=None):
+        self.topk_p, self.topk_index, self.draft_probs = topk_p, topk_index, draft_probs
+
+def get_spec():
+    return SPEC
+
+def build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map):
+    spec = get_spec()
+    n = spec.speculative_num_steps if spec.enable_multi_layer_eagle else 1
+    topk_index = torch.stack([torch.as_tensor(r.output_topk_index[:n], dtype=torch.int64) for r in batch.reqs])
+    return EagleDraftInput(topk_p=torch.ones_like(topk_index, dtype=torch.float32), topk_index=topk_index)
+"""
+
+
+def old_builder(name="fake_sglang_ed_old"):
+    """A module shaped like SGLang 0.5.18-0.5.21's eagle_disaggregation: its builder constructs
+    the module-global ``EagleDraftInput`` and never sets ``draft_probs``; it reads the
+    module-global ``get_spec`` (defined in the module, so the builder's globals are the module's)."""
+    m = types.ModuleType(name)
+    m.SPEC = SimpleNamespace(
+        speculative_use_rejection_sampling=True, enable_multi_layer_eagle=False, speculative_num_steps=1
+    )
+    exec(OLD_BUILDER, m.__dict__)
+    return m
+
+
+def batch(chains):
+    reqs = [
+        SimpleNamespace(output_topk_index=list(c), output_topk_p=[1.0] * len(c), bootstrap_room=None) for c in chains
+    ]
+    return SimpleNamespace(reqs=reqs, device="cpu", model_config=SimpleNamespace(vocab_size=V), enable_overlap=False)
+
+
+def install_old(m, version="0.5.21", **kw):
+    return S.install(
+        cfg(draft_kv="first_step"),
+        S.InstallOptions(
+            channel="sidechannel",
+            modules=SGLangModules(builder=m, only_given=True),
+            version=version,
+            hook_scheduler=False,
+            **kw,
+        ),
+    )
+
+
+@pytest.mark.parametrize("version", OLD)
+def test_old_builder_gets_the_proposal_at_construction(version) -> None:
+    m = old_builder()
+    cls = m.EagleDraftInput
+    # Negative control: the stock builder leaves draft_probs None, and the draft step's stack raises.
+    stock = m.build_eagle_disagg_draft_input(batch([[3], [4]]), None, None)
+    assert stock.draft_probs is None
+    with pytest.raises(TypeError, match="expected Tensor as element 0"):
+        torch.stack([stock.draft_probs])
+    inst = install_old(m, version)
+    assert m.EagleDraftInput is not cls and {p.target.attr for p in inst.patches} == {
+        "build_eagle_disagg_draft_input",
+        "EagleDraftInput",
+    }
+    got = m.build_eagle_disagg_draft_input(batch([[3], [4]]), None, None)
+    assert type(got) is cls  # SGLang's own class, built with the proposal
+    assert torch.equal(got.draft_probs, torch.nn.functional.one_hot(torch.tensor([3, 4]), V).float())
+    # A chain: (b, S, V).
+    m.SPEC.enable_multi_layer_eagle, m.SPEC.speculative_num_steps = True, 3
+    got = m.build_eagle_disagg_draft_input(batch([[1, 2, 3]]), None, None)
+    assert tuple(got.draft_probs.shape) == (1, 3, V) and torch.equal(
+        got.draft_probs[0].argmax(-1), torch.tensor([1, 2, 3])
+    )
+    # Without rejection sampling no proposal (a greedy verify), as 0.5.22's builder.
+    m.SPEC.speculative_use_rejection_sampling = False
+    assert m.build_eagle_disagg_draft_input(batch([[1, 2, 3]]), None, None).draft_probs is None
+    # Outside the builder the class is SGLang's, unchanged.
+    assert m.EagleDraftInput(topk_index=torch.tensor([[1]])).draft_probs is None
+    assert S.uninstall() and m.EagleDraftInput is cls
+
+
+def test_a_source_failure_on_an_old_builder_gives_a_counted_one_hot(monkeypatch) -> None:
+    m = old_builder()
+    inst = install_old(m)
+
+    def boom(*a):
+        raise RuntimeError("source down")
+
+    monkeypatch.setattr(inst.source, "propose", boom)
+    got = m.build_eagle_disagg_draft_input(batch([[5]]), None, None)
+    assert torch.equal(got.draft_probs, torch.nn.functional.one_hot(torch.tensor([5]), V).float())
+    assert inst.guard.counts == {"guard:propose:RuntimeError": 1}
+
+
+def test_a_refused_feature_refuses_the_install_whole() -> None:
+    m = old_builder()
+    build, cls = m.build_eagle_disagg_draft_input, m.EagleDraftInput
+    for version in ("0.5.21", "0.5.22"):
+        with pytest.raises(PluginError) as e:
+            S.install(
+                cfg(draft_kv="all_steps"),
+                S.InstallOptions(
+                    channel="sidechannel",
+                    modules=SGLangModules(builder=m, only_given=True),
+                    version=version,
+                    hook_scheduler=False,
+                ),
+            )
+        assert f"SGLang {version}: feature 'draft_kv' is not available" in e.value.detail
+        assert m.build_eagle_disagg_draft_input is build and m.EagleDraftInput is cls and S.current() is None
+    with pytest.raises(PluginError, match=r"SGLang 0\.5\.22: feature 'metadata' is not available"):
+        S.install(
+            cfg(draft_kv="first_step"),
+            S.InstallOptions(channel="metadata", modules=SGLangModules(builder=m, only_given=True), version="0.5.22"),
+        )
+    assert S.current() is None
+
+
+def test_allow_unsupported_names_every_mismatch_and_patches_nothing() -> None:
+    # A release newer than the table, on the newest rows: two changed targets, both named.
+    m = types.ModuleType("fake_sglang_ed_new")
+    exec("def build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map, extra=None): pass", m.__dict__)
+    build = m.build_eagle_disagg_draft_input
+    with pytest.raises(PluginError, match="not a supported version"):
+        install_old(m, "0.6.0")
+    with pytest.raises(PluginError) as e:
+        install_old(m, "0.6.0", allow_unsupported=True)
+    lines = e.value.detail.splitlines()
+    assert len(lines) == 2
+    assert "build_eagle_disagg_draft_input has parameters" in lines[0] and "'extra'" in lines[0]
+    assert "pd_first_draft_proposal not found" in lines[1]
+    assert m.build_eagle_disagg_draft_input is build and S.current() is None
+
+
+def test_older_than_the_table_is_refused_even_when_allowed() -> None:
+    for allow in (False, True):
+        problem = S.version_problem("0.5.17", allow_unsupported=allow)
+        assert problem is not None and problem.startswith(
+            "SGLang 0.5.17 is older than the oldest supported release 0.5.18"
+        )
+    assert S.version_problem("0.5.23") is None and S.version_problem("0.6.0", allow_unsupported=True) is None
+    assert "rows of 0.5.21" in S.version_problem("0.5.21.post1")
+
+
+def test_plan_takes_the_newest_rows_past_the_table() -> None:
+    assert Plan(frozenset(), None, None, "0.7.1").release == parse_version("0.5.23")
+    assert Plan(frozenset(), None, None, "0.5.19").release == parse_version("0.5.19")
+
+
+# ----------------------------------------------------------------- docs and CLI
+
+
+def test_docs_release_table_is_the_codes() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "sglang.md").read_text(encoding="utf-8")
+    (shown,) = re.findall(r"<!-- releases:start -->\n(.*?)\n<!-- releases:end -->", page, re.S)
+    assert shown == release_table_markdown()
+    assert shown.replace("| no |", "| yes |", 1) != release_table_markdown()  # negative control
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_cli_prints_each_release(version, capsys) -> None:
+    assert main(["sglang", "--release", version]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"SGLang {version} (--release): supported")
+    for name, f in FEATURES.items():
+        r = f.refusal(parse_version(version))
+        assert (f"refused: {r.line(version, name)}" if r else f"{name}") in out
+    if version in OLD:
+        assert "EagleDraftInput (0.5.18-0.5.21)" in out and "never None" in out
+    chain = 'channel = "sidechannel"' if version != "0.5.23" else "the shipped chain in SGLang's PD metadata"
+    assert chain in out and "configs/sglang.toml on the decode only" in out
+    assert main(["sglang", "--release", version, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep == {**release_report(version), "source": "--release", "supported": True}
+    assert rep["features"]["draft_kv"]["available"] is (version == "0.5.23")
+
+
+def test_cli_reads_the_installed_release_without_importing_sglang(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.5.20" if dist == "sglang" else "0")
+    before = {m for m in sys.modules if m == "sglang" or m.startswith("sglang.")}
+    assert main(["sglang"]) == 0
+    assert capsys.readouterr().out.startswith("SGLang 0.5.20 (installed): supported")
+    assert {m for m in sys.modules if m == "sglang" or m.startswith("sglang.")} == before
+
+
+def test_cli_refuses_with_one_line(capsys, monkeypatch) -> None:
+    def missing(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert main(["sglang"]) == 2
+    err = capsys.readouterr().err
+    assert "SGLang is not installed here" in err and "--release X.Y.Z" in err and len(err.strip().splitlines()) == 1
+    assert main(["sglang", "--release", "0.5.17"]) == 2
+    assert "older than the oldest supported release 0.5.18" in capsys.readouterr().err
+    assert main(["sglang", "--release", "0.6.0"]) == 2
+    assert "PD_MIDDLEWARE_ALLOW_UNSUPPORTED_SGLANG" in capsys.readouterr().err
+    assert main(["sglang", "--release", "0.6.0", "--allow-unsupported"]) == 0
+    assert "not in the table: tried on the rows of 0.5.23" in capsys.readouterr().out
