@@ -36,8 +36,8 @@ none), counted as a fallback. Negative control: 0.5.21's stock decode fails the 
 sampled verify (no proposal at all); 0.5.22's serves its one-hot chain. The drop-in decode
 serves every request, greedy outputs equal the same release's aggregated server's, and
 its first-verify rate is within the stock one-hot chain's band where that one serves
-(0.5.22). The shipped chain with the drop-in on both nodes (``configs/multi_layer.yaml``)
-is not run here: docs/server.md says why.
+(0.5.22). The shipped chain with the drop-in on both nodes (on the side channel before
+0.5.23) is not run here: docs/server.md says why.
 """
 
 from __future__ import annotations
