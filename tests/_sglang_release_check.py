@@ -23,6 +23,7 @@ SGLang's own runtime context, overridden as a scheduler would publish them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import json
@@ -260,6 +261,56 @@ def recompute_head_check() -> dict[str, Any]:
         S.uninstall()
 
 
+def chain_check() -> dict[str, Any]:
+    """The chain feature's REPLACE of ``sample_draft_proposal`` on the release's real function
+    (its own parameters: no draft step before 0.5.23), called step by step as SGLang's
+    multi-layer prefill does inside a chain in scope: every step drawn from the encoder."""
+    from pd_middleware.core.contracts import PluginContext
+    from pd_middleware.integrations.sglang.chain import CHAIN, chain_for
+    from pd_middleware.integrations.sglang.patching import FEATURES, build, parse_version, resolve
+    from pd_middleware.integrations.sglang.prefill import ProposalPublisher
+    from pd_middleware_plugins.sparse import SparseEncoder, SparseEncoderOptions
+
+    version = importlib.metadata.version("sglang")
+    (row,) = [t for t in FEATURES["chain"].targets_for(parse_version(version)) if t.attr == "sample_draft_proposal"]
+    module = import_sglang(row.module)
+    encoder = SparseEncoder(SparseEncoderOptions(mode="topk", k=3, value_dtype="fp32"), PluginContext(V, 3, True))
+    sent: list[Any] = []
+    publisher = ProposalPublisher(encoder, SimpleNamespace(send=sent.append), vocab_size=V, num_steps=3)
+    inst = SimpleNamespace(publisher=publisher, events=SimpleNamespace(failed=lambda *a: sent.append(("failed", a))))
+    sample = build(resolve(row, module), inst).replacement
+    b = 2
+    batch = SimpleNamespace(
+        reqs=[SimpleNamespace(bootstrap_room=700 + i, rid=f"c{i}") for i in range(b)],
+        sampling_info=SimpleNamespace(temperatures=torch.full((b, 1), 0.9)),
+    )
+    chain = chain_for(publisher, batch)
+    g = torch.Generator().manual_seed(3)
+    xs = []
+    # Stand-in where the release draws with a Triton row argmax (0.5.22 on): torch's argmax on
+    # the CPU (the server tier's cpu_gaps "row_argmax" override does the same).
+    spec_utils = import_sglang("sglang.srt.speculative.spec_utils")
+    argmax = patch.object(spec_utils, "row_argmax", lambda x: x.argmax(dim=-1), create=False)
+    with CHAIN.enter(chain), argmax if hasattr(spec_utils, "row_argmax") else contextlib.nullcontext():
+        for k in range(3):  # as the release's prefill loop calls it: the step only where the row takes one
+            kw = (
+                {"sampling_seed": None, "positions": None, "draft_step": k}
+                if "draft_step" in (row.params or ())
+                else {}
+            )
+            _probs, _p, x = sample(torch.randn((b, V), generator=g), batch.sampling_info.temperatures, **kw)
+            xs.append(x.reshape(b).tolist())
+    payloads = chain.payloads()
+    return {
+        "params": list(row.params or ()),
+        "steps": len(chain.steps),
+        "broken": chain.broken,
+        "failures": [str(f) for f in sent if isinstance(f, tuple)],
+        "xs": xs,
+        "payload_tokens": [list(p.draft_tokens) if p is not None else None for p in payloads],
+    }
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     import_sglang("sglang")
@@ -270,6 +321,7 @@ def main() -> None:
     report["rows"] = rows(version)
     report["relay"] = relay_checks()
     report["recompute_head"] = recompute_head_check()
+    report["chain"] = chain_check()
     print("PDM-RELEASE-CHECK " + json.dumps(report))
 
 

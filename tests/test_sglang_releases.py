@@ -7,7 +7,8 @@ put first on ``PYTHONPATH``; the venv's own SGLang for 0.5.23 when no folder hol
 reports: every row the table selects for that release resolved against the real modules
 (present, unpatched, that row's parameters: ``table_vs_versions`` by the real import);
 the decode-only default (``configs/sglang.toml``) with SGLang's real EAGLE3 draft head at
-TP 1 through the real builder; and SGLang's real PD first-draft builder with the drop-in installed, through the real
+TP 1 through the real builder; the chain's per-step draw on the release's own
+``sample_draft_proposal``; and SGLang's real PD first-draft builder with the drop-in installed, through the real
 ``FutureMap`` stash and resolve (the overlap scheduler's relay; stand-ins only for its
 two CUDA-only calls, said there). Negative control: the same builder without the
 drop-in leaves ``draft_probs`` None up to 0.5.21, and SGLang's first draft step
@@ -160,3 +161,13 @@ def test_the_decode_only_default_recomputes_with_the_real_head(version) -> None:
     if parse_version(version) < parse_version("0.5.23"):
         # fast_sample has no seed there: the row hands the drop-in's seeded inverse-CDF draw.
         assert head["sampler"] == "pd_middleware.inverse_cdf" and head["x_is_the_draw"]
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+def test_the_chain_draws_every_step_from_the_encoder_on_the_releases_sampler(version) -> None:
+    chain = report(version)["chain"]
+    # The release's own parameters (no draft step before 0.5.23: the chain counts its steps).
+    assert ("draft_step" in chain["params"]) is (version == "0.5.23")
+    assert chain["steps"] == 3 and not chain["broken"] and chain["failures"] == []
+    # Each row's shipped chain is the X the prefill fed to the next step.
+    assert chain["payload_tokens"] == [list(col) for col in zip(*chain["xs"], strict=True)]

@@ -2,11 +2,14 @@
 
 SGLang's PD decode builds the first verify's draft input of each request in
 ``sglang.srt.speculative.eagle_disaggregation.build_eagle_disagg_draft_input(batch,
-last_tokens_tensor, future_map)``. Since 0.5.23, under
+last_tokens_tensor, future_map)``. Since 0.5.22, under
 ``--speculative-use-rejection-sampling``, that function attaches the proposal
 ``pd_first_draft_proposal(topk_index, vocab_size)``: a one-hot FP32 tensor (b, n, V),
-sliced by the caller to (b, V) for single-layer EAGLE. :func:`install` makes that
-proposal come from the configured strategy.
+sliced by the caller to (b, V) for single-layer EAGLE; up to 0.5.21 it attaches none (the
+drop-in then sets it where the builder constructs the draft input). :func:`install` makes
+that proposal come from the configured strategy, on every release of
+:data:`SUPPORTED_SGLANG_VERSIONS` (the versioned table of :mod:`.patching`; what each
+release gets: :mod:`.releases`, ``pd-middleware sglang``).
 
 The package is laid out by role (``docs/architecture.md``):
 
