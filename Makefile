@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup lint demo test test-wheel bench reliability reliability-quick setup-sglang test-sglang setup-server test-server server-demo clean
+.PHONY: setup lint demo test test-wheel bench reliability reliability-quick setup-sglang test-sglang setup-server setup-releases test-server test-releases server-demo clean
 
 # Create or update .venv: system library check, torch (CPU) if absent, the Mooncake
 # wheel that fits this machine, the project with its test extras (its first-party plugins,
@@ -65,9 +65,30 @@ test-sglang: setup-sglang
 setup-server: setup-sglang
 	$(PIP) install -q --no-deps -r requirements-server.txt
 
+# Older SGLang releases for the per-release modules (tests/server/test_release.py,
+# docs/server.md): one folder per release, .venv-releases/<v>/, from
+# requirements-releases/<v>.txt with --no-deps (sglang==<v> and the pins where it differs
+# from the venv); the tier puts it first on the servers' PYTHONPATH, on top of the server
+# tier's venv (env PDM_SGLANG_RELEASES names the parent folder). A folder whose requirements
+# copy matches is kept as is, so a second run does nothing.
+RELEASES     ?= 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22
+RELEASES_DIR ?= .venv-releases
+setup-releases: setup-server
+	@for v in $(RELEASES); do \
+	  req=requirements-releases/$$v.txt; dir=$(RELEASES_DIR)/$$v; \
+	  if cmp -s $$req $$dir/.requirements; then continue; fi; \
+	  echo "setup-releases: SGLang $$v into $$dir"; rm -rf $$dir; \
+	  $(PIP) install -q --no-deps --target $$dir -r $$req && cp $$req $$dir/.requirements || exit 1; \
+	done
+
 # PDM_SERVER_MODELS: a folder with target/ and eagle3/ (else tests/server/models/build.py).
+# The per-release modules are left to test-releases (they skip without their folders).
 test-server: setup-server
-	$(PY) -m pytest -q -m server tests/server -rsP
+	$(PY) -m pytest -q -m server tests/server -rsP --deselect tests/server/test_release.py
+
+# Each older SGLang release in a real PD pair (tests/server/test_release.py, docs/server.md).
+test-releases: setup-releases
+	PDM_SGLANG_RELEASES=$${PDM_SGLANG_RELEASES:-$(RELEASES_DIR)} $(PY) -m pytest -q -m server tests/server/test_release.py -rsP
 
 # A PD pair with the drop-in behind a router on this laptop (docs/server.md).
 server-demo: setup-server

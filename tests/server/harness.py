@@ -26,6 +26,13 @@ checked, never applied, and the all-reduce falls back to gloo (``parallel_state.
 around 696). ``sleep_on_idle=True`` passes ``--sleep-on-idle``: an idle scheduler then
 blocks on its sockets instead of polling.
 
+Older SGLang releases (``release=`` on :func:`start_server` and :func:`start_pair`): the
+release's folder (:func:`release_dir`, ``make setup-releases``) goes on ``PYTHONPATH``
+right after ``tests/server/site``, ahead of the venv's SGLang 0.5.23, and
+``PDM_TEST_SGLANG_RELEASE`` names it: the server's own processes check that the SGLang
+they import is that release (:mod:`cpu_gaps`, which also picks the release's overrides)
+and say so in the log, which :func:`wait_healthy` reads.
+
 Every wait is bounded; every port is on 127.0.0.1.
 """
 
@@ -48,7 +55,10 @@ from pathlib import Path
 from typing import Any
 
 SITE = Path(__file__).resolve().parent / "site"
+REPO = SITE.parents[2]
 HOST = "127.0.0.1"
+#: The folder holding one folder per older SGLang release (``make setup-releases``).
+ENV_RELEASES = "PDM_SGLANG_RELEASES"
 #: Seconds a server may take to answer /health (about 30 s each on 2 idle cores).
 START_TIMEOUT_S = float(os.environ.get("PDM_SERVER_START_TIMEOUT_S", "300"))
 
@@ -149,6 +159,8 @@ class Server:
     #: its health check (None until :func:`wait_healthy` saw it healthy).
     started_at: float = 0.0
     healthy_after_s: float | None = None
+    #: The older SGLang release it runs (None: the venv's).
+    release: str | None = None
 
     def log(self, tail: int = 20000) -> str:
         """The last ``tail`` characters of the log."""
@@ -162,11 +174,32 @@ class Server:
         return self.proc.poll() is None
 
 
-def server_env(config: str | os.PathLike[str] | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a test server: the CPU stand-ins, and the drop-in when ``config`` is given."""
+def releases_root() -> Path:
+    """Where the older releases' folders are: ``PDM_SGLANG_RELEASES`` (relative to the repo
+    root unless absolute), by default ``.venv-releases`` in the repo root."""
+    root = Path(os.environ.get(ENV_RELEASES) or ".venv-releases")
+    return root if root.is_absolute() else REPO / root
+
+
+def release_dir(release: str) -> Path:
+    """SGLang ``release``'s folder (``pip install --no-deps --target``; make setup-releases)."""
+    return releases_root() / release
+
+
+def server_env(
+    config: str | os.PathLike[str] | None, extra: Mapping[str, str] | None = None, *, release: str | None = None
+) -> dict[str, str]:
+    """The environment of a test server: the CPU stand-ins, the drop-in when ``config`` is
+    given, and SGLang ``release``'s folder ahead of the venv's SGLang when ``release`` is."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PD_MIDDLEWARE_", "PDM_TEST_"))}
-    repo = str(SITE.parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE), repo, *filter(None, [os.environ.get("PYTHONPATH")])])
+    first = [str(SITE)]
+    if release is not None:
+        folder = release_dir(release)
+        if not (folder / "sglang").is_dir():
+            raise FileNotFoundError(f"SGLang {release}: no release folder at {folder} (make setup-releases)")
+        first.append(str(folder))
+        env["PDM_TEST_SGLANG_RELEASE"] = release
+    env["PYTHONPATH"] = os.pathsep.join([*first, str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         TRITON_INTERPRET="1",
@@ -261,8 +294,11 @@ def start_server(
     sleep_on_idle: bool = False,
     port: int | None = None,
     bootstrap_port: int | None = None,
+    release: str | None = None,
 ) -> Server:
     """Start one SGLang server (``role``: ``null`` aggregated, ``prefill`` or ``decode``).
+
+    ``release``: an older SGLang release's folder ahead of the venv's SGLang (:func:`server_env`).
 
     ``port``/``bootstrap_port``: bind these (a restart in place of a stopped server) instead
     of free ones.
@@ -320,10 +356,10 @@ def start_server(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(config, {**par_env, **(env_extra or {})}),
+            env=server_env(config, {**par_env, **(env_extra or {})}, release=release),
             start_new_session=True,
         )
-    srv = Server(name, f"http://{HOST}:{port}", proc, log_path, port, boot, started_at)
+    srv = Server(name, f"http://{HOST}:{port}", proc, log_path, port, boot, started_at, release=release)
     if wait:
         wait_healthy(srv)
     return srv
@@ -380,6 +416,14 @@ def wait_healthy(srv: Server, timeout_s: float = START_TIMEOUT_S, path: str = "/
         try:
             with urllib.request.urlopen(srv.url + path, timeout=5) as r:
                 if r.status == 200:
+                    if srv.release is not None and f"[cpu-gaps] SGLang {srv.release}" not in srv.log(10**8):
+                        stop(srv)
+                        raise ServerFailed(
+                            f"{srv.name} is healthy but never said it runs SGLang {srv.release}",
+                            name=srv.name,
+                            log=srv.log(),
+                            returncode=None,
+                        )
                     if srv.healthy_after_s is None and srv.started_at:
                         srv.healthy_after_s = time.monotonic() - srv.started_at
                         STARTS.append((srv.name, str(srv.log_path.parent.name), srv.healthy_after_s))
@@ -502,8 +546,11 @@ def start_pair(
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
     sleep_on_idle: bool = False,
+    release: str | None = None,
 ) -> Pair:
     """Prefill, decode (started together) and, with ``router``, the router; all healthy, or ServerFailed.
+
+    ``release``: both nodes run that older SGLang release (:func:`start_server`).
 
     ``tp`` is both nodes' TP size unless ``prefill_tp``/``decode_tp`` say otherwise;
     ``prefill_args``/``decode_args`` go to one node after ``extra_args``;
@@ -525,6 +572,7 @@ def start_pair(
             wait=False,
             tp=tp if prefill_tp is None else prefill_tp,
             sleep_on_idle=sleep_on_idle,
+            release=release,
         )
         started.append(p)
         d = start_server(
@@ -539,6 +587,7 @@ def start_pair(
             wait=False,
             tp=tp if decode_tp is None else decode_tp,
             sleep_on_idle=sleep_on_idle,
+            release=release,
         )
         started.append(d)
         wait_healthy(p)

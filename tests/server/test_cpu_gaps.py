@@ -339,3 +339,140 @@ def test_cuda_sync_gap_target_matches_sglang_0_5_23(gap: str) -> None:
     import inspect
 
     assert "torch.cuda.synchronize()" in inspect.getsource(cls.set_embed_and_head)  # the gap is still there
+
+
+# ---- the per-release table (cpu_gaps.RELEASES) ------------------------------------------
+
+
+def test_the_current_release_gets_the_twelve_overrides_as_before() -> None:
+    table, left_out = cpu_gaps.release_gaps(cpu_gaps.CURRENT)
+    assert table == [*cpu_gaps.GAPS, cpu_gaps.RENORM_P] and left_out == {}
+    assert cpu_gaps.release_gaps("0.6.0") == (table, {})  # newer than the table: checked as 0.5.23's
+    assert cpu_gaps.selected({}) == cpu_gaps.selected({}, cpu_gaps.CURRENT) == table
+
+
+@pytest.mark.parametrize("release", sorted(cpu_gaps.RELEASES))
+def test_each_release_row_names_known_overrides_and_keeps_their_names(release: str) -> None:
+    known = {ov.name for ov in cpu_gaps.GAPS}
+    row = cpu_gaps.RELEASES[release]
+    # A name outside GAPS is a gap of that release only: an override, never a reason.
+    assert all(not isinstance(row[name], str) for name in set(row) - known), row
+    table, left_out = cpu_gaps.release_gaps(release)
+    for name, alt in row.items():
+        if isinstance(alt, str):
+            assert left_out[name] == alt and alt and name not in {ov.name for ov in table}
+        else:
+            assert alt and all(ov.name == name for ov in alt)
+            assert [ov for ov in table if ov.name == name] == list(alt)
+    # Every other override applies there as on 0.5.23 (one of each, in GAPS' order).
+    same = [ov.name for ov in table if ov.name not in row]
+    assert same == [ov.name for ov in [*cpu_gaps.GAPS, cpu_gaps.RENORM_P] if ov.name not in row]
+    # The rejection-sampling verify on the CPU exists on every release, under some target.
+    assert "verify_greedy" in {ov.name for ov in table} and "renorm" in {ov.name for ov in table}
+
+
+@pytest.mark.parametrize("release", cpu_gaps.WITHOUT_PD_PROPOSAL)
+def test_the_seed_builder_is_refused_where_the_builder_is_the_seeds_already(release: str) -> None:
+    with pytest.raises(ValueError, match=f"PDM_TEST_SEED_BUILDER=1: SGLang {release} has no pd_first_draft_proposal"):
+        cpu_gaps.selected({cpu_gaps.ENV_SEED: "1"}, release)
+    assert "seed_builder" in [o.name for o in cpu_gaps.selected({cpu_gaps.ENV_SEED: "1"}, "0.5.22")]
+
+
+def test_a_server_that_imports_another_release_than_asked_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cpu_gaps, "installed_release", lambda: "0.5.23")
+    with pytest.raises(
+        cpu_gaps.OverrideRefused, match="PDM_TEST_SGLANG_RELEASE=0.5.21, but this interpreter imports SGLang 0.5.23"
+    ):
+        cpu_gaps._release_checked({cpu_gaps.ENV_RELEASE: "0.5.21"})
+    monkeypatch.setattr(cpu_gaps, "installed_release", lambda: "0.5.20")
+    assert cpu_gaps._release_checked({cpu_gaps.ENV_RELEASE: "0.5.20"}) == "0.5.20"
+    err = capsys.readouterr().err
+    assert "[cpu-gaps] SGLang 0.5.20; prefill_host_indices left out: " in err and "row_argmax left out" in err
+
+
+def _verify_module(rejection_sampling: bool) -> types.ModuleType:
+    spec = types.SimpleNamespace(speculative_use_rejection_sampling=rejection_sampling)
+    mod = _module(_is_cpu=True, get_spec=lambda: spec)
+    seen: list[bool] = []
+
+    def eagle_sample(verify_input: object, batch: object, logits_output: object, grammar_mask: object = None) -> str:
+        seen.append(mod._is_cpu)  # the branch SGLang 0.5.18 to 0.5.20 take on `_is_cpu`
+        if grammar_mask == "raise":
+            raise RuntimeError("verify failed")
+        return "greedy" if mod._is_cpu else "sampling"
+
+    mod.eagle_sample = eagle_sample
+    mod.seen = seen
+    return mod
+
+
+def _batch(all_greedy: bool) -> object:
+    return types.SimpleNamespace(sampling_info=types.SimpleNamespace(is_all_greedy=all_greedy))
+
+
+@pytest.mark.parametrize("rejection_sampling", [True, False])
+def test_the_rs_verify_of_the_older_releases_runs_eagle_sample_off_the_cpu_branch(rejection_sampling: bool) -> None:
+    ov = cpu_gaps.RELEASES["0.5.18"]["verify_greedy"][0]  # type: ignore[index]
+    mod = _verify_module(rejection_sampling)
+    cpu_gaps.apply(ov, mod)
+    assert mod.eagle_sample(1, _batch(False), 3) == ("sampling" if rejection_sampling else "greedy")
+    assert mod._is_cpu is True  # restored after the call
+    with pytest.raises(RuntimeError, match="verify failed"):
+        mod.eagle_sample(1, _batch(False), 3, "raise")
+    assert mod._is_cpu is True and mod.seen == [not rejection_sampling] * 2
+    # An all-greedy batch keeps the CPU flag: its greedy verify picks the CPU op by it.
+    assert mod.eagle_sample(1, batch=_batch(True), logits_output=3) == "greedy" and mod.seen[-1] is True
+    # 0.5.20's eagle_sample has one parameter more: 0.5.18's variant refuses it.
+    ov20 = cpu_gaps.RELEASES["0.5.20"]["verify_greedy"][0]  # type: ignore[index]
+    with pytest.raises(cpu_gaps.OverrideRefused, match="eagle_sample has parameters"):
+        cpu_gaps.apply(ov20, _verify_module(True))
+
+
+def test_the_older_releases_renorm_serves_cpu_tensors_with_the_torch_versions() -> None:
+    calls: list[str] = []
+
+    def top_k_renorm_prob(probs: torch.Tensor, top_k: object) -> torch.Tensor:
+        calls.append("gpu kernel")
+        return probs
+
+    def top_p_renorm_prob(probs: torch.Tensor, top_p: object) -> torch.Tensor:
+        calls.append("gpu kernel")
+        return probs
+
+    mod = _module(top_k_renorm_prob=top_k_renorm_prob, top_p_renorm_prob=top_p_renorm_prob)
+    for ov in cpu_gaps.RELEASES["0.5.21"]["renorm"]:  # type: ignore[union-attr]
+        assert ov.module == "sgl_kernel"
+        cpu_gaps.apply(ov, mod)
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    assert torch.allclose(mod.top_k_renorm_prob(probs, torch.tensor([2])), cpu_gaps.top_k_renorm_prob(probs, [2]))
+    assert torch.allclose(mod.top_p_renorm_prob(probs, torch.tensor([0.6])), cpu_gaps.top_p_renorm_prob(probs, [0.6]))
+    assert calls == []
+
+
+def test_the_attention_ops_of_0_5_18_get_unit_kv_scales() -> None:
+    calls: list[tuple[object, ...]] = []
+
+    class IntelAMXAttnBackend:
+        def __init__(self, model_runner: object) -> None:
+            self.decode_attention_fwd = lambda *a: calls.append(("decode", *a))
+            self.extend_attention_fwd = lambda *a: calls.append(("extend", *a))
+
+    ov = cpu_gaps.RELEASES["0.5.18"]["amx_unscaled_ops"][0]  # type: ignore[index]
+    cpu_gaps.apply(ov, _module(IntelAMXAttnBackend=IntelAMXAttnBackend))
+    backend = IntelAMXAttnBackend(None)
+    backend.decode_attention_fwd(*range(17))
+    backend.extend_attention_fwd(*range(19))  # 0.5.18: no is_causal
+    backend.extend_attention_fwd(*range(20))  # 0.5.19: is_causal last
+    assert calls[0] == ("decode", 0, 1, 2, 1.0, 1.0, *range(3, 17))
+    assert calls[1] == ("extend", *range(6), 1.0, 1.0, *range(6, 19), True)
+    assert calls[2] == ("extend", *range(6), 1.0, 1.0, *range(6, 20))
+    with pytest.raises(TypeError, match=r"18 arguments, these releases pass \[17\]"):
+        backend.decode_attention_fwd(*range(18))
+
+    class Scaled(IntelAMXAttnBackend):
+        """A release that passes the scales itself (k_scale in its source)."""
+
+    with pytest.raises(cpu_gaps.OverrideRefused, match="passes KV scales in this release"):
+        cpu_gaps.apply(ov, _module(IntelAMXAttnBackend=Scaled))

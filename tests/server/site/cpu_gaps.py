@@ -75,7 +75,30 @@ decode-only recompute fail on one TP rank, so a failure on one rank is seen to b
 vote (:mod:`recompute_fault`; read by ``tests/server/test_recompute_tp2.py`` and
 ``tests/server/test_deepseek.py``): they wrap the middleware's own per-rank steps, never SGLang.
 
-``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all twelve).
+**Older releases** (0.5.18 to 0.5.22, the tier's per-release modules,
+``tests/server/test_release.py``): :data:`RELEASES` says, per release, which of the twelve
+differ there: the release's own variant of the override (another target, other
+parameters) or the reason it is left out there. The release is read from the installed
+SGLang's metadata (the release folder first on ``PYTHONPATH``); ``PDM_TEST_SGLANG_RELEASE``,
+set by the harness, must equal it, or the server stops at start with both versions.
+The variants on those releases:
+
+- ``verify_greedy`` on 0.5.18 to 0.5.20: ``_verify_uses_greedy`` does not exist yet;
+  ``eagle_utils.eagle_sample`` itself takes the greedy branch on ``_is_cpu`` (0.5.20
+  ``eagle_utils.py`` around 784). With rejection sampling on and a batch not all greedy,
+  ``eagle_sample`` runs with the module's ``_is_cpu`` False for its span (its sampling
+  branch reads the flag nowhere else), so a CPU verify is greedy only when every request
+  is: the rejection-sampling verify. An all-greedy batch runs untouched (the greedy
+  branch's ``verify_tree_greedy_func`` reads ``_is_cpu`` to pick the CPU op).
+- ``renorm`` on 0.5.18 to 0.5.22: the verify imports ``top_k_renorm_prob`` and
+  ``top_p_renorm_prob`` from ``sgl_kernel`` on the CPU (0.5.21 ``eagle_utils.py`` around
+  920), whose GPU kernels do not exist here: the same torch versions, on CPU tensors.
+- ``reject_sampling_interpreted`` on 0.5.18 to 0.5.21: the kernel has no
+  ``block_verification`` parameter yet; the same check with the release's parameters.
+- ``deterministic_amx`` on 0.5.18 and 0.5.19: the list lives in ``server_args.py``.
+
+``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all of the
+release's).
 """
 
 from __future__ import annotations
@@ -94,6 +117,9 @@ ENV_GAPS = "PDM_CPU_GAPS"
 ENV_SEED = "PDM_TEST_SEED_BUILDER"
 ENV_DRAFT_KV = "PDM_TEST_DRAFT_KV_DUMP"
 ENV_RECOMPUTE_FAULT = "PDM_TEST_RECOMPUTE_FAULT"
+ENV_RELEASE = "PDM_TEST_SGLANG_RELEASE"
+#: The release whose targets :data:`GAPS` names (and any release newer than the table).
+CURRENT = "0.5.23"
 
 
 class OverrideRefused(RuntimeError):
@@ -383,6 +409,90 @@ def _no_cuda_sync_in_set_embed_and_head(module: types.ModuleType, cls: Any) -> N
     cls.set_embed_and_head = set_embed_and_head
 
 
+def _rs_verify_on_cpu(module: types.ModuleType, orig: Any) -> Any:
+    """``eagle_sample`` of 0.5.18 to 0.5.20, which goes greedy on ``_is_cpu``: with rejection
+    sampling on and a batch not all greedy, it runs with ``_is_cpu`` False (one scheduler
+    thread calls it), so it takes the sampling branch, as :func:`_verify_greedy` on 0.5.23.
+    An all-greedy batch runs untouched: the greedy branch calls ``verify_tree_greedy_func``,
+    which reads ``_is_cpu`` too (to pick the CPU op); the sampling branch reads it nowhere."""
+
+    def eagle_sample(*args: Any, **kwargs: Any) -> Any:
+        batch = args[1] if len(args) > 1 else kwargs["batch"]
+        if not (
+            module._is_cpu
+            and module.get_spec().speculative_use_rejection_sampling
+            and not batch.sampling_info.is_all_greedy
+        ):
+            return orig(*args, **kwargs)
+        module._is_cpu = False
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            module._is_cpu = True
+
+    eagle_sample.__wrapped__ = orig  # type: ignore[attr-defined]
+    return eagle_sample
+
+
+def _cpu_renorm(torch_version: Callable[[Any, Any], Any]) -> Callable[[types.ModuleType, Any], Any]:
+    """The torch renormalisation on CPU tensors, ``sgl_kernel``'s own elsewhere."""
+
+    def make(module: types.ModuleType, orig: Any) -> Any:
+        def renorm(probs: Any, top: Any) -> Any:
+            if probs.device.type == "cpu":
+                return torch_version(probs, top)
+            return orig(probs, top)
+
+        return renorm
+
+    return make
+
+
+#: sgl-kernel's CPU attention ops of 0.5.18 and 0.5.19 had no KV scales: where the stand-ins'
+#: schema (sgl-kernel 0.4.10's, ``sgl_cpu_ops.py``) takes them, and, by the number of
+#: positional arguments a release passes, what goes at the end: 0.5.18's extend passes no
+#: ``is_causal`` (its kernel had only causal extend), 0.5.19's passes it last.
+_DECODE_SCALES_AT, _EXTEND_SCALES_AT = 3, 6
+_DECODE_TAILS: dict[int, tuple[Any, ...]] = {17: ()}
+_EXTEND_TAILS: dict[int, tuple[Any, ...]] = {19: (True,), 20: ()}
+
+
+def _unscaled_ops(module: types.ModuleType, cls: Any) -> None:
+    """``IntelAMXAttnBackend`` of 0.5.18/0.5.19 calls the CPU attention ops without KV
+    scales: each instance's two ops get them as 1.0 (the tier's KV cache is bf16, never
+    fp8; the scales multiply nothing else), and 0.5.18's extend gets ``is_causal=True``."""
+    orig_init = cls.__init__
+
+    def insert(op: Any, at: int, tails: dict[int, tuple[Any, ...]]) -> Any:
+        def call(*args: Any) -> Any:
+            if len(args) not in tails:
+                raise TypeError(
+                    f"cpu_gaps amx_unscaled_ops: {len(args)} arguments, these releases pass {sorted(tails)}"
+                )
+            return op(*args[:at], 1.0, 1.0, *args[at:], *tails[len(args)])
+
+        return call
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        self.decode_attention_fwd = insert(self.decode_attention_fwd, _DECODE_SCALES_AT, _DECODE_TAILS)
+        self.extend_attention_fwd = insert(self.extend_attention_fwd, _EXTEND_SCALES_AT, _EXTEND_TAILS)
+
+    cls.__init__ = __init__
+
+
+def _amx_backend_without_scales(cls: Any) -> str:
+    import inspect as _inspect
+
+    try:
+        src = _inspect.getsource(cls)
+    except (OSError, TypeError) as exc:
+        return f"IntelAMXAttnBackend's source cannot be read ({exc})"
+    if "k_scale" in src:
+        return "IntelAMXAttnBackend passes KV scales in this release (drop the override here)"
+    return _method_params("__init__", ("self", "model_runner"))(cls)
+
+
 GAPS: tuple[Override, ...] = (
     Override("torchvision_meta", "torchvision.extension", "_has_ops", (), lambda m, o: None),
     Override(
@@ -464,6 +574,134 @@ SEED_BUILDER = Override(
     ("topk_index", "vocab_size"),
     _inert_proposal,
 )
+
+
+#: Releases without SGLang's own PD proposal (``pd_first_draft_proposal``, since 0.5.22):
+#: their builder leaves ``draft_probs`` unset, the seed's failure, with no switch needed.
+WITHOUT_PD_PROPOSAL = ("0.5.18", "0.5.19", "0.5.20", "0.5.21")
+_EAGLE_SAMPLE = ("verify_input", "batch", "logits_output", "grammar_mask")
+
+
+def _gap(name: str) -> Override:
+    return next(ov for ov in GAPS if ov.name == name)
+
+
+def _rs_verify(params: tuple[str, ...]) -> Override:
+    return Override("verify_greedy", "sglang.srt.speculative.eagle_utils", "eagle_sample", params, _rs_verify_on_cpu)
+
+
+_CPU_RENORM = (
+    Override("renorm", "sgl_kernel", "top_k_renorm_prob", ("probs", "top_k"), _cpu_renorm(top_k_renorm_prob)),
+    Override("renorm", "sgl_kernel", "top_p_renorm_prob", ("probs", "top_p"), _cpu_renorm(top_p_renorm_prob)),
+)
+_INTERPRETED_WITHOUT_BLOCK = Override(
+    "reject_sampling_interpreted",
+    "sglang.kernels.ops.speculative.reject_sampling",
+    "chain_speculative_sampling_triton",
+    None,
+    lambda m, o: None,
+    check=lambda fn: _interpreter_on(fn) or _params(fn, _CHAIN_PARAMS[:-1]),
+)
+_AMX_IN_SERVER_ARGS = Override(
+    "deterministic_amx",
+    "sglang.srt.server_args",
+    "DETERMINISTIC_ATTENTION_BACKEND_CHOICES",
+    None,
+    _add_amx,
+    check=_amx_absent,
+)
+_AMX_UNSCALED_OPS = Override(
+    "amx_unscaled_ops",
+    "sglang.srt.layers.attention.intel_amx_backend",
+    "IntelAMXAttnBackend",
+    None,
+    _unscaled_ops,
+    check=_amx_backend_without_scales,
+)
+_NO_HOST_INDICES = (
+    "no host tensor indices before 0.5.23 (MooncakeKVSender has no supports_host_tensor_indices); the "
+    "prefill's only torch.cuda.Event is under the overlap schedule, which the tier's prefill turns off"
+)
+_NO_REFUSAL = "_handle_eagle_family has no device refusal of deterministic rejection sampling to lift in this release"
+_NO_ROW_ARGMAX = "no Triton row_argmax in this release (sglang.kernels.ops.speculative.row_argmax absent)"
+
+#: Per SGLang release older than :data:`CURRENT`, the overrides of :data:`GAPS` that differ
+#: there: the release's variant(s) of that name, or the reason it is left out. The rest of
+#: :data:`GAPS` applies unchanged (each still refused where its target differs). A name
+#: outside :data:`GAPS` is a gap of that release only, applied after the others.
+RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
+    "0.5.18": {
+        "prefill_host_indices": _NO_HOST_INDICES,
+        "row_argmax": _NO_ROW_ARGMAX,
+        "verify_greedy": (_rs_verify(_EAGLE_SAMPLE),),
+        "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
+        "renorm": _CPU_RENORM,
+        "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
+        "deterministic_rejection_cpu": _NO_REFUSAL,
+        "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
+    },
+    "0.5.19": {
+        "prefill_host_indices": _NO_HOST_INDICES,
+        "row_argmax": _NO_ROW_ARGMAX,
+        "verify_greedy": (_rs_verify(_EAGLE_SAMPLE),),
+        "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
+        "renorm": _CPU_RENORM,
+        "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
+        "deterministic_rejection_cpu": _NO_REFUSAL,
+        "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
+    },
+    "0.5.20": {
+        "prefill_host_indices": _NO_HOST_INDICES,
+        "row_argmax": _NO_ROW_ARGMAX,
+        "verify_greedy": (_rs_verify((*_EAGLE_SAMPLE, "uno_target_max_top_k")),),
+        "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
+        "renorm": _CPU_RENORM,
+        "deterministic_rejection_cpu": _NO_REFUSAL,
+    },
+    "0.5.21": {
+        "prefill_host_indices": _NO_HOST_INDICES,
+        "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
+        "renorm": _CPU_RENORM,
+        "deterministic_rejection_cpu": _NO_REFUSAL,
+    },
+    "0.5.22": {
+        "prefill_host_indices": _NO_HOST_INDICES,
+        "renorm": _CPU_RENORM,
+        "deterministic_rejection_cpu": _NO_REFUSAL,
+    },
+}
+
+
+def release_gaps(release: str) -> tuple[list[Override], dict[str, str]]:
+    """The overrides of SGLang ``release`` in :data:`GAPS`' order (a name may have two, as
+    ``renorm``), and the names left out there with the reason. A release outside
+    :data:`RELEASES` (0.5.23, or newer) gets :data:`GAPS` as they are."""
+    diff = RELEASES.get(release, {})
+    out: list[Override] = []
+    left_out: dict[str, str] = {}
+    for ov in GAPS:
+        alt = diff.get(ov.name)
+        if isinstance(alt, str):
+            left_out[ov.name] = alt
+        elif alt is not None:
+            out.extend(alt)
+        else:
+            out.append(ov)
+    if "renorm" not in diff:  # GAPS' renorm: its top-p half goes last, as it always has
+        out.append(RENORM_P)
+    names = {ov.name for ov in GAPS}
+    for name, alt in diff.items():
+        if name not in names and not isinstance(alt, str):
+            out.extend(alt)
+    return out, left_out
+
+
+def installed_release() -> str:
+    """The version of the ``sglang`` distribution this interpreter imports (its metadata,
+    first on ``sys.path``: a release folder ahead of the venv wins)."""
+    from importlib.metadata import version
+
+    return version("sglang")
 
 
 def _method_params(name: str, expected: tuple[str, ...]) -> Callable[[Any], str]:
@@ -656,19 +894,39 @@ class _Finder(importlib.abc.MetaPathFinder):
 _installed: _Finder | None = None
 
 
-def selected(environ: Any = None) -> list[Override]:
+def _release_checked(env: Any) -> str:
+    """The installed SGLang release, said on stderr; refused when ``PDM_TEST_SGLANG_RELEASE``
+    names another (the release folder is not first on ``PYTHONPATH``)."""
+    try:
+        release = installed_release()
+    except Exception:  # no SGLang here (a builder process): the current table, nothing to check
+        return CURRENT
+    want = env.get(ENV_RELEASE)
+    if want and want != release:
+        raise OverrideRefused(f"{ENV_RELEASE}={want}, but this interpreter imports SGLang {release}")
+    _, left_out = release_gaps(release)
+    _say(f"SGLang {release}" + "".join(f"; {name} left out: {why}" for name, why in left_out.items()))
+    return release
+
+
+def selected(environ: Any = None, release: str | None = None) -> list[Override]:
     """The overrides ``PDM_CPU_GAPS``, ``PDM_TEST_SEED_BUILDER``, ``PDM_TEST_DRAFT_KV_DUMP`` and
-    ``PDM_TEST_RECOMPUTE_FAULT`` ask for. Raises ValueError on an unknown name."""
+    ``PDM_TEST_RECOMPUTE_FAULT`` ask for, of SGLang ``release`` (:data:`CURRENT` when None). Raises ValueError on an
+    unknown name, or on a seed builder asked of a release that has no fix to make inert."""
     env = os.environ if environ is None else environ
+    release = CURRENT if release is None else release
     names = [n.strip() for n in env.get(ENV_GAPS, "").split(",") if n.strip()]
-    known = {ov.name for ov in GAPS}
+    known = {ov.name for ov in GAPS} | {name for row in RELEASES.values() for name in row}
     unknown = sorted(set(names) - known)
     if unknown:
         raise ValueError(f"{ENV_GAPS}: unknown override(s) {unknown}; known: {sorted(known)}")
-    chosen = [ov for ov in GAPS if not names or ov.name in names]
-    if any(ov.name == "renorm" for ov in chosen):
-        chosen.append(RENORM_P)
+    table, _left_out = release_gaps(release)
+    chosen = [ov for ov in table if not names or ov.name in names]
     if env.get(ENV_SEED) == "1":
+        if release in WITHOUT_PD_PROPOSAL:
+            raise ValueError(
+                f"{ENV_SEED}=1: SGLang {release} has no pd_first_draft_proposal (its builder is the seed's already)"
+            )
         chosen.append(SEED_BUILDER)
     if env.get(ENV_DRAFT_KV):
         chosen.extend(DRAFT_KV_DUMP)
@@ -681,7 +939,8 @@ def install_from_env(environ: Any = None) -> _Finder:
     """Put the finder for the selected overrides first on ``sys.meta_path`` (once per process)."""
     global _installed
     if _installed is None:
-        chosen = selected(environ)
+        release = _release_checked(os.environ if environ is None else environ)
+        chosen = selected(environ, release)
         for ov in chosen:
             if ov.module in sys.modules:
                 raise OverrideRefused(f"override {ov.name}: {ov.module} was imported before sitecustomize")
