@@ -86,9 +86,11 @@ setup-releases: setup-server
 test-server: setup-server
 	$(PY) -m pytest -q -m server tests/server -rsP --deselect tests/server/test_release.py
 
-# Each older SGLang release in a real PD pair (tests/server/test_release.py, docs/server.md).
+# Each older SGLang release: the drop-in against its real modules, one interpreter per
+# release (tests/test_sglang_releases.py, which test-sglang runs before these folders
+# exist), then in a real PD pair (tests/server/test_release.py, docs/server.md).
 test-releases: setup-releases
-	PDM_SGLANG_RELEASES=$${PDM_SGLANG_RELEASES:-$(RELEASES_DIR)} $(PY) -m pytest -q -m server tests/server/test_release.py -rsP
+	PDM_SGLANG_RELEASES=$${PDM_SGLANG_RELEASES:-$(RELEASES_DIR)} $(PY) -m pytest -q -m "sglang or server" tests/test_sglang_releases.py tests/server/test_release.py -rsP
 
 # A PD pair with the drop-in behind a router on this laptop (docs/server.md).
 server-demo: setup-server
