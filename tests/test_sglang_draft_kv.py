@@ -217,12 +217,22 @@ def config(draft_kv="all_steps"):
     )
 
 
-def activate(node, role, draft_kv="all_steps", steps=STEPS, backend="mooncake"):
-    inst = S.install(config(draft_kv), S.InstallOptions(channel="metadata", hook_scheduler=False))
-    facts = S.EngineFacts(
-        role=role, vocab_size=64, num_steps=steps, algorithm="EAGLE", topk=1, rejection_sampling=True, backend=backend
+def engine(role="decode", steps=STEPS, backend="mooncake", **settings):
+    return S.EngineFacts(
+        role=role,
+        vocab_size=64,
+        num_steps=steps,
+        algorithm="EAGLE",
+        topk=1,
+        rejection_sampling=True,
+        backend=backend,
+        **settings,
     )
-    inst.activate(facts, scheduler=node.scheduler)
+
+
+def activate(node, role, draft_kv="all_steps", steps=STEPS, backend="mooncake", **settings):
+    inst = S.install(config(draft_kv), S.InstallOptions(channel="metadata", hook_scheduler=False))
+    inst.activate(engine(role, steps, backend, **settings), scheduler=node.scheduler)
     return inst
 
 
@@ -313,11 +323,11 @@ def _other_shape(node):
 )
 def test_attach_keeps_sglangs_list_for_a_layout_it_does_not_read(sg, caplog, spoil, backend, why) -> None:
     node = Node(sg, 2)
-    assert D.attach(Node(sg, 2).scheduler, STEPS, "mooncake") is not None  # unspoiled: attached
+    assert D.attach(Node(sg, 2).scheduler, engine()) is not None  # unspoiled: attached
     if spoil is not None:
         spoil(node)
     with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
-        assert D.attach(node.scheduler, STEPS, backend) is None
+        assert D.attach(node.scheduler, engine(backend=backend)) is None
     assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
     assert "get_contiguous_buf_infos" not in vars(node.steps[0])
 
@@ -325,9 +335,9 @@ def test_attach_keeps_sglangs_list_for_a_layout_it_does_not_read(sg, caplog, spo
 @pytest.mark.parametrize(
     ("settings", "why"),
     [
-        (D.TransferSettings(pp_size=2), "pipeline parallelism (2 stages"),
-        (D.TransferSettings(staging=True), "SGLANG_DISAGG_STAGING_BUFFER is set"),
-        (D.TransferSettings(host_receive=True), "host receive (--disaggregation-decode-host-receive-threshold"),
+        ({"pp_size": 2}, "pipeline parallelism (2 stages"),
+        ({"staging": True}, "SGLANG_DISAGG_STAGING_BUFFER is set"),
+        ({"host_receive": True}, "host receive (--disaggregation-decode-host-receive-threshold"),
     ],
 )
 def test_attach_refuses_all_steps_where_sglang_would_not_move_every_entry(sg, caplog, settings, why) -> None:
@@ -336,11 +346,11 @@ def test_attach_refuses_all_steps_where_sglang_would_not_move_every_entry(sg, ca
     start with a line naming the flag, and nothing is advertised (no marker, SGLang's list
     and SGLang's own ``get_contiguous_buf_infos`` on pool 0, which its host-pool check reads)."""
     node = Node(sg, 2)
-    assert D.attach(node.scheduler, STEPS, "mooncake", D.TransferSettings()) is not None  # negative control
+    assert D.attach(node.scheduler, engine()) is not None  # negative control
     node = Node(sg, 2)
     own = node.steps[0].get_contiguous_buf_infos()
     with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
-        assert D.attach(node.scheduler, STEPS, "mooncake", settings) is None
+        assert D.attach(node.scheduler, engine(**settings)) is None
     assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
     assert "get_contiguous_buf_infos" not in vars(node.steps[0])
     assert node.steps[0].get_contiguous_buf_infos() == own and node.kv_data()[3] == 2
@@ -374,27 +384,60 @@ def test_host_receive_keeps_what_sglangs_host_pool_check_sees(sg) -> None:
     with pytest.raises(ValueError, match="Host receive requires contiguous per-layer KV buffers"):
         _host_receive_check(sg, node)
     dk.remove()
-    assert D.attach(node.scheduler, STEPS, "mooncake", D.TransferSettings(host_receive=True)) is None
+    assert D.attach(node.scheduler, engine(host_receive=True)) is None
     assert _host_receive_check(sg, node) == tuple(sglang_list) == node.kv_data()[:3]
 
 
-def test_transfer_settings_read_the_staging_switch_and_sglangs_runtime_context(monkeypatch) -> None:
-    par, dis = SimpleNamespace(pp_size=2), SimpleNamespace(disaggregation_decode_host_receive_threshold=0.5)
-    symbols = {f"{D.RUNTIME_MODULE}.get_parallel": lambda: par, f"{D.RUNTIME_MODULE}.get_disagg": lambda: dis}
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        ({"pp_size": 2}, "pipeline parallelism (2 stages"),
+        ({"staging": True, "host_receive": True}, "SGLANG_DISAGG_STAGING_BUFFER is set"),
+        ({"host_receive": True}, "host receive (--disaggregation-decode-host-receive-threshold"),
+    ],
+)
+def test_activation_passes_sglangs_transfer_settings_to_the_attach(sg, caplog, settings, why) -> None:
+    """Activation (not attach alone) under facts that say PP > 1, the staging buffer or
+    host receive: "all_steps" is refused, with the line naming the flag and the setting,
+    and SGLang's list is kept (the negative control: the same facts without them attach)."""
+    node = Node(sg, 2)
+    assert activate(node, "decode").draft_kv is not None  # negative control
+    S.uninstall()
+    node = Node(sg, 2)
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        inst = activate(node, "decode", **settings)
+    assert inst.draft_kv is None and node.kv_data()[3] == 2
+    assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
+
+
+def test_the_facts_read_the_staging_switch_and_sglangs_runtime_context(monkeypatch) -> None:
+    from pd_middleware.integrations.sglang import startup
+
+    par = SimpleNamespace(tp_rank=0, pp_size=2)
+    dis = SimpleNamespace(
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_decode_host_receive_threshold=0.5,
+    )
+    spec = SimpleNamespace(
+        enable_multi_layer_eagle=True,
+        speculative_num_steps=STEPS,
+        speculative_algorithm="EAGLE",
+        speculative_eagle_topk=1,
+        speculative_use_rejection_sampling=True,
+    )
+    symbols = {startup.GET_PARALLEL: lambda: par, startup.GET_DISAGG: lambda: dis, startup.GET_SPEC: lambda: spec}
+    scheduler = SimpleNamespace(model_config=SimpleNamespace(vocab_size=64))
     monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "true")
-    assert D.transfer_settings(symbols) == D.TransferSettings(pp_size=2, staging=True, host_receive=True)
+    assert startup.facts_from_scheduler(scheduler, symbols) == engine(pp_size=2, staging=True, host_receive=True)
     monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "0")
     par.pp_size, dis.disaggregation_decode_host_receive_threshold = 1, 1
-    assert D.transfer_settings(symbols) == D.TransferSettings()
-
-    def unpublished():
-        raise ValueError("config namespace 'parallel' not published")  # SGLang's answer without a context
-
-    assert D.transfer_settings({f"{D.RUNTIME_MODULE}.get_parallel": unpublished}) == D.TransferSettings()
-    assert D.transfer_settings(None) == D.TransferSettings()
+    assert startup.facts_from_scheduler(scheduler, symbols) == engine()
+    del dis.disaggregation_decode_host_receive_threshold  # releases before 0.5.21: no host receive
+    assert startup.facts_from_scheduler(scheduler, symbols) == engine()
     del par.pp_size  # a published context without the field: another SGLang, said, not defaulted
     with pytest.raises(AttributeError, match="pp_size"):
-        D.transfer_settings(symbols)
+        startup.facts_from_scheduler(scheduler, symbols)
 
 
 @pytest.mark.parametrize(

@@ -63,12 +63,12 @@ host receive, step pools whose KV shape is not the target's: :func:`_step_pools`
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .patching import MOONCAKE_MODULE, RUNTIME_MODULE, Feature, Hook, Refusal, Target, register_feature
+from .patching import MOONCAKE_MODULE, Feature, Hook, Refusal, Target, register_feature
+from .startup import STAGING_ENV, EngineFacts
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -184,65 +184,20 @@ class DraftKV:
         )
 
 
-#: SGLang's switch of the staging-buffer path (MHA, prefill and decode attention TP differ).
-STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
-
-
-@dataclass(frozen=True)
-class TransferSettings:
-    """SGLang's settings under which its transfer does not move every registered entry.
-
-    ``pp_size``: this node's pipeline stages (each stage registers its own layers' pools);
-    ``staging``: ``SGLANG_DISAGG_STAGING_BUFFER`` (the staging path gathers the primary
-    draft pool only, ``mooncake/conn.py:2707``); ``host_receive``:
-    ``--disaggregation-decode-host-receive-threshold`` below 1 (the decode receives into
-    host buffers that mirror SGLang's list, ``decode.py:683-720``).
-    """
-
-    pp_size: int = 1
-    staging: bool = False
-    host_receive: bool = False
-
-
-def transfer_settings(symbols: Any) -> TransferSettings:
-    """This node's :class:`TransferSettings`, from SGLang's runtime context (through the
-    installation's READ symbols) and the environment. Without the context (an
-    installation given its facts, a harness: no READ symbols, or a namespace not
-    published) the defaults hold: one stage, no host receive. A published context that
-    lacks the attribute raises (another SGLang), as the scheduler-start checks do."""
-    staging = os.environ.get(STAGING_ENV, "").strip().lower() in ("1", "true", "yes", "y")
-
-    def read(bag: str, attr: str) -> Any:
-        get = symbols.get(f"{RUNTIME_MODULE}.{bag}") if symbols is not None else None
-        try:
-            return None if get is None else getattr(get(), attr)
-        except ValueError as exc:  # SGLang's "config namespace ... not published"
-            if "not published" not in str(exc):
-                raise
-            logger.debug("pd-middleware: %s: the transfer settings' defaults", exc)
-            return None
-
-    pp_size = read("get_parallel", "pp_size")
-    threshold = read("get_disagg", "disaggregation_decode_host_receive_threshold")
-    return TransferSettings(
-        pp_size=1 if pp_size is None else int(pp_size),
-        staging=staging,
-        host_receive=threshold is not None and float(threshold) < 1,
-    )
-
-
-def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSettings | None = None) -> DraftKV | None:
+def attach(scheduler: Any, facts: EngineFacts) -> DraftKV | None:
     """At scheduler start: every chain step's pool into the transfer, or None (SGLang's list kept).
 
     None when there is one step, or when SGLang would not move every entry this module
     registers here (said once in the log, naming the flag and the reason; the node then
     advertises no marker: nothing is advertised that is not sent. A decode with
     ``"all_steps"`` serves such a prefill with step 1's KV; a prefill with it rejects
-    such a decode's sessions, naming the flag).
+    such a decode's sessions, naming the flag). SGLang's settings come from ``facts``
+    (:class:`~.startup.EngineFacts`: ``pp_size``, ``staging``, ``host_receive``, read once
+    by :func:`~.startup.facts_from_scheduler`).
     """
-    if num_steps <= 1:
+    if facts.num_steps <= 1:
         return None
-    why, pools = _step_pools(scheduler, num_steps, backend, settings or TransferSettings())
+    why, pools = _step_pools(scheduler, facts)
     if why is not None:
         logger.warning(
             "pd-middleware: %s = \"all_steps\" left SGLang's draft KV transfer as it is (step 1's pool only): %s",
@@ -259,23 +214,22 @@ def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSetti
     return dk
 
 
-def _step_pools(
-    scheduler: Any, num_steps: int, backend: str, settings: TransferSettings
-) -> tuple[str | None, list[Any]]:
+def _step_pools(scheduler: Any, facts: EngineFacts) -> tuple[str | None, list[Any]]:
+    num_steps, backend = facts.num_steps, facts.backend
     if backend != "mooncake":
         return f"the {backend} backend (the pair's check runs on mooncake only)", []
     # Settings under which SGLang's transfer moves fewer entries than are registered.
-    if settings.pp_size > 1:
+    if facts.pp_size > 1:
         return (
-            f"pipeline parallelism ({settings.pp_size} stages: each stage registers its own layers' pools, "
+            f"pipeline parallelism ({facts.pp_size} stages: each stage registers its own layers' pools, "
             "so no stage's list matches a peer's)"
         ), []
-    if settings.staging:
+    if facts.staging:
         return (
             f"{STAGING_ENV} is set (its path, for different attention TP sizes, gathers step 1's pool only); "
             f'unset it or set {FLAG} = "first_step" on both nodes'
         ), []
-    if settings.host_receive:
+    if facts.host_receive:
         return (
             "host receive (--disaggregation-decode-host-receive-threshold below 1: the host buffers mirror "
             "SGLang's list, step 1's pool only)"
