@@ -786,19 +786,56 @@ def test_the_decode_refusal_names_the_flag_and_sglangs_own_fields_still_raise(sg
     assert dk.refused == {} and dk.first_step_only == set()
     assert _ask(sg, _decode_manager(sg, mine), None) is True  # SGLang's list: served with step 1's KV
     assert dk.refused == {} and dk.first_step_only == {"10.0.0.1:8998"}
-    assert _ask(sg, _decode_manager(sg, mine), OTHER_LAYOUT) is True  # cached, never raised
+    assert _ask(sg, _decode_manager(sg, mine), OTHER_LAYOUT) is True  # another chain: refused, never raised
     why = dk.refused["10.0.0.1:8998"]
     assert dk.first_step_only == set()  # re-decided at each fetch
     assert why.startswith(f"pd-middleware: the prefill at 10.0.0.1:8998 registers kv_layout '{OTHER_LAYOUT}'")
     assert '[sglang].draft_kv = "first_step" on this decode' in why and mine in why
-    # SGLang's own layout part: a prefill with it alone is SGLang's list; another is refused.
-    assert dk.first_step_only_from("v4", dk.layout("v4")) and not dk.first_step_only_from(None, dk.layout("v4"))
-    assert dk.decode_refusal("a", "v5", dk.layout("v4")) is not None
+    # A prefill without the marker is SGLang's list, whatever SGLang's own part (SGLang's to compare).
+    assert dk.first_step_only_from("v4", dk.layout("v4")) and dk.first_step_only_from(None, dk.layout("v4"))
+    assert dk.decode_refusal("a", "v5", dk.layout("v4")) is None
+    assert dk.decode_refusal("a", dk.layout("v4"), dk.layout("v4")) is None
+    assert dk.decode_refusal("a", OTHER_LAYOUT, dk.layout("v4")) is not None
     # A page size mismatch is SGLang's own refusal, left as SGLang has it.
     mgr = _decode_manager(sg, mine)
     mgr.kv_args.page_size = 16
     with pytest.raises(RuntimeError, match="Page size mismatch"):
         _ask(sg, mgr, mine)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "served"),
+    [
+        ("A", None),  # a stock prefill, another SGLang layout
+        ("A+" + "pd-middleware-draft-kv steps=3 entries=6", None),  # the drop-in there, another SGLang layout
+        ("B", "first_step"),  # a stock prefill, the same SGLang layout
+        ("B+" + "pd-middleware-draft-kv steps=3 entries=6", "all_steps"),
+        (None, "first_step"),  # SGLang compares only when both publish one
+    ],
+)
+def test_sglangs_own_layout_check_is_sglangs_under_the_drop_in(sg, prefill, served) -> None:
+    """A decode whose SGLang layout is "B" (``--dsv4-attn-backend`` / ``SGLANG_DSV4_KV_LAYOUT``)
+    with the drop-in's marker: where the prefill's SGLang part is another ("A"), SGLang's own
+    check raises its own mismatch, as it does without the drop-in (the negative control: a
+    decode without the drop-in, "B" alone, raises the same); nothing is recorded as refused
+    by the drop-in or served with step 1's KV. Otherwise the drop-in decides on its marker."""
+    node = Node(sg, 2)
+    inst = activate(node, "decode")
+    dk = inst.draft_kv
+    mine = dk.layout("B")
+    assert mine == "B+pd-middleware-draft-kv steps=3 entries=6"
+    if served is None:
+        with pytest.raises(RuntimeError, match="KV layout mismatch") as stock:
+            _ask(sg, _decode_manager(sg, "B"), prefill)  # without the drop-in
+        with pytest.raises(RuntimeError, match="KV layout mismatch") as ours:
+            _ask(sg, _decode_manager(sg, mine), prefill)
+        assert str(ours.value) == str(stock.value)
+        assert dk.refused == {} and dk.first_step_only == set()
+        return
+    mgr = _decode_manager(sg, mine)
+    assert _ask(sg, mgr, prefill) is True and "10.0.0.1:8998" in mgr.prefill_info_table
+    assert dk.refused == {} and mgr.kv_layout == mine
+    assert dk.first_step_only == ({"10.0.0.1:8998"} if served == "first_step" else set())
 
 
 def test_negative_control_without_the_drop_in_the_decode_accepts_that_prefill(sg) -> None:
