@@ -470,7 +470,10 @@ def test_a_multi_layer_decode_with_a_non_metadata_source_honours_the_backend(
     assert node.kv_data()[3] == (2 * STEPS if attached else 2)
     if not attached:
         assert f"the {backend} backend" in caplog.text and "[sglang].draft_kv" in caplog.text
-        assert _ask(sg, _decode_manager(sg, None), "pd-middleware-draft-kv steps=3 entries=6") is True
+        # Layouts SGLang compares (both set): its own answer, accepted or raised.
+        assert _ask(sg, _decode_manager(sg, "B"), "B") is True
+        with pytest.raises(RuntimeError, match="KV layout mismatch"):
+            _ask(sg, _decode_manager(sg, "B"), "A")
 
 
 def _registration(kv_ptrs, aux_ptrs, frame):
@@ -878,6 +881,8 @@ def test_the_shipped_recompute_config_keeps_sglangs_draft_kv_transfer() -> None:
 
     raw = tomllib.loads((Path(__file__).resolve().parents[1] / "configs" / "sglang.toml").read_text())
     cfg = parse_config(raw)
-    assert cfg.sglang.draft_kv == "first_step"
-    for source in (RecomputeSource,):  # what it runs; any other source the same under "first_step"
-        assert not D._all_steps(Plan(features=source.features, config=cfg, options=None))
+    assert cfg.sglang.draft_kv == "first_step" and cfg.sglang.channel == "none"  # a decode-only recompute
+    assert not D._all_steps(Plan(features=RecomputeSource.features, config=cfg, options=None))
+    # Negative control: the key flipped, the same source would run "all_steps".
+    raw["sglang"]["draft_kv"] = "all_steps"
+    assert D._all_steps(Plan(features=RecomputeSource.features, config=parse_config(raw), options=None))
