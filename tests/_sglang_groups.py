@@ -335,7 +335,7 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
 
             source.head._local = local
 
-    def run(name: str, batch: Any) -> bool:
+    def run(name: str, batch: Any, call: Callable[[Any], Any] | None = None) -> bool:
         lp = source.head.lp
         inner = lp._logits_gatherer
         seen: list[list[Any]] = []
@@ -350,7 +350,7 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
 
         def work() -> None:
             try:
-                got.append(("ok", source.prepare(batch)))
+                got.append(("ok", (call or source.prepare)(batch)))
             except BaseException as exc:  # reported, never raised into the thread
                 got.append(("raised", repr(exc)))
 
@@ -443,8 +443,31 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
     b = _batch(torch, 2, seed=27)
     if rank == 1:
         b.seq_lens = _FailingCopy(b.seq_lens)
-    run("device_copy_fails_on_one_rank", b)
+    if not run("device_copy_fails_on_one_rank", b):
+        return out
+    # Through the drop-in's builder (sources.wrap_build, SGLang's body a stand-in): request 0
+    # came back from a retraction, so the source gets rows [1] of the batch, and on rank 1
+    # reading the batch's positions raises (a rank-local error in the split). Last: where
+    # that rank skips prepare, rank 0 is left alone in the head's gather.
+    from pd_middleware.integrations.sglang.sources import BUILT_ATTR, wrap_build
+
+    bind(draft(torch.float32))
+    b = _batch(torch, 2, seed=28)
+    setattr(b.reqs[0], BUILT_ATTR, b.reqs[0].output_topk_index)
+    if rank == 1:
+        b = _SplitFails(reqs=b.reqs, model_config=b.model_config, sampling_info=b.sampling_info)
+    built = wrap_build(lambda batch, last, future: None, source.inst)
+    out["builder_source_is_recompute"] = source.inst.source is source
+    run("split_fails_on_one_rank", b, call=lambda batch: built(batch, None, None))
     return out
+
+
+class _SplitFails(SimpleNamespace):
+    """A prebuilt batch whose positions raise when read on this rank (a rank-local error)."""
+
+    @property
+    def seq_lens(self) -> Any:
+        raise RuntimeError("injected: reading the batch's positions fails on this rank")
 
 
 class _FailingCopy:

@@ -428,6 +428,7 @@ def make_req(*, room: int, idx: int, first: dict | None, side: str) -> SimpleNam
         bootstrap_room=room,
         bootstrap_host="127.0.0.1",
         metadata_buffer_index=idx,
+        origin_input_ids=[1, 2, 3],  # with output_ids: the draw's position (prefill.draw_position)
         output_ids=[],
         cached_tokens=0,
         cached_tokens_device=0,

@@ -70,6 +70,8 @@ def _req(tokens: list[int], room: int) -> Any:
         output_dsa_topk_indices=None,
         bootstrap_room=room,
         rid=f"r{room}",
+        origin_input_ids=[1, 2, 3],  # the draw's position (prefill.draw_position)
+        output_ids=[],
     )
 
 
@@ -229,6 +231,8 @@ def recompute_head_check() -> dict[str, Any]:
                 output_dsa_topk_indices=None,
                 bootstrap_room=1000 + i,
                 rid=f"r{i}",
+                origin_input_ids=[1, 2, 3],
+                output_ids=[],
             )
             for i in range(b)
         ]
@@ -281,7 +285,10 @@ def chain_check() -> dict[str, Any]:
     sample = build(resolve(row, module), inst).replacement
     b = 2
     batch = SimpleNamespace(
-        reqs=[SimpleNamespace(bootstrap_room=700 + i, rid=f"c{i}") for i in range(b)],
+        reqs=[
+            SimpleNamespace(bootstrap_room=700 + i, rid=f"c{i}", origin_input_ids=[1, 2], output_ids=[])
+            for i in range(b)
+        ],
         sampling_info=SimpleNamespace(temperatures=torch.full((b, 1), 0.9)),
     )
     chain = chain_for(publisher, batch)

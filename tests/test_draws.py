@@ -179,7 +179,8 @@ def test_the_chain_draws_step_k_at_column_k_of_the_request_uniforms():
     with sglang_chain.CHAIN.enter(chain):
         for k in range(3):
             assert sglang_chain.draw_step(k, draft(b, seed=SEED + k), topk_p, topk_index) is not None
-    want = request_uniforms(SEED, [100 + i for i in range(b)], [f"r{i}" for i in range(b)], steps=3)
+    rooms, rids = [100 + i for i in range(b)], [f"r{i}" for i in range(b)]
+    want = request_uniforms(SEED, rooms, rids, steps=3, positions=[4] * b)  # _chain's Reqs: 4 prompt tokens
     assert torch.equal(torch.cat([s.reshape(b, 1) for s in seen], 1), want)
 
 
@@ -432,7 +433,9 @@ class TrustingArgmax:
 
 def _chain(encoder, steps=3, b=4):
     pub = ProposalPublisher(encoder, vocab_size=V, seed=SEED, stage=lambda t, p: None)
-    reqs = [SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}") for i in range(b)]
+    reqs = [
+        SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}", origin_input_ids=[7] * 4, output_ids=[]) for i in range(b)
+    ]
     batch = SimpleNamespace(reqs=reqs, sampling_info=SimpleNamespace(temperatures=torch.ones(b, 1)))
     return pub, sglang_chain.chain_for(pub, batch), b
 

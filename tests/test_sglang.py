@@ -114,6 +114,8 @@ def req(tokens, room=None, p=0.5):
         hidden_states_tensor=torch.zeros(4),
         output_dsa_topk_indices=None,
         bootstrap_room=room,
+        origin_input_ids=[1, 2, 3],  # the Req fields its draw is keyed on (prefill.draw_position)
+        output_ids=[],
     )
 
 
@@ -468,6 +470,41 @@ def test_prefill_wrapper_overwrites_sglangs_draw_and_skips_multi_layer() -> None
     assert S.uninstall() and not hasattr(
         pre.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill, "__wrapped__"
     )
+
+
+@pytest.mark.parametrize("missing", ["origin_input_ids", "output_ids"])
+def test_a_req_without_its_position_fields_is_sent_x_only_counted_never_keyed_without_them(missing) -> None:
+    """A Req (it has a room) that lacks ``origin_input_ids`` or ``output_ids`` (another SGLang
+    renamed them) cannot key its draw on its position: that is this rank's "not ok" vote,
+    the batch keeps SGLang's X sent X only, counted ``guard:prefill_encode:DrawPositionError``.
+    Negative control: the same batch with both fields is published with a proposal. A
+    target that is no Req (no room: a benchmark's) still keys without the position."""
+    from pd_middleware.integrations.sglang import prefill as sglang_prefill
+
+    tx = RecordingSender()
+    pub = ProposalPublisher(sparse_encoder(k=2), tx, vocab_size=V, seed=SEED)
+    pre, dec = fake_prefill_module(), fake_decode_module()
+    install(make_config(), decode_module=dec, prefill_module=pre, publisher=pub, version="0.5.23")
+
+    def run(reqs):
+        di = SimpleNamespace(draft_probs=draft_rows(2), topk_index=torch.full((2, 1), 15), topk_p=torch.ones(2, 1))
+        pre.SchedulerDisaggregationPrefillMixin().process_batch_result_disagg_prefill(
+            SimpleNamespace(reqs=reqs), SimpleNamespace(next_draft_input=di)
+        )
+        return reqs
+
+    run([req([0], room=31), req([0], room=32)])  # negative control
+    assert [p.proposal is not None for p in tx.sent] == [True, True] and S.current().guard.counts == {}
+    reqs = [req([0], room=41), req([0], room=42)]
+    delattr(reqs[1], missing)
+    run(reqs)
+    assert [p.request_id for p in tx.sent[2:]] == ["41", "42"] and all(p.proposal is None for p in tx.sent[2:])
+    assert [int(r.output_topk_index[0]) for r in reqs] == [15, 15]  # SGLang's X
+    assert S.current().guard.counts == {"guard:prefill_encode:DrawPositionError": 1}
+    with pytest.raises(sglang_prefill.DrawPositionError, match=missing):
+        sglang_prefill.draw_position(reqs[1])
+    assert sglang_prefill.draw_position(SimpleNamespace(rid="bench")) is None
+    assert S.uninstall()
 
 
 # ----------------------------------------------------------------- activation

@@ -217,12 +217,22 @@ def config(draft_kv="all_steps"):
     )
 
 
-def activate(node, role, draft_kv="all_steps", steps=STEPS, backend="mooncake"):
-    inst = S.install(config(draft_kv), S.InstallOptions(channel="metadata", hook_scheduler=False))
-    facts = S.EngineFacts(
-        role=role, vocab_size=64, num_steps=steps, algorithm="EAGLE", topk=1, rejection_sampling=True, backend=backend
+def engine(role="decode", steps=STEPS, backend="mooncake", **settings):
+    return S.EngineFacts(
+        role=role,
+        vocab_size=64,
+        num_steps=steps,
+        algorithm="EAGLE",
+        topk=1,
+        rejection_sampling=True,
+        backend=backend,
+        **settings,
     )
-    inst.activate(facts, scheduler=node.scheduler)
+
+
+def activate(node, role, draft_kv="all_steps", steps=STEPS, backend="mooncake", **settings):
+    inst = S.install(config(draft_kv), S.InstallOptions(channel="metadata", hook_scheduler=False))
+    inst.activate(engine(role, steps, backend, **settings), scheduler=node.scheduler)
     return inst
 
 
@@ -313,11 +323,11 @@ def _other_shape(node):
 )
 def test_attach_keeps_sglangs_list_for_a_layout_it_does_not_read(sg, caplog, spoil, backend, why) -> None:
     node = Node(sg, 2)
-    assert D.attach(Node(sg, 2).scheduler, STEPS, "mooncake") is not None  # unspoiled: attached
+    assert D.attach(Node(sg, 2).scheduler, engine()) is not None  # unspoiled: attached
     if spoil is not None:
         spoil(node)
     with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
-        assert D.attach(node.scheduler, STEPS, backend) is None
+        assert D.attach(node.scheduler, engine(backend=backend)) is None
     assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
     assert "get_contiguous_buf_infos" not in vars(node.steps[0])
 
@@ -325,9 +335,9 @@ def test_attach_keeps_sglangs_list_for_a_layout_it_does_not_read(sg, caplog, spo
 @pytest.mark.parametrize(
     ("settings", "why"),
     [
-        (D.TransferSettings(pp_size=2), "pipeline parallelism (2 stages"),
-        (D.TransferSettings(staging=True), "SGLANG_DISAGG_STAGING_BUFFER is set"),
-        (D.TransferSettings(host_receive=True), "host receive (--disaggregation-decode-host-receive-threshold"),
+        ({"pp_size": 2}, "pipeline parallelism (2 stages"),
+        ({"staging": True}, "SGLANG_DISAGG_STAGING_BUFFER is set"),
+        ({"host_receive": True}, "host receive (--disaggregation-decode-host-receive-threshold"),
     ],
 )
 def test_attach_refuses_all_steps_where_sglang_would_not_move_every_entry(sg, caplog, settings, why) -> None:
@@ -336,11 +346,11 @@ def test_attach_refuses_all_steps_where_sglang_would_not_move_every_entry(sg, ca
     start with a line naming the flag, and nothing is advertised (no marker, SGLang's list
     and SGLang's own ``get_contiguous_buf_infos`` on pool 0, which its host-pool check reads)."""
     node = Node(sg, 2)
-    assert D.attach(node.scheduler, STEPS, "mooncake", D.TransferSettings()) is not None  # negative control
+    assert D.attach(node.scheduler, engine()) is not None  # negative control
     node = Node(sg, 2)
     own = node.steps[0].get_contiguous_buf_infos()
     with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
-        assert D.attach(node.scheduler, STEPS, "mooncake", settings) is None
+        assert D.attach(node.scheduler, engine(**settings)) is None
     assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
     assert "get_contiguous_buf_infos" not in vars(node.steps[0])
     assert node.steps[0].get_contiguous_buf_infos() == own and node.kv_data()[3] == 2
@@ -374,27 +384,60 @@ def test_host_receive_keeps_what_sglangs_host_pool_check_sees(sg) -> None:
     with pytest.raises(ValueError, match="Host receive requires contiguous per-layer KV buffers"):
         _host_receive_check(sg, node)
     dk.remove()
-    assert D.attach(node.scheduler, STEPS, "mooncake", D.TransferSettings(host_receive=True)) is None
+    assert D.attach(node.scheduler, engine(host_receive=True)) is None
     assert _host_receive_check(sg, node) == tuple(sglang_list) == node.kv_data()[:3]
 
 
-def test_transfer_settings_read_the_staging_switch_and_sglangs_runtime_context(monkeypatch) -> None:
-    par, dis = SimpleNamespace(pp_size=2), SimpleNamespace(disaggregation_decode_host_receive_threshold=0.5)
-    symbols = {f"{D.RUNTIME_MODULE}.get_parallel": lambda: par, f"{D.RUNTIME_MODULE}.get_disagg": lambda: dis}
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        ({"pp_size": 2}, "pipeline parallelism (2 stages"),
+        ({"staging": True, "host_receive": True}, "SGLANG_DISAGG_STAGING_BUFFER is set"),
+        ({"host_receive": True}, "host receive (--disaggregation-decode-host-receive-threshold"),
+    ],
+)
+def test_activation_passes_sglangs_transfer_settings_to_the_attach(sg, caplog, settings, why) -> None:
+    """Activation (not attach alone) under facts that say PP > 1, the staging buffer or
+    host receive: "all_steps" is refused, with the line naming the flag and the setting,
+    and SGLang's list is kept (the negative control: the same facts without them attach)."""
+    node = Node(sg, 2)
+    assert activate(node, "decode").draft_kv is not None  # negative control
+    S.uninstall()
+    node = Node(sg, 2)
+    with caplog.at_level("WARNING", logger="pd_middleware.integrations.sglang"):
+        inst = activate(node, "decode", **settings)
+    assert inst.draft_kv is None and node.kv_data()[3] == 2
+    assert why in caplog.text and '[sglang].draft_kv = "all_steps" left SGLang\'s draft KV transfer' in caplog.text
+
+
+def test_the_facts_read_the_staging_switch_and_sglangs_runtime_context(monkeypatch) -> None:
+    from pd_middleware.integrations.sglang import startup
+
+    par = SimpleNamespace(tp_rank=0, pp_size=2)
+    dis = SimpleNamespace(
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_decode_host_receive_threshold=0.5,
+    )
+    spec = SimpleNamespace(
+        enable_multi_layer_eagle=True,
+        speculative_num_steps=STEPS,
+        speculative_algorithm="EAGLE",
+        speculative_eagle_topk=1,
+        speculative_use_rejection_sampling=True,
+    )
+    symbols = {startup.GET_PARALLEL: lambda: par, startup.GET_DISAGG: lambda: dis, startup.GET_SPEC: lambda: spec}
+    scheduler = SimpleNamespace(model_config=SimpleNamespace(vocab_size=64))
     monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "true")
-    assert D.transfer_settings(symbols) == D.TransferSettings(pp_size=2, staging=True, host_receive=True)
+    assert startup.facts_from_scheduler(scheduler, symbols) == engine(pp_size=2, staging=True, host_receive=True)
     monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "0")
     par.pp_size, dis.disaggregation_decode_host_receive_threshold = 1, 1
-    assert D.transfer_settings(symbols) == D.TransferSettings()
-
-    def unpublished():
-        raise ValueError("config namespace 'parallel' not published")  # SGLang's answer without a context
-
-    assert D.transfer_settings({f"{D.RUNTIME_MODULE}.get_parallel": unpublished}) == D.TransferSettings()
-    assert D.transfer_settings(None) == D.TransferSettings()
+    assert startup.facts_from_scheduler(scheduler, symbols) == engine()
+    del dis.disaggregation_decode_host_receive_threshold  # releases before 0.5.21: no host receive
+    assert startup.facts_from_scheduler(scheduler, symbols) == engine()
     del par.pp_size  # a published context without the field: another SGLang, said, not defaulted
     with pytest.raises(AttributeError, match="pp_size"):
-        D.transfer_settings(symbols)
+        startup.facts_from_scheduler(scheduler, symbols)
 
 
 @pytest.mark.parametrize(
@@ -427,7 +470,10 @@ def test_a_multi_layer_decode_with_a_non_metadata_source_honours_the_backend(
     assert node.kv_data()[3] == (2 * STEPS if attached else 2)
     if not attached:
         assert f"the {backend} backend" in caplog.text and "[sglang].draft_kv" in caplog.text
-        assert _ask(sg, _decode_manager(sg, None), "pd-middleware-draft-kv steps=3 entries=6") is True
+        # Layouts SGLang compares (both set): its own answer, accepted or raised.
+        assert _ask(sg, _decode_manager(sg, "B"), "B") is True
+        with pytest.raises(RuntimeError, match="KV layout mismatch"):
+            _ask(sg, _decode_manager(sg, "B"), "A")
 
 
 def _registration(kv_ptrs, aux_ptrs, frame):
@@ -743,19 +789,56 @@ def test_the_decode_refusal_names_the_flag_and_sglangs_own_fields_still_raise(sg
     assert dk.refused == {} and dk.first_step_only == set()
     assert _ask(sg, _decode_manager(sg, mine), None) is True  # SGLang's list: served with step 1's KV
     assert dk.refused == {} and dk.first_step_only == {"10.0.0.1:8998"}
-    assert _ask(sg, _decode_manager(sg, mine), OTHER_LAYOUT) is True  # cached, never raised
+    assert _ask(sg, _decode_manager(sg, mine), OTHER_LAYOUT) is True  # another chain: refused, never raised
     why = dk.refused["10.0.0.1:8998"]
     assert dk.first_step_only == set()  # re-decided at each fetch
     assert why.startswith(f"pd-middleware: the prefill at 10.0.0.1:8998 registers kv_layout '{OTHER_LAYOUT}'")
     assert '[sglang].draft_kv = "first_step" on this decode' in why and mine in why
-    # SGLang's own layout part: a prefill with it alone is SGLang's list; another is refused.
-    assert dk.first_step_only_from("v4", dk.layout("v4")) and not dk.first_step_only_from(None, dk.layout("v4"))
-    assert dk.decode_refusal("a", "v5", dk.layout("v4")) is not None
+    # A prefill without the marker is SGLang's list, whatever SGLang's own part (SGLang's to compare).
+    assert dk.first_step_only_from("v4", dk.layout("v4")) and dk.first_step_only_from(None, dk.layout("v4"))
+    assert dk.decode_refusal("a", "v5", dk.layout("v4")) is None
+    assert dk.decode_refusal("a", dk.layout("v4"), dk.layout("v4")) is None
+    assert dk.decode_refusal("a", OTHER_LAYOUT, dk.layout("v4")) is not None
     # A page size mismatch is SGLang's own refusal, left as SGLang has it.
     mgr = _decode_manager(sg, mine)
     mgr.kv_args.page_size = 16
     with pytest.raises(RuntimeError, match="Page size mismatch"):
         _ask(sg, mgr, mine)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "served"),
+    [
+        ("A", None),  # a stock prefill, another SGLang layout
+        ("A+" + "pd-middleware-draft-kv steps=3 entries=6", None),  # the drop-in there, another SGLang layout
+        ("B", "first_step"),  # a stock prefill, the same SGLang layout
+        ("B+" + "pd-middleware-draft-kv steps=3 entries=6", "all_steps"),
+        (None, "first_step"),  # SGLang compares only when both publish one
+    ],
+)
+def test_sglangs_own_layout_check_is_sglangs_under_the_drop_in(sg, prefill, served) -> None:
+    """A decode whose SGLang layout is "B" (``--dsv4-attn-backend`` / ``SGLANG_DSV4_KV_LAYOUT``)
+    with the drop-in's marker: where the prefill's SGLang part is another ("A"), SGLang's own
+    check raises its own mismatch, as it does without the drop-in (the negative control: a
+    decode without the drop-in, "B" alone, raises the same); nothing is recorded as refused
+    by the drop-in or served with step 1's KV. Otherwise the drop-in decides on its marker."""
+    node = Node(sg, 2)
+    inst = activate(node, "decode")
+    dk = inst.draft_kv
+    mine = dk.layout("B")
+    assert mine == "B+pd-middleware-draft-kv steps=3 entries=6"
+    if served is None:
+        with pytest.raises(RuntimeError, match="KV layout mismatch") as stock:
+            _ask(sg, _decode_manager(sg, "B"), prefill)  # without the drop-in
+        with pytest.raises(RuntimeError, match="KV layout mismatch") as ours:
+            _ask(sg, _decode_manager(sg, mine), prefill)
+        assert str(ours.value) == str(stock.value)
+        assert dk.refused == {} and dk.first_step_only == set()
+        return
+    mgr = _decode_manager(sg, mine)
+    assert _ask(sg, mgr, prefill) is True and "10.0.0.1:8998" in mgr.prefill_info_table
+    assert dk.refused == {} and mgr.kv_layout == mine
+    assert dk.first_step_only == ({"10.0.0.1:8998"} if served == "first_step" else set())
 
 
 def test_negative_control_without_the_drop_in_the_decode_accepts_that_prefill(sg) -> None:
@@ -798,6 +881,8 @@ def test_the_shipped_recompute_config_keeps_sglangs_draft_kv_transfer() -> None:
 
     raw = tomllib.loads((Path(__file__).resolve().parents[1] / "configs" / "sglang.toml").read_text())
     cfg = parse_config(raw)
-    assert cfg.sglang.draft_kv == "first_step"
-    for source in (RecomputeSource,):  # what it runs; any other source the same under "first_step"
-        assert not D._all_steps(Plan(features=source.features, config=cfg, options=None))
+    assert cfg.sglang.draft_kv == "first_step" and cfg.sglang.channel == "none"  # a decode-only recompute
+    assert not D._all_steps(Plan(features=RecomputeSource.features, config=cfg, options=None))
+    # Negative control: the key flipped, the same source would run "all_steps".
+    raw["sglang"]["draft_kv"] = "all_steps"
+    assert D._all_steps(Plan(features=RecomputeSource.features, config=parse_config(raw), options=None))

@@ -298,3 +298,23 @@ def test_capture_refuses_a_vocab_parallel_head_under_the_overlap_scheduler():
     for r in run_case("tp2"):
         got = r["scenarios"]["capture_under_overlap"]
         assert got.startswith("refused") and "--disable-overlap-schedule" in got, got
+
+
+def test_a_split_that_fails_on_one_rank_in_the_builder_still_enters_the_heads_gather():
+    """Through the drop-in's builder (``sources.wrap_build``): request 0 came back from a
+    retraction, so the source is handed rows [1] of the batch, and on rank 1 reading the
+    batch's positions raises. The split builds nothing that can fail (its rows are sliced
+    when the source reads them, inside its vote): rank 1 still enters the head's gather and
+    votes "not ok", both ranks hand SGLang the prefill's X, the returned request is counted
+    ``retracted`` and the fresh one falls back once on each rank. Negative control tried:
+    slicing the rows when the split is built (the landed ``BatchRows``) makes rank 1 skip
+    prepare, rank 0 is reported hung in the gather, and this test fails."""
+    r0, _ = run_case("tp2")
+    assert r0["scenarios"]["builder_source_is_recompute"], r0["scenarios"]  # control: the builder's source
+    s0, s1 = scenario("split_fails_on_one_rank")
+    for s in (s0, s1):
+        assert s["gathers"] == [["torch.float32", [1, 64]]], s["gathers"]  # once, one row, on both
+        assert s["x"] == [5, 5], s
+    assert s0["counts"] == {"batches": 1, "retracted": 1, "fallback:peer_failed": 1}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "retracted": 1, "fallback:failed": 1}, s1["counts"]
+    assert s1["guard"] == {"guard:recompute:RuntimeError": 1} and s0["guard"] == {}, (s0["guard"], s1["guard"])

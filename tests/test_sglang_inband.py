@@ -83,6 +83,7 @@ def prefill_req(room, idx):
     return SimpleNamespace(
         bootstrap_room=room,
         metadata_buffer_index=idx,
+        origin_input_ids=[1, 2, 3],  # with output_ids: the draw's position (prefill.draw_position)
         output_ids=[5],
         cached_tokens=0,
         cached_tokens_device=0,
@@ -684,7 +685,7 @@ def test_multi_layer_chain_is_drawn_step_by_step_and_reaches_the_decode(sg) -> N
         q = torch.softmax(mod.step_logits(prev, 2), -1)
         for i in range(2):
             salt = f"{getattr(reqs[i], 'rid', '')}:{k}"
-            u = request_uniforms(SEED, [rooms[i]], [salt])
+            u = request_uniforms(SEED, [rooms[i]], [salt], positions=[4])  # 3 prompt + 1 output tokens
             e = inst.publisher.encoder.encode(q[i : i + 1], temperature=1.0, uniforms=u)
             assert payloads[i].draft_tokens[k] == int(e.tokens[0, 0]) == int(di.topk_index[i, k]), (i, k)
             assert torch.equal(

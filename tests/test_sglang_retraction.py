@@ -440,6 +440,7 @@ def test_a_rebootstrapped_requests_chain_draws_every_step_from_fresh_uniforms(sg
     steps: family-wise false-positive bound 1e-6). Negative control: the old key repeats
     every step."""
     from pd_middleware.integrations.sglang import chain as sglang_chain
+    from pd_middleware.integrations.sglang import prefill as sglang_prefill
 
     steps = 3
 
@@ -473,7 +474,7 @@ def test_a_rebootstrapped_requests_chain_draws_every_step_from_fresh_uniforms(sg
     for k in range(steps):
         matches = sum(a[k] == b[k] for a, b in zip(x1, x2))
         assert matches <= match_bound(law, N_LIVES, 1e-6 / steps), f"step {k}: {matches} of {N_LIVES} copied"
-    with patch.object(sglang_chain, "draw_position", lambda req: None):  # the chain's own reference
+    with patch.object(sglang_prefill, "draw_position", lambda req: None):  # through draw_keys, the chain's too
         u, x1, x2 = run()
     assert torch.equal(u[:, :steps], u[:, steps:]) and x1 == x2
 

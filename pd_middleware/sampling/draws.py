@@ -15,8 +15,9 @@ the same rid and room, and a draw keyed on those alone would reuse the uniform w
 verify outcome the output already records, so the new X would not be drawn from its law
 given the history (V = 2, q = p flat: the new token would copy the old one). A life
 that follows a verify has a longer prefix (every verify commits a token), hence another
-position and a fresh uniform; a life that follows none draws the same X again, whose
-outcome nothing has recorded yet.
+position and a fresh uniform; a life that follows none reuses the same uniform (not
+necessarily the same X: q may change, e.g. a retract-mode pause paired with a weight
+update), whose outcome nothing has recorded yet.
 
 A whole batch is then one encoder call with a (B, S) tensor of uniforms
 (``encode(..., uniforms=u)``, :func:`encode_requests`): no generator object per request,

@@ -42,7 +42,7 @@ import torch
 from ...core.payload import DenseEncoding, Payload, SparseEncoding
 from .common import Scope, room_key
 from .patching import MULTI_LAYER_MODULE, Feature, Hook, Target, register_feature
-from .prefill import PAYLOADS_ATTR, draw_position
+from .prefill import PAYLOADS_ATTR, draw_keys
 
 #: The batch whose chain the prefill is drafting (set by the extend wrapper).
 CHAIN: Scope[ChainDraw] = Scope("pd_middleware_sglang_chain")
@@ -141,12 +141,13 @@ def chain_for(publisher: Any, batch: Any) -> ChainDraw:
     temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
     n = len(batch.reqs)
     tl = temps.detach().to("cpu", torch.float64).reshape(-1).tolist() if isinstance(temps, torch.Tensor) else [1.0] * n
+    salts, positions = draw_keys(batch.reqs)
     return ChainDraw(
         publisher,
         [getattr(r, "bootstrap_room", None) for r in batch.reqs],
         (tl * n)[:n] if len(tl) == 1 else tl,
-        [str(getattr(r, "rid", "")) for r in batch.reqs],
-        [draw_position(r) for r in batch.reqs],
+        salts,
+        positions,
     )
 
 

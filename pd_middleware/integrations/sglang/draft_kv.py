@@ -39,15 +39,19 @@ host receive, step pools whose KV shape is not the target's: :func:`_step_pools`
   SGLang raises its own mismatches inside ``CommonKVManager.try_ensure_parallel_info``
   (``common/conn.py:1293-1357``), which ``DecodePreallocQueue._ensure_prefill_info``
   (``decode.py:1180``) calls without a try, so a raise there stops the scheduler with
-  every in-flight request. The wrapper keeps the layout comparison to itself (it hands
-  SGLang ``kv_layout = None`` for the call) and caches the prefill's info:
+  every in-flight request. The wrapper keeps the marker's comparison to itself (it hands
+  SGLang ``kv_layout = None`` for the call) and caches the prefill's info. SGLang's own
+  parts of the two layouts (the marker stripped from both: ``--dsv4-attn-backend``,
+  ``SGLANG_DSV4_KV_LAYOUT``) stay SGLang's: where both are set and differ, the info is
+  fetched again with this node's own part handed to SGLang, whose check raises as it
+  does without the drop-in. Otherwise:
 
-  - the same layout: every step's pool;
+  - the same marker: every step's pool;
   - SGLang's list (no marker: no drop-in, or ``"first_step"``): the decode registers
     SGLang's list with that prefill (``CommonKVReceiver._register_kv_args``, sent once per
     prefill rank), so step 1's KV lands in step 1's pool, and serves its requests with
-    step 1's KV and SGLang's chain, as a stock pair does (counted once per request,
-    ``guard.draft_kv:first_step_requests``);
+    step 1's KV and SGLang's chain, as a stock pair does (counted at each receiver's
+    start, ``guard.draft_kv:first_step_requests``: see docs/sglang.md);
   - another marker (another chain): each request from that prefill fails where SGLang
     fails a request whose peer disagrees (``CommonKVReceiver.init``,
     ``common/conn.py:2512-2535``, an allocation-policy mismatch): the receiver is aborted
@@ -63,12 +67,12 @@ host receive, step pools whose KV shape is not the target's: :func:`_step_pools`
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .patching import MOONCAKE_MODULE, RUNTIME_MODULE, Feature, Hook, Refusal, Target, register_feature
+from .patching import MOONCAKE_MODULE, Feature, Hook, Refusal, Target, register_feature
+from .startup import STAGING_ENV, EngineFacts
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -151,20 +155,23 @@ class DraftKV:
     # -- the pair's agreement -----------------------------------------------------------
     def sglang_layout(self, decode_layout: str | None) -> str | None:
         """This node's ``kv_layout`` without the marker: what SGLang alone publishes here."""
-        marker = self.marker()
-        if decode_layout is None or decode_layout == marker:
-            return None
-        return decode_layout[: -len(marker) - 1] if decode_layout.endswith(f"+{marker}") else decode_layout
+        return sglang_part(decode_layout)
 
     def first_step_only_from(self, prefill_layout: str | None, decode_layout: str | None) -> bool:
         """Decode: whether that prefill registers SGLang's list (step 1's pool only: no
-        drop-in, or ``"first_step"``), which this decode can pair by registering it too."""
-        return prefill_layout == self.sglang_layout(decode_layout)
+        drop-in, or ``"first_step"``: it publishes no marker), which this decode can pair
+        by registering it too. SGLang's own parts of the two layouts are SGLang's to
+        compare (:func:`wrap_parallel_info` leaves that check to SGLang)."""
+        return MARKER not in (prefill_layout or "")
 
     def decode_refusal(self, bootstrap_addr: str, prefill_layout: str | None, decode_layout: str | None) -> str | None:
         """Decode: why the prefill at ``bootstrap_addr`` must not send to this node, or None
-        (the same layout, or SGLang's list: :meth:`first_step_only_from`)."""
-        if prefill_layout == decode_layout or self.first_step_only_from(prefill_layout, decode_layout):
+        (the same marker, or SGLang's list: :meth:`first_step_only_from`). SGLang's own
+        parts of the layouts are not compared here: SGLang compares them
+        (:func:`wrap_parallel_info`)."""
+        if self.first_step_only_from(prefill_layout, decode_layout) or marker_part(prefill_layout) == marker_part(
+            decode_layout
+        ):
             return None
         return (
             f"pd-middleware: the prefill at {bootstrap_addr} registers kv_layout {prefill_layout!r}, this decode "
@@ -184,65 +191,20 @@ class DraftKV:
         )
 
 
-#: SGLang's switch of the staging-buffer path (MHA, prefill and decode attention TP differ).
-STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
-
-
-@dataclass(frozen=True)
-class TransferSettings:
-    """SGLang's settings under which its transfer does not move every registered entry.
-
-    ``pp_size``: this node's pipeline stages (each stage registers its own layers' pools);
-    ``staging``: ``SGLANG_DISAGG_STAGING_BUFFER`` (the staging path gathers the primary
-    draft pool only, ``mooncake/conn.py:2707``); ``host_receive``:
-    ``--disaggregation-decode-host-receive-threshold`` below 1 (the decode receives into
-    host buffers that mirror SGLang's list, ``decode.py:683-720``).
-    """
-
-    pp_size: int = 1
-    staging: bool = False
-    host_receive: bool = False
-
-
-def transfer_settings(symbols: Any) -> TransferSettings:
-    """This node's :class:`TransferSettings`, from SGLang's runtime context (through the
-    installation's READ symbols) and the environment. Without the context (an
-    installation given its facts, a harness: no READ symbols, or a namespace not
-    published) the defaults hold: one stage, no host receive. A published context that
-    lacks the attribute raises (another SGLang), as the scheduler-start checks do."""
-    staging = os.environ.get(STAGING_ENV, "").strip().lower() in ("1", "true", "yes", "y")
-
-    def read(bag: str, attr: str) -> Any:
-        get = symbols.get(f"{RUNTIME_MODULE}.{bag}") if symbols is not None else None
-        try:
-            return None if get is None else getattr(get(), attr)
-        except ValueError as exc:  # SGLang's "config namespace ... not published"
-            if "not published" not in str(exc):
-                raise
-            logger.debug("pd-middleware: %s: the transfer settings' defaults", exc)
-            return None
-
-    pp_size = read("get_parallel", "pp_size")
-    threshold = read("get_disagg", "disaggregation_decode_host_receive_threshold")
-    return TransferSettings(
-        pp_size=1 if pp_size is None else int(pp_size),
-        staging=staging,
-        host_receive=threshold is not None and float(threshold) < 1,
-    )
-
-
-def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSettings | None = None) -> DraftKV | None:
+def attach(scheduler: Any, facts: EngineFacts) -> DraftKV | None:
     """At scheduler start: every chain step's pool into the transfer, or None (SGLang's list kept).
 
     None when there is one step, or when SGLang would not move every entry this module
     registers here (said once in the log, naming the flag and the reason; the node then
     advertises no marker: nothing is advertised that is not sent. A decode with
     ``"all_steps"`` serves such a prefill with step 1's KV; a prefill with it rejects
-    such a decode's sessions, naming the flag).
+    such a decode's sessions, naming the flag). SGLang's settings come from ``facts``
+    (:class:`~.startup.EngineFacts`: ``pp_size``, ``staging``, ``host_receive``, read once
+    by :func:`~.startup.facts_from_scheduler`).
     """
-    if num_steps <= 1:
+    if facts.num_steps <= 1:
         return None
-    why, pools = _step_pools(scheduler, num_steps, backend, settings or TransferSettings())
+    why, pools = _step_pools(scheduler, facts)
     if why is not None:
         logger.warning(
             "pd-middleware: %s = \"all_steps\" left SGLang's draft KV transfer as it is (step 1's pool only): %s",
@@ -259,23 +221,22 @@ def attach(scheduler: Any, num_steps: int, backend: str, settings: TransferSetti
     return dk
 
 
-def _step_pools(
-    scheduler: Any, num_steps: int, backend: str, settings: TransferSettings
-) -> tuple[str | None, list[Any]]:
+def _step_pools(scheduler: Any, facts: EngineFacts) -> tuple[str | None, list[Any]]:
+    num_steps, backend = facts.num_steps, facts.backend
     if backend != "mooncake":
         return f"the {backend} backend (the pair's check runs on mooncake only)", []
     # Settings under which SGLang's transfer moves fewer entries than are registered.
-    if settings.pp_size > 1:
+    if facts.pp_size > 1:
         return (
-            f"pipeline parallelism ({settings.pp_size} stages: each stage registers its own layers' pools, "
+            f"pipeline parallelism ({facts.pp_size} stages: each stage registers its own layers' pools, "
             "so no stage's list matches a peer's)"
         ), []
-    if settings.staging:
+    if facts.staging:
         return (
             f"{STAGING_ENV} is set (its path, for different attention TP sizes, gathers step 1's pool only); "
             f'unset it or set {FLAG} = "first_step" on both nodes'
         ), []
-    if settings.host_receive:
+    if facts.host_receive:
         return (
             "host receive (--disaggregation-decode-host-receive-threshold below 1: the host buffers mirror "
             "SGLang's list, step 1's pool only)"
@@ -345,31 +306,60 @@ def wrap_manager_init(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]
     return __init__
 
 
+def sglang_part(layout: str | None) -> str | None:
+    """A published ``kv_layout`` without the drop-in's marker (any node's: any steps and
+    entries): what SGLang alone publishes there (None for most pools)."""
+    if layout is None or MARKER not in layout:
+        return layout
+    head = layout[: layout.index(MARKER)]
+    return head[:-1] if head.endswith("+") else (head or None)
+
+
+def marker_part(layout: str | None) -> str | None:
+    """The drop-in's marker in a published ``kv_layout`` (None: none there)."""
+    if layout is None or MARKER not in layout:
+        return None
+    return layout[layout.index(MARKER) :]
+
+
 def wrap_parallel_info(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     def try_ensure_parallel_info(self: Any, bootstrap_addr: str) -> Any:
         dk = inst.draft_kv
         if dk is None or bootstrap_addr in self.prefill_info_table:
             return orig(self, bootstrap_addr)  # cached: decided when it was fetched
         mine = getattr(self, "kv_layout", None)
+
+        def fetch(layout: str | None) -> Any:
+            self.kv_layout = layout
+            try:
+                return orig(self, bootstrap_addr)
+            finally:
+                self.kv_layout = mine
+
         # SGLang raises on a layout mismatch here, and its caller has no try: the
         # scheduler would stop with every in-flight request. Hand SGLang no layout for
         # this call (it compares only when both nodes publish one) and compare here.
-        self.kv_layout = None
-        try:
-            ok = orig(self, bootstrap_addr)
-        finally:
-            self.kv_layout = mine
+        ok = fetch(None)
         if not ok:
             return ok
-        info = self.prefill_info_table.get(bootstrap_addr)
-        theirs = getattr(info, "kv_layout", None)
+        theirs = getattr(self.prefill_info_table.get(bootstrap_addr), "kv_layout", None)
+        ours, own = sglang_part(theirs), sglang_part(mine)
+        if ours is not None and own is not None and ours != own:
+            # SGLang's own parts differ (--dsv4-attn-backend, SGLANG_DSV4_KV_LAYOUT): SGLang's
+            # check, as without the drop-in. Fetched again, this node's part alone handed
+            # to SGLang, which raises its own mismatch.
+            self.prefill_info_table.pop(bootstrap_addr, None)
+            ok = fetch(own)
+            if not ok:
+                return ok
+            theirs = getattr(self.prefill_info_table.get(bootstrap_addr), "kv_layout", None)
         why = dk.decode_refusal(bootstrap_addr, theirs, mine)
         dk.refused.pop(bootstrap_addr, None)
         dk.first_step_only.discard(bootstrap_addr)
         if why is not None:
             dk.refused[bootstrap_addr] = why  # each request from it fails as its receiver starts
             logger.error("%s; its requests fail, every other prefill is served", why)
-        elif theirs != mine:
+        elif dk.first_step_only_from(theirs, mine):
             dk.first_step_only.add(bootstrap_addr)
             logger.warning(
                 "pd-middleware: the prefill at %s registers step 1's draft KV pool only (no drop-in, or %s = "

@@ -205,9 +205,9 @@ class Installation:
         self.source.bind(facts, scheduler)
         if scheduler is not None and self.draft_kv is None and {"draft_kv", "peer_check"} <= self.applied_features():
             # Before SGLang's init_disaggregation builds its KV manager from the pools.
-            from .draft_kv import attach, transfer_settings
+            from .draft_kv import attach
 
-            self.draft_kv = attach(scheduler, facts.num_steps, facts.backend, transfer_settings(self.symbols))
+            self.draft_kv = attach(scheduler, facts)
         if facts.role == "prefill" and self.publisher is not None:
             if self.channel is not None:
                 self._warn_capacity(facts)

@@ -333,9 +333,10 @@ class ProposalPublisher:
         :func:`draw_position` of each target). A request whose send fails is counted (``send_failed:<error>``) and
         logged once per error; the decode then falls back to one-hot for it.
         """
-        salts = [str(getattr(t, "rid", "")) for t in targets] if targets is not None else None
-        if positions is None and targets is not None:
-            positions = [draw_position(t) for t in targets]
+        salts = None
+        if targets is not None:
+            salts, keyed = draw_keys(targets)
+            positions = keyed if positions is None else positions
         enc, payloads = self.encode(rooms, draft_probs, temperature, salts, positions)
         self.deliver(targets if targets is not None else rooms, payloads)
         return enc
@@ -355,19 +356,45 @@ def _temperatures(temperature: Any, b: int) -> list[float]:
     return vals
 
 
+class DrawPositionError(PDMiddlewareError):
+    """A Req (it has a ``bootstrap_room``) without ``origin_input_ids`` / ``output_ids``:
+    its draw cannot be keyed on its position (another SGLang renamed them). Raised, never
+    keyed without the position: that would reuse a rebootstrapped request's uniform."""
+
+
 def draw_position(req: Any) -> int | None:
     """The position a request's draw is keyed on: its ``seq_len`` at the draw, the tokens the
-    prefill ran (``len(origin_input_ids) + len(output_ids)``; None for a target that is no
-    Req, which then keys on (seed, room, rid) alone).
+    prefill ran (``len(origin_input_ids) + len(output_ids)``).
 
     The same on every rank (each holds the same Req), and it is what differs between a
     request's lives: SGLang's rebootstrap after a retract-mode pause sends the prompt plus
     the output so far as the new prompt, with the same rid and room.
+
+    A Req (a target with a ``bootstrap_room``) that lacks either field raises
+    :class:`DrawPositionError`: in the prefill wrapper that is this rank's "not ok" vote
+    (the batch goes X-only, counted ``guard:prefill_encode:DrawPositionError``), in the
+    chain SGLang's own chain (``guard:chain:DrawPositionError``). None (the draw keyed on
+    (seed, room, rid) alone) only for a target that is no Req: a room or a stand-in
+    without a room, as a benchmark or a harness passes.
     """
     ids = getattr(req, "origin_input_ids", None)
-    if ids is None:
+    out = getattr(req, "output_ids", None)
+    if ids is None or out is None:
+        if getattr(req, "bootstrap_room", None) is not None:
+            missing = [n for n, v in (("origin_input_ids", ids), ("output_ids", out)) if v is None]
+            raise DrawPositionError(
+                f"request {getattr(req, 'rid', '?')} has no {' / '.join(missing)}: its draw cannot be keyed on "
+                "its position (this SGLang names the Req's fields otherwise); sent X only"
+            )
         return None
-    return len(ids) + len(getattr(req, "output_ids", None) or ())
+    return len(ids) + len(out)
+
+
+def draw_keys(reqs: Sequence[Any]) -> tuple[list[str], list[int | None]]:
+    """Per request: (salt, position) of its draw key, the rid and :func:`draw_position`
+    (raises :class:`DrawPositionError` as it does). The one place every caller (the
+    prefill's encoder, its chain, the harness) builds a Req's key."""
+    return [str(getattr(r, "rid", "")) for r in reqs], [draw_position(r) for r in reqs]
 
 
 def _finishing(req: Any) -> bool:
@@ -405,10 +432,8 @@ def _encode_rows(
     q2 = q.reshape(q.shape[0], -1)[rows]
     temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
     temperature: Any = temps.reshape(-1)[rows] if isinstance(temps, torch.Tensor) else 1.0
-    salts = [str(getattr(r, "rid", "")) for r in reqs]
-    enc, payloads = publisher.encode(
-        [r.bootstrap_room for r in reqs], q2, temperature, salts, [draw_position(r) for r in reqs]
-    )
+    salts, positions = draw_keys(reqs)
+    enc, payloads = publisher.encode([r.bootstrap_room for r in reqs], q2, temperature, salts, positions)
     return enc.tokens.to(torch.int64), enc.token_probs, list(payloads)
 
 

@@ -313,23 +313,36 @@ def returning(reqs: Any) -> list[bool]:
     commits, so every rank finds the same returns (the recompute vote relies on it)."""
     out = []
     for req in reqs:
-        row = getattr(req, "output_topk_index", None)
-        out.append(row is not None and getattr(req, BUILT_ATTR, None) is row)
+        try:  # never raises (wrap_build relies on it): a field that cannot be read is a fresh row
+            row = getattr(req, "output_topk_index", None)
+            out.append(row is not None and getattr(req, BUILT_ATTR, None) is row)
+        except Exception:
+            out.append(False)
     return out
 
 
 class BatchRows:
     """Rows ``rows`` of SGLang's prebuilt ``batch``, as a source reads a batch: ``reqs``,
     ``seq_lens`` and every per-request tensor of ``sampling_info`` (first dimension B)
-    are those rows; every other attribute is the batch's."""
+    are those rows; every other attribute is the batch's.
 
-    def __init__(self, batch: Any, rows: list[int]) -> None:
-        self._batch = batch
-        b = len(batch.reqs)
-        self.reqs = [batch.reqs[i] for i in rows]
-        self.seq_lens = _take(getattr(batch, "seq_lens", None), rows, b)
-        info = getattr(batch, "sampling_info", None)
-        self.sampling_info = None if info is None else _Rows(info, rows, b)
+    Building one cannot fail (``reqs``: the batch's list, already read; ``rows`` index it):
+    ``seq_lens`` and ``sampling_info`` are sliced when read, inside the source's own
+    guarded steps (its vote, for the recompute source), never before them."""
+
+    def __init__(self, batch: Any, rows: list[int], reqs: list[Any] | None = None) -> None:
+        self._batch, self._rows = batch, rows
+        self._all = list(batch.reqs) if reqs is None else reqs
+        self.reqs = [self._all[i] for i in rows]
+
+    @property
+    def seq_lens(self) -> Any:
+        return _take(getattr(self._batch, "seq_lens", None), self._rows, len(self._all))
+
+    @property
+    def sampling_info(self) -> Any:
+        info = getattr(self._batch, "sampling_info", None)
+        return None if info is None else _Rows(info, self._rows, len(self._all))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._batch, name)
@@ -363,16 +376,32 @@ def wrap_build(build: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     """
 
     def build_eagle_disagg_draft_input(batch: Any, last_tokens_tensor: Any, future_map: Any) -> Any:
+        # Nothing before the source's prepare may fail on one TP rank alone: a rank that
+        # skipped it would skip the recompute head's gather, a collective every rank must
+        # enter (recompute.py's vote). The split reads attributes only (returning: it
+        # cannot raise) and BatchRows only stores the rows (its slicing runs when the
+        # source reads them, inside the source's vote); counting is guarded on its own.
         fresh: list[int] | None = None
+        state = None
         try:
-            back = returning(batch.reqs)
-            if any(back):
-                fresh = [i for i, r in enumerate(back) if not r]
-                inst.source.returned(len(back) - len(fresh))
-            state = inst.source.prepare(batch if fresh is None else BatchRows(batch, fresh)) if fresh != [] else None
+            reqs = list(batch.reqs)  # SGLang's plain list: the same on every rank
         except Exception as exc:
             inst.events.failed("prepare", exc, "the prefill's X with a one-hot proposal")
-            state = None
+            reqs = None
+        if reqs is not None:
+            back = returning(reqs)
+            if any(back):
+                fresh = [i for i, r in enumerate(back) if not r]
+                try:
+                    inst.source.returned(len(back) - len(fresh))
+                except Exception as exc:
+                    inst.events.failed("returned", exc, "the returned requests not counted")
+            try:
+                if fresh != []:
+                    state = inst.source.prepare(batch if fresh is None else BatchRows(batch, fresh, reqs))
+            except Exception as exc:
+                inst.events.failed("prepare", exc, "the prefill's X with a one-hot proposal")
+                state = None
         read_spec = getattr(build, "__globals__", {}).get("get_spec")  # what the builder itself reads
         with BUILDING.enter(Building(batch, state, fresh, read_spec)):
             out = build(batch, last_tokens_tensor, future_map)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ GET_DISAGG = f"{RUNTIME_MODULE}.get_disagg"
 GET_PARALLEL = f"{RUNTIME_MODULE}.get_parallel"
 GET_OBSERVABILITY = f"{RUNTIME_MODULE}.get_observability"
 
+#: SGLang's switch of the staging-buffer path (MHA, prefill and decode attention TP differ).
+STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+
 #: SGLang speculative algorithms whose PD first draft input goes through
 #: ``build_eagle_disagg_draft_input`` (EAGLE family). ``NEXTN`` (MTP) is not listed: SGLang
 #: resolves it to EAGLE before a scheduler starts (``arg_groups/speculative_hook.py``).
@@ -57,6 +61,13 @@ class EngineFacts:
     ``--speculative-eagle-topk``; ``rejection_sampling``:
     ``--speculative-use-rejection-sampling``; ``backend``:
     ``--disaggregation-transfer-backend``; ``tp_rank``: this scheduler's TP rank.
+
+    SGLang's settings under which its PD transfer does not move every entry it registers
+    (the draft-KV attach refuses ``"all_steps"`` under any of them): ``pp_size``: this
+    node's pipeline stages (each stage registers its own layers' pools); ``staging``:
+    ``SGLANG_DISAGG_STAGING_BUFFER`` (the staging path gathers the primary draft pool
+    only); ``host_receive``: ``--disaggregation-decode-host-receive-threshold`` below 1
+    (the decode receives into host buffers that mirror SGLang's list).
     """
 
     role: Literal["prefill", "decode", "null"]
@@ -67,6 +78,9 @@ class EngineFacts:
     rejection_sampling: bool
     backend: str = "mooncake"
     tp_rank: int = 0
+    pp_size: int = 1
+    staging: bool = False
+    host_receive: bool = False
 
 
 def facts_from_scheduler(scheduler: Any, symbols: Symbols) -> EngineFacts:
@@ -78,6 +92,9 @@ def facts_from_scheduler(scheduler: Any, symbols: Symbols) -> EngineFacts:
     multi = bool(spec.enable_multi_layer_eagle)
     steps = int(spec.speculative_num_steps or 1) if multi else 1
     mode = disagg.disaggregation_mode
+    parallel = symbols[GET_PARALLEL]()
+    # Defaulted: releases before 0.5.21 have no host receive (nor the flag).
+    threshold = getattr(disagg, "disaggregation_decode_host_receive_threshold", None)
     return EngineFacts(
         role=str(getattr(mode, "value", mode)),  # type: ignore[arg-type]  # checked by check()
         vocab_size=int(scheduler.model_config.vocab_size),
@@ -86,7 +103,10 @@ def facts_from_scheduler(scheduler: Any, symbols: Symbols) -> EngineFacts:
         topk=int(spec.speculative_eagle_topk or 1),
         rejection_sampling=bool(spec.speculative_use_rejection_sampling),
         backend=str(disagg.disaggregation_transfer_backend),
-        tp_rank=int(symbols[GET_PARALLEL]().tp_rank),
+        tp_rank=int(parallel.tp_rank),
+        pp_size=int(parallel.pp_size),
+        staging=os.environ.get(STAGING_ENV, "").strip().lower() in ("1", "true", "yes", "y"),
+        host_receive=threshold is not None and float(threshold) < 1,
     )
 
 
