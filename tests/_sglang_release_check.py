@@ -13,6 +13,9 @@ package per process). Prints one JSON object:
   shipped sparse proposal on the side channel's store), through the real ``FutureMap``
   stash and resolve under the overlap scheduler: the draft input's proposal and the
   relay's, single-layer (b, V) and multi-layer (b, S, V);
+- ``recompute_head`` / ``nextn_head``: the decode-only default with SGLang's real EAGLE3
+  draft head, and with its real DeepSeek-V3 NextN draft (``tests/test_sglang_recompute_deepseek.py``'s
+  model and forward, run on this release): q' against the model's own distribution;
 - ``stock``: the same builder without the drop-in (the negative control): its proposal,
   and what SGLang's first draft step does with it (``torch.stack([draft_probs])``).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import inspect
 import json
 import sys
 import warnings
@@ -265,6 +269,91 @@ def recompute_head_check() -> dict[str, Any]:
         S.uninstall()
 
 
+def nextn_head_check() -> dict[str, Any]:
+    """The decode-only default with SGLang's real DeepSeek-V3 NextN draft (MLA, MoE with
+    ``noaux_tc`` routing; tiny, random, fp32, TP 1), as ``tests/test_sglang_recompute_deepseek.py``
+    builds and runs it (its helpers and stand-ins, said there: the prefill attention's contract,
+    eager MoE routing): the hidden state the draft's forward ships (after ``shared_head.norm``)
+    goes through the drop-in's head and the real builder; q' must be SGLang's own draft
+    distribution (``renorm_draft_probs`` of the draft's logits). Negative controls: the pre-norm
+    residual sum, and the table's other convention (norm at the decode), each give another law."""
+    import test_sglang_recompute_deepseek as D
+    from _sglang_tp1 import init_tp1
+
+    from pd_middleware.config import load_config
+    from pd_middleware.integrations import sglang as S
+    from pd_middleware.integrations.sglang import draft_head
+    from pd_middleware.integrations.sglang.recompute import capture
+
+    ps = import_sglang("sglang.srt.distributed.parallel_state")
+    if not ps.model_parallel_is_initialized():  # recompute_head_check built TP 1 already when it ran first
+        init_tp1()
+    dpa = import_sglang("sglang.srt.layers.dp_attention")
+    if "model_config" in inspect.signature(dpa.initialize_dp_attention).parameters and dpa._ATTN_DP_SIZE is None:
+        # Up to 0.5.20 the DeepSeek layers read the attention-DP size from module state that
+        # SGLang's bootstrap sets right after the model-parallel groups (init_tp1 builds the
+        # groups only): its own initializer, with the model config fields it reads.
+        from sglang.srt.server_args import ServerArgs
+
+        cfg = D.nextn_config()
+        dpa.initialize_dp_attention(
+            ServerArgs(model_path="dummy", device="cpu", tp_size=1),
+            SimpleNamespace(hf_config=cfg, hidden_size=cfg.hidden_size, dtype=torch.float32),
+        )
+    sgl = SimpleNamespace(
+        nextn=import_sglang("sglang.srt.models.deepseek_nextn"),
+        fb=import_sglang("sglang.srt.model_executor.forward_batch_info"),
+        fc=import_sglang("sglang.srt.model_executor.forward_context"),
+        pool=import_sglang("sglang.srt.mem_cache.memory_pool"),
+        info=import_sglang("sglang.srt.speculative.eagle_info"),
+        spec_utils=import_sglang("sglang.srt.speculative.spec_utils"),
+    )
+    builder = import_sglang(S.BUILDER_MODULE)
+    model = D.nextn_model(sgl)
+    run = D.draft_extend_for_prefill(sgl, model)
+    q = D.aggregated_q(sgl, run.logits)
+    b = len(D.LENS)
+    out: dict[str, Any] = {"arch": type(model).__name__}
+    out["shipped_is_normed"] = not torch.allclose(run.shipped, run.pre_norm)
+
+    def served(hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        inst = S.install(load_config(D.CONFIG), S.InstallOptions(hook_scheduler=False))
+        try:
+            sched = SimpleNamespace(
+                draft_worker=SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(model=model))),
+                enable_overlap=False,
+            )
+            capture(inst.recompute, sched, vocab_size=D.V, num_steps=1, rs=True)
+            with spec(1, False):
+                si = builder.build_eagle_disagg_draft_input(
+                    D.decode_batch(hidden), torch.zeros(b, dtype=torch.int64), None
+                )
+            rc = inst.recompute
+            seen: dict[str, Any] = {"counts": dict(rc.counts), "head": None if rc.head is None else rc.head.arch}
+            if rc.head is not None:  # the head as bound, with the installation's symbols for this release
+                seen["head_logits_equal"] = bool(torch.equal(rc.head.logits(run.shipped), run.logits))
+            return si.draft_probs, seen
+        finally:
+            S.uninstall()
+
+    probs, seen = served(run.shipped)
+    out.update(seen)
+    out["dtype"], out["shape"] = str(probs.dtype), list(probs.shape)
+    out["q_max_abs_diff"] = float((probs - q).abs().max())
+    out["q_equal"] = bool(torch.equal(probs, q))
+    wrong, seen = served(run.pre_norm)
+    out["pre_norm_tv_min"] = float(D.total_variation(wrong, q).min())
+    out["pre_norm_recomputed"] = seen["counts"].get("recomputed", 0)  # served silently: only the law differs
+    rule = draft_head.ARCHITECTURES[D.ARCH]
+    draft_head.ARCHITECTURES[D.ARCH] = draft_head.HeadRule("model.shared_head.norm", None, "pre-norm (wrong)")
+    try:
+        wrong, _ = served(run.shipped)
+    finally:
+        draft_head.ARCHITECTURES[D.ARCH] = rule
+    out["eagle3_convention_tv_min"] = float(D.total_variation(wrong, q).min())
+    return out
+
+
 def chain_check() -> dict[str, Any]:
     """The chain feature's REPLACE of ``sample_draft_proposal`` on the release's real function
     (its own parameters: no draft step before 0.5.23), called step by step as SGLang's
@@ -328,6 +417,7 @@ def main() -> None:
     report["rows"] = rows(version)
     report["relay"] = relay_checks()
     report["recompute_head"] = recompute_head_check()
+    report["nextn_head"] = nextn_head_check()
     report["chain"] = chain_check()
     print("PDM-RELEASE-CHECK " + json.dumps(report))
 

@@ -38,6 +38,7 @@ SGLang's real ``MLATokenToKVPool``.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,10 +220,13 @@ def draft_extend_for_prefill(sgl, m) -> SimpleNamespace:
     hook = m.model.shared_head.norm.register_forward_hook(keep_residual)
     try:
         ctx = sgl.fc.ForwardContext(attn_backend=backend)
+        # 0.5.23's context takes the batch (the MoE's non-padded token count); earlier
+        # releases' take the backend only (tests/_sglang_release_check.py runs this on them).
+        takes_batch = "forward_batch" in inspect.signature(sgl.fc.forward_context).parameters
         with (
             torch.no_grad(),
             torch.compiler.set_stance("force_eager"),
-            sgl.fc.forward_context(ctx, forward_batch=batch),
+            sgl.fc.forward_context(ctx, **({"forward_batch": batch} if takes_batch else {})),
         ):
             out = m(ids, positions, batch)
     finally:

@@ -7,7 +7,9 @@ put first on ``PYTHONPATH``; the venv's own SGLang for 0.5.23 when no folder hol
 reports: every row the table selects for that release resolved against the real modules
 (present, unpatched, that row's parameters: ``table_vs_versions`` by the real import);
 the decode-only default (``configs/sglang.toml``) with SGLang's real EAGLE3 draft head at
-TP 1 through the real builder; the chain's per-step draw on the release's own
+TP 1 through the real builder, and with its real DeepSeek-V3 NextN draft (MLA, MoE; the
+shipped hidden state after ``shared_head.norm``: q' is SGLang's own draft distribution bit
+for bit, the pre-norm state and the other head convention give another law); the chain's per-step draw on the release's own
 ``sample_draft_proposal``; and SGLang's real PD first-draft builder with the drop-in installed, through the real
 ``FutureMap`` stash and resolve (the overlap scheduler's relay; stand-ins only for its
 two CUDA-only calls, said there). Negative control: the same builder without the
@@ -161,6 +163,24 @@ def test_the_decode_only_default_recomputes_with_the_real_head(version) -> None:
     if parse_version(version) < parse_version("0.5.23"):
         # fast_sample has no seed there: the row hands the drop-in's seeded inverse-CDF draw.
         assert head["sampler"] == "pd_middleware.inverse_cdf" and head["x_is_the_draw"]
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+def test_the_decode_only_default_recomputes_with_the_real_deepseek_nextn_head(version) -> None:
+    nextn = report(version)["nextn_head"]
+    # The release's real NextN draft, served by the head the installation bound (this
+    # release's symbols): its logits are the draft's LogitsProcessor's, bit for bit, and q'
+    # is SGLang's own renorm_draft_probs of them at fp32, for every request.
+    assert nextn["arch"] == nextn["head"] == "DeepseekV3ForCausalLMNextN"
+    assert nextn["head_logits_equal"] and nextn["shipped_is_normed"]
+    assert nextn["counts"]["recomputed"] == 3 and not any(k.startswith("fallback:") for k in nextn["counts"])
+    assert nextn["dtype"] == "torch.float32" and nextn["shape"] == [3, 97]
+    assert nextn["q_equal"] and nextn["q_max_abs_diff"] == 0.0
+    # Negative controls: the wrong hidden state (the pre-norm residual sum) and the wrong
+    # convention (norm again at the decode) are served too, silently, with another law
+    # (every row's TV above 0.5 on every release, seen).
+    assert nextn["pre_norm_recomputed"] == 3
+    assert nextn["pre_norm_tv_min"] > 0.1 and nextn["eagle3_convention_tv_min"] > 0.1
 
 
 @pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
