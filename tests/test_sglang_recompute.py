@@ -1034,7 +1034,10 @@ def test_a_prefill_with_a_recompute_arm_ships_every_request_and_captures_no_head
     inst = S.install(load_config(ARMS_CONFIG), S.InstallOptions(channel="metadata", facts=facts))
     try:
         assert isinstance(inst.source, ArmedSource) and inst.recompute.head is None
-        reqs = [SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}") for i in range(6)]
+        reqs = [
+            SimpleNamespace(bootstrap_room=100 + i, rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[])
+            for i in range(6)
+        ]
         enc = inst.stage_requests(
             reqs, torch.softmax(torch.randn(6, V, generator=torch.Generator().manual_seed(2)), -1)
         )
