@@ -11,6 +11,9 @@ One test (or pair) per bug, each with the campaign family that found it:
 5. config fuzz ``unknown_key``: ``ab.workload.options`` passed ``check-config`` unchecked.
 6. security ``plugin path``: ``"plugin.py:SPEC"`` was imported as package ``plugin``
    (running a same-named file on ``sys.path``) instead of being refused as a file path.
+7. faults ``decode_restart_inline``: an idle sender never noticed a dead decode; and (a
+   flaky run of that test) ``flush()`` left the silence watch and the heartbeats to the
+   background thread, which rarely got the lock flush() holds through its polls.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pd_middleware.config import load_config, parse_config, resolve_plugins
 from pd_middleware.core.metrics import MAX_REASON_CHARS, MAX_REASONS, Metrics
 from pd_middleware.decode.pipeline import Failure, ReceivePipeline
 from pd_middleware.registry import PluginRegistry, default_registry
-from pd_middleware.transport import DecodeReceiver, LimitsConfig, TransportConfig, payload_codec, wire
+from pd_middleware.transport import DecodeReceiver, LimitsConfig, PrefillSender, TransportConfig, payload_codec, wire
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -241,3 +244,66 @@ def test_idle_sender_notices_a_silent_decode_without_sending() -> None:
         rx._thread = None
         ctx.term()
     assert tx.failed["transfer:decode_lost"] == 1  # close() accounted the pending request
+
+
+# ---- 7b. flush() starved the background thread of its lock ------------------------------------
+# flush() holds the sender's lock through each poll and takes it straight back; a Python lock
+# is not fair, so the background thread (the only one that watched for silence and sent
+# heartbeats while idle) could wait tens of seconds for it: flush waited 45 s of its 60 s for
+# a decode silent past peer_timeout_s = 0.3 in one CI run. These two tests stop the background
+# thread, the worst case of that starvation, so what they check never depends on who wins
+# the lock; each fails on the old flush() (the first: connected stays True until the timeout;
+# the second: the decode drops this prefill). Each is the other's control: the same flush,
+# the same stopped thread, and only the decode's silence differs in the outcome.
+
+
+def _idle_pair(ctx: zmq.Context) -> tuple[DecodeReceiver, PrefillSender]:
+    c = TransportConfig(heartbeat_s=0.05, peer_timeout_s=0.3)
+    rx = DecodeReceiver(c, ReceivePipeline([], {"default": ("one_hot", OneHot())}), context=ctx).start()
+    tx = PrefillSender(c, context=ctx, name="idle").connect(rx.address)
+    tx._hb_stop.set()  # the background thread never gets the lock: stop it
+    tx._work.set()
+    thread = tx._hb_thread
+    assert thread is not None
+    thread.join(5.0)
+    assert not thread.is_alive()
+    return rx, tx
+
+
+def test_flush_notices_a_silent_decode_without_the_background_thread() -> None:
+    ctx = zmq.Context()
+    rx, tx = _idle_pair(ctx)
+    try:
+        rx._running = False  # the decode hangs: its loop stops without a bye
+        rx._shutdown = lambda: None  # type: ignore[method-assign]
+        rx._wake()
+        rx._thread.join(5.0)  # type: ignore[union-attr]
+        tx._outstanding[99] = "pending"  # a request awaiting its ack
+        # Ten times peer_timeout_s: the old flush() returned False at this timeout, still connected.
+        assert tx.flush(3.0) is False
+        assert tx.statuses()["connected"] is False
+        assert "silent" in (tx._control.lost or "")
+    finally:
+        tx.close()
+        if rx._sock is not None:
+            rx._sock.close(0)
+        rx._thread = None
+        ctx.term()
+    assert tx.failed["transfer:decode_lost"] == 1
+
+
+def test_a_long_flush_keeps_a_live_decode_hearing_from_the_sender() -> None:
+    ctx = zmq.Context()
+    rx, tx = _idle_pair(ctx)
+    try:
+        tx._outstanding[99] = "pending"  # never sent: no ack will come
+        # Three times peer_timeout_s of a flush that cannot succeed: the decode keeps this
+        # prefill only if flush() sends the heartbeats the stopped thread does not.
+        assert tx.flush(0.9) is False
+        assert tx.statuses()["connected"] is True  # the decode's heartbeats came
+        assert [p.name for p in rx._peers] == ["idle"]
+    finally:
+        tx._outstanding.clear()
+        tx.close()
+        rx.stop()
+        ctx.term()

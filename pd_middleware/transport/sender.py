@@ -28,7 +28,8 @@ when the decode is lost are moved to ``failed['transfer:decode_lost']`` by
 
 Threading: ``send``/``flush`` may be called from any thread (one lock serialises them);
 a small background thread, started by ``connect``, completes writes in flight, keeps the
-connection alive when idle and notices a silent or restarted decode.
+connection alive when idle and notices a silent or restarted decode. ``flush`` does the
+last two itself while it waits, as it holds the lock the thread would need.
 """
 
 from __future__ import annotations
@@ -310,14 +311,23 @@ class PrefillSender:
                     self._bulk_path.poll()  # type: ignore[union-attr]  # writes in flight only with a bulk path
                 if not self._ledger.outstanding:
                     return True
-                if control.lost is not None or control.sock is None:
+                if control.sock is None:
+                    return False
+                # This loop holds the lock through each poll and takes it straight back (a
+                # Python lock is not fair), so the background thread can wait seconds for it:
+                # the waiter does the heartbeat duties itself. Else a silent decode went
+                # unnoticed until the timeout, and a live decode heard nothing from us and
+                # dropped this prefill after its peer_timeout_s.
+                now = self._clock()
+                self._heartbeat_duties(now)
+                if control.lost is not None:
                     return False
                 sock = control.sock
-                left = deadline - self._clock()
+                left = deadline - now
                 if left <= 0:
                     return False
                 if not self._inflight:
-                    sock.poll(poll_ms(min(left, 0.05)))
+                    sock.poll(poll_ms(min(left, 0.05, self.config.heartbeat_s / 2)))
                     continue
             backoff.sleep()  # writes still landing: poll them again shortly
 
