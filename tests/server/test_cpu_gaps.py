@@ -451,7 +451,7 @@ def test_the_older_releases_renorm_serves_cpu_tensors_with_the_torch_versions() 
     assert calls == []
 
 
-def test_the_attention_ops_of_0_5_18_get_unit_kv_scales() -> None:
+def test_the_attention_ops_of_0_5_18_and_0_5_19_get_unit_kv_scales() -> None:
     calls: list[tuple[object, ...]] = []
 
     class IntelAMXAttnBackend:
@@ -459,7 +459,7 @@ def test_the_attention_ops_of_0_5_18_get_unit_kv_scales() -> None:
             self.decode_attention_fwd = lambda *a: calls.append(("decode", *a))
             self.extend_attention_fwd = lambda *a: calls.append(("extend", *a))
 
-    ov = cpu_gaps.RELEASES["0.5.18"]["amx_unscaled_ops"][0]  # type: ignore[index]
+    ov = cpu_gaps.RELEASES["0.5.19"]["amx_unscaled_ops"][0]  # type: ignore[index]
     cpu_gaps.apply(ov, _module(IntelAMXAttnBackend=IntelAMXAttnBackend))
     backend = IntelAMXAttnBackend(None)
     backend.decode_attention_fwd(*range(17))
@@ -476,3 +476,72 @@ def test_the_attention_ops_of_0_5_18_get_unit_kv_scales() -> None:
 
     with pytest.raises(cpu_gaps.OverrideRefused, match="passes KV scales in this release"):
         cpu_gaps.apply(ov, _module(IntelAMXAttnBackend=Scaled))
+
+
+class _Backend0518:
+    """0.5.18's ``IntelAMXAttnBackend`` in the shape the override checks: each forward reads
+    its metadata's ``seq_lens``, then overwrites it with ``forward_batch.seq_lens``."""
+
+    def __init__(self, model_runner: object) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.extend_metadata: tuple[object, ...] | None = None
+        self.draft_decode_metadata: tuple[object, ...] | None = None
+        self.decode_attention_fwd = lambda *a: self.calls.append(("decode", *a))
+        self.extend_attention_fwd = lambda *a: self.calls.append(("extend", *a))
+
+    def forward_extend(self, forward_batch: types.SimpleNamespace) -> None:
+        seq_lens = self.extend_metadata[0]  # type: ignore[index]
+        seq_lens = forward_batch.seq_lens
+        self.extend_attention_fwd(*range(8), seq_lens, *range(9, 19))
+
+    def forward_decode(self, forward_batch: types.SimpleNamespace) -> None:
+        if self.draft_decode_metadata is not None:
+            seq_lens = self.draft_decode_metadata[1]
+        else:
+            seq_lens = forward_batch.seq_lens
+        seq_lens = forward_batch.seq_lens
+        self.decode_attention_fwd(*range(10), seq_lens, *range(11, 17))
+
+
+def _backend_0_5_18(release: str, base: type = _Backend0518) -> types.ModuleType:
+    class IntelAMXAttnBackend(base):  # type: ignore[valid-type,misc]
+        """The class the override wraps (a fresh one per call: it wraps ``__init__``)."""
+
+    mod = _module(IntelAMXAttnBackend=IntelAMXAttnBackend)
+    cpu_gaps.apply(cpu_gaps.RELEASES[release]["amx_unscaled_ops"][0], mod)  # type: ignore[index]
+    return mod
+
+
+def test_0_5_18s_attention_ops_get_the_metadatas_seq_lens() -> None:
+    """0.5.18 passes ``forward_batch.seq_lens`` where its metadata has the verify's (with its
+    draft tokens) and each draft step's lengths (aggregated serving's greedy outputs then
+    change from run to run): the ops get the metadata's, as 0.5.19 passes them."""
+    batch = types.SimpleNamespace(seq_lens=torch.tensor([5, 7], dtype=torch.int32))
+    lens = 1 + 2  # the op's name and the two scales come first in a recorded call
+    backend = _backend_0_5_18("0.5.18").IntelAMXAttnBackend(None)
+    backend.extend_metadata = (torch.tensor([9, 11], dtype=torch.int32), None, None, None)
+    backend.forward_extend(batch)
+    backend.draft_decode_metadata = (None, torch.tensor([6, 6, 8, 8]), None)
+    backend.forward_decode(batch)
+    backend.draft_decode_metadata = None
+    backend.forward_decode(batch)
+    extend, draft_decode, decode = backend.calls
+    assert extend[8 + lens].tolist() == [9, 11] and extend[8 + lens].dtype == torch.int64
+    assert extend[-1] is True  # 19 arguments: causal extend
+    assert draft_decode[10 + lens].tolist() == [6, 6, 8, 8]
+    assert decode[10 + lens].tolist() == [5, 7] and decode[10 + lens].dtype == torch.int64
+    # Negative control: 0.5.19's variant passes what it is given (forward_batch's lengths).
+    other = _backend_0_5_18("0.5.19").IntelAMXAttnBackend(None)
+    other.extend_metadata = backend.extend_metadata
+    other.forward_extend(batch)
+    assert other.calls[0][8 + lens].tolist() == [5, 7]
+
+
+def test_the_0_5_18_variant_is_refused_where_the_metadatas_seq_lens_are_kept() -> None:
+    class Kept(_Backend0518):
+        def forward_extend(self, forward_batch: types.SimpleNamespace) -> None:
+            seq_lens = self.extend_metadata[0]  # type: ignore[index]
+            self.extend_attention_fwd(*range(8), seq_lens, *range(9, 19))
+
+    with pytest.raises(cpu_gaps.OverrideRefused, match="forward_extend keeps its metadata's seq_lens"):
+        _backend_0_5_18("0.5.18", Kept)

@@ -455,30 +455,62 @@ def _cpu_renorm(torch_version: Callable[[Any, Any], Any]) -> Callable[[types.Mod
 _DECODE_SCALES_AT, _EXTEND_SCALES_AT = 3, 6
 _DECODE_TAILS: dict[int, tuple[Any, ...]] = {17: ()}
 _EXTEND_TAILS: dict[int, tuple[Any, ...]] = {19: (True,), 20: ()}
+#: Where each op takes ``seq_lens`` (the release's own positional arguments).
+_DECODE_SEQ_LENS_AT, _EXTEND_SEQ_LENS_AT = 10, 8
 
 
-def _unscaled_ops(module: types.ModuleType, cls: Any) -> None:
+def _metadata_seq_lens(backend: Any, op: str, given: Any) -> Any:
+    """The ``seq_lens`` 0.5.19 passes where 0.5.18 passes ``forward_batch.seq_lens``: the
+    extend's from ``extend_metadata`` (a verify's includes its draft tokens), the draft
+    decode's from ``draft_decode_metadata`` (each draft step's own lengths)."""
+    import torch
+
+    if op == "extend":
+        meta = backend.extend_metadata
+        lens = meta[0] if meta is not None else given
+    else:
+        meta = backend.draft_decode_metadata
+        lens = meta[1] if meta is not None else given
+    return lens if lens.dtype == torch.int64 else lens.to(torch.int64)
+
+
+def _unscaled_ops(*, seq_lens_from_metadata: bool) -> Callable[[types.ModuleType, Any], None]:
     """``IntelAMXAttnBackend`` of 0.5.18/0.5.19 calls the CPU attention ops without KV
     scales: each instance's two ops get them as 1.0 (the tier's KV cache is bf16, never
-    fp8; the scales multiply nothing else), and 0.5.18's extend gets ``is_causal=True``."""
-    orig_init = cls.__init__
+    fp8; the scales multiply nothing else), and 0.5.18's extend gets ``is_causal=True``.
 
-    def insert(op: Any, at: int, tails: dict[int, tuple[Any, ...]]) -> Any:
-        def call(*args: Any) -> Any:
-            if len(args) not in tails:
-                raise TypeError(
-                    f"cpu_gaps amx_unscaled_ops: {len(args)} arguments, these releases pass {sorted(tails)}"
-                )
-            return op(*args[:at], 1.0, 1.0, *args[at:], *tails[len(args)])
+    ``seq_lens_from_metadata`` (0.5.18): that release's ``forward_extend`` and
+    ``forward_decode`` overwrite the lengths they just read from the forward metadata with
+    ``forward_batch.seq_lens`` (a CPU-backend bug, gone in 0.5.19): a verify then attends
+    to ``seq_lens`` minus its draft tokens, a draft step to the target's lengths, and
+    aggregated serving's own greedy outputs change from one run to the next. The ops get
+    the metadata's lengths, as 0.5.19 passes them."""
 
-        return call
+    def make(module: types.ModuleType, cls: Any) -> None:
+        orig_init = cls.__init__
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_init(self, *args, **kwargs)
-        self.decode_attention_fwd = insert(self.decode_attention_fwd, _DECODE_SCALES_AT, _DECODE_TAILS)
-        self.extend_attention_fwd = insert(self.extend_attention_fwd, _EXTEND_SCALES_AT, _EXTEND_TAILS)
+        def insert(backend: Any, name: str, at: int, tails: dict[int, tuple[Any, ...]], lens_at: int) -> Any:
+            op = getattr(backend, f"{name}_attention_fwd")
 
-    cls.__init__ = __init__
+            def call(*args: Any) -> Any:
+                if len(args) not in tails:
+                    raise TypeError(
+                        f"cpu_gaps amx_unscaled_ops: {len(args)} arguments, these releases pass {sorted(tails)}"
+                    )
+                if seq_lens_from_metadata:
+                    args = (*args[:lens_at], _metadata_seq_lens(backend, name, args[lens_at]), *args[lens_at + 1 :])
+                return op(*args[:at], 1.0, 1.0, *args[at:], *tails[len(args)])
+
+            return call
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            orig_init(self, *args, **kwargs)
+            self.decode_attention_fwd = insert(self, "decode", _DECODE_SCALES_AT, _DECODE_TAILS, _DECODE_SEQ_LENS_AT)
+            self.extend_attention_fwd = insert(self, "extend", _EXTEND_SCALES_AT, _EXTEND_TAILS, _EXTEND_SEQ_LENS_AT)
+
+        cls.__init__ = __init__
+
+    return make
 
 
 def _amx_backend_without_scales(cls: Any) -> str:
@@ -491,6 +523,23 @@ def _amx_backend_without_scales(cls: Any) -> str:
     if "k_scale" in src:
         return "IntelAMXAttnBackend passes KV scales in this release (drop the override here)"
     return _method_params("__init__", ("self", "model_runner"))(cls)
+
+
+def _amx_overwrites_seq_lens(cls: Any) -> str:
+    """'' (apply) when both forward methods set ``seq_lens = forward_batch.seq_lens`` once
+    more than they would to take the metadata's (extend: never; decode: in the branch
+    without draft metadata), as 0.5.18's do."""
+    import inspect as _inspect
+
+    line = "seq_lens = forward_batch.seq_lens"
+    for name, keeps in (("forward_extend", 0), ("forward_decode", 1)):
+        try:
+            src = _inspect.getsource(getattr(cls, name))
+        except (AttributeError, OSError, TypeError) as exc:
+            return f"IntelAMXAttnBackend.{name}'s source cannot be read ({exc})"
+        if src.count(line) <= keeps:
+            return f"IntelAMXAttnBackend.{name} keeps its metadata's seq_lens in this release (drop the 0.5.18 variant)"
+    return ""
 
 
 GAPS: tuple[Override, ...] = (
@@ -615,8 +664,16 @@ _AMX_UNSCALED_OPS = Override(
     "sglang.srt.layers.attention.intel_amx_backend",
     "IntelAMXAttnBackend",
     None,
-    _unscaled_ops,
+    _unscaled_ops(seq_lens_from_metadata=False),
     check=_amx_backend_without_scales,
+)
+_AMX_UNSCALED_OPS_0_5_18 = Override(
+    "amx_unscaled_ops",
+    "sglang.srt.layers.attention.intel_amx_backend",
+    "IntelAMXAttnBackend",
+    None,
+    _unscaled_ops(seq_lens_from_metadata=True),
+    check=lambda cls: _amx_backend_without_scales(cls) or _amx_overwrites_seq_lens(cls),
 )
 _NO_HOST_INDICES = (
     "no host tensor indices before 0.5.23 (MooncakeKVSender has no supports_host_tensor_indices); the "
@@ -638,7 +695,7 @@ RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
         "renorm": _CPU_RENORM,
         "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
         "deterministic_rejection_cpu": _NO_REFUSAL,
-        "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
+        "amx_unscaled_ops": (_AMX_UNSCALED_OPS_0_5_18,),
     },
     "0.5.19": {
         "prefill_host_indices": _NO_HOST_INDICES,
