@@ -70,16 +70,18 @@ setup-server: setup-sglang
 # requirements-releases/<v>.txt with --no-deps (sglang==<v> and the pins where it differs
 # from the venv); the tier puts it first on the servers' PYTHONPATH, on top of the server
 # tier's venv (env PDM_SGLANG_RELEASES names the parent folder). A folder whose requirements
-# copy matches is kept as is, so a second run does nothing.
+# copy matches is kept as is, so a second run does nothing. The releases install side by
+# side (each into its own folder; mostly download time), and any failure fails the target.
 RELEASES     ?= 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22
 RELEASES_DIR ?= .venv-releases
 setup-releases: setup-server
-	@for v in $(RELEASES); do \
+	@pids=""; for v in $(RELEASES); do \
 	  req=requirements-releases/$$v.txt; dir=$(RELEASES_DIR)/$$v; \
 	  if cmp -s $$req $$dir/.requirements; then continue; fi; \
 	  echo "setup-releases: SGLang $$v into $$dir"; rm -rf $$dir; \
-	  $(PIP) install -q --no-deps --target $$dir -r $$req && cp $$req $$dir/.requirements || exit 1; \
-	done
+	  ( $(PIP) install -q --no-deps --target $$dir -r $$req && cp $$req $$dir/.requirements \
+	    || { echo "setup-releases: SGLang $$v failed"; exit 1; } ) & pids="$$pids $$!"; \
+	done; rc=0; for p in $$pids; do wait $$p || rc=1; done; exit $$rc
 
 # PDM_SERVER_MODELS: a folder with target/ and eagle3/ (else tests/server/models/build.py).
 # The per-release modules are left to test-releases (they skip without their folders).

@@ -212,6 +212,11 @@ def server_env(
         # A crashing SGLang server waits this long for CUDA coredumps before it exits
         # (tokenizer_manager.py, 60 s by default): there is no GPU here, nothing to dump.
         SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS="0",
+        # ... and, with either dump on (both are, by default), first sleeps 5 s "to let GPU
+        # activity settle": every stopped server (a SIGTERM ends its scheduler, which the
+        # tokenizer manager takes for a crash) and every seed-crashed decode paid it.
+        SGLANG_PYSPY_DUMP_BEFORE_CRASH="0",
+        SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0",
     )
     # A lost KV transfer fails its request with SGLang's own error in a minute, not after
     # SGLang's default 300 s (disaggregation/common/conn.py: _check_waiting_timeout on the
