@@ -122,33 +122,18 @@ class Shared:
 
 @pytest.fixture(scope="session")
 def shared(server_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
-    import threading
-
     from . import harness as h
 
     models = h.Models(server_models["target"], server_models["eagle3"])
     logs = tmp_path_factory.mktemp("shared-logs")
     metrics = ["--enable-metrics"]
-    out: dict[str, object] = {}
-    errors: list[BaseException] = []
-
-    def run(key: str, fn: object) -> None:
-        try:
-            out[key] = fn()  # type: ignore[operator]
-        except BaseException as exc:  # re-raised below, after the others stop
-            errors.append(exc)
-
     # --sleep-on-idle: an idle reference blocks on its sockets instead of polling (about
     # 0.4 core each otherwise), while other modules' servers run beside it.
     starts = {
         "agg": lambda: h.start_server("aggregated", models, logs / "agg", extra_args=metrics, sleep_on_idle=True),
         "onehot": lambda: h.start_pair(models, logs / "onehot", extra_args=metrics, sleep_on_idle=True),
     }
-    threads = [threading.Thread(target=run, args=(k, f)) for k, f in starts.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out, error = h.start_together(starts)
     agg, onehot = out.get("agg"), out.get("onehot")
 
     def stop_all() -> None:  # idempotent: after the last user, and again at session end
@@ -157,8 +142,8 @@ def shared(server_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
     _SHARED_STOP[:] = [stop_all]
     try:
-        if errors:
-            raise errors[0]
+        if error is not None:
+            raise error
         _SHARED_LOGS[:] = [agg, *onehot.servers]  # type: ignore[union-attr]
         yield Shared(agg, onehot)
     finally:

@@ -49,10 +49,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SITE = Path(__file__).resolve().parent / "site"
 REPO = SITE.parents[2]
@@ -456,6 +458,27 @@ def wait_exit(srv: Server, timeout_s: float = START_TIMEOUT_S) -> int:
 def stop(srv: Server, grace_s: float = 15.0) -> None:
     """End the server's process group by id: SIGTERM, then SIGKILL after ``grace_s``."""
     stop_all([srv], grace_s)
+
+
+def start_together(starts: Mapping[str, Callable[[], T]]) -> tuple[dict[str, T], BaseException | None]:
+    """Run every start at once, one thread each (a set of servers starts in the time of its
+    slowest, not the sum): what started, by key, and the first error (None: all started).
+    The caller stops what started when there is an error."""
+    out: dict[str, T] = {}
+    errors: list[BaseException] = []
+
+    def run(key: str) -> None:
+        try:
+            out[key] = starts[key]()
+        except BaseException as exc:  # handed back; the caller stops the others
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in starts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, (errors[0] if errors else None)
 
 
 def stop_all(servers: Sequence[Server], grace_s: float = 15.0) -> None:

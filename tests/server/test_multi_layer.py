@@ -33,7 +33,6 @@ unset), ``MiMoV2MTP.set_embed_and_head``'s ``torch.cuda.synchronize()`` (cpu_gap
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,28 +97,15 @@ def servers(
             sleep_on_idle=True,
         ),
     }
-    out: dict[str, object] = {}
-    errors: list[BaseException] = []
-
-    def run(key: str) -> None:
-        try:
-            out[key] = starts[key]()
-        except BaseException as exc:  # re-raised below, after the others stop
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in starts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out, error = h.start_together(starts)
 
     def stop_all() -> None:
         servers = [s for key in ("dropin", "stock") if key in out for s in out[key].servers]  # type: ignore[attr-defined]
         h.stop_all([*servers, *([out["agg"]] if "agg" in out else [])])  # type: ignore[list-item]
 
     try:
-        if errors:
-            raise errors[0]
+        if error is not None:
+            raise error
         s = Servers(out["agg"], out["stock"], out["dropin"], kv_dumps)  # type: ignore[arg-type]
         attach_logs([s.agg, *s.stock.servers, *s.dropin.servers])
         yield s
