@@ -251,6 +251,62 @@ def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
         rx.stop()
 
 
+@pytest.mark.parametrize("decode_silent", [False, True], ids=["live decode", "silent decode"])
+def test_a_slot_wait_longer_than_peer_timeout_keeps_the_sender_beating(zctx, mooncake_pair, decode_silent) -> None:
+    """A send waiting for a slot holds the sender's lock for up to ``slots.wait_s``; with the
+    background thread stopped (the worst case of waiting for that lock), the waiter itself
+    sends the heartbeats and watches the decode. A live decode keeps this prefill through a
+    wait of three times its peer_timeout_s (the wait ends in NoSlotError); a decode that went
+    silent is noticed at peer_timeout_s, not at the wait's end. Each case is the other's
+    control: the same wait, only the decode's silence differs in the outcome. Before, the
+    live decode dropped this silent prefill mid-wait (the send failed after 0.58 s, "the
+    decode was silent": it had stopped answering a peer it had dropped)."""
+    c = cfg(inline_threshold_bytes=0, heartbeat_s=0.05, peer_timeout_s=0.3, slots=small_slots(per_peer=1, wait_s=0.9))
+    rx = DecodeReceiver(c, pipeline(), engine=mooncake_pair[0], context=zctx).start()
+    tx = PrefillSender(c, engine=mooncake_pair[1], context=zctx, name="p").connect(rx.address)
+    try:
+        tx.send(make(1, "fp32", "dense", rid="held"))
+        held = collect_outcomes(rx, 1)[0]
+        assert isinstance(held, Delivery)
+        tx._hb_stop.set()  # the background thread never gets the lock: stop it
+        tx._work.set()
+        assert tx._hb_thread is not None
+        tx._hb_thread.join(5.0)
+        assert not tx._hb_thread.is_alive()
+        if decode_silent:
+            rx._running = False  # the decode hangs: its loop stops without a bye
+            rx._shutdown = lambda: None  # type: ignore[method-assign]
+            rx._wake()
+            rx._thread.join(5.0)  # type: ignore[union-attr]
+        t0 = time.monotonic()
+        with pytest.raises((NoSlotError, TransferError)) as info:
+            tx.send(make(1, "fp32", "dense", rid="waits"))
+        waited = time.monotonic() - t0
+        print(
+            f"\nslot wait, {'silent' if decode_silent else 'live'} decode: {type(info.value).__name__} after {waited:.2f} s"
+        )
+        if decode_silent:
+            assert not isinstance(info.value, NoSlotError), info.value
+            assert "silent" in (tx._control.lost or "")
+            assert tx.statuses()["connected"] is False
+        else:
+            assert isinstance(info.value, NoSlotError), info.value
+            assert tx.statuses()["connected"] is True
+            assert [peer.name for peer in rx._peers] == ["p"]  # the decode kept this prefill
+            held.release()
+            tx.send(make(1, "fp32", "dense", rid="after"))  # the freed slot serves the next send
+            assert tx.flush(5.0)  # its header goes out here (no background thread to send it)
+            assert isinstance(collect_outcomes(rx, 1)[0], Delivery)
+    finally:
+        tx.close()
+        if decode_silent:
+            if rx._sock is not None:
+                rx._sock.close(0)
+            rx._thread = None
+        else:
+            rx.stop()
+
+
 @pytest.mark.parametrize("auth", ["none", "hmac", "curve"])
 def test_decode_restart_gives_clear_error_then_reconnect_works(zctx, monkeypatch, auth: str) -> None:
     """Also with HMAC (the new decode's replies carry sequences above the old one's) and CURVE."""

@@ -41,6 +41,7 @@ class BulkPath:
         max_inflight: int,
         wait_s: float,
         clock: Callable[[], float],
+        while_waiting: Callable[[float], None] = lambda now: None,
     ) -> None:
         self.writer = writer
         self._control = control
@@ -49,6 +50,9 @@ class BulkPath:
         self._max_inflight = max_inflight
         self._wait_s = wait_s
         self._clock = clock
+        # Called with the time on each turn of a slot wait (the sender's heartbeat duties): the
+        # wait holds the sender's lock, so the background thread cannot beat meanwhile.
+        self._while_waiting = while_waiting
         self.decode_mc: str | None = None  # the decode's Mooncake peer name, from its grant
         self.polled_at = 0.0  # time.monotonic() when writes in flight were last polled (by any thread)
 
@@ -112,7 +116,15 @@ class BulkPath:
                 control.check_alive("send")  # a write that failed just now loses the decode
                 if slots.free:
                     break
-            left = deadline - self._clock()
+            now = self._clock()
+            # The wait holds the sender's lock (up to slots.wait_s, which may exceed the
+            # decode's peer_timeout_s): the background thread cannot send heartbeats or
+            # notice a silent decode meanwhile, so the waiter does both.
+            self._while_waiting(now)
+            control.check_alive("send")
+            if slots.free:  # its drain may have read the decode's frees
+                break
+            left = deadline - now
             if left <= 0:
                 raise NoSlotError(
                     f"all {len(slots.addr)} slots stayed in use for {wait:g} s", op="send", peer=control.address

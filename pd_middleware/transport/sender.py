@@ -93,7 +93,14 @@ class PrefillSender:
             digest, key = integrity.algorithm_for(config), integrity.key_for(config)
             writer = BulkWriter(engine, self._max_inflight, clock, digest, key)
             self._bulk_path = BulkPath(
-                writer, self._control, self._slots, self._ledger, self._max_inflight, config.slots.wait_s, clock
+                writer,
+                self._control,
+                self._slots,
+                self._ledger,
+                self._max_inflight,
+                config.slots.wait_s,
+                clock,
+                while_waiting=self._heartbeat_duties,
             )
         self._work = threading.Event()  # wakes the background thread for new writes in flight
         self._seq = 0
