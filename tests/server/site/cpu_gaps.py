@@ -686,27 +686,20 @@ _NO_ROW_ARGMAX = "no Triton row_argmax in this release (sglang.kernels.ops.specu
 #: there: the release's variant(s) of that name, or the reason it is left out. The rest of
 #: :data:`GAPS` applies unchanged (each still refused where its target differs). A name
 #: outside :data:`GAPS` is a gap of that release only, applied after the others.
+_RELEASE_0_5_19: dict[str, tuple[Override, ...] | str] = {
+    "prefill_host_indices": _NO_HOST_INDICES,
+    "row_argmax": _NO_ROW_ARGMAX,
+    "verify_greedy": (_rs_verify(_EAGLE_SAMPLE),),
+    "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
+    "renorm": _CPU_RENORM,
+    "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
+    "deterministic_rejection_cpu": _NO_REFUSAL,
+    "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
+}
 RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
-    "0.5.18": {
-        "prefill_host_indices": _NO_HOST_INDICES,
-        "row_argmax": _NO_ROW_ARGMAX,
-        "verify_greedy": (_rs_verify(_EAGLE_SAMPLE),),
-        "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
-        "renorm": _CPU_RENORM,
-        "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
-        "deterministic_rejection_cpu": _NO_REFUSAL,
-        "amx_unscaled_ops": (_AMX_UNSCALED_OPS_0_5_18,),
-    },
-    "0.5.19": {
-        "prefill_host_indices": _NO_HOST_INDICES,
-        "row_argmax": _NO_ROW_ARGMAX,
-        "verify_greedy": (_rs_verify(_EAGLE_SAMPLE),),
-        "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
-        "renorm": _CPU_RENORM,
-        "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
-        "deterministic_rejection_cpu": _NO_REFUSAL,
-        "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
-    },
+    # 0.5.19's row, but its attention ops also get the metadata's seq_lens
+    "0.5.18": {**_RELEASE_0_5_19, "amx_unscaled_ops": (_AMX_UNSCALED_OPS_0_5_18,)},
+    "0.5.19": _RELEASE_0_5_19,
     "0.5.20": {
         "prefill_host_indices": _NO_HOST_INDICES,
         "row_argmax": _NO_ROW_ARGMAX,
