@@ -255,12 +255,12 @@ def test_slot_exhaustion_backpressure(zctx, mooncake_pair) -> None:
 def test_a_slot_wait_longer_than_peer_timeout_keeps_the_sender_beating(zctx, mooncake_pair, decode_silent) -> None:
     """A send waiting for a slot holds the sender's lock for up to ``slots.wait_s``; with the
     background thread stopped (the worst case of waiting for that lock), the waiter itself
-    sends the heartbeats and watches the decode. A live decode keeps this prefill through a
-    wait of three times its peer_timeout_s (the wait ends in NoSlotError); a decode that went
-    silent is noticed at peer_timeout_s, not at the wait's end. Each case is the other's
-    control: the same wait, only the decode's silence differs in the outcome. Before, the
-    live decode dropped this silent prefill mid-wait (the send failed after 0.58 s, "the
-    decode was silent": it had stopped answering a peer it had dropped)."""
+    sends the heartbeats. A live decode keeps this prefill through a wait of three times its
+    peer_timeout_s (the wait ends in NoSlotError): before, it dropped this silent prefill
+    mid-wait (the send failed after 0.58 s, "the decode was silent": it had stopped
+    answering a peer it had dropped). A decode that went silent is noticed at
+    peer_timeout_s, not at the wait's end (this case passed before too: a guard, and the
+    control that the live case's outcome comes from the decode hearing us)."""
     c = cfg(inline_threshold_bytes=0, heartbeat_s=0.05, peer_timeout_s=0.3, slots=small_slots(per_peer=1, wait_s=0.9))
     rx = DecodeReceiver(c, pipeline(), engine=mooncake_pair[0], context=zctx).start()
     tx = PrefillSender(c, engine=mooncake_pair[1], context=zctx, name="p").connect(rx.address)

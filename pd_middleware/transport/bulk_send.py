@@ -118,8 +118,8 @@ class BulkPath:
                     break
             now = self._clock()
             # The wait holds the sender's lock (up to slots.wait_s, which may exceed the
-            # decode's peer_timeout_s): the background thread cannot send heartbeats or
-            # notice a silent decode meanwhile, so the waiter does both.
+            # decode's peer_timeout_s): the background thread cannot send heartbeats
+            # meanwhile, so the waiter does (check_alive already notices a silent decode).
             self._while_waiting(now)
             control.check_alive("send")
             if slots.free:  # its drain may have read the decode's frees

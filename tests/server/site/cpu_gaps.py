@@ -484,7 +484,9 @@ def _unscaled_ops(*, seq_lens_from_metadata: bool) -> Callable[[types.ModuleType
     ``forward_batch.seq_lens`` (a CPU-backend bug, gone in 0.5.19): a verify then attends
     to ``seq_lens`` minus its draft tokens, a draft step to the target's lengths, and
     aggregated serving's own greedy outputs change from one run to the next. The ops get
-    the metadata's lengths, as 0.5.19 passes them."""
+    the metadata's lengths, as 0.5.19 passes them. Top-k 1 only (the tier's): with a
+    larger top-k a draft step's lengths are ``bs * topk`` long, and 0.5.18 sizes a
+    differently shaped layer's ``attn_logits`` from ``forward_batch``'s ``bs``."""
 
     def make(module: types.ModuleType, cls: Any) -> None:
         orig_init = cls.__init__
