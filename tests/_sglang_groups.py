@@ -150,12 +150,17 @@ def _run(rank: int, port: int, case: str) -> dict:
     def decision(lp: Any) -> dict:
         got = {}
         got["use_attn_tp_group"] = bool(lp.use_attn_tp_group)
-        for overlap in (False, True):
+        stream = torch.cpu.Stream()
+        for key, overlap, fwd in (
+            ("overlap=False", False, stream),
+            ("overlap=True", True, stream),
+            ("overlap=True, no stream", True, None),
+        ):
             try:
-                check_placement(lp, enable_overlap=overlap)
-                got[f"overlap={overlap}"] = "accepted"
+                check_placement(lp, enable_overlap=overlap, forward_stream=fwd)
+                got[key] = "accepted"
             except ConfigError as exc:
-                got[f"overlap={overlap}"] = f"refused: {exc}"
+                got[key] = f"refused: {exc}"
         return got
 
     target_lp = LogitsProcessor(cfg)  # a draft that keeps the target's layout (TARGET_LAYOUT, e.g. NextN)
@@ -203,6 +208,9 @@ def _run(rank: int, port: int, case: str) -> dict:
         ),
         attn_tp_cpu_group=attn_cpu,
         enable_overlap=False,
+        # What SGLang's get_worker_info sets before init_disaggregation (a real CPU stream).
+        forward_stream=torch.cpu.Stream(),
+        device="cpu",
     )
     capture(source, sched, vocab_size=V, num_steps=1, rs=True)
     head = source.head
@@ -254,6 +262,7 @@ def _run(rank: int, port: int, case: str) -> dict:
         try:
             capture(source, sched, vocab_size=V, num_steps=1, rs=True)
             res["capture_under_overlap"] = "accepted"
+            res["overlap_loop"] = _overlap_loop(rank, source, ps.get_attn_tp_group())
         except ConfigError as exc:
             res["capture_under_overlap"] = f"refused: {exc}"
         finally:
@@ -427,11 +436,19 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
     source.__dict__.pop("_stage", None)
     if not ok:
         return out
-    # A vocab-parallel head under the overlap scheduler, through the scheduler-start capture.
+    # A vocab-parallel head under the overlap scheduler, through the scheduler-start capture,
+    # then three turns of the overlapped event loop (the order of collectives per rank), and
+    # the same loop with the head left on the scheduler's stream (the negative control).
     sched.enable_overlap = True
     try:
         bind(draft(torch.float32))
         out["capture_under_overlap"] = "accepted"
+        out["overlap_loop"] = _overlap_loop(rank, source, ps_tp_group())
+        from pd_middleware.integrations.sglang.ordering import UNORDERED
+
+        ordered, source.head.order = source.head.order, UNORDERED
+        out["overlap_loop_unordered"] = _overlap_loop(rank, source, ps_tp_group())
+        source.head.order = ordered
     except Exception as exc:
         out["capture_under_overlap"] = f"refused: {exc}"
     finally:
@@ -460,6 +477,60 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
     out["builder_source_is_recompute"] = source.inst.source is source
     run("split_fails_on_one_rank", b, call=lambda batch: built(batch, None, None))
     return out
+
+
+def ps_tp_group() -> Any:
+    from sglang.srt.distributed import parallel_state as ps
+
+    return ps.get_tp_group()
+
+
+#: Turns of the overlapped event loop :func:`_overlap_loop` runs.
+LOOP_TURNS = 3
+
+
+def _overlap_loop(rank: int, source: Any, group: Any) -> list[list[str]]:
+    """Three turns of SGLang's overlapped decode event loop as one rank runs it: launch
+    forward k on the scheduler's forward stream (its collective: an all-reduce over the
+    group the head gathers in, the communicator they share), then build the next prebuilt
+    batch on the schedule stream (the drop-in's ``prepare``: the head's gather, the vote).
+    Every collective is recorded in issue order with the stream current at the call:
+    ``[what, stream]``, ``what`` one of ``forward``, ``head_gather``, ``vote``."""
+    import torch
+
+    # The scheduler's forward stream (the head's order's, or a new one where the head has none).
+    fwd = source.head.order.stream if source.head.order.active else torch.cpu.Stream()
+    seen: list[list[str]] = []
+
+    def where() -> str:
+        return "forward" if torch.cpu.current_stream() is fwd else "schedule"
+
+    lp = source.head.lp
+    name = "_gather_attn_tp_logits" if lp.use_attn_tp_group else "_logits_gatherer"
+    inner = getattr(lp, name)
+
+    def gather(x: Any) -> Any:
+        seen.append(["head_gather", where()])
+        return inner(x)
+
+    real_all_reduce = torch.distributed.all_reduce
+
+    def all_reduce(tensor: Any, *a: Any, **k: Any) -> Any:
+        seen.append(["vote", where()])
+        return real_all_reduce(tensor, *a, **k)
+
+    setattr(lp, name, gather)
+    torch.distributed.all_reduce = all_reduce
+    try:
+        for k in range(LOOP_TURNS):
+            with torch.cpu.stream(fwd):  # run_batch: the forward's collectives on the forward stream
+                seen.append(["forward", where()])
+                real_all_reduce(torch.ones(4), group=group.device_group)
+            source.prepare(_batch(torch, 2, seed=40 + k))  # the builder, on the schedule stream
+    finally:
+        setattr(lp, name, inner)
+        torch.distributed.all_reduce = real_all_reduce
+    return seen
 
 
 class _SplitFails(SimpleNamespace):

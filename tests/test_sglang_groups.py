@@ -128,11 +128,12 @@ def test_dp_attention_head_gathers_in_the_drafts_own_group_and_never_across_dp_r
     print(f"outside draft_tp_context: the gather over TP ranks [0, 1] blocked for {r0['outside_waited_s']:.1f} s")
 
 
-def test_check_placement_refuses_exactly_a_gather_across_dp_ranks_or_under_overlap():
+def test_check_placement_refuses_exactly_a_gather_across_dp_ranks():
     """SGLang's real LogitsProcessor, built where SGLang builds it (a TARGET_LAYOUT draft in
     the target's scope, a SINGLE_GROUP draft inside its draft TP context), per parallel
     setup: refused exactly when its gather would cross DP ranks (DP attention without
-    --enable-dp-lm-head) or run beside an overlapped forward."""
+    --enable-dp-lm-head), with or without the overlap scheduler; a vocab-parallel head
+    under overlap is accepted where the scheduler has a forward stream (ordering.py)."""
     dp, dp_lm, tp = run_case("dp2"), run_case("dp2_lm_head"), run_case("tp2")  # the first two: run above
     for r in dp:
         t, s = r["placement"]["target_layout"], r["placement"]["single_group"]
@@ -149,19 +150,48 @@ def test_check_placement_refuses_exactly_a_gather_across_dp_ranks_or_under_overl
         for kind in ("target_layout", "single_group"):  # the same LP under plain TP
             p = r["placement"][kind]
             assert p["gather"] and not p["gather_dp_attn"]
-            assert p["overlap=False"] == "accepted", p
-            assert p["overlap=True"].startswith("refused") and "--disable-overlap-schedule" in p["overlap=True"], p
+            assert p["overlap=False"] == p["overlap=True"] == "accepted", p
+            # Without a forward stream to issue it on, the gather under overlap is refused.
+            assert p["overlap=True, no stream"].startswith("refused"), p
+            assert "--disable-overlap-schedule" in p["overlap=True, no stream"], p
 
 
-def test_an_attention_tp_gather_is_refused_under_the_overlap_scheduler():
+#: One turn of the overlapped loop on every rank: the forward's collective on the forward
+#: stream, then the builder's head gather on the forward stream and its vote (CPU group).
+ORDERED_TURN = [["forward", "forward"], ["head_gather", "forward"], ["vote", "schedule"]]
+
+
+def _assert_ordered_loop(r0: dict, r1: dict, loop: dict) -> None:
+    assert r0[loop] == r1[loop], (r0[loop], r1[loop])  # the same collectives in the same order on both ranks
+    assert r0[loop] == ORDERED_TURN * 3, r0[loop]
+
+
+def test_under_overlap_the_heads_gather_is_issued_on_the_forward_stream_in_loop_order_on_every_rank():
+    """Plain TP 2 under the overlap scheduler: the scheduler-start capture accepts SGLang's
+    real vocab-parallel head, and over three turns of the overlapped event loop (forward k
+    launched on the forward stream with a collective over the TP group, then the prebuilt
+    batch built with the drop-in's recompute) each rank records the same sequence of
+    collectives: the head's gather issued on the forward stream, after forward k and
+    before forward k + 1 (ordering.py: one stream's order, the same on every rank). The
+    negative control: the same loop with the head left unordered (on the schedule stream)
+    records the gather on the schedule stream, so this test tells the two apart."""
+    r0, r1 = run_case("tp2")
+    s0, s1 = r0["scenarios"], r1["scenarios"]
+    assert s0["capture_under_overlap"] == s1["capture_under_overlap"] == "accepted", s0["capture_under_overlap"]
+    _assert_ordered_loop(s0, s1, "overlap_loop")
+    control = s0["overlap_loop_unordered"]
+    assert control == s1["overlap_loop_unordered"]
+    assert ["head_gather", "schedule"] in control and ["head_gather", "forward"] not in control, control
+
+
+def test_an_attention_tp_gather_is_issued_on_the_forward_stream_under_the_overlap_scheduler():
     """``--enable-dp-lm-head`` at attention TP 2 (``--tp 2 --dp 1 --enable-dp-attention``):
     SGLang's real LogitsProcessor gathers its logits over the attention-TP group
-    (``use_attn_tp_group``, ``_gather_attn_tp_logits``). From the scheduler thread that is as
-    unsafe beside an overlapped forward as the vocab-parallel gather: ``check_placement``,
-    and the scheduler-start capture through it, refuse it under the overlap scheduler naming
-    ``--disable-overlap-schedule``, and accept it without. Negative control tried: a check
-    that refuses only the TP-group gather (``... and not lp.use_attn_tp_group``) accepts it
-    under overlap, and this test fails.
+    (``use_attn_tp_group``, ``_gather_attn_tp_logits``), which the forward's collectives
+    share. ``check_placement`` accepts it under the overlap scheduler where the scheduler
+    has a forward stream and refuses it without one (naming ``--disable-overlap-schedule``);
+    the scheduler-start capture accepts it, and over three turns of the overlapped loop the
+    head's gather is issued on the forward stream in the same order on both ranks.
 
     Without overlap the head calls SGLang's attention-TP gather once a batch on both ranks
     and the vote runs over the attention-TP CPU group. On this CPU that gather raises on both
@@ -175,15 +205,16 @@ def test_an_attention_tp_gather_is_refused_under_the_overlap_scheduler():
         for kind in ("target_layout", "single_group"):
             p = r["placement"][kind]
             assert p["gather"] and p["use_attn_tp_group"] and not p["gather_dp_attn"], p
-            assert p["overlap=False"] == "accepted", p
-            assert p["overlap=True"].startswith("refused") and "--disable-overlap-schedule" in p["overlap=True"], p
-        got = r["capture_under_overlap"]
-        assert got.startswith("refused") and "--disable-overlap-schedule" in got, got
+            assert p["overlap=False"] == p["overlap=True"] == "accepted", p
+            got = p["overlap=True, no stream"]
+            assert got.startswith("refused") and "--disable-overlap-schedule" in got, p
+        assert r["capture_under_overlap"] == "accepted", r["capture_under_overlap"]
         assert r["head_lp_gathers"] and not r.get("prepare_hung"), r
         assert r["gathers"] == [{"size": 2, "ranks": [0, 1], "draft_group": False}], r["gathers"]
         assert r["votes"] == [{"ranks": [0, 1], "attn_tp_cpu_group": True}], r["votes"]
         assert r["counts"] in ({"batches": 1, "recomputed": 2}, {"batches": 1, "fallback:failed": 2}), r["counts"]
     assert r0["counts"] == r1["counts"] and r0["x"] == r1["x"], (r0["counts"], r1["counts"])
+    _assert_ordered_loop(r0, r1, "overlap_loop")
 
 
 # ----------------------------------------------------------------------------- TP 2: one rank differs
@@ -289,15 +320,6 @@ def test_a_rank_whose_batch_fails_to_reach_the_heads_device_still_enters_the_gat
     assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
     assert s1["counts"] == {"batches": 1, "fallback:failed": 2}, s1["counts"]
     assert s1["guard"] == {"guard:recompute:RuntimeError": 1} and s0["guard"] == {}, (s0["guard"], s1["guard"])
-
-
-def test_capture_refuses_a_vocab_parallel_head_under_the_overlap_scheduler():
-    """The scheduler-start capture with SGLang's real TP 2 draft and ``enable_overlap``:
-    refused, naming the flag (the placement check, through capture itself). Negative
-    control tried: capture passing ``enable_overlap=False`` to the check fails this test."""
-    for r in run_case("tp2"):
-        got = r["scenarios"]["capture_under_overlap"]
-        assert got.startswith("refused") and "--disable-overlap-schedule" in got, got
 
 
 def test_a_split_that_fails_on_one_rank_in_the_builder_still_enters_the_heads_gather():

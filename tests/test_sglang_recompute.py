@@ -244,15 +244,25 @@ def test_a_vocab_parallel_head_gathers_with_sglangs_attention_tp_gather_under_at
 def test_placement_refusals_name_the_flag():
     with pytest.raises(ConfigError, match="--enable-dp-lm-head"):
         check_placement(SimpleNamespace(do_tensor_parallel_all_gather_dp_attn=True), enable_overlap=False)
-    with pytest.raises(ConfigError, match="--disable-overlap-schedule"):
+    stream = object()
+    # A gathering head under overlap is served where the scheduler has a forward stream to
+    # issue it on (ordering.py), refused where it has none, naming both ways out.
+    check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=True, forward_stream=stream)
+    with pytest.raises(ConfigError, match=r"TP > 1.*has none.*--disable-overlap-schedule.*sparse_floor"):
         check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=True)
     check_placement(SimpleNamespace(do_tensor_parallel_all_gather=True), enable_overlap=False)
     check_placement(SimpleNamespace(do_tensor_parallel_all_gather=False), enable_overlap=True)
-    # The attention-TP gather (--enable-dp-lm-head at attention TP > 1): refused under overlap alike.
+    # The attention-TP gather (--enable-dp-lm-head at attention TP > 1): the same rule.
     attn_tp = SimpleNamespace(do_tensor_parallel_all_gather=True, use_attn_tp_group=True)
     with pytest.raises(ConfigError, match=r"attention TP > 1 with --enable-dp-lm-head.*--disable-overlap-schedule"):
         check_placement(attn_tp, enable_overlap=True)
+    check_placement(attn_tp, enable_overlap=True, forward_stream=stream)
     check_placement(attn_tp, enable_overlap=False)
+    # Under DP attention without --enable-dp-lm-head: refused whatever the stream.
+    with pytest.raises(ConfigError, match="--enable-dp-lm-head"):
+        check_placement(
+            SimpleNamespace(do_tensor_parallel_all_gather_dp_attn=True), enable_overlap=True, forward_stream=stream
+        )
 
 
 # ----------------------------------------------------------------------------- the builder
@@ -523,6 +533,7 @@ def test_scheduler_start_hook_captures_the_head_and_runs_the_checks(sgl):
         def __init__(self) -> None:
             self.model_config = SimpleNamespace(vocab_size=V)
             self.enable_overlap = True
+            self.forward_stream = torch.cpu.Stream()  # what get_worker_info sets before init_disaggregation
             self.draft_worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(model=m)))
 
         def init_disaggregation(self):

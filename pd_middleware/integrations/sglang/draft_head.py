@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ...core._errors import ConfigError, PluginError, ValidationError
+from .ordering import UNORDERED, ForwardOrder
 from .patching import LOGITS_MODULE, Symbols
 from .startup import draft_worker_of
 
@@ -125,8 +126,10 @@ class SGLangDraftHead:
     ``vocab_size``: the target's V; ``hot_token_id``: the draft's token map (draft id ->
     target id: the worker's or the model's), None for none; ``scope``: a context manager
     factory the head runs in (SGLang's draft TP context); ``symbols``: the table's READ
-    targets (``fused_softcap``). Applies, in ``LogitsProcessor._get_logits``' order: the
-    architecture's norm (:data:`ARCHITECTURES`), ``_compute_lm_head``, ``logit_scale``,
+    targets (``fused_softcap``); ``order``: where the head's work is issued (the
+    scheduler's forward stream under the overlap scheduler when the head gathers,
+    :mod:`.ordering`; none by default; set by the scheduler-start capture). Applies, in
+    ``LogitsProcessor._get_logits``' order: the architecture's norm (:data:`ARCHITECTURES`), ``_compute_lm_head``, ``logit_scale``,
     the TP gather, the slice to the vocab and the fp32 cast (``_copy_logits_to_buffer``),
     softcapping; then scatters through the token map into target ids. Raises PluginError
     for an unknown architecture, ConfigError for a LoRA or quantised lm_head
@@ -148,6 +151,7 @@ class SGLangDraftHead:
         hot_token_id: torch.Tensor | None = None,
         scope: Callable[[], Any] = contextlib.nullcontext,
         symbols: Symbols | None = None,
+        order: ForwardOrder = UNORDERED,
     ) -> None:
         arch = type(model).__name__
         rule = ARCHITECTURES.get(arch)
@@ -160,6 +164,7 @@ class SGLangDraftHead:
         self.lp = model.logits_processor
         self.lm_head = model.lm_head
         self.scope = scope
+        self.order = order
         self.symbols = symbols if symbols is not None else Symbols()
         cfg = getattr(model, "config", None)
         normed = rule.normed_if is not None and bool(getattr(cfg, rule.normed_if, False))
@@ -201,7 +206,9 @@ class SGLangDraftHead:
         """float32 (B, V) target-vocab logits for ``hidden`` (B, H)."""
         lp = self.lp
         b = hidden.shape[0]
-        with torch.no_grad(), self.scope():
+        # Under the overlap scheduler a gathering head runs on the forward stream, in the
+        # scheduler's program order (the same on every rank): ordering.py.
+        with torch.no_grad(), self.order() as ordered, self.scope():
             failed: BaseException | None = None
             try:
                 logits = self._local(hidden)
@@ -215,11 +222,13 @@ class SGLangDraftHead:
                 failed = exc
                 logits = torch.zeros((b, self.local_width), dtype=self.out_dtype, device=self.device)
             if lp.do_tensor_parallel_all_gather:
-                # Placement checked at startup (check_placement): no forward in flight.
+                # Placement checked at startup (check_placement): without the overlap
+                # scheduler no forward is in flight; with it, self.order issues this on the
+                # forward stream, after the forward in flight and before the next.
                 logits = lp._gather_attn_tp_logits(logits) if lp.use_attn_tp_group else lp._logits_gatherer(logits)
             if failed is not None:
                 raise failed
-            logits = self._finish(logits)
+            logits = ordered.keep(self._finish(logits))
         out: torch.Tensor = logits
         return out
 

@@ -47,10 +47,11 @@ the builder runs on the scheduler thread (``Scheduler.get_new_prebuilt_batch`` -
 ``process_prebuilt``). A head with no collective (TP 1, or DP attention with
 ``--enable-dp-lm-head`` at attention-TP 1) is safe there. A vocab-parallel head (TP > 1)
 all-gathers its logits (over the attention-TP group with ``--enable-dp-lm-head`` at
-attention TP > 1): from the scheduler thread that is only safe with
-``--disable-overlap-schedule`` (no forward in flight; every TP rank of a node builds the
-same prebuilt batch in the same order, since SGLang's transfer polls are all-reduced
-over the TP group), so it is refused with overlap on. A draft whose LogitsProcessor
+attention TP > 1): every TP rank of a node builds the same prebuilt batch at the same
+point of its event loop (SGLang's transfer polls are all-reduced over the TP group), and
+under the overlap scheduler the head is issued on the scheduler's forward stream
+(:mod:`.ordering`), so its gather sits between the forward in flight and the next in one
+stream's order on every rank. A draft whose LogitsProcessor
 gathers hidden states over every DP rank (DP attention without ``--enable-dp-lm-head``,
 for a draft that shares the target's layout) is refused: DP ranks' prebuilt batches are
 not synchronised. A token map that is not the identity, a draft vocabulary whose width
@@ -78,7 +79,17 @@ from ...decode.recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, s
 from .agreement import NEUTRAL, Verdict, agree, group_of
 from .common import is_probe, one_hot_at
 from .draft_head import SGLangDraftHead, copy_without_softcap, find_draft_model
-from .patching import LOGITS_MODULE, SPEC_UTILS_MODULE, WORKER_MODULE, Feature, Symbols, read, register_feature
+from .ordering import forward_order
+from .patching import (
+    LOGITS_MODULE,
+    SCHEDULER_MODULE,
+    SPEC_UTILS_MODULE,
+    WORKER_MODULE,
+    Feature,
+    Symbols,
+    read,
+    register_feature,
+)
 from .proposer import request_tokens
 from .sources import ProposalSource
 from .startup import check_placement, check_token_map, check_width, draft_worker_of, token_map_of
@@ -472,6 +483,8 @@ def capture(source: RecomputeSource, scheduler: Any, *, vocab_size: int, num_ste
     worker = draft_worker_of(scheduler)
     if type(worker).__name__ == "EagleDraftWorker":
         symbols.check_instance(worker, f"{WORKER_MODULE}.EagleDraftWorker")
+    if type(scheduler).__name__ == "Scheduler":
+        symbols.check_instance(scheduler, f"{SCHEDULER_MODULE}.Scheduler")
     hot = token_map_of(worker)
     check_token_map(hot, vocab_size)
     head: SGLangDraftHead | None
@@ -485,7 +498,9 @@ def capture(source: RecomputeSource, scheduler: Any, *, vocab_size: int, num_ste
     if head is not None:
         symbols.check_instance(head.lp, LP)
         check_width(head)
-        check_placement(head.lp, enable_overlap=bool(getattr(scheduler, "enable_overlap", False)))
+        overlap = bool(getattr(scheduler, "enable_overlap", False))
+        check_placement(head.lp, enable_overlap=overlap, forward_stream=getattr(scheduler, "forward_stream", None))
+        head.order = forward_order(scheduler, gathers=bool(getattr(head.lp, "do_tensor_parallel_all_gather", False)))
     source.bind_head(
         head,
         vocab_size=vocab_size,
@@ -495,11 +510,12 @@ def capture(source: RecomputeSource, scheduler: Any, *, vocab_size: int, num_ste
         draw=_sglang_draw(symbols, head),
     )
     logger.info(
-        "pd-middleware recompute active on the decode: draft %s, V=%d, S=%d, X' drawn by %s",
+        "pd-middleware recompute active on the decode: draft %s, V=%d, S=%d, X' drawn by %s, head issued on %s",
         head.arch if head is not None else type(model).__name__,
         vocab_size,
         num_steps,
         source.sampler,
+        "the forward stream" if head is not None and head.order.active else "the scheduler's stream",
     )
 
 
@@ -665,6 +681,8 @@ register_feature(
             read(WORKER_MODULE, "EagleDraftWorker.draft_tp_context", instance=True, until="0.5.21"),
             read(WORKER_MODULE, "EagleDraftWorker.hot_token_id", instance=True),
             read(WORKER_MODULE, "EagleDraftWorker.draft_runner", instance=True),
+            # Where a gathering head is issued under the overlap scheduler (ordering.py).
+            read(SCHEDULER_MODULE, "Scheduler.forward_stream", instance=True),
         ),
         lambda plan: "recompute" in plan.features,
         summary="decode-only recompute: the draft head's logits, SGLang's seeded sampler, the draft TP context",

@@ -283,23 +283,30 @@ def check_registration(info_cls: Any, channel: Any) -> None:
 # ----------------------------------------------------------------------- recompute's draft head: placement, width
 
 
-def check_placement(lp: Any, *, enable_overlap: bool) -> None:
+def check_placement(lp: Any, *, enable_overlap: bool, forward_stream: Any = None) -> None:
     """Refuse (ConfigError) the setups where decode-only recompute's draft head cannot run
-    from the scheduler thread; ``lp``: the draft's ``LogitsProcessor``."""
+    from the scheduler thread; ``lp``: the draft's ``LogitsProcessor``; ``forward_stream``:
+    the scheduler's ``forward_stream`` (None: it has none).
+
+    A vocab-parallel head (TP > 1, or attention TP > 1 with ``--enable-dp-lm-head``) under
+    the overlap scheduler is served: its gather is issued on the forward stream, in the
+    scheduler's program order (:mod:`.ordering`); it is refused only when the scheduler has
+    no forward stream to order it on."""
     if getattr(lp, "do_tensor_parallel_all_gather_dp_attn", False):
         raise ConfigError(
             'synthesizer = "recompute" under DP attention needs --enable-dp-lm-head: without it the draft head '
             "gathers hidden states over every DP rank, whose prebuilt batches are not synchronised",
             path="synthesizer",
         )
-    if getattr(lp, "do_tensor_parallel_all_gather", False) and enable_overlap:
+    if getattr(lp, "do_tensor_parallel_all_gather", False) and enable_overlap and forward_stream is None:
         # Either gather: the TP group's, or the attention-TP group's (use_attn_tp_group:
-        # --enable-dp-lm-head at attention TP > 1); both are collectives beside the forward's.
+        # --enable-dp-lm-head at attention TP > 1); both share the forward's communicator.
         width = "attention TP > 1 with --enable-dp-lm-head" if getattr(lp, "use_attn_tp_group", False) else "TP > 1"
         raise ConfigError(
-            f'synthesizer = "recompute" with a vocab-parallel draft head ({width}) all-gathers its logits from '
-            "the scheduler thread, which is unsafe while an overlapped forward is in flight: run the decode with "
-            "--disable-overlap-schedule, or use a shipped strategy (configs/sparse_floor.toml)",
+            f'synthesizer = "recompute" with a vocab-parallel draft head ({width}) under the overlap scheduler '
+            "issues its all-gather on the scheduler's forward stream, and this scheduler has none "
+            "(Scheduler.forward_stream): run the decode with --disable-overlap-schedule, or use a shipped "
+            "strategy (configs/sparse_floor.toml)",
             path="synthesizer",
         )
 
