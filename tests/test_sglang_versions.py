@@ -22,6 +22,7 @@ import torch
 from pd_middleware import PluginError
 from pd_middleware.cli import main
 from pd_middleware.config import parse_config
+from pd_middleware.config_loader import read_document
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang.patching import (
     FEATURES,
@@ -31,7 +32,7 @@ from pd_middleware.integrations.sglang.patching import (
     parse_version,
     release_table_markdown,
 )
-from pd_middleware.integrations.sglang.releases import release_report
+from pd_middleware.integrations.sglang.releases import configs_for, release_report
 
 pytestmark = pytest.mark.usefixtures("sglang_uninstall")  # conftest: no installation outlives a test
 
@@ -268,8 +269,6 @@ def test_cli_prints_each_release(version, capsys) -> None:
         assert (f"refused: {r.line(version, name)}" if r else f"{name}") in out
     if version in OLD:
         assert "EagleDraftInput (0.5.18-0.5.21)" in out and "never None" in out
-    chain = 'channel = "sidechannel"' if version != "0.5.23" else "the shipped chain in SGLang's PD metadata"
-    assert chain in out and "configs/sglang.toml on the decode only" in out
     assert main(["sglang", "--release", version, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep == {**release_report(version), "source": "--release", "supported": True}
@@ -298,3 +297,89 @@ def test_cli_refuses_with_one_line(capsys, monkeypatch) -> None:
     assert "PD_MIDDLEWARE_ALLOW_UNSUPPORTED_SGLANG" in capsys.readouterr().err
     assert main(["sglang", "--release", "0.6.0", "--allow-unsupported"]) == 0
     assert "not in the table: tried on the rows of 0.5.23" in capsys.readouterr().out
+
+
+# ------------------------------------------------------- the config each release is told to run
+
+DECODE_ONLY = "configs/sglang.toml on the decode only (decode-only recompute; the prefill runs stock SGLang)"
+CHAIN_INBAND = (
+    'configs/multi_layer.yaml on both nodes (the shipped chain in SGLang\'s PD metadata, draft_kv = "all_steps")'
+)
+CHAIN_SIDECHANNEL = (
+    'configs/multi_layer.yaml on both nodes with [sglang] channel = "sidechannel" and draft_kv = "first_step" '
+    "(PD_MIDDLEWARE_DECODE_ADDRESS on the prefill): this release's metadata path cannot carry the chain"
+)
+BEHIND_STOCK = "; behind a stock prefill: configs/sglang.toml on the decode only (an exact one-hot chain)"
+CHAIN_BY_RELEASE = {**dict.fromkeys(RELEASES[:-1], CHAIN_SIDECHANNEL), "0.5.23": CHAIN_INBAND}
+
+
+def configs_printed(out: str) -> list[str]:
+    """The lines of the CLI's "config per draft kind" block."""
+    (block,) = re.findall(r"\nconfig per draft kind:\n(.*?)\n\n", out, re.S)
+    return block.splitlines()
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_each_release_is_told_exactly_which_config_to_run(version, capsys) -> None:
+    """Issue 45 item 4: the config recommended per release and per draft kind, pinned. The
+    surviving mutant (``configs_for`` testing a feature's presence, ``available.get(...) is not
+    None``, instead of its availability) told every release to run the in-band chain with
+    ``draft_kv = "all_steps"``, refused before 0.5.23; the CLI test passed on it because its
+    text also appears in the refusal lines."""
+    want = {
+        "single-layer EAGLE/EAGLE3": DECODE_ONLY,
+        "DeepSeek NextN": DECODE_ONLY,
+        "multi-layer MTP chain": CHAIN_BY_RELEASE[version] + BEHIND_STOCK,
+    }
+    assert release_report(version)["configs"] == want
+    assert main(["sglang", "--release", version]) == 0
+    assert configs_printed(capsys.readouterr().out) == [f"  {kind}: {text}" for kind, text in want.items()]
+
+
+def test_configs_follow_availability_not_presence() -> None:
+    # Every feature present in the dict, some refused: presence says nothing.
+    every = dict.fromkeys(FEATURES, True)
+    refused = {**every, "metadata": False, "draft_kv": False}
+    assert configs_for(every)["multi-layer MTP chain"].startswith(CHAIN_INBAND)
+    assert configs_for(refused)["multi-layer MTP chain"].startswith(CHAIN_SIDECHANNEL)
+    assert configs_for({**refused, "chain": False})["multi-layer MTP chain"].startswith(
+        "no shipped chain on this release"
+    )
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recommended(text: str) -> list[tuple[str, dict[str, str]]]:
+    """Each config a recommendation names, with the [sglang] keys it says to set: "a.toml ...
+    with [sglang] channel = "x" and draft_kv = "y" ...; behind a stock prefill: b.toml ..." """
+    out = []
+    for alternative in text.split("; behind a stock prefill: "):
+        (path,) = re.findall(r"\bconfigs/\S+\.(?:toml|yaml)\b", alternative)
+        keys = dict(re.findall(r'\b(channel|draft_kv) = "(\w+)"', alternative))
+        out.append((path, keys))
+    return out
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_every_recommended_config_installs_on_its_release(version) -> None:
+    """Whatever the texts become: each config the CLI recommends for a release, with the keys
+    it says to set, installs there (no wanted feature refused). Under the mutant above the
+    in-band chain is recommended on 0.5.18-0.5.22 and its install is refused."""
+    m = old_builder(f"fake_sglang_ed_{version.replace('.', '_')}")
+    if version not in OLD:  # 0.5.22 on: SGLang's builder asks its proposal hook
+        exec("def pd_first_draft_proposal(topk_index, vocab_size): pass", m.__dict__)
+    for kind, text in release_report(version)["configs"].items():
+        for path, keys in recommended(text):
+            data, _ = read_document(ROOT / path)
+            data.setdefault("sglang", {}).update(keys)
+            try:
+                S.install(
+                    parse_config(data),
+                    S.InstallOptions(
+                        modules=SGLangModules(builder=m, only_given=True), version=version, hook_scheduler=False
+                    ),
+                )
+            except PluginError as exc:
+                pytest.fail(f"SGLang {version}, {kind}: {path} with {keys} is refused: {exc.detail}")
+            assert S.uninstall()
