@@ -174,6 +174,9 @@ def _cmd_sglang(args: argparse.Namespace) -> int:
     for kind, text in rep["configs"].items():
         print(f"  {kind}: {text}")
     print(f"\nCUDA-graph path: {rep['graph_path']}")
+    print("\ndecode-only recompute:")
+    print(f"  X' drawn by: {rep['recompute']['draw']}")
+    print(f"  under the overlap scheduler: {rep['recompute']['overlap']}")
     return EXIT_OK
 
 

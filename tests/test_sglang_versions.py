@@ -383,3 +383,28 @@ def test_every_recommended_config_installs_on_its_release(version) -> None:
             except PluginError as exc:
                 pytest.fail(f"SGLang {version}, {kind}: {path} with {keys} is refused: {exc.detail}")
             assert S.uninstall()
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_each_release_says_which_sampler_draws_recompute_x(version, capsys) -> None:
+    """Issue 45 item 3: up to 0.5.22 SGLang's fast_sample takes no seed and the drop-in draws X'
+    with its own seeded inverse-CDF draw (recompute.py's ``_unseeded``); from 0.5.23 SGLang's
+    seeded fast_sample draws it. Under the overlap scheduler at TP > 1 the head runs on the
+    forward stream on every release (nothing refused there)."""
+    seeded = version == "0.5.23"
+    assert main(["sglang", "--release", version]) == 0
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if ln.lstrip().startswith("recompute ")]
+    if seeded:
+        assert "X' drawn by SGLang's seeded fast_sample" in line and "inverse-CDF" not in line
+        assert "  X' drawn by: SGLang's seeded fast_sample(q', sampling_seed, positions)" in out
+    else:
+        assert "X' drawn by the drop-in's seeded inverse-CDF draw" in line
+        assert "X' drawn by: the drop-in's seeded inverse-CDF draw" in out
+        assert "this release's fast_sample takes no seed" in out
+        assert "SGLang's seeded" not in out
+    (overlap,) = [ln for ln in out.splitlines() if ln.startswith("  under the overlap scheduler: ")]
+    assert "DeepSeek NextN included" in overlap and "issued on the scheduler's forward stream" in overlap
+    assert "refused" not in overlap
+    rep = release_report(version)["recompute"]
+    assert f"  X' drawn by: {rep['draw']}" in out and overlap == f"  under the overlap scheduler: {rep['overlap']}"

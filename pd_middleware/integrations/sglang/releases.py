@@ -39,6 +39,59 @@ def configs_for(available: dict[str, bool]) -> dict[str, str]:
     }
 
 
+def _recompute_rows(release: tuple[int, ...]) -> dict[str, Any]:
+    """The recompute feature's rows for ``release`` by attribute (empty where it is refused or absent)."""
+    return {t.attr: t for t in FEATURES["recompute"].targets_for(release)} if "recompute" in FEATURES else {}
+
+
+def _seeded(release: tuple[int, ...]) -> bool | None:
+    """Whether ``release``'s ``fast_sample`` row takes a seed (None: no recompute rows)."""
+    fast = _recompute_rows(release).get("fast_sample")
+    return None if fast is None else "sampling_seed" in (fast.params or ())
+
+
+def recompute_draw(release: tuple[int, ...]) -> str:
+    """Which sampler draws the decode-only recompute's X' on ``release``, read from the
+    recompute feature's ``fast_sample`` row: SGLang's where that row takes a seed, else the
+    drop-in's own seeded draw (the row's adapter hands out nothing: an unseeded
+    ``fast_sample`` cannot give every TP rank the same X')."""
+    seeded = _seeded(release)
+    if seeded is None:
+        return "no decode-only recompute on this release"
+    if seeded:
+        return (
+            "SGLang's seeded fast_sample(q', sampling_seed, positions), aggregated serving's own draw; where "
+            "sgl-kernel's ops cannot run, the drop-in's seeded inverse-CDF draw (logged at startup)"
+        )
+    return (
+        "the drop-in's seeded inverse-CDF draw (pd_middleware.decode.recompute.inverse_cdf: the same law, the "
+        "same X' on every TP rank); this release's fast_sample takes no seed"
+    )
+
+
+def recompute_overlap(release: tuple[int, ...]) -> str:
+    """Where a gathering recompute head runs under SGLang's overlap scheduler on ``release``
+    (the recompute rows' ``Scheduler.forward_stream``: :mod:`.ordering`)."""
+    if "Scheduler.forward_stream" not in _recompute_rows(release):
+        return "no decode-only recompute on this release"
+    return (
+        "a draft head that gathers its logits (TP > 1, or attention TP > 1 with --enable-dp-lm-head; DeepSeek "
+        "NextN included) is issued on the scheduler's forward stream, between the forward in flight and the next"
+    )
+
+
+#: The recompute feature's summary names one sampler; which one draws X' depends on the
+#: release (:func:`recompute_draw`), so the report names that release's instead.
+_SAMPLER_CLAUSE = "SGLang's seeded sampler"
+
+
+def _summary(feature: Feature, release: tuple[int, ...]) -> str:
+    if feature.name != "recompute" or _SAMPLER_CLAUSE not in feature.summary:
+        return feature.summary
+    which = "SGLang's seeded fast_sample" if _seeded(release) else "the drop-in's seeded inverse-CDF draw"
+    return feature.summary.replace(_SAMPLER_CLAUSE, f"X' drawn by {which}")
+
+
 def graph_path(release: tuple[int, ...]) -> str:
     """How the proposal reaches the first verify on the draft CUDA-graph path, per the decode's rows."""
     attrs = {t.attr for t in FEATURES["decode"].targets_for(release)} if "decode" in FEATURES else set()
@@ -57,7 +110,8 @@ def graph_path(release: tuple[int, ...]) -> str:
 
 def release_report(version: str) -> dict[str, Any]:
     """Per feature, supported or refused (with its line) and its rows; the config per draft
-    kind; the graph path. ``version``: any version (a newer one gets the newest rows)."""
+    kind; the graph path; which sampler draws the decode-only recompute's X' and where its
+    head runs under the overlap scheduler. ``version``: any version (a newer one gets the newest rows)."""
     release = min(parse_version(version), parse_version(NEWEST))
     features: dict[str, Any] = {}
     for f in doc_features():
@@ -66,7 +120,7 @@ def release_report(version: str) -> dict[str, Any]:
         features[name] = {
             "available": r is None,
             "refused": None if r is None else r.line(version, name),
-            "summary": f.summary,
+            "summary": _summary(f, release),
             "rows": _rows(f, release),
         }
     available = {n: bool(v["available"]) for n, v in features.items()}
@@ -76,4 +130,5 @@ def release_report(version: str) -> dict[str, Any]:
         "features": features,
         "configs": configs_for(available),
         "graph_path": graph_path(release),
+        "recompute": {"draw": recompute_draw(release), "overlap": recompute_overlap(release)},
     }
