@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 import types
+from collections.abc import Iterator
+from pathlib import Path
 
 import cpu_gaps  # tests/server/site is on sys.path (conftest.py)
 import pytest
@@ -263,11 +268,7 @@ def test_sglang_resolves_the_tier_flags_with_deterministic_inference_only_with_t
     the tier's flags with ``--enable-deterministic-inference`` resolve with the overrides; with
     each undone, SGLang refuses with its own message (the negative control)."""
     _sglang()
-    import json
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     site = Path(cpu_gaps.__file__).resolve().parent
     models = site.parent / "models" / "trained"
@@ -341,10 +342,235 @@ def test_cuda_sync_gap_target_matches_sglang_0_5_23(gap: str) -> None:
     assert "torch.cuda.synchronize()" in inspect.getsource(cls.set_embed_and_head)  # the gap is still there
 
 
+# ---- the overlap scheduler (spec v2 overlapped on the CPU) ------------------------------
+
+
+def _overlap_module() -> types.ModuleType:
+    """SGLang's ``_disable_overlap_schedule_for_cpu`` as it reads in 0.5.18 (plain fields)."""
+
+    def _disable_overlap_schedule_for_cpu(server_args: types.SimpleNamespace) -> None:
+        if server_args.device != "cpu" or server_args.disable_overlap_schedule:
+            return
+        server_args.disable_overlap_schedule = True
+        print("Overlap schedule is not implemented for speculative decoding on CPU.")
+
+    return _module(_disable_overlap_schedule_for_cpu=_disable_overlap_schedule_for_cpu)
+
+
+def test_overlap_spec_cpu_keeps_the_overlap_schedule_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    mod = _overlap_module()
+    args = types.SimpleNamespace(device="cpu", disable_overlap_schedule=False)
+    mod._disable_overlap_schedule_for_cpu(args)  # negative control: SGLang's own turns it off
+    assert args.disable_overlap_schedule is True
+    assert cpu_gaps.OVERLAP_REFUSAL in capsys.readouterr().out
+    orig = cpu_gaps.apply(_gap("overlap_spec_cpu"), mod)
+    args = types.SimpleNamespace(device="cpu", disable_overlap_schedule=False)
+    mod._disable_overlap_schedule_for_cpu(args)
+    assert args.disable_overlap_schedule is False
+    assert mod._disable_overlap_schedule_for_cpu.__wrapped__ is orig
+    out = capsys.readouterr()
+    assert cpu_gaps.OVERLAP_REFUSAL not in out.out
+    assert (
+        "override overlap_spec_cpu: sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu" in out.err
+    )
+    assert "overlap_spec_cpu: SGLang's CPU refusal of the overlap schedule skipped" in out.err
+    asked = types.SimpleNamespace(device="cpu", disable_overlap_schedule=True)  # --disable-overlap-schedule
+    mod._disable_overlap_schedule_for_cpu(asked)
+    assert asked.disable_overlap_schedule is True
+
+
+def test_overlap_spec_cpu_is_refused_when_the_function_changed() -> None:
+    def changed(server_args: types.SimpleNamespace, algorithm: object) -> None:
+        server_args.disable_overlap_schedule = True
+        print("Overlap schedule is not implemented for speculative decoding on CPU.")
+
+    with pytest.raises(cpu_gaps.OverrideRefused, match=r"has parameters \('server_args', 'algorithm'\)"):
+        cpu_gaps.apply(_gap("overlap_spec_cpu"), _module(_disable_overlap_schedule_for_cpu=changed))
+
+    def _disable_overlap_schedule_for_cpu(server_args: object) -> None:
+        return None  # upstream implemented overlap on CPU: nothing left to lift
+
+    with pytest.raises(cpu_gaps.OverrideRefused, match="no longer turns the overlap schedule off on CPU"):
+        cpu_gaps.apply(
+            _gap("overlap_spec_cpu"), _module(_disable_overlap_schedule_for_cpu=_disable_overlap_schedule_for_cpu)
+        )
+    with pytest.raises(cpu_gaps.OverrideRefused, match="not found"):
+        cpu_gaps.apply(_gap("overlap_spec_cpu"), _module())
+
+
+class _FutureMap:
+    """SGLang 0.5.21's ``FutureMap._resolve_spec_extras`` in the shape the override checks:
+    ``indices.record_stream(<the device module's current stream>)``, unguarded."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.gathered: list[list[int]] = []
+
+    def _resolve_spec_extras(self, batch: torch.Tensor) -> None:
+        indices = batch
+        indices.record_stream(torch.get_device_module(self.device).current_stream())
+        self.gathered.append(indices.tolist())
+
+
+def _future_map(base: type = _FutureMap) -> type:
+    return type("FutureMap", (base,), {})  # a fresh class per test: the override patches it
+
+
+def test_overlap_record_stream_cpu_skips_record_stream_on_cpu_tensors_for_that_method_only() -> None:
+    cls = _future_map()
+    with pytest.raises(RuntimeError, match="unknown parameter type"):  # the gap is real here (0.5.21's crash)
+        cls()._resolve_spec_extras(torch.tensor([3, 1]))
+    (ov,) = cpu_gaps.RELEASES["0.5.21"]["overlap_record_stream_cpu"]  # type: ignore[misc]
+    cpu_gaps.apply(ov, _module(FutureMap=cls))
+    fm = cls()
+    fm._resolve_spec_extras(torch.tensor([3, 1]))
+    assert fm.gathered == [[3, 1]]
+    assert "record_stream" not in vars(torch.Tensor)  # TensorBase's own again after the call
+    with pytest.raises(RuntimeError, match="unknown parameter type"):
+        torch.tensor([1]).record_stream(torch.cpu.current_stream())
+    # Another device's tensor reaches torch's own record_stream (a meta tensor: it refuses the CPU stream).
+    with pytest.raises(RuntimeError, match="unknown parameter type"):
+        fm._resolve_spec_extras(torch.empty(2, device="meta"))
+    assert "record_stream" not in vars(torch.Tensor)
+
+
+def test_overlap_record_stream_cpu_is_refused_where_the_relay_guards_it_or_changed() -> None:
+    (ov,) = cpu_gaps.RELEASES["0.5.18"]["overlap_record_stream_cpu"]  # type: ignore[misc]
+
+    class Guarded(_FutureMap):  # 0.5.22's own fix
+        def _resolve_spec_extras(self, batch: torch.Tensor) -> None:
+            indices = batch
+            if indices.device.type != "cpu":
+                indices.record_stream(torch.get_device_module(self.device).current_stream())
+
+    class NoCall(_FutureMap):
+        def _resolve_spec_extras(self, batch: torch.Tensor) -> None:
+            return None
+
+    class Changed(_FutureMap):
+        def _resolve_spec_extras(self, batch: torch.Tensor, stream: object) -> None:  # type: ignore[override]
+            return None
+
+    cases = [
+        (Guarded, "skips record_stream on CPU itself"),
+        (NoCall, "no longer calls indices.record_stream"),
+        (Changed, r"_resolve_spec_extras has parameters \('self', 'batch', 'stream'\)"),
+        (type("FutureMap", (), {}), "FutureMap has no _resolve_spec_extras"),
+    ]
+    for base, why in cases:
+        with pytest.raises(cpu_gaps.OverrideRefused, match=why):
+            cpu_gaps.apply(ov, _module(FutureMap=_future_map(base)))
+
+
+@pytest.mark.parametrize("release", [*sorted(cpu_gaps.RELEASES), cpu_gaps.CURRENT])
+def test_every_release_keeps_the_overlap_schedule_and_the_older_ones_skip_the_relays_record_stream(
+    release: str,
+) -> None:
+    names = [ov.name for ov in cpu_gaps.release_gaps(release)[0]]
+    assert names.count("overlap_spec_cpu") == 1  # the same function in 0.5.18 to 0.5.23
+    assert ("overlap_record_stream_cpu" in names) is (release in ("0.5.18", "0.5.19", "0.5.20", "0.5.21"))
+    chosen = cpu_gaps.selected({cpu_gaps.ENV_GAPS: "overlap_spec_cpu,overlap_record_stream_cpu"}, release)
+    assert [ov.name for ov in chosen] == [n for n in names if n.startswith("overlap_")]
+
+
+@pytest.mark.sglang
+def test_the_overlap_targets_match_sglang_0_5_23() -> None:
+    """``overlap_spec_cpu``'s check passes on SGLang's real function, and the relay's
+    ``record_stream`` override is refused there: 0.5.23 guards the call itself (why it is
+    left out of 0.5.22's and 0.5.23's rows)."""
+    _sglang()
+    from _sglang_import import import_sglang
+
+    ov = _gap("overlap_spec_cpu")
+    assert cpu_gaps._refusal(ov, getattr(import_sglang(ov.module), ov.attr)) == ""
+    (relay,) = cpu_gaps.RELEASES["0.5.21"]["overlap_record_stream_cpu"]  # type: ignore[misc]
+    why = cpu_gaps._refusal(relay, import_sglang(relay.module).FutureMap)
+    assert "skips record_stream on CPU itself" in why
+
+
+_RESOLVE_OVERLAP = r"""
+import json, sys
+import cpu_gaps
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.arg_groups import speculative_hook
+from sglang.srt.arg_groups.overrides import resolved_view
+m = sys.argv[1]
+argv = ["--model-path", m + "/target", "--device", "cpu", "--attention-backend", "intel_amx",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m + "/eagle3",
+        "--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4",
+        "--speculative-use-rejection-sampling"]
+def overlap_off():
+    args = prepare_server_args(argv)
+    if hasattr(args, "resolve_once"):  # 0.5.19 on; 0.5.18 resolves at construction
+        args.resolve_once()
+    return resolved_view(args).disable_overlap_schedule
+out = {"release": cpu_gaps.installed_release(), "with": overlap_off()}
+print("WITHOUT", file=sys.stderr, flush=True)
+speculative_hook._disable_overlap_schedule_for_cpu = speculative_hook._disable_overlap_schedule_for_cpu.__wrapped__
+out["without"] = overlap_off()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def overlap_resolutions() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """:data:`_RESOLVE_OVERLAP` in one fresh interpreter per SGLang release here (0.5.23, and
+    each older one with a folder, ``make setup-releases``), all started at once."""
+    _sglang()
+    from server import harness as h
+
+    models = Path(cpu_gaps.__file__).resolve().parents[1] / "models" / "trained"
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for release in [cpu_gaps.CURRENT, *sorted(cpu_gaps.RELEASES)]:
+            folder = None if release == cpu_gaps.CURRENT else release
+            if folder is not None and not (h.release_dir(folder) / "sglang").is_dir():
+                continue
+            env = h.server_env(None, release=folder)
+            env.pop(cpu_gaps.ENV_GAPS, None)
+            procs[release] = subprocess.Popen(
+                [sys.executable, "-c", _RESOLVE_OVERLAP, str(models)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.sglang
+@pytest.mark.server  # SGLang's argument resolution imports torchvision: make setup-server
+@pytest.mark.parametrize("release", [cpu_gaps.CURRENT, *sorted(cpu_gaps.RELEASES)])
+def test_sglang_turns_the_overlap_schedule_off_on_cpu_without_the_override(
+    release: str, overlap_resolutions: dict[str, subprocess.Popen[str]]
+) -> None:
+    """SGLang's real argument resolution of the tier's flags (EAGLE3, rejection sampling, CPU),
+    in a fresh interpreter of each release: the overlap schedule stays on with
+    ``overlap_spec_cpu``; with SGLang's own function put back, SGLang turns it off and says
+    why (the negative control)."""
+    if release not in overlap_resolutions:
+        pytest.skip(f"SGLang {release}: no release folder (make setup-releases)")
+    proc = overlap_resolutions[release]
+    stdout, stderr = proc.communicate(timeout=300)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT ") :])
+    assert out == {"release": release, "with": False, "without": True}
+    with_it, _, without = stderr.partition("WITHOUT\n")
+    assert "[cpu-gaps] overlap_spec_cpu: SGLang's CPU refusal of the overlap schedule skipped" in with_it
+    assert cpu_gaps.OVERLAP_REFUSAL not in with_it and cpu_gaps.OVERLAP_REFUSAL in without
+
+
 # ---- the per-release table (cpu_gaps.RELEASES) ------------------------------------------
 
 
-def test_the_current_release_gets_the_twelve_overrides_as_before() -> None:
+def test_the_current_release_gets_the_overrides_of_gaps_as_they_are() -> None:
     table, left_out = cpu_gaps.release_gaps(cpu_gaps.CURRENT)
     assert table == [*cpu_gaps.GAPS, cpu_gaps.RENORM_P] and left_out == {}
     assert cpu_gaps.release_gaps("0.6.0") == (table, {})  # newer than the table: checked as 0.5.23's

@@ -1,6 +1,6 @@
 """Run-time overrides of the CPU gaps in SGLang 0.5.23 for the test servers (never site-packages).
 
-A real SGLang PD pair runs on a CPU-only machine with twelve small overrides. Each is an
+A real SGLang PD pair runs on a CPU-only machine with thirteen small overrides. Each is an
 :class:`Override`: a name, the module and attribute it replaces, the parameters that
 attribute must have, and the replacement. A meta-path finder applies an override when
 its module is first imported, after the module's own code ran and before anyone imports
@@ -63,6 +63,18 @@ and do nothing without it:
     ``DeepseekV2ForCausalLM.set_embed_and_head``, which the EAGLE worker calls on a DeepSeek
     NextN draft (``DeepseekV3ForCausalLMNextN`` inherits it) at start; the same no-op.
 
+And one that turns on what a GPU server runs by default:
+
+13. ``overlap_spec_cpu``: ``arg_groups/speculative_hook.py:66``,
+    ``_disable_overlap_schedule_for_cpu`` (called from ``_handle_eagle_family`` at 1096 and
+    ``_handle_ngram`` at 1292) turns the overlap scheduler off for speculative decoding on
+    the CPU ("Overlap schedule is not implemented for speculative decoding on CPU", 77);
+    a no-op, logged, so spec v2 runs overlapped (its ``FutureMap`` relay, the overlapped
+    event loops) as on a GPU. ``--disable-overlap-schedule`` still turns it off (the tier's
+    prefill passes it: gap 3). Refused where the function's source no longer has that
+    refusal. On the CPU every "stream" is the caller's: the overlap's control flow runs,
+    not its concurrency.
+
 And two test-only switches, off unless asked: ``seed_builder`` (``PDM_TEST_SEED_BUILDER=1``)
 makes SGLang's own PD proposal inert, so its builder leaves ``draft_probs`` unset as
 before SGLang's fix: the negative control of ``tests/server/test_seed.py``; and
@@ -76,7 +88,7 @@ vote (:mod:`recompute_fault`; read by ``tests/server/test_recompute_tp2.py`` and
 ``tests/server/test_deepseek.py``): they wrap the middleware's own per-rank steps, never SGLang.
 
 **Older releases** (0.5.18 to 0.5.22, the tier's per-release modules,
-``tests/server/test_release.py``): :data:`RELEASES` says, per release, which of the twelve
+``tests/server/test_release.py``): :data:`RELEASES` says, per release, which of the thirteen
 differ there: the release's own variant of the override (another target, other
 parameters) or the reason it is left out there. The release is read from the installed
 SGLang's metadata (the release folder first on ``PYTHONPATH``); ``PDM_TEST_SGLANG_RELEASE``,
@@ -96,6 +108,15 @@ The variants on those releases:
 - ``reject_sampling_interpreted`` on 0.5.18 to 0.5.21: the kernel has no
   ``block_verification`` parameter yet; the same check with the release's parameters.
 - ``deterministic_amx`` on 0.5.18 and 0.5.19: the list lives in ``server_args.py``.
+- ``overlap_record_stream_cpu`` on 0.5.18 to 0.5.21 only (a gap of those releases):
+  under the overlap schedule, ``FutureMap._resolve_spec_extras``
+  (``managers/overlap_utils.py`` around 426 in 0.5.21, 417 in 0.5.18) calls
+  ``indices.record_stream(torch.get_device_module(self.device).current_stream())``; on the
+  CPU that stream is a ``torch.cpu.Stream`` and torch raises ``RuntimeError: unknown
+  parameter type`` at the first batch (the health check's), killing the scheduler of an
+  aggregated server and a decode alike. For that method's span ``record_stream`` on a CPU
+  tensor does nothing, as 0.5.22 guards it (``if indices.device.type != "cpu":``);
+  refused where that guard is present.
 
 ``PDM_CPU_GAPS`` selects the overrides (comma-separated names; default: all of the
 release's).
@@ -365,6 +386,91 @@ def _batch_invariant_off_cpu(module: types.ModuleType, orig: Any) -> Any:
     return enable_batch_invariant_mode
 
 
+#: The refusal ``overlap_spec_cpu`` lifts, as it reads in SGLang 0.5.18 to 0.5.23's source.
+OVERLAP_REFUSAL = "Overlap schedule is not implemented for speculative decoding on CPU"
+
+
+def _overlap_refusal_present(orig: Any) -> str:
+    try:
+        src = inspect.getsource(orig)
+    except (OSError, TypeError) as exc:
+        return f"_disable_overlap_schedule_for_cpu's source cannot be read ({exc})"
+    if OVERLAP_REFUSAL not in src or "disable_overlap_schedule" not in src:
+        return "_disable_overlap_schedule_for_cpu no longer turns the overlap schedule off on CPU (drop the override)"
+    return ""
+
+
+def _keep_overlap(module: types.ModuleType, orig: Any) -> Any:
+    def _disable_overlap_schedule_for_cpu(server_args: Any) -> None:
+        # The original only refuses: on the CPU it turns the schedule off, elsewhere it does
+        # nothing. Lifted for NGRAM too (_handle_ngram calls it), which the tier never serves.
+        _say(
+            "overlap_spec_cpu: SGLang's CPU refusal of the overlap schedule skipped (disable_overlap_schedule as given)"
+        )
+
+    _disable_overlap_schedule_for_cpu.__wrapped__ = orig  # type: ignore[attr-defined]  # SGLang's own, for tests
+    return _disable_overlap_schedule_for_cpu
+
+
+#: The guard SGLang 0.5.22 added before the overlap relay's ``record_stream`` (its absence is the gap).
+RECORD_STREAM_GUARD = 'if indices.device.type != "cpu":'
+
+
+def _relay_records_unguarded(cls: Any) -> str:
+    """'' (apply) when ``FutureMap._resolve_spec_extras`` takes ``(self, batch)`` and calls
+    ``indices.record_stream(`` without 0.5.22's CPU guard, as 0.5.18 to 0.5.21 do."""
+    fn = getattr(cls, "_resolve_spec_extras", None)
+    if fn is None:
+        return f"{cls.__name__} has no _resolve_spec_extras"
+    got = tuple(inspect.signature(fn).parameters)
+    if got != ("self", "batch"):
+        return f"{cls.__name__}._resolve_spec_extras has parameters {got}, expected ('self', 'batch')"
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError) as exc:
+        return f"{cls.__name__}._resolve_spec_extras' source cannot be read ({exc})"
+    if "indices.record_stream(" not in src:
+        return f"{cls.__name__}._resolve_spec_extras no longer calls indices.record_stream (drop the override)"
+    if RECORD_STREAM_GUARD in src:
+        return f"{cls.__name__}._resolve_spec_extras skips record_stream on CPU itself (the gap is closed; drop the override)"
+    return ""
+
+
+def _no_cpu_record_stream(module: types.ModuleType, cls: Any) -> None:
+    """``FutureMap._resolve_spec_extras`` of 0.5.18 to 0.5.21 (the overlap relay's read of
+    the previous step's draft state) calls ``indices.record_stream(<the device module's
+    current stream>)``, which on the CPU gets a ``torch.cpu.Stream`` and raises
+    ``RuntimeError: unknown parameter type`` (a CPU tensor refuses ``torch.Stream`` too):
+    for the span of that method, ``record_stream`` on a CPU tensor does nothing, as
+    0.5.22 does (``if indices.device.type != "cpu":``); any other tensor's is the original."""
+    import torch
+
+    orig = cls._resolve_spec_extras
+
+    def _resolve_spec_extras(self: Any, batch: Any) -> Any:
+        own = "record_stream" in vars(torch.Tensor)
+        real = torch.Tensor.record_stream
+
+        def record_stream(tensor: Any, stream: Any) -> Any:
+            if tensor.device.type == "cpu":
+                return None  # no stream to order against: a CPU tensor's memory is freed in program order
+            return real(tensor, stream)
+
+        # Process-wide for the span (as mtp_cuda_sync's torch.cuda.synchronize): another
+        # thread's call meanwhile skips a CPU tensor too; any other device's runs the original.
+        torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]  # restored below
+        try:
+            return orig(self, batch)
+        finally:
+            if own:
+                torch.Tensor.record_stream = real  # type: ignore[method-assign]  # as it was
+            else:
+                del torch.Tensor.record_stream  # TensorBase's own shows through again
+
+    _resolve_spec_extras.__wrapped__ = orig  # type: ignore[attr-defined]  # SGLang's own, for tests
+    cls._resolve_spec_extras = _resolve_spec_extras
+
+
 class _Inert:
     """What the inert proposal returns: ``[:, 0]`` of it is None, as if never built."""
 
@@ -613,6 +719,14 @@ GAPS: tuple[Override, ...] = (
         ("enable_bmm",),
         _batch_invariant_off_cpu,
     ),
+    Override(
+        "overlap_spec_cpu",
+        "sglang.srt.arg_groups.speculative_hook",
+        "_disable_overlap_schedule_for_cpu",
+        ("server_args",),
+        _keep_overlap,
+        check=_overlap_refusal_present,
+    ),
 )
 #: Applied with ``renorm`` (the same gap: both names are None on the CPU).
 RENORM_P = Override(
@@ -683,6 +797,15 @@ _NO_HOST_INDICES = (
 )
 _NO_REFUSAL = "_handle_eagle_family has no device refusal of deterministic rejection sampling to lift in this release"
 _NO_ROW_ARGMAX = "no Triton row_argmax in this release (sglang.kernels.ops.speculative.row_argmax absent)"
+#: 0.5.18 to 0.5.21 only (0.5.22 guards the call itself): the overlap relay's ``record_stream``.
+_RELAY_RECORD_STREAM = Override(
+    "overlap_record_stream_cpu",
+    "sglang.srt.managers.overlap_utils",
+    "FutureMap",
+    None,
+    _no_cpu_record_stream,
+    check=_relay_records_unguarded,
+)
 
 #: Per SGLang release older than :data:`CURRENT`, the overrides of :data:`GAPS` that differ
 #: there: the release's variant(s) of that name, or the reason it is left out. The rest of
@@ -697,6 +820,7 @@ _RELEASE_0_5_19: dict[str, tuple[Override, ...] | str] = {
     "deterministic_amx": (_AMX_IN_SERVER_ARGS,),
     "deterministic_rejection_cpu": _NO_REFUSAL,
     "amx_unscaled_ops": (_AMX_UNSCALED_OPS,),
+    "overlap_record_stream_cpu": (_RELAY_RECORD_STREAM,),
 }
 RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
     # 0.5.19's row, but its attention ops also get the metadata's seq_lens
@@ -709,12 +833,14 @@ RELEASES: dict[str, dict[str, tuple[Override, ...] | str]] = {
         "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
         "renorm": _CPU_RENORM,
         "deterministic_rejection_cpu": _NO_REFUSAL,
+        "overlap_record_stream_cpu": (_RELAY_RECORD_STREAM,),
     },
     "0.5.21": {
         "prefill_host_indices": _NO_HOST_INDICES,
         "reject_sampling_interpreted": (_INTERPRETED_WITHOUT_BLOCK,),
         "renorm": _CPU_RENORM,
         "deterministic_rejection_cpu": _NO_REFUSAL,
+        "overlap_record_stream_cpu": (_RELAY_RECORD_STREAM,),
     },
     "0.5.22": {
         "prefill_host_indices": _NO_HOST_INDICES,
