@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from pd_middleware import ConfigError, OneHotProposal, Payload, PluginContext, Provenance
-from pd_middleware.core._errors import ExactnessError
+from pd_middleware.core._errors import ExactnessError, ValidationError
 from pd_middleware.core.metrics import Metrics
 from pd_middleware.core.proposal import RecomputedProposal
+from pd_middleware.decode import recompute as R
 from pd_middleware.decode.assembler import ProposalAssembler
 from pd_middleware.decode.recompute import (
     SEEDED_DRAW,
@@ -366,3 +367,110 @@ def test_inverse_cdf_never_draws_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]]).expand(4000, V).contiguous()
     _, x = inverse_cdf(probs, seed_from_room(range(4000)), torch.zeros(4000, dtype=torch.int64))
     assert set(x.view(-1).tolist()) == {1, 3}
+
+
+# ----------------------------------------------------------------------------- chunks and memory
+
+VC, HC = 257, 8  # a wider vocabulary than the enumeration's, so a chunk's rows are not one vector
+
+
+class CountingHead(MatrixHead):
+    """A MatrixHead computed one row at a time (a BLAS matmul's rounding may depend on how
+    many rows it multiplies: a row's logits here do not), that records the rows of every
+    call, raises on the calls in ``fail_on`` and cuts call k's width to ``width[k]``."""
+
+    def __init__(self, weight: torch.Tensor, fail_on: tuple[int, ...] = (), width: dict[int, int] | None = None):
+        super().__init__(weight)
+        self.calls: list[int] = []
+        self.fail_on, self.width = fail_on, width or {}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        k = len(self.calls)
+        self.calls.append(int(hidden.shape[0]))
+        if k in self.fail_on:
+            raise RuntimeError(f"injected: head call {k} fails")
+        out = self.rows(hidden)
+        return out[:, : self.width[k]] if k in self.width else out
+
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([super(CountingHead, self).logits(hidden[i : i + 1]) for i in range(hidden.shape[0])])
+
+
+def _chunk_case(b: int, seed: int = SEED + 11):
+    g = torch.Generator().manual_seed(seed)
+    head = CountingHead(torch.randn(VC, HC, generator=g))
+    hidden = torch.randn(b, HC, generator=g)
+    temps = torch.tensor([0.5, 1.0, 2.0])[torch.arange(b) % 3]
+    return head, hidden, temps, seed_from_room(range(b)), torch.arange(b, dtype=torch.int64) + 3
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_chunked_recompute_is_the_one_shot_law_bit_for_bit(rows, monkeypatch):
+    """37 rows (a ragged last chunk), each its own T, every fourth greedy, in chunks of
+    ``rows``: q', X', q'(X') and valid equal the one-shot computation (the same logits,
+    one softmax and one draw over the whole batch) bit for bit, with one head call a
+    chunk. Negative control: the draw with its seeds one row off (what a misaligned chunk
+    would hand it) differs."""
+    monkeypatch.setattr(R, "CHUNK_ROWS", rows)
+    b = 37
+    head, hidden, temps, seeds, pos = _chunk_case(b)
+    greedy = torch.arange(b) % 4 == 0
+    rec = RecomputeSynthesizer(None, ctx(head, v=VC)).recompute(
+        hidden, temperatures=temps, seeds=seeds, positions=pos, greedy=greedy
+    )
+    assert head.calls == [min(rows, b - a) for a in range(0, b, rows)], f"seed {SEED + 11}"
+    q = proposal_probs(head.rows(hidden), temps)
+    x = torch.where(greedy, q.argmax(dim=1), inverse_cdf(q, seeds, pos)[1].view(-1))
+    assert torch.equal(rec.probs, q) and torch.equal(rec.tokens, x)
+    assert torch.equal(rec.token_probs, q.gather(1, x.view(-1, 1)).view(-1)) and bool(rec.valid.all())
+    off = inverse_cdf(q, seeds.roll(1), pos)[1].view(-1)
+    assert not torch.equal(torch.where(greedy, x, off), x), "control: the seeds must matter"
+
+
+@pytest.mark.parametrize(
+    ("fail_on", "width", "message"),
+    [
+        ((1,), {}, "injected: head call 1 fails"),
+        ((1, 3), {}, "injected: head call 1 fails"),
+        ((), {2: VC - 1}, r"field 'logits': the draft head's logits for rows 6:9 are \(3, 256\), q' is \(10, 257\)"),
+    ],
+)
+def test_a_failing_chunk_still_runs_every_chunks_head_call_then_raises(fail_on, width, message, monkeypatch):
+    """A head with a collective (SGLang's gather under TP > 1) must be entered by every rank
+    the same number of times: a chunk that fails on this rank (its head call, or a width
+    its q' cannot take) is remembered, every later chunk's head call still runs, and the
+    first failure is raised after the last. Negative control: the same batch on a head that
+    does not fail makes the same calls and raises nothing."""
+    monkeypatch.setattr(R, "CHUNK_ROWS", 3)
+    head, hidden, temps, seeds, pos = _chunk_case(10)
+    head.fail_on, head.width = fail_on, width
+    synth = RecomputeSynthesizer(None, ctx(head, v=VC))
+    with pytest.raises((RuntimeError, ValidationError), match=message):
+        synth.recompute(hidden, temperatures=temps, seeds=seeds, positions=pos)
+    assert head.calls == [3, 3, 3, 1]
+    head.calls, head.fail_on, head.width = [], (), {}
+    synth.recompute(hidden, temperatures=temps, seeds=seeds, positions=pos)
+    assert head.calls == [3, 3, 3, 1]
+
+
+def test_the_recompute_holds_q_prime_and_one_chunk_never_the_batchs_temporaries(monkeypatch):
+    """The extra peak memory of a batch's recompute (torch's CPU allocator records,
+    tests/_alloc_peak.py) is q' (B x V fp32) and one chunk's temporaries (the head's logits
+    and logits / T, or the draw's float64 running sum: two fp32 chunks; bounded here by
+    three), whatever B is. Controls: the measure sees q' itself (the peak is at least B x V x 4), and the
+    one-shot computation (the landed code: logits, logits / T and q' of the whole batch)
+    exceeds the bound."""
+    from _alloc_peak import allocation_peak
+
+    monkeypatch.setattr(R, "CHUNK_ROWS", 8)
+    b, v = 64, 4096
+    g = torch.Generator().manual_seed(SEED + 13)
+    head = MatrixHead(torch.randn(v, HC, generator=g))
+    hidden, temps = torch.randn(b, HC, generator=g), torch.full((b,), 0.7)
+    seeds, pos = seed_from_room(range(b)), torch.zeros(b, dtype=torch.int64)
+    synth = RecomputeSynthesizer(None, ctx(head, v=v))
+    bound = b * v * 4 + 3 * (8 * v * 4) + 65536  # q', three chunks, the (B,)-sized rest
+    peak, _ = allocation_peak(lambda: synth.recompute(hidden, temperatures=temps, seeds=seeds, positions=pos))
+    assert b * v * 4 <= peak <= bound, (peak, bound)
+    one_shot, _ = allocation_peak(lambda: proposal_probs(head.logits(hidden), temps))
+    assert one_shot > bound, (one_shot, bound)

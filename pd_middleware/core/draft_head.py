@@ -26,12 +26,14 @@ DRAFT_HEAD = "draft_head"
 class DraftHead(Protocol):
     """Hidden states -> draft logits over the target vocabulary.
 
-    **Decode side.** ``logits`` runs once per batch of requests fresh from PD, on the
+    **Decode side.** ``logits`` runs once per chunk of up to ``CHUNK_ROWS`` rows
+    (:mod:`pd_middleware.decode.recompute`) of a batch of requests fresh from PD, on the
     thread that builds the batch's first draft input (the SGLang scheduler thread, or the
     A/B job's receive thread); it runs on the engine's device and does not block beyond
     the device work it enqueues. An engine whose head needs collectives (a vocab-parallel
     ``lm_head`` under TP > 1) must only offer it where every rank calls it in the same
-    order (``docs/sglang.md``).
+    order (``docs/sglang.md``); the synthesizer calls it for every chunk of a batch, even
+    after one failed, so ranks holding the same batch call it the same number of times.
     """
 
     vocab_size: int

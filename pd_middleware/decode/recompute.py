@@ -27,6 +27,11 @@ race argmax q'/E, E ~ Exp(1), where it runs):
   TP rank draws the same X';
 - a greedy request (SGLang: ``top_k == 1``) proposes its argmax.
 
+Memory: q' is the one (B, V) tensor a batch allocates (it is what the verifier reads);
+the head's logits, logits / T and the draw's temporaries exist for :data:`CHUNK_ROWS` rows
+at a time (:func:`head_probs`, :func:`draw_proposal`). Every step is per row, so the
+chunks give the batch's result bit for bit.
+
 Fallbacks to one-hot at the prefill's X (always exact), counted by reason
 (:data:`REASONS`): ``no_hidden``, ``unknown_head``, ``shape`` (vocab or hidden size),
 ``multi_layer`` (steps 1..S-1 were drawn on the prefill given X, so they cannot be kept
@@ -40,7 +45,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..core._errors import ExactnessError
+from ..core._errors import ExactnessError, ValidationError
 from ..core.contracts import NoOptions, PluginContext, PluginSpec
 from ..core.draft_head import DRAFT_HEAD, DraftHead
 from ..core.events import Events
@@ -55,6 +60,14 @@ logger = logging.getLogger("pd_middleware.decode.recompute")
 
 #: Fallback reasons, as counted (``Metrics.fallbacks``: ``recompute:<reason>``).
 REASONS: tuple[str, ...] = ("no_hidden", "unknown_head", "shape", "multi_layer", "rejection_off", "invalid_row")
+
+#: Rows of a batch recomputed at once. At V = 152064 one fp32 row is 0.6 MB, so a chunk's
+#: temporaries (the head's fp32 logits, logits / T, the draw's float64 running sum on a GPU:
+#: 9.7, 9.7 and 19.5 MB) stay near 20-30 MB whatever B is, beside q' itself (B x V fp32,
+#: 156 MB at B = 256). Each chunk is one head call: its lm_head reads its weight once a
+#: chunk, and under TP > 1 every rank gathers once a chunk (ranks hold the same B, so the
+#: same number of times). A constant, not a setting: it bounds memory, it changes no result.
+CHUNK_ROWS = 16
 
 #: A sampler: (probs (B, V), seeds int64 (B,), positions int64 (B,)) -> (q'(X') (B, 1), X' int64 (B, 1)).
 Draw = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], tuple["torch.Tensor", "torch.Tensor"]]
@@ -78,16 +91,60 @@ def seed_from_room(rooms: Sequence[int]) -> torch.Tensor:
     return torch.tensor([room_seed(0, int(r), "decode-seed") for r in rooms], dtype=torch.int64)
 
 
-def proposal_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def proposal_probs(logits: torch.Tensor, temperatures: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """q' = softmax(logits / T) in fp32, per row: SGLang's ``sampling_softmax`` semantics.
 
     ``logits``: float32 (B, V); ``temperatures``: (B,) or (B, 1), > 0 (SGLang rewrites a
-    greedy request's T = 0 to 1 with top_k = 1).
+    greedy request's T = 0 to 1 with top_k = 1); ``out``: float32 (B, V) to write q' into
+    (returned), or None for a new tensor.
     """
     import torch
 
     t = temperatures.reshape(-1, 1).to(device=logits.device, dtype=torch.float32)
-    return torch.softmax(logits.float() / t, dim=-1)
+    return torch.softmax(logits.float() / t, dim=-1, out=out)
+
+
+def head_probs(head: DraftHead, hidden: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """q' = softmax(head(hidden) / T): float32 (B, V), the one (B, V) tensor this allocates,
+    filled :data:`CHUNK_ROWS` rows at a time (:func:`proposal_probs` per chunk).
+
+    ``hidden``: (B, H) on the head's device; ``temperatures``: (B,) or (B, 1). **Every
+    chunk's head call runs, whatever failed before it**: a head with a collective (SGLang's
+    vocab-parallel gather under TP > 1) is entered by every rank once a chunk. The first
+    failure of this rank's (a head call, q''s allocation, a softmax) is remembered, the
+    later chunks call the head alone, and it is raised after the last call.
+    """
+    import torch
+
+    b = int(hidden.shape[0])
+    t = temperatures.reshape(-1, 1)
+    probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    failed: BaseException | None = None
+    for a in range(0, b, CHUNK_ROWS):
+        z = min(a + CHUNK_ROWS, b)
+        try:
+            logits = head.logits(hidden[a:z])
+            if failed is None:
+                if probs is None:
+                    probs = torch.empty((b, logits.shape[1]), dtype=torch.float32, device=logits.device)
+                if tuple(logits.shape) != (z - a, probs.shape[1]):
+                    # Checked here: softmax(out=) would resize the chunk's view of q', not refuse.
+                    raise ValidationError(
+                        f"the draft head's logits for rows {a}:{z} are {tuple(logits.shape)}, "
+                        f"q' is {tuple(probs.shape)}",
+                        field="logits",
+                    )
+                proposal_probs(logits, t[a:z], out=probs[a:z])
+        except Exception as exc:  # this rank's failure: the later chunks' head calls still run
+            if failed is None:
+                failed = exc
+        logits = None  # freed before the next chunk's head call: never two chunks' at once
+    if failed is not None:
+        raise failed
+    if probs is None:  # an empty batch: no head call at all, on any rank
+        probs = torch.empty((0, head.vocab_size), dtype=torch.float32, device=hidden.device)
+    return probs
 
 
 def _seeds_of_id(request_id: str) -> torch.Tensor:
@@ -163,14 +220,19 @@ def draw_proposal(
     """Draw X' ~ ``probs`` (greedy rows: argmax) and bind it to ``probs``.
 
     ``probs``: float32 (B, V) q' on any device; ``seeds``/``positions``: int64 (B,);
-    ``greedy``: bool (B,) or None. q'(X') is read back from ``probs`` after the draw,
-    never taken from the sampler, so the pair handed over is always (X', q'(X')) of the
-    q' kept.
+    ``greedy``: bool (B,) or None. ``draw`` runs on :data:`CHUNK_ROWS` rows at a time (its
+    temporaries, a float64 running sum or the engine's, are a chunk's; its draws are per
+    row, seeded by the row's seed and position, so the same as on the whole batch). q'(X')
+    is read back from ``probs`` after the draw, never taken from the sampler, so the pair
+    handed over is always (X', q'(X')) of the q' kept.
     """
     import torch
 
-    _, x = draw(probs, seeds, positions)
-    tokens = x.reshape(-1).to(torch.int64)
+    b = int(probs.shape[0])
+    tokens = torch.empty(b, dtype=torch.int64, device=probs.device)
+    for a in range(0, b, CHUNK_ROWS):
+        z = min(a + CHUNK_ROWS, b)
+        tokens[a:z] = draw(probs[a:z], seeds[a:z], positions[a:z])[1].reshape(-1)
     if greedy is not None and bool(greedy.any()):
         tokens = torch.where(greedy.to(probs.device), probs.argmax(dim=-1), tokens)
     token_probs = probs.gather(1, tokens.view(-1, 1)).view(-1)
@@ -237,9 +299,10 @@ class RecomputeSynthesizer:
     ) -> Recomputed:
         """q' and X' for a batch: ``hidden`` (B, H) on the head's device; ``temperatures``
         (B,) or (B, 1); ``seeds``/``positions`` int64 (B,); ``greedy`` bool (B,) or None.
-        Call only when :meth:`unusable` returned None."""
+        Call only when :meth:`unusable` returned None. The extra memory is q' (B, V) fp32
+        and one chunk's temporaries (:func:`head_probs`)."""
         assert self.head is not None
-        probs = proposal_probs(self.head.logits(hidden), temperatures)
+        probs = head_probs(self.head, hidden, temperatures)
         return draw_proposal(probs, seeds=seeds, positions=positions, greedy=greedy, draw=self.draw)
 
     def synthesize(self, payload: Payload) -> RecomputedProposal | OneHotProposal | None:

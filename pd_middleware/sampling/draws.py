@@ -183,9 +183,10 @@ def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws: row i picks token j with probability ``weights[i, j] / sum``.
 
     ``weights``: float (n, V), non-negative, every row with positive mass, summed in
-    float64 (a float32 row is widened inside the running sum, not copied first); ``u``:
-    float64 (n,) in [0, 1). Returns int64 (n,). ``right=True`` makes the pick the first
-    token whose cumulative mass exceeds ``u * total``, which always has positive mass.
+    float64 (a float64 copy of a few rows, summed in place: ``cumsum(dtype=float64)``
+    allocates the widened copy and the sum); ``u``: float64 (n,) in [0, 1). Returns int64
+    (n,). ``right=True`` makes the pick the first token whose cumulative mass exceeds
+    ``u * total``, which always has positive mass.
     """
     n, v = weights.shape
     # On the CPU, a few rows at a time: each float64 running sum stays in cache (one
@@ -193,7 +194,7 @@ def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     step = max(1, n) if weights.device.type != "cpu" else max(1, _CPU_CDF_BYTES // (8 * v))
     parts = []
     for a in range(0, n, step):
-        cdf = weights[a : a + step].cumsum(dim=1, dtype=torch.float64)
+        cdf = weights[a : a + step].to(torch.float64, copy=True).cumsum_(dim=1)  # never the caller's rows
         parts.append(torch.searchsorted(cdf, u[a : a + step].unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1))
     idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=weights.device)
     over = idx >= weights.shape[1]
