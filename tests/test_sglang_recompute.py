@@ -430,6 +430,35 @@ def test_a_q_prime_of_the_wrong_width_keeps_the_prefills_x_counted_once(sgl, ins
     assert "fallback:propose_shape" not in rc.counts
 
 
+def test_propose_writes_the_fallen_back_rows_into_q_prime_itself_with_the_landed_values(installed):
+    """The builder's (b, 1, V) proposal: the agreed rows of q' as recomputed, the others the
+    one-hot at their X (clamped into [0, V), as ``one_hot_at``), bit for bit the values the
+    landed ``torch.where(agreed, q', one-hot)`` gave, written into q' itself: the result is a
+    view of q', and the call allocates less than one row (tests/_alloc_peak.py). Negative
+    control: the landed form allocates a one-hot and the where's output, two (b, V)."""
+    from _alloc_peak import allocation_peak
+
+    from pd_middleware.decode.recompute import draw_proposal
+    from pd_middleware.integrations.sglang.common import one_hot_at
+    from pd_middleware.integrations.sglang.recompute import Prepared
+
+    b, v = 6, 4096
+    q = torch.softmax(torch.randn(b, v, generator=torch.Generator().manual_seed(29)), dim=1)
+    rec = draw_proposal(q.clone(), seeds=torch.arange(b), positions=torch.zeros(b, dtype=torch.int64))
+    agreed = torch.tensor([True, False, True, False, False, True])
+    x = torch.tensor([[3], [7], [1], [-4], [v + 9], [0]])  # X outside [0, V) included
+
+    def landed():
+        return torch.where(agreed.view(-1, 1), q, one_hot_at(x, v)[:, 0]).unsqueeze(1)
+
+    state = Prepared(rec, agreed, torch.ones(b, dtype=torch.bool))
+    peak, out = allocation_peak(lambda: installed.recompute.propose(None, state, x, v))
+    assert out.shape == (b, 1, v) and torch.equal(out, landed())
+    assert out.untyped_storage().data_ptr() == rec.probs.untyped_storage().data_ptr()
+    assert peak < v * 4, peak
+    assert allocation_peak(landed)[0] >= 2 * b * v * 4
+
+
 def test_a_failure_counting_after_the_vote_never_changes_what_sglang_is_handed(sgl, installed, monkeypatch):
     """After the vote a rank only assigns what it staged, then counts: a failure while
     counting is reported (``guard:recompute_count:<error>``) and the batch keeps what the

@@ -7,8 +7,8 @@ frame, no prefill patch). SGLang's prefill ships the draft model's hidden state 
 last position (``EAGLEWorkerV2._draft_extend_for_prefill`` returns
 ``hidden_states=logits_output.hidden_states``); the decode's builder reads it as
 ``req.hidden_states_tensor``. Before SGLang's ``build_eagle_disagg_draft_input`` runs,
-:class:`RecomputeSource` computes, for the whole prebuilt batch at once, with the
-synthesizer's own law and draw (:meth:`~pd_middleware.decode.recompute.RecomputeSynthesizer.recompute`):
+:class:`RecomputeSource` computes, for the whole prebuilt batch (``CHUNK_ROWS`` rows at a
+time), with the synthesizer's own law and draw (:meth:`~pd_middleware.decode.recompute.RecomputeSynthesizer.recompute`):
 
 - q' = softmax(logits / T) with logits from :class:`~.draft_head.SGLangDraftHead`, the decode's own
   draft model with what its ``LogitsProcessor`` applies, run inside SGLang's draft TP
@@ -27,8 +27,8 @@ synthesizer's own law and draw (:meth:`~pd_middleware.decode.recompute.Recompute
 then **the ranks agree** (:func:`~.agreement.agree`) per request on (ok, X', the
 prefill's X): a request that any rank could not serve, or whose X' differs between
 ranks, falls back on every rank to the exact one-hot at the same X (the smallest
-prefill X any rank holds). A failure on one rank is its vote; the head's gather still
-runs on every rank, on the same bytes (:class:`~.draft_head.SGLangDraftHead`): every step
+prefill X any rank holds). A failure on one rank is its vote; the head's gathers (one a
+chunk) still run on every rank, on the same bytes (:class:`~.draft_head.SGLangDraftHead`): every step
 before the gather (reading the batch, copying it to the head's device:
 :meth:`RecomputeSource._inputs`) runs inside the vote, and a rank whose step failed runs
 the head on blank inputs of the same shapes, then votes "not ok". Everything that can
@@ -36,8 +36,8 @@ fail on one rank runs before the vote (:meth:`RecomputeSource._stage`); after it
 only assigns what it staged. Each per-rank step is a method of its own (``_hidden``,
 ``_inputs``, ``_stage``; the head's ``_local``), so a deployment's fault injection wraps
 one without reaching into the vote (the server tier's does: ``docs/server.md``). X' and q'(X') are written into each agreed request's
-``output_topk_index``/``output_topk_p`` (the fields the builder reads), and q' is the
-builder's ``pd_first_draft_proposal``. All of it happens inside the original builder's
+``output_topk_index``/``output_topk_p`` (the fields the builder reads), and q' itself
+is the builder's ``pd_first_draft_proposal``. All of it happens inside the original builder's
 call, so **before** ``future_map.stash`` copies the draft input under the overlap
 scheduler.
 
@@ -281,11 +281,11 @@ class RecomputeSource(ProposalSource):
         """This rank's (ok (B,), [X', prefill X] (B, 2)), with everything the write after the
         vote assigns staged in ``seen``; raises for a failure of this rank's own (its vote).
 
-        The head's gather is entered whatever happened before it: every step that reads
-        the batch or moves it to the head's device runs in one ``try``
-        (:meth:`_inputs`); a failure there leaves the head inputs of the same shapes
-        (:meth:`_blank`), the head and its gather run on those, and the failure is raised
-        after the gather. Nothing else runs between the start of the vote and the gather."""
+        The head's gathers (one a chunk of rows: ``head_probs``) are entered whatever
+        happened before them: every step that reads the batch or moves it to the head's
+        device runs in one ``try`` (:meth:`_inputs`); a failure there leaves the head inputs
+        of the same shapes (:meth:`_blank`), the head and its gathers run on those, and the
+        failure is raised after them. Nothing else runs between the vote's start and them."""
         assert self.synth is not None and self.head is not None
         b = len(reqs)
         failed: BaseException | None = None
@@ -441,19 +441,19 @@ class RecomputeSource(ProposalSource):
                 self._fallback("rank_mismatch", differs)
 
     def propose(self, batch: Any, state: Any, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """(b, 1, V) q' for the builder: recomputed rows where agreed, else the one-hot at X."""
-        one_hot = one_hot_at(topk_index, vocab_size)
+        """(b, 1, V) q' for the builder, in q' itself: agreed rows kept, the others the one-hot at X."""
         if not isinstance(state, Prepared):
-            return one_hot
+            return one_hot_at(topk_index, vocab_size)
         q = state.rec.probs.to(device=topk_index.device, dtype=torch.float32)
         if q.shape != (topk_index.shape[0], vocab_size) or topk_index.shape[1] != 1:
             # SGLang's own shapes differ from the head's (refused at startup): the agreed rows
             # hold X' and verify the one-hot at X' (exact); counted as such, once.
             self._fallback("propose_shape", int((state.agreed & state.user).sum()))
-            return one_hot
-        keep = state.agreed.to(q.device).view(-1, 1)
-        out: torch.Tensor = torch.where(keep, q, one_hot[:, 0]).unsqueeze(1)
-        return out
+            return one_hot_at(topk_index, vocab_size)
+        rows = (~state.agreed).nonzero().view(-1).to(q.device)
+        x = topk_index[rows, 0].to(torch.int64).clamp(0, vocab_size - 1)  # one_hot_at's X
+        q.index_fill_(0, rows, 0.0)[rows, x] = 1.0
+        return q.unsqueeze(1)
 
     def parts(self) -> dict[str, dict[str, int]]:
         return {"recompute": dict(self.counts)}
