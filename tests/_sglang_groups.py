@@ -322,7 +322,7 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
     batches where one rank differs from the other: its head fails (a bf16 head, and a bf16
     head whose output is fp32: ``enable_lm_head_fp32``, the switch of ``--enable-fp32-lm-head``),
     its hidden state is missing, it draws another X', its row is invalid and its prefill X
-    differs, the staging of its write fails, and (last: on a build where that rank skips the
+    differs, the staging of its write fails, its head fails in one chunk of rows of three, and (last: on a build where that rank skips the
     gather, the ranks are left in different collectives) the copy of its batch to the head's
     device fails. Each runs both ranks' ``prepare`` in lockstep,
     bounded (a rank left alone in a collective is reported ``hung``, and no later scenario runs).
@@ -434,6 +434,26 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
         source._stage = fails
     ok = run("write_staging_fails_on_one_rank", _batch(torch, 2, seed=26))
     source.__dict__.pop("_stage", None)
+    if not ok:
+        return out
+    # Chunks of one row (the core's CHUNK_ROWS, on both ranks): rank 1's head fails on the
+    # second of three chunks, and still enters the third chunk's gather.
+    from pd_middleware.decode import recompute as core
+
+    rows, core.CHUNK_ROWS = core.CHUNK_ROWS, 1
+    bind(draft(torch.bfloat16))
+    if rank == 1:
+        local, calls = source.head._local, []
+
+        def second_fails(hidden: Any) -> Any:
+            calls.append(hidden.shape[0])
+            if len(calls) == 2:
+                raise RuntimeError("injected: the head fails on chunk 1 of rank 1")
+            return local(hidden)
+
+        source.head._local = second_fails
+    ok = run("head_fails_in_one_chunk", _batch(torch, 3, seed=30))
+    core.CHUNK_ROWS = rows
     if not ok:
         return out
     # A vocab-parallel head under the overlap scheduler, through the scheduler-start capture,

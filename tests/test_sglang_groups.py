@@ -8,7 +8,8 @@ at the moment of the call, and the group of the recompute vote. Also SGLang's re
 
 Under plain TP 2, batches where one rank differs from the other (``_tp2_scenarios``): its
 head fails (bf16, and bf16 with an fp32 output), its hidden state is missing, it draws
-another X', its row is invalid while its prefill X differs, staging its write fails. Each
+another X', its row is invalid while its prefill X differs, staging its write fails, its
+head fails in one chunk of rows of three. Each
 shows both ranks leave every collective together, hand SGLang the same X, and count each
 request once.
 """
@@ -302,6 +303,21 @@ def test_a_failure_staging_the_write_on_one_rank_is_its_vote_never_a_divergent_x
         assert s["x"] == [5, 5] and s["agreed"] is None, s
     assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
     assert s1["counts"] == {"batches": 1, "fallback:failed": 2}, s1["counts"]
+
+
+def test_a_head_failing_in_one_chunk_on_one_rank_still_enters_every_chunks_gather():
+    """Chunks of one row (the core's ``CHUNK_ROWS`` at 1 on both ranks), three requests:
+    rank 1's head fails on the second chunk. Both ranks gather once a chunk, three times,
+    the same bytes; both hand SGLang the prefill's X, each request counted once (rank 1
+    ``failed``, rank 0 ``peer_failed``). Negative control tried: raising at the failing
+    chunk (rank 1 skips the third gather) leaves rank 0 alone in it, and this test fails."""
+    s0, s1 = scenario("head_fails_in_one_chunk")
+    for s in (s0, s1):
+        assert s["gathers"] == [["torch.bfloat16", [1, 64]]] * 3, s["gathers"]
+        assert s["x"] == [5, 5, 5] and s["agreed"] is None, s
+    assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 3}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "fallback:failed": 3}, s1["counts"]
+    assert s1["guard"] == {"guard:recompute:RuntimeError": 1} and s0["guard"] == {}, (s0["guard"], s1["guard"])
 
 
 def test_a_rank_whose_batch_fails_to_reach_the_heads_device_still_enters_the_gather():
