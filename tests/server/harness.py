@@ -10,7 +10,7 @@ What makes SGLang 0.5.23 run on a CPU without a GPU (docs/server.md):
 
 - ``tests/server/site/`` goes first on ``PYTHONPATH`` of every server: its
   ``common_ops.py`` stands in for sgl-kernel's CPU ops (:mod:`sgl_cpu_ops`) and its
-  ``sitecustomize.py`` overrides the seven CPU gaps at run time (:mod:`cpu_gaps`);
+  ``sitecustomize.py`` overrides SGLang's CPU gaps at run time (:mod:`cpu_gaps`);
 - ``SGLANG_USE_CPU_ENGINE=1``, ``TRITON_INTERPRET=1`` (rejection sampling runs on Triton's
   interpreter), ``MOONCAKE_PROTOCOL=tcp``;
 - ``--device cpu --disable-cuda-graph --attention-backend intel_amx`` and a
@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -671,6 +672,16 @@ def post_pd(
     for t in threads:
         t.join(timeout_s + 5)
     return out.get("p", (0, "no answer")), out.get("d", (0, "no answer"))
+
+
+def overlapped(srv: Server) -> bool:
+    """Whether ``srv`` runs SGLang's overlap scheduler: the ``disable_overlap_schedule`` of
+    the ``server_args`` its log prints at start, the value SGLang resolved (on the CPU its
+    own refusal sets it True for speculative decoding unless ``cpu_gaps``' ``overlap_spec_cpu``
+    is on). Raises AssertionError when the log has no such line."""
+    found = re.findall(r"'disable_overlap_schedule': (True|False)", srv.log(10**8))
+    assert found, f"{srv.name}: no server_args line with disable_overlap_schedule in its log"
+    return found[0] == "False"
 
 
 def get_text(url: str, timeout_s: float = 30.0) -> str:

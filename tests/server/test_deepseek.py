@@ -144,6 +144,15 @@ def _agree(name: str, got: list[w.Result], ref: list[w.Result]) -> None:
     assert not bad, f"{name}: " + "; ".join(bad)
 
 
+def test_every_decode_and_the_reference_run_the_overlap_scheduler(ds: DeepSeek) -> None:
+    """The production path: every decode (the DP-attention one included) and the aggregated
+    reference run SGLang's overlap scheduler (cpu_gaps' ``overlap_spec_cpu``); the prefill
+    does not (the tier's ``prefill_host_indices`` gap relies on it)."""
+    for srv in (ds.agg, ds.stock, ds.recompute, ds.dp):
+        assert h.overlapped(srv), srv.name
+    assert not h.overlapped(ds.prefill)
+
+
 def test_greedy_outputs_of_both_decodes_equal_aggregated(ds: DeepSeek) -> None:
     """Token for token, up to bf16 near-ties of aggregated serving (``workload.greedy_mismatches``:
     a verify over other drafts is a batch of another shape, and on this MoE model one prompt

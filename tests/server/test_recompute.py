@@ -79,6 +79,8 @@ def test_decode_only_recompute_matches_aggregated_and_beats_one_hot(shared: Shar
     assert w.z_diff(r, o) >= Z_BETTER
     log = pair.decode.log(10**7)
     assert "decode-only recompute" in log, "the decode's activation line is missing"
+    # The decode and the reference run SGLang's overlap scheduler (cpu_gaps' overlap_spec_cpu).
+    assert h.overlapped(pair.decode) and h.overlapped(shared.agg)  # type: ignore[arg-type]
 
 
 def test_a_prefill_that_ships_serves_a_decode_that_registers_no_row_and_says_so(shared: Shared, pair: h.Pair) -> None:

@@ -1,12 +1,22 @@
-"""TP 2 in a real server: the shipped default on a decode at ``--tp 2``, real collectives.
+"""TP 2 in a real server: the shipped default on a decode at ``--tp 2``, overlapped, real collectives.
 
 The decode runs ``configs/sglang.toml`` (decode-only recompute) at ``--tp-size 2`` behind a
-stock prefill at TP 1: two SGLang scheduler ranks on this machine's two cores
-(``SGLANG_CPU_OMP_THREADS_BIND="0|1"``), their all-reduces and all-gathers over gloo on
-127.0.0.1 (SGLang's CPU fallback: no sgl-kernel shared-memory all-reduce here). The draft
-head's vocab-parallel gather and the per-batch recompute vote are real collectives
-between the two ranks. X' is drawn by SGLang's own seeded ``fast_sample`` (its hash from
-the tier's CPU ops stand-in).
+stock prefill at TP 1, **with SGLang's overlap scheduler on** (what every GPU decode runs;
+``cpu_gaps``' ``overlap_spec_cpu`` keeps it on for speculative decoding on this CPU): two
+SGLang scheduler ranks on this machine's two cores (``SGLANG_CPU_OMP_THREADS_BIND="0|1"``),
+their all-reduces and all-gathers over gloo on 127.0.0.1 (SGLang's CPU fallback: no
+sgl-kernel shared-memory all-reduce here). The draft head's vocab-parallel gather and the
+per-batch recompute vote are real collectives between the two ranks; under overlap the
+head is issued on the scheduler's forward stream (``ordering.py``; on a CPU every stream
+is the caller's, so this shows function, the order itself is pinned in
+``tests/test_sglang_groups.py``). X' is drawn by SGLang's own seeded ``fast_sample`` on
+0.5.23 (its hash from the tier's CPU ops stand-in), by the drop-in's seeded inverse-CDF
+draw on 0.5.21 (whose ``fast_sample`` takes no seed).
+
+Parametrised by release (:data:`RELEASES`): the venv's SGLang (0.5.23), and 0.5.21 (the
+release ai-dynamo 1.6.1 pins; its folder from ``make setup-releases``, so ``make
+test-releases`` runs it and ``make test-server`` deselects it), each against an
+aggregated server of the same release at TP 1, overlapped too, started with the pair.
 
 One pair serves two phases. The decode starts with a fault on rank 1's head alone
 (``PDM_TEST_RECOMPUTE_FAULT=head:1``, on while the file named by
@@ -38,14 +48,14 @@ tests/test_sglang_groups.py); in a server the mix has no outside signature to as
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from server import harness as h
 from server import workload as w
-from server.conftest import Shared, attach_logs
+from server.conftest import attach_logs
 
 pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parents[2]
@@ -57,35 +67,63 @@ SCRAPE_DEADLINE_S = 30.0  # the copy into SGLang's /metrics runs every sync_inte
 REQUEST_BOUND_S = 120.0
 
 
-class TP2:
-    """The running pair, its fault switch, and what the fault phase answered."""
+#: The SGLang releases the TP 2 decode is served on: the venv's (None: 0.5.23) and 0.5.21.
+#: The ids let ``make test-server`` and ``make test-releases`` split them (``-k``).
+RELEASES = [pytest.param(None, id="v0523"), pytest.param("0.5.21", id="v0521")]
+#: The sampler each release's recompute draws X' with (0.5.21's fast_sample takes no seed).
+SAMPLER = {None: "sglang.fast_sample", "0.5.21": "pd_middleware.inverse_cdf"}
 
-    def __init__(self, pair: h.Pair, switch: Path) -> None:
-        self.pair, self.switch = pair, switch
+
+class TP2:
+    """The running pair, its fault switch, the aggregated reference of its release, and
+    what the fault phase answered."""
+
+    def __init__(self, pair: h.Pair, switch: Path, agg: h.Server, release: str | None) -> None:
+        self.pair, self.switch, self.agg, self.release = pair, switch, agg, release
         self.greedy: list[tuple[int, ...]] | None = None
         self.onehot: w.Rate | None = None
 
 
-@pytest.fixture(scope="module")
-def tp2(server_models: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TP2]:
+@pytest.fixture(scope="module", params=RELEASES)
+def tp2(
+    request: pytest.FixtureRequest,
+    server_models: dict[str, Path],
+    log_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[TP2]:
+    release: str | None = request.param
+    if release is not None and not (h.release_dir(release) / "sglang").is_dir():
+        pytest.skip(f"SGLang {release}: no release folder at {h.release_dir(release)} (make setup-releases)")
     folder = tmp_path_factory.mktemp("tp2")
     switch = folder / "fault-on"
     switch.touch()
     cfg = h.server_config(REPO / "configs" / "sglang.toml", folder / "sglang.toml")
-    pd = h.start_pair(
-        h.Models(server_models["target"], server_models["eagle3"]),
-        log_dir / "tp2",
-        decode_config=cfg,
-        decode_tp=2,
-        decode_env={"PDM_TEST_RECOMPUTE_FAULT": "head:1", "PDM_TEST_RECOMPUTE_FAULT_WHILE": str(switch)},
-        extra_args=["--enable-metrics"],
-        sleep_on_idle=True,
-    )
-    attach_logs(pd.servers)
+    models = h.Models(server_models["target"], server_models["eagle3"])
+    logs = log_dir / f"tp2-{release or 'venv'}"
+    starts: dict[str, Callable[[], object]] = {
+        "pd": lambda: h.start_pair(
+            models,
+            logs,
+            decode_config=cfg,
+            decode_tp=2,
+            decode_env={"PDM_TEST_RECOMPUTE_FAULT": "head:1", "PDM_TEST_RECOMPUTE_FAULT_WHILE": str(switch)},
+            extra_args=["--enable-metrics"],
+            sleep_on_idle=True,
+            release=release,
+        )
+    }
+    starts["agg"] = lambda: h.start_server("aggregated", models, logs, sleep_on_idle=True, release=release)
+    out, error = h.start_together(starts)
+    pd, agg = out.get("pd"), out.get("agg")
+    started = [*(pd.servers if isinstance(pd, h.Pair) else []), *([agg] if isinstance(agg, h.Server) else [])]
     try:
-        yield TP2(pd, switch)
+        if error is not None:
+            raise error
+        assert isinstance(pd, h.Pair) and isinstance(agg, h.Server)
+        attach_logs(started)
+        yield TP2(pd, switch, agg, release)
     finally:
-        pd.stop()
+        h.stop_all(list(reversed(started)))
 
 
 def rows_settled(values: dict[str, float]) -> float:
@@ -108,12 +146,17 @@ def events(pd: h.Pair, want: float) -> dict[str, float]:
         time.sleep(1.0)
 
 
-def test_both_decode_ranks_run_recompute_with_the_engines_sampler(tp2: TP2) -> None:
+def test_both_decode_ranks_run_recompute_overlapped_with_the_head_on_the_forward_stream(tp2: TP2) -> None:
+    # The decode and the reference run the overlap scheduler (the prefill does not: the tier's
+    # prefill_host_indices gap relies on it), and the drop-in accepted the TP 2 head under it.
+    assert h.overlapped(tp2.pair.decode) and h.overlapped(tp2.agg)
+    assert not h.overlapped(tp2.pair.prefill)
     log = tp2.pair.decode.log(10**7)
     for rank in (0, 1):
         assert f"TP{rank}] pd-middleware active: decode node, decode-only recompute" in log, f"rank {rank}"
         assert f"TP{rank}] pd-middleware recompute active on the decode" in log, f"rank {rank}"
-    assert "X' drawn by sglang.fast_sample" in log  # the seeded sampler a GPU runs (stand-in hash)
+    # 0.5.23: the seeded sampler a GPU runs (stand-in hash); 0.5.21: the drop-in's seeded draw.
+    assert f"X' drawn by {SAMPLER[tp2.release]}, head issued on the forward stream" in log
     assert "test fault 'head' is armed for TP rank 1" in log
     assert "test fault 'head' is armed for TP rank 0" not in log
 
@@ -161,18 +204,19 @@ def test_greedy_outputs_equal_the_fault_phases(tp2: TP2) -> None:
     assert [r.output_ids for r in pd] == tp2.greedy
 
 
-def test_tp2_recompute_matches_aggregated_and_beats_one_hot_counted_once(shared: Shared, tp2: TP2) -> None:
+def test_tp2_recompute_matches_aggregated_and_beats_one_hot_counted_once(tp2: TP2) -> None:
     if tp2.onehot is None:
         pytest.skip("the fault phase did not complete")
     pd = tp2.pair
     before = w.settled_events(pd.decode.url)
     texts = w.prompts(N_ACCEPT, offset=2)
-    a = w.first_verify_rate(w.generate(shared.agg.url, texts, temperature=1.0, max_new_tokens=2))  # type: ignore[attr-defined]
+    a = w.first_verify_rate(w.generate(tp2.agg.url, texts, temperature=1.0, max_new_tokens=2))
     res = w.generate(pd.router.url, texts, temperature=1.0, max_new_tokens=2, timeout_s=REQUEST_BOUND_S)  # type: ignore[union-attr]
     r = w.first_verify_rate(res)
     o = tp2.onehot
     print(
-        f"first-verify acceptance: aggregated {a}, decode TP 2 + decode-only recompute {r}, its one-hot (fault phase) {o}"
+        f"SGLang {tp2.release or 'venv'}, first-verify acceptance: aggregated {a}, decode TP 2 (overlapped) + "
+        f"decode-only recompute {r}, its one-hot (fault phase) {o}"
     )
     assert all(x.status == 200 for x in res), [x.error for x in res if x.status != 200]
     assert abs(w.z_diff(r, a)) <= Z_SAME

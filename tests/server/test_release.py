@@ -235,6 +235,10 @@ def test_every_server_runs_the_release_and_only_the_drop_in_decode_the_drop_in(r
         log = srv.log(10**8)
         assert f"[cpu-gaps] SGLang {rel.version}" in log, srv.name  # said by the server's own processes
         assert ("pd-middleware active" in log) is (srv is rel.dropin), srv.name
+        # Every decode and the aggregated reference run SGLang's overlap scheduler (cpu_gaps'
+        # overlap_spec_cpu, and on 0.5.18 to 0.5.21 its relay's record_stream stand-in); the
+        # prefill does not (the tier's prefill_host_indices gap relies on it).
+        assert h.overlapped(srv) is (srv is not rel.prefill), srv.name
     assert "decode-only recompute" in rel.dropin.log(10**8)
 
 
