@@ -171,6 +171,31 @@ def relay_checks() -> dict[str, Any]:
         out["recompute_multi"] = build_and_relay(builder, 3, True)
     finally:
         S.uninstall()
+    # The builder's settings unreadable: another plugin's wrapper around the builder, in a
+    # module of its own (its globals hold no get_spec). The draft input still gets the
+    # one-hot at X, shaped by the start's facts, counted (up to 0.5.21: the drop-in's
+    # EagleDraftInput row; from 0.5.22 SGLang's builder asks pd_first_draft_proposal).
+    original = builder.build_eagle_disagg_draft_input
+    ns: dict[str, Any] = {"inner": original}
+    exec(
+        "def build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map):\n"
+        "    return inner(batch, last_tokens_tensor, future_map)\n",
+        ns,
+    )
+    builder.build_eagle_disagg_draft_input = ns["build_eagle_disagg_draft_input"]
+    try:
+        for steps, key in ((1, "unread_spec_single"), (3, "unread_spec_multi")):
+            inst = S.install(cfg, S.InstallOptions(hook_scheduler=False))
+            try:
+                inst.facts = S.EngineFacts(
+                    role="decode", vocab_size=V, num_steps=steps, algorithm="EAGLE", topk=1, rejection_sampling=True
+                )
+                out[key] = build_and_relay(builder, steps, steps > 1)
+                out[key]["guard"] = dict(inst.guard.counts)
+            finally:
+                S.uninstall()
+    finally:
+        builder.build_eagle_disagg_draft_input = original
     # A shipped sparse proposal on the side channel's store (the decode's half of a
     # shipped strategy): the proposal must be the store's law, not a one-hot.
     store = ProposalStore()

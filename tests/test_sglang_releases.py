@@ -140,6 +140,23 @@ def test_the_proposal_survives_the_real_builder_and_relay(version) -> None:
 
 
 @pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+def test_an_unreadable_spec_still_gives_the_real_builder_a_proposal(version) -> None:
+    """Issue 45 item 3: the builder's settings unreadable (another plugin's wrapper around the
+    builder): up to 0.5.21 the drop-in's EagleDraftInput row gave SGLang's draft input no
+    proposal (the seed's TypeError, a stale proposal under graph replay); now the one-hot at
+    X, (b, V) and (b, S, V), through the real relay, counted."""
+    relay = report(version)["relay"]
+    single, multi = relay["unread_spec_single"], relay["unread_spec_multi"]
+    assert single["built"] is not None and multi["built"] is not None
+    assert torch.equal(torch.tensor(single["built"]), one_hot(single["chains"])[:, 0])
+    assert torch.equal(torch.tensor(multi["built"]), one_hot(multi["chains"]))
+    for case in (single, multi):
+        assert case["relayed"] == case["built"]
+        old = parse_version(version) <= parse_version("0.5.21")
+        assert case["guard"].get("guard:draft_input:TypeError", 0) == (1 if old else 0), case["guard"]
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
 def test_negative_control_the_stock_builder(version) -> None:
     stock, chain = report(version)["relay"]["stock"], report(version)["relay"]["stock_multi"]
     if parse_version(version) <= parse_version("0.5.21"):

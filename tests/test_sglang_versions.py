@@ -23,6 +23,7 @@ from pd_middleware import PluginError
 from pd_middleware.cli import main
 from pd_middleware.config import parse_config
 from pd_middleware.config_loader import read_document
+from pd_middleware.core._errors import ExactnessError
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang.patching import (
     FEATURES,
@@ -192,6 +193,90 @@ def test_a_source_failure_on_an_old_builder_gives_a_counted_one_hot(monkeypatch)
     got = m.build_eagle_disagg_draft_input(batch([[5]]), None, None)
     assert torch.equal(got.draft_probs, torch.nn.functional.one_hot(torch.tensor([5]), V).float())
     assert inst.guard.counts == {"guard:propose:RuntimeError": 1}
+
+
+def foreign_wrapper(m):
+    """Another plugin's wrapper around ``m``'s builder, defined in a module of its own: the
+    builder the drop-in wraps then has globals without SGLang's ``get_spec``, so the drop-in
+    cannot read the builder's settings (``Building.read_spec`` is None)."""
+    ns = {"inner": m.build_eagle_disagg_draft_input}
+    exec(
+        "def build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map):\n"
+        "    return inner(batch, last_tokens_tensor, future_map)\n",
+        ns,
+    )
+    m.build_eagle_disagg_draft_input = ns["build_eagle_disagg_draft_input"]
+    return m
+
+
+def started(inst, steps=1, rejection_sampling=True):
+    """What the scheduler's start read (``Installation.activate``'s facts), without a scheduler."""
+    inst.facts = S.EngineFacts(
+        role="decode",
+        vocab_size=V,
+        num_steps=steps,
+        algorithm="EAGLE",
+        topk=1,
+        rejection_sampling=rejection_sampling,
+    )
+    return inst
+
+
+def one_hot(chains):
+    return torch.nn.functional.one_hot(torch.tensor(chains), V).float()
+
+
+@pytest.mark.parametrize("version", OLD)
+def test_an_unreadable_spec_still_gives_the_draft_input_the_one_hot(version) -> None:
+    """Issue 45 item 3: where the builder's settings cannot be read, the old builder's draft
+    input got no proposal (the seed's TypeError on the eager path, a stale proposal under
+    graph replay). It gets the one-hot at X, shaped by the start's facts, counted."""
+    m = foreign_wrapper(old_builder())
+    inst = started(install_old(m, version))
+    got = m.build_eagle_disagg_draft_input(batch([[3], [4]]), None, None)
+    assert got.draft_probs is not None, "no proposal: the first draft step's stack raises"
+    assert torch.equal(got.draft_probs, one_hot([3, 4]))  # (b, V)
+    assert inst.guard.counts == {"guard:draft_input:TypeError": 1}
+    # A chain: (b, S, V), S from the start's facts.
+    m.SPEC.enable_multi_layer_eagle, m.SPEC.speculative_num_steps = True, 3
+    started(inst, steps=3)
+    got = m.build_eagle_disagg_draft_input(batch([[1, 2, 3], [4, 5, 6]]), None, None)
+    assert torch.equal(got.draft_probs, one_hot([[1, 2, 3], [4, 5, 6]]))
+
+
+def test_an_unreadable_batch_vocab_takes_the_starts() -> None:
+    # 0.5.18-0.5.20's builder reads no model config: a batch without one fails only our read.
+    m = old_builder()
+    inst = started(install_old(m, "0.5.20"))
+    b = batch([[7]])
+    del b.model_config
+    got = m.build_eagle_disagg_draft_input(b, None, None)
+    assert torch.equal(got.draft_probs, one_hot([7]))
+    assert inst.guard.counts == {"guard:draft_input:AttributeError": 1}
+
+
+def test_an_unreadable_spec_before_the_start_shapes_by_the_batch() -> None:
+    # No start read (an installation never activated): V is the batch's, a chain is n > 1,
+    # and the one-hot is attached although rejection sampling is unknown (exact for any rule;
+    # a greedy verify does not read it).
+    m = foreign_wrapper(old_builder())
+    inst = install_old(m)
+    assert inst.facts is None
+    assert torch.equal(m.build_eagle_disagg_draft_input(batch([[5]]), None, None).draft_probs, one_hot([5]))
+    m.SPEC.enable_multi_layer_eagle, m.SPEC.speculative_num_steps = True, 2
+    assert torch.equal(m.build_eagle_disagg_draft_input(batch([[5, 6]]), None, None).draft_probs, one_hot([[5, 6]]))
+    # Nothing to read V from: refused, never a draft input without a proposal.
+    b = batch([[5, 6]])
+    del b.model_config
+    with pytest.raises(ExactnessError, match="cannot shape the first draft input's proposal") as e:
+        m.build_eagle_disagg_draft_input(b, None, None)
+    assert e.value.reason == "draft_input_unshaped"
+
+
+def test_an_unreadable_spec_with_rejection_sampling_off_at_the_start_sets_none() -> None:
+    m = foreign_wrapper(old_builder())
+    started(install_old(m), rejection_sampling=False)
+    assert m.build_eagle_disagg_draft_input(batch([[5]]), None, None).draft_probs is None
 
 
 def test_a_refused_feature_refuses_the_install_whole() -> None:

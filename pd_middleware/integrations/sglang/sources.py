@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ...core._errors import ConfigError
+from ...core._errors import ConfigError, ExactnessError
 from ...core.draft_head import DRAFT_HEAD
 from .agreement import NEUTRAL, agree, group_of
 from .common import ATTACH_ATTR, RequestProposal, Scope, check_proposal, one_hot_at
@@ -465,7 +465,11 @@ def wrap_draft_input(cls: Any, inst: Any) -> Callable[..., Any]:
     overlap scheduler's stash (``RelayPayload.from_draft_input``): a proposal attached after
     the builder returns would be replaced by the relay's buffer rows there. Without
     rejection sampling (a greedy verify) no proposal is set, as on 0.5.22. Anywhere else,
-    SGLang's class unchanged."""
+    SGLang's class unchanged.
+
+    Where the settings the builder reads cannot be read (its ``get_spec``, the batch's model
+    config; counted ``guard:draft_input:<error>``), the draft input still gets a proposal,
+    never none (:func:`unread_proposal`): the one-hot at X, exact for any drafting rule."""
 
     def EagleDraftInput(*args: Any, **kwargs: Any) -> Any:  # stands in for SGLang's class
         building = BUILDING.get()
@@ -476,8 +480,9 @@ def wrap_draft_input(cls: Any, inst: Any) -> Callable[..., Any]:
             spec = building.read_spec()
             rs, multi = bool(spec.speculative_use_rejection_sampling), bool(spec.enable_multi_layer_eagle)
             vocab_size = int(building.batch.model_config.vocab_size)
-        except Exception as exc:  # nothing to shape a proposal by: SGLang's input as it was
-            inst.events.failed("draft_input", exc, "SGLang's draft input without a proposal")
+        except Exception as exc:
+            inst.events.failed("draft_input", exc, "the one-hot at X (exact for any drafting rule)")
+            kwargs["draft_probs"] = unread_proposal(inst, building, topk_index)
             return cls(*args, **kwargs)
         if rs:
             probs = proposal_for(inst, building, topk_index, vocab_size)
@@ -485,6 +490,42 @@ def wrap_draft_input(cls: Any, inst: Any) -> Callable[..., Any]:
         return cls(*args, **kwargs)
 
     return EagleDraftInput
+
+
+def unread_proposal(inst: Any, building: Building, topk_index: torch.Tensor) -> torch.Tensor | None:
+    """The proposal of a draft input whose builder settings could not be read: the one-hot
+    at X (``topk_index``, (b, n)), float32 on X's device, shaped by what the scheduler's start
+    read of the same settings (``inst.facts``: V, S, rejection sampling), which nothing of
+    this batch can have broken. Without those (an installation never activated), V is the
+    batch's model config's and a chain is n > 1 (top-k 1: SGLang's rejection sampling
+    refuses any other top-k for a chain, and the drop-in for any draft).
+
+    The one-hot is exact whatever X's drafting rule, so attaching it when rejection sampling
+    is unknown is safe: on 0.5.18-0.5.21 SGLang reads ``draft_probs`` only under rejection
+    sampling (the draft step's stack, the graph runner's buffer, allocated only then, and
+    the verify, which uses zeros otherwise); a greedy verify carries it unread. None (no
+    proposal, as SGLang's builder sets) only where the start read says rejection sampling
+    is off. Raises :class:`~pd_middleware.core._errors.ExactnessError` where V cannot be
+    read at all: without a proposal the eager draft step raises the seed's TypeError and a
+    graph replay verifies a stale one (an inexact law), so the batch is refused instead."""
+    facts = inst.facts
+    if facts is not None:
+        if not facts.rejection_sampling:
+            return None
+        vocab_size, chain = int(facts.vocab_size), int(facts.num_steps) > 1
+    else:
+        try:
+            vocab_size = int(building.batch.model_config.vocab_size)
+        except Exception as exc:
+            raise ExactnessError(
+                "pd-middleware cannot shape the first draft input's proposal: the builder's settings and the "
+                f"batch's vocabulary are unreadable ({type(exc).__name__}: {exc}) and the scheduler's start read "
+                "none; SGLang's draft input without a proposal would verify a stale one under graph replay",
+                reason="draft_input_unshaped",
+            ) from exc
+        chain = int(topk_index.shape[1]) > 1
+    probs = one_hot_at(topk_index, vocab_size)
+    return probs if chain else probs[:, 0]
 
 
 register_feature(
