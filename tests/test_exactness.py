@@ -9,6 +9,9 @@ real transport.
 - A request SGLang rebootstraps (two lives, same rid and room): the second life's token
   has law p given the first's, exactly, because the draw's key holds its position; the
   key without it (life 1's uniform reused) is the negative control.
+- A greedy request (top_k 1) through the real prefill wrapper: its X is q's argmax for
+  every uniform, sent X only, and the one-hot it is verified with commits p exactly; its
+  argmax X with the shipped law is the negative control.
 - Monte Carlo through ZMQ + Mooncake, the receive pipeline, the assembler and the
   reference chain verifier, with the TV bound at alpha = 1e-6.
 """
@@ -21,7 +24,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pd_middleware import OneHotProposal, Payload, PluginContext
+from pd_middleware import OneHotProposal, Payload, PluginContext, Provenance
 from pd_middleware.decode.assembler import ProposalAssembler
 from pd_middleware.decode.pipeline import Delivery, ReceivePipeline
 from pd_middleware.evaluation.verify import exact_verify_law, tv_bound, tv_distance, verify_chain
@@ -633,3 +636,122 @@ def test_a_rebootstrapped_request_commits_p_given_its_first_life(enc_name, case,
     assert any(law != p2 for law in stale.values()), f"{enc_name} {case}: the old key is not caught"
     if case == "V2-flat":
         assert all(law[y1] == 1 for y1, law in stale.items()), "the second token copies the first"
+
+
+# ----------------------------------------------------------------------------- greedy requests (issue 45)
+
+GREEDY_V = 4
+# The draft's q, and two targets: p (not one-hot: exactness must hold for any p) and what
+# the verify makes of a top-k 1 request's target (top_k_renorm_prob: one-hot at its argmax,
+# here the draft's argmax too, so aggregated serving accepts that row's X every time).
+GREEDY_Q = [Fraction(3, 8), Fraction(2, 8), Fraction(2, 8), Fraction(1, 8)]
+GREEDY_P = [Fraction(1, 2), Fraction(1, 4), Fraction(1, 8), Fraction(1, 8)]
+GREEDY_P_TOP1 = [Fraction(1), Fraction(0), Fraction(0), Fraction(0)]
+GREEDY_PAIRS = {"full-fp32": "full_distribution", "sparse-topk": "sparse", "softmax": "one_hot"}
+
+
+def greedy_batch(enc_name, j, monkeypatch):
+    """One prefill batch through the real wrapper (``publish_batch``) with two requests: a
+    greedy one (``top_k`` 1, what SGLang makes of temperature 0) and a sampled one (top-k
+    all), every draw's uniform ``j / GRID_N`` (:class:`GridOracle`). Returns the payloads
+    staged per rid and SGLang's draft input after the wrapper."""
+    from types import SimpleNamespace
+
+    from pd_middleware.core.events import Events
+    from pd_middleware.integrations.sglang.prefill import ProposalPublisher, publish_batch
+    from pd_middleware.sampling import draws
+
+    monkeypatch.setattr(draws, "room_seed", GridOracle((j, j)))
+    staged = {}
+    pub = ProposalPublisher(
+        ENCODERS[enc_name](ctx(GREEDY_V, side="prefill")),
+        vocab_size=GREEDY_V,
+        seed=SEED,
+        stage=lambda req, payload: staged.__setitem__(req.rid, payload),
+    )
+    reqs = [
+        SimpleNamespace(
+            rid=rid,
+            bootstrap_room=room,
+            origin_input_ids=list(PROMPT),
+            output_ids=[],
+            inflight_middle_chunks=0,
+            to_finish=None,
+            discard_output_reason=None,
+        )
+        for rid, room in (("greedy", 7), ("sampled", 8))
+    ]
+    q = torch.tensor([[float(x) for x in GREEDY_Q]] * 2)
+    di = SimpleNamespace(
+        topk_index=torch.zeros((2, 1), dtype=torch.int64), topk_p=torch.full((2, 1), 0.5), draft_probs=q
+    )
+    info = SimpleNamespace(temperatures=torch.ones((2, 1)), top_ks=torch.tensor([1, 1 << 30], dtype=torch.int32))
+    batch = SimpleNamespace(reqs=reqs, sampling_info=info)
+    publish_batch(pub, batch, SimpleNamespace(copy_done=None, next_draft_input=di), group=None, events=Events("guard"))
+    return staged, di, pub
+
+
+@pytest.mark.parametrize("enc_name", sorted(GREEDY_PAIRS))
+def test_a_greedy_request_proposes_its_argmax_and_stays_exact(enc_name, monkeypatch):
+    """Issue 45 item 3: SGLang proposes a greedy row's (top_k <= 1) argmax since 0.5.21
+    (``sample_draft_proposal``); a shipped strategy drew it from q instead, losing acceptance.
+    Enumerated over the draw's uniform: the greedy request's X is q's argmax for every
+    uniform, sent X only with a greedy provenance, so the decode verifies the one-hot at X
+    (exact for any p: law == p, Fraction); under the top-k 1 target its X is accepted every
+    time, as in aggregated serving (drawn from q it was accepted with probability q(argmax)
+    = 3/8 under the full law). The sampled request of the same batch is drawn as ever."""
+    from pd_middleware.evaluation.verify_exact import exact_accept_probability
+
+    synth = SYNTHS[GREEDY_PAIRS[enc_name]](ctx(GREEDY_V), False)
+    asm = ProposalAssembler(GREEDY_V, 1, max_batch=1)
+    argmax = max(range(GREEDY_V), key=lambda y: GREEDY_Q[y])
+    law = [Fraction(0)] * GREEDY_V
+    accept = Fraction(0)
+    sampled_tokens = set()
+    for j in range(GRID_N):
+        staged, di, pub = greedy_batch(enc_name, j, monkeypatch)
+        greedy, sampled = staged["greedy"], staged["sampled"]
+        (x,) = greedy.draft_tokens
+        assert x == argmax, f"{enc_name}, uniform {j}/{GRID_N}: the greedy request proposed {x}, not the argmax"
+        assert greedy.provenance.rule == "greedy" and greedy.proposal is None and greedy.draft_probs == (1.0,)
+        assert int(di.topk_index[0, 0]) == x and float(di.topk_p[0, 0]) == 1.0  # SGLang's metadata carries it
+        assert pub.counts["greedy"] == 1 and pub.counts["staged"] == 2
+        # The sampled neighbour: its own draw and its own law, as without a greedy row.
+        assert sampled.provenance.rule == "sampled" and int(di.topk_index[1, 0]) == sampled.draft_tokens[0]
+        sampled_tokens.add(sampled.draft_tokens[0])
+        q_row = fr(asm.build([synth.synthesize(greedy)])[0])
+        assert q_row == [Fraction(int(y == x)) for y in range(GREEDY_V)]
+        delta = [Fraction(int(y == x)) for y in range(GREEDY_V)]
+        law = [a + Fraction(1, GRID_N) * b for a, b in zip(law, exact_verify_law(GREEDY_P, q_row, delta))]
+        accept += Fraction(1, GRID_N) * exact_accept_probability(GREEDY_P_TOP1[x], q_row[x])
+    assert law == GREEDY_P, f"{enc_name}: the greedy request's token has law {[str(v) for v in law]}"
+    assert accept == 1
+    assert len(sampled_tokens) > 1  # the sampled request still draws
+
+
+@pytest.mark.parametrize("enc_name", ["full-fp32", "sparse-topk"])
+def test_negative_control_a_greedy_x_with_the_shipped_law_is_biased(enc_name):
+    """What the greedy request must never ship: its argmax X with the encoder's law of q
+    (the biased pair of DESIGN.md section 2). Through the synthesizer with the guard
+    bypassed the committed token's law is not p; with the guard on, the greedy provenance
+    falls back to the one-hot, exact, counted ``greedy``."""
+    c = ctx(GREEDY_V, side="prefill")
+    q = torch.tensor([float(x) for x in GREEDY_Q]).view(1, 1, -1)
+    enc = ENCODERS[enc_name](c).encode(q, generator=torch.Generator().manual_seed(SEED)).proposals[0]
+    x = 0  # q's argmax
+    payload = Payload(
+        request_id="greedy",
+        draft_tokens=(x,),
+        draft_probs=(1.0,),
+        vocab_size=GREEDY_V,
+        provenance=Provenance(rule="greedy"),
+        proposal=enc,
+    )
+    delta = [Fraction(int(y == x)) for y in range(GREEDY_V)]
+    asm = ProposalAssembler(GREEDY_V, 1, max_batch=1)
+    bypassed = SYNTHS[GREEDY_PAIRS[enc_name]](ctx(GREEDY_V), True)
+    biased = exact_verify_law(GREEDY_P, fr(asm.build([bypassed.synthesize(payload)])[0]), delta)
+    assert biased != GREEDY_P, f"{enc_name}: the biased pair is not caught"
+    guarded = SYNTHS[GREEDY_PAIRS[enc_name]](ctx(GREEDY_V), False)
+    assert exact_verify_law(GREEDY_P, fr(asm.build([guarded.synthesize(payload)])[0]), delta) == GREEDY_P
+    assert dict(guarded.guard.counts) == {"greedy": 1}

@@ -55,7 +55,7 @@ import torch
 from ...core._errors import ConfigError, PDMiddlewareError
 from ...core.contracts import EncodedBatch
 from ...core.events import Events
-from ...core.payload import Payload
+from ...core.payload import Payload, Provenance
 from ...sampling.draws import encode_requests, takes_uniforms
 from .agreement import NEUTRAL, Verdict, agree, group_of
 from .common import LOCAL_PROVENANCE, is_probe, room_key
@@ -217,6 +217,7 @@ class ProposalPublisher:
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
         salts: Sequence[str] | None = None,
         positions: Sequence[int | None] | None = None,
+        greedy: Sequence[bool] | None = None,
     ) -> tuple[EncodedBatch, list[Payload]]:
         """Encode one batch; each request's draws come from (seed, room, salt, position) alone
         (salt: SGLang's rid; position: its ``seq_len`` at the draw).
@@ -226,7 +227,10 @@ class ProposalPublisher:
         ``temperature``: one value or B values (recorded in each provenance);
         ``salts``: B per-request strings mixed into the seed (SGLang's ``rid``);
         ``positions``: B draw positions (:func:`draw_position`; None, or a None entry:
-        left out of the key), so a rebootstrapped request draws from a fresh uniform.
+        left out of the key), so a rebootstrapped request draws from a fresh uniform;
+        ``greedy``: B flags (None: none), the requests proposed as SGLang proposes a greedy
+        one (:func:`greedy_rows`): X = argmax q, sent X only with a greedy provenance, so the
+        decode verifies the one-hot at X, the only exact proposal for an argmax.
 
         The encoder runs where ``draft_probs`` lives, once per distinct temperature, with
         the batch's uniforms (:func:`~pd_middleware.sampling.draws.request_uniforms`); nothing
@@ -243,8 +247,16 @@ class ProposalPublisher:
             raise ValueError(f"{len(salts)} salts for {b} rows of draft_probs")
         if positions is not None and len(positions) != b:
             raise ValueError(f"{len(positions)} positions for {b} rows of draft_probs")
+        if greedy is not None and len(greedy) != b:
+            raise ValueError(f"{len(greedy)} greedy flags for {b} rows of draft_probs")
         temps = _temperatures(temperature, b)
-        tokens, token_probs, proposals, provenances = self.encode_rows(rooms, probs, temps, salts, positions)
+        argmax = [i for i in range(b) if greedy is not None and greedy[i]]
+        if argmax:
+            tokens, token_probs, proposals, provenances = self._encode_greedy(
+                argmax, rooms, probs, temps, salts, positions
+            )
+        else:
+            tokens, token_probs, proposals, provenances = self.encode_rows(rooms, probs, temps, salts, positions)
         # One host copy of X and q'(X) for the whole batch (X < 2**53 is exact in float64).
         steps = tokens.shape[1]
         both = torch.cat([tokens.double(), token_probs.double()], 1).cpu()
@@ -292,6 +304,45 @@ class ProposalPublisher:
             self.encoder, self.seed, rooms, probs, temps, salts, batched=self._takes_uniforms(), positions=positions
         )
 
+    def _encode_greedy(
+        self,
+        argmax: list[int],
+        rooms: Sequence[Any],
+        probs: torch.Tensor,
+        temps: Sequence[float],
+        salts: Sequence[str] | None,
+        positions: Sequence[int | None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
+        """:meth:`encode_rows` where rows ``argmax`` are greedy: each of those gets X = argmax of
+        each step's row, q'(X) = 1 (X's law is a point mass, the one-hot the decode verifies), no
+        proposal and a greedy provenance; the other rows are encoded as they would be in any
+        batch (their draws are keyed on the request, never on its row)."""
+        b = probs.shape[0]
+        steps = probs.shape[1] if probs.dim() == 3 else 1
+        tokens = torch.empty((b, steps), dtype=torch.int64, device=probs.device)
+        token_probs = torch.ones((b, steps), dtype=torch.float32, device=probs.device)
+        proposals: list[Any] = [None] * b
+        provenances: list[Any] = [Provenance(rule="greedy", temperature=temps[i]) for i in range(b)]
+        rows = torch.tensor(argmax, device=probs.device)
+        tokens[rows] = probs.index_select(0, rows).reshape(len(argmax), steps, -1).argmax(-1)
+        greedy = set(argmax)
+        drawn = [i for i in range(b) if i not in greedy]
+        if drawn:
+            sub = torch.tensor(drawn, device=probs.device)
+            t, p, props, provs = self.encode_rows(
+                [rooms[i] for i in drawn],
+                probs.index_select(0, sub),
+                [temps[i] for i in drawn],
+                None if salts is None else [salts[i] for i in drawn],
+                None if positions is None else [positions[i] for i in drawn],
+            )
+            tokens[sub] = t.to(probs.device, torch.int64)
+            token_probs[sub] = p.to(probs.device, torch.float32)
+            for j, i in enumerate(drawn):
+                proposals[i], provenances[i] = props[j], provs[j]
+        self.events.count("greedy", len(argmax))
+        return tokens, token_probs, proposals, provenances
+
     def deliver(self, targets: Sequence[Any], payloads: Sequence[Payload]) -> None:
         """Hand already-encoded payloads to the sink (``targets``: what ``stage`` receives)."""
         with self._lock:
@@ -325,19 +376,21 @@ class ProposalPublisher:
         temperature: float | Sequence[float] | torch.Tensor = 1.0,
         targets: Sequence[Any] | None = None,
         positions: Sequence[int | None] | None = None,
+        greedy: Sequence[bool] | None = None,
     ) -> EncodedBatch:
         """Encode one batch (:meth:`encode`) and hand each payload to the sink; returns the batch.
 
         ``targets``: what ``stage`` receives per request (SGLang's Reqs; default the
         rooms); each Req's rid and position key its draws (``positions``, default
-        :func:`draw_position` of each target). A request whose send fails is counted (``send_failed:<error>``) and
-        logged once per error; the decode then falls back to one-hot for it.
+        :func:`draw_position` of each target); ``greedy``: as for :meth:`encode`. A request
+        whose send fails is counted (``send_failed:<error>``) and logged once per error;
+        the decode then falls back to one-hot for it.
         """
         salts = None
         if targets is not None:
             salts, keyed = draw_keys(targets)
             positions = keyed if positions is None else positions
-        enc, payloads = self.encode(rooms, draft_probs, temperature, salts, positions)
+        enc, payloads = self.encode(rooms, draft_probs, temperature, salts, positions, greedy)
         self.deliver(targets if targets is not None else rooms, payloads)
         return enc
 
@@ -430,11 +483,31 @@ def _encode_rows(
         publisher.events.count("chain:published", sum(g is not None for g in got))
         return x, p, list(got)
     q2 = q.reshape(q.shape[0], -1)[rows]
-    temps = getattr(getattr(batch, "sampling_info", None), "temperatures", None)
+    info = getattr(batch, "sampling_info", None)
+    temps = getattr(info, "temperatures", None)
     temperature: Any = temps.reshape(-1)[rows] if isinstance(temps, torch.Tensor) else 1.0
     salts, positions = draw_keys(reqs)
-    enc, payloads = publisher.encode([r.bootstrap_room for r in reqs], q2, temperature, salts, positions)
+    greedy = greedy_rows(info, rows)
+    enc, payloads = publisher.encode([r.bootstrap_room for r in reqs], q2, temperature, salts, positions, greedy)
     return enc.tokens.to(torch.int64), enc.token_probs, list(payloads)
+
+
+def greedy_rows(sampling_info: Any, rows: list[int]) -> list[bool] | None:
+    """Per row of ``rows``: whether SGLang proposes that request's first draft token greedily,
+    its ``top_k <= 1`` (SamplingParams rewrites temperature 0 to temperature 1 with top-k 1;
+    SGLang's ``sample_draft_proposal`` proposes such a row's argmax since 0.5.21). None where
+    the batch carries no per-request ``top_ks`` (every row then drawn from its law).
+
+    Such a row's X is the argmax, so the only exact proposal for it is the one-hot at X
+    (``docs/strategies.md``: an argmax X verified against the softmax q is biased); sent X
+    only with a greedy provenance, the decode verifies that one-hot. The verify renormalises
+    a top-k 1 request's target to its argmax, so X is accepted exactly when it is the
+    target's argmax, as in aggregated serving, instead of with probability q(X)."""
+    top_ks = getattr(sampling_info, "top_ks", None)
+    if not isinstance(top_ks, torch.Tensor):
+        return None
+    flags: list[bool] = (top_ks.reshape(-1)[rows] <= 1).tolist()
+    return flags
 
 
 @dataclass
