@@ -4,7 +4,9 @@
 batch of finished requests and their bootstrap rooms; it samples through the
 configured encoder (which draws X from exactly the law it will send) and builds one
 :class:`~pd_middleware.Payload` per request (request id = the room as a decimal
-string). Where the payload goes is the publisher's ``sink``:
+string). A greedy request (``top_k <= 1``) is proposed as SGLang proposes it: X = argmax q,
+sent X only with a greedy provenance (:func:`greedy_rows`). Where the payload goes is the
+publisher's ``sink``:
 
 - the metadata channel (``[sglang].channel = "metadata"``): staged on the request
   (``req.pd_middleware_row``) and written by SGLang's own ``set_buf`` into the
