@@ -80,18 +80,6 @@ def recompute_overlap(release: tuple[int, ...]) -> str:
     )
 
 
-#: The recompute feature's summary names one sampler; which one draws X' depends on the
-#: release (:func:`recompute_draw`), so the report names that release's instead.
-_SAMPLER_CLAUSE = "SGLang's seeded sampler"
-
-
-def _summary(feature: Feature, release: tuple[int, ...]) -> str:
-    if feature.name != "recompute" or _SAMPLER_CLAUSE not in feature.summary:
-        return feature.summary
-    which = "SGLang's seeded fast_sample" if _seeded(release) else "the drop-in's seeded inverse-CDF draw"
-    return feature.summary.replace(_SAMPLER_CLAUSE, f"X' drawn by {which}")
-
-
 def graph_path(release: tuple[int, ...]) -> str:
     """How the proposal reaches the first verify on the draft CUDA-graph path, per the decode's rows."""
     attrs = {t.attr for t in FEATURES["decode"].targets_for(release)} if "decode" in FEATURES else set()
@@ -120,7 +108,7 @@ def release_report(version: str) -> dict[str, Any]:
         features[name] = {
             "available": r is None,
             "refused": None if r is None else r.line(version, name),
-            "summary": _summary(f, release),
+            "summary": f.summary,
             "rows": _rows(f, release),
         }
     available = {n: bool(v["available"]) for n, v in features.items()}
