@@ -685,6 +685,6 @@ register_feature(
             read(SCHEDULER_MODULE, "Scheduler.forward_stream", instance=True),
         ),
         lambda plan: "recompute" in plan.features,
-        summary="decode-only recompute: the draft head's logits, SGLang's seeded sampler, the draft TP context",
+        summary="decode-only recompute: the draft head's logits, a seeded rank-agreed draw of X', the draft TP context",
     )
 )
