@@ -28,6 +28,13 @@ min(p, q') with q' from the workload's draft head and X' ~ q', through
 :meth:`RecomputeSynthesizer.recompute <pd_middleware.decode.recompute.RecomputeSynthesizer.recompute>`),
 on the ``synthetic`` and ``ngram`` workloads. Goal: recompute / full >= 0.999.
 
+``peak_memory``: the extra peak memory of the drop-in's recompute for one prebuilt batch
+(``RecomputeSource.prepare`` and ``propose``, the builder's (B, 1, V) proposal kept)
+against SGLang's ``pd_first_draft_proposal`` at the same X (the (B, 1, V) fp32 one-hot rows
+its builder allocates without the drop-in), at B = 64 and 256 (``--memory-batches``). On
+the CPU from the allocator's own records under ``torch.profiler(profile_memory=True)``
+(``tests/_alloc_peak.py``), on CUDA from ``torch.cuda.max_memory_allocated``; the JSON says which.
+
 The last stdout line is one JSON object.
 """
 
@@ -107,53 +114,66 @@ def _sglang_model(hidden: int, device: str, dtype: Any) -> Any:
     return m.to(device=device, dtype=dtype)
 
 
-def cost(batches: list[int], hidden: int, repeats: int, device: str) -> dict[str, Any]:
-    """Recompute vs SGLang's step-0 work, per batch size."""
+def _source(hidden: int, device: str) -> tuple[Any, Any]:
+    """A RecomputeSource bound to SGLang's real EAGLE3 head (bf16) at V = 152064, and the model."""
     import torch
 
     from pd_middleware.config import parse_config
     from pd_middleware.integrations.sglang.draft_head import SGLangDraftHead
     from pd_middleware.integrations.sglang.recompute import RecomputeSource
 
-    dtype = torch.bfloat16
-    m = _sglang_model(hidden, device, dtype)
+    m = _sglang_model(hidden, device, torch.bfloat16)
+    rc = RecomputeSource(parse_config({"synthesizer": {"name": "recompute"}, "sglang": {"channel": "none"}}))
+    rc.bind_head(SGLangDraftHead(m, VOCAB), vocab_size=VOCAB, num_steps=1, rejection_sampling=True)
+    return rc, m
+
+
+def _prebuilt(b: int, h: Any, device: str) -> Any:
+    """A prebuilt batch of ``b`` requests (hidden states ``h`` (b, H)) with the fields the recompute reads."""
+    import torch
+
+    si = SimpleNamespace(
+        temperatures=torch.ones(b, 1, device=device),
+        sampling_seed=None,
+        top_ks=torch.full((b,), 50, device=device),
+    )
+    reqs = [
+        SimpleNamespace(
+            hidden_states_tensor=h[i],
+            output_topk_index=torch.tensor([0]),
+            output_topk_p=torch.tensor([1.0]),
+            bootstrap_room=i,
+        )
+        for i in range(b)
+    ]
+    return SimpleNamespace(
+        reqs=reqs,
+        sampling_info=si,
+        seq_lens=torch.full((b,), 100, device=device),
+        model_config=SimpleNamespace(vocab_size=VOCAB),
+    )
+
+
+def cost(rc: Any, m: Any, batches: list[int], hidden: int, repeats: int, device: str) -> dict[str, Any]:
+    """Recompute vs SGLang's step-0 work, per batch size (``rc``, ``m``: :func:`_source`'s)."""
+    import torch
+
     lp_mod = sys.modules["sglang.srt.layers.logits_processor"]
     fb = sys.modules["sglang.srt.model_executor.forward_batch_info"]
     from sglang.srt.speculative.spec_utils import fast_sample, renorm_draft_probs
 
-    rc = RecomputeSource(parse_config({"synthesizer": {"name": "recompute"}, "sglang": {"channel": "none"}}))
-    rc.bind_head(SGLangDraftHead(m, VOCAB), vocab_size=VOCAB, num_steps=1, rejection_sampling=True)
     meta = lp_mod.LogitsMetadata(forward_mode=fb.ForwardMode.DECODE)
     out: dict[str, Any] = {}
     for b in batches:
         g = torch.Generator().manual_seed(b)
-        h = (torch.randn(b, hidden, generator=g)).to(device=device, dtype=dtype)
+        h = (torch.randn(b, hidden, generator=g)).to(device=device, dtype=torch.bfloat16)
         normed = m.model.norm(h)  # what the prefill's draft forward hands its LogitsProcessor
-        si = SimpleNamespace(
-            temperatures=torch.ones(b, 1, device=device),
-            sampling_seed=None,
-            top_ks=torch.full((b,), 50, device=device),
-        )
-        reqs = [
-            SimpleNamespace(
-                hidden_states_tensor=h[i],
-                output_topk_index=torch.tensor([0]),
-                output_topk_p=torch.tensor([1.0]),
-                bootstrap_room=i,
-            )
-            for i in range(b)
-        ]
-        batch = SimpleNamespace(
-            reqs=reqs,
-            sampling_info=si,
-            seq_lens=torch.full((b,), 100, device=device),
-            model_config=SimpleNamespace(vocab_size=VOCAB),
-        )
+        batch = _prebuilt(b, h, device)
 
-        def sglang_step0(normed: Any = normed, si: Any = si, batch: Any = batch) -> None:
+        def sglang_step0(normed: Any = normed, batch: Any = batch) -> None:
             with torch.no_grad():
                 logits = m.logits_processor(None, normed, m.lm_head, meta).next_token_logits
-                probs = renorm_draft_probs(logits, si, True)
+                probs = renorm_draft_probs(logits, batch.sampling_info, True)
                 fast_sample(probs, 1, sampling_seed=None, positions=batch.seq_lens)
             if device != "cpu":
                 torch.cuda.synchronize()
@@ -173,6 +193,67 @@ def cost(batches: list[int], hidden: int, repeats: int, device: str) -> dict[str
             "ratio": round(t_rec / base, 3),
         }
     out["sampler"] = rc.sampler
+    return out
+
+
+def _peak(fn: Any, device: str) -> int:
+    """Peak bytes ``fn()`` holds at once above what was allocated before it (its result included)."""
+    import torch
+
+    if device == "cpu":
+        from _alloc_peak import allocation_peak
+
+        return allocation_peak(fn)[0]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return int(torch.cuda.max_memory_allocated() - base)
+
+
+def memory(rc: Any, batches: list[int], hidden: int, device: str) -> dict[str, Any]:
+    """The recompute's extra peak memory against SGLang's one-hot row set, per B (``rc``: :func:`_source`'s).
+
+    Ours: ``RecomputeSource.prepare`` and ``propose`` for a prebuilt batch, what the drop-in
+    runs in SGLang's builder (the head, q', the draw, the builder's (B, 1, V) proposal, kept).
+    SGLang's: its builder's ``pd_first_draft_proposal`` at the same X (SGLang 0.5.22 on), the
+    (B, 1, V) fp32 one-hot rows it allocates without the drop-in.
+    """
+    import torch
+    from _sglang_import import import_sglang
+
+    from pd_middleware.integrations.sglang.common import one_hot_at
+
+    builder = import_sglang("sglang.srt.speculative.eagle_disaggregation")
+    first = getattr(builder, "pd_first_draft_proposal", one_hot_at)
+    out: dict[str, Any] = {}
+    mb = 1e6
+    for b in batches:
+        g = torch.Generator().manual_seed(b)
+        batch = _prebuilt(b, torch.randn(b, hidden, generator=g).to(device=device, dtype=torch.bfloat16), device)
+
+        def ours(batch: Any = batch) -> Any:
+            state = rc.prepare(batch)
+            topk = torch.stack([r.output_topk_index for r in batch.reqs]).to(device)  # what the builder reads
+            return rc.propose(batch, state, topk, VOCAB)
+
+        topk = torch.zeros((b, 1), dtype=torch.int64, device=device)
+        ours()  # warm-up: one-off allocations (the seeded draw's probe, caches) are not the batch's
+        rec, sgl = _peak(ours, device), _peak(lambda topk=topk: first(topk, VOCAB), device)
+        out[f"B{b}"] = {
+            "recompute_peak_mb": round(rec / mb, 1),
+            "sglang_one_hot_mb": round(sgl / mb, 1),
+            "ratio": round(rec / sgl, 3),
+            "q_prime_mb": round(b * VOCAB * 4 / mb, 1),
+        }
+    out["method"] = (
+        "torch.profiler(profile_memory=True): the CPU allocator's own allocation and free records, replayed"
+        if device == "cpu"
+        else "torch.cuda.max_memory_allocated above memory_allocated before the call"
+    )
+    out["sglang_side"] = getattr(first, "__module__", "") + "." + getattr(first, "__name__", "")
     return out
 
 
@@ -227,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=None, help="H (default 4096 on CUDA, 256 on CPU)")
     ap.add_argument("--batches", default=None, help="comma-separated B (default 1,16,256 on CUDA, 1,16,64 on CPU)")
+    ap.add_argument("--memory-batches", default="64,256", help="comma-separated B for the peak memory")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--requests", type=int, default=256, help="synthetic requests for acceptance (ngram: 4x)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run for tests)")
@@ -244,13 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     hidden = args.hidden or (4096 if device == "cuda" else 256)
     batches = [int(x) for x in (args.batches or ("1,16,256" if device == "cuda" else "1,16,64")).split(",")]
     repeats, n_req = args.repeats, args.requests
+    mem_batches = [int(x) for x in args.memory_batches.split(",")]
     if args.quick:
-        hidden, batches, repeats, n_req = 64, [1, 16], 2, 32
+        hidden, batches, mem_batches, repeats, n_req = 64, [1, 16], [1, 16], 2, 32
     result: dict[str, Any] = {"benchmark": "recompute", "device": device, "vocab": VOCAB, "hidden": hidden}
     if importlib.util.find_spec("sglang") is None:
         result["ratio_vs_draft_head"] = {"skipped": "SGLang is not installed"}
+        result["peak_memory"] = {"skipped": "SGLang is not installed"}
     else:
-        result["ratio_vs_draft_head"] = cost(batches, hidden, repeats, device)
+        rc, m = _source(hidden, device)
+        result["ratio_vs_draft_head"] = cost(rc, m, batches, hidden, repeats, device)
+        result["peak_memory"] = memory(rc, mem_batches, hidden, device)
     result["goal_ratio"] = 1.2
     ratios = result["ratio_vs_draft_head"]
     if "skipped" not in ratios:  # flat figures for run_all.py's table
@@ -258,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         result["ratio_B16"] = ratios.get("B16", {}).get("ratio")
         result["largest_B"] = batches[-1]
         result["ratio_largest_B"] = ratios[f"B{batches[-1]}"]["ratio"]
+        peaks = result["peak_memory"]
+        for b in mem_batches:
+            result[f"peak_mb_B{b}"] = peaks[f"B{b}"]["recompute_peak_mb"]
+            result[f"peak_over_one_hot_B{b}"] = peaks[f"B{b}"]["ratio"]
+        result["largest_memory_B"] = mem_batches[-1]
+        result["peak_over_one_hot_largest_B"] = peaks[f"B{mem_batches[-1]}"]["ratio"]
     result["acceptance"] = acceptance(n_req, 4 * n_req)
     for wl_name, acc in result["acceptance"].items():
         result[f"recompute_over_full_{wl_name}"] = acc["recompute_over_full"]

@@ -142,6 +142,11 @@ FIGURES: dict[str, list[Figure]] = {
             lambda x: x >= 0.999,
         ),
         Figure("recompute_over_full_ngram", ">= 0.999", "the same, ngram", lambda x: x >= 0.999),
+        Figure(
+            "peak_over_one_hot_largest_B",
+            "-",
+            "extra peak memory over SGLang's one-hot rows (B, 1, V) fp32, largest memory B (256: q' + one chunk)",
+        ),
     ],
     "prefill_encode": [
         *(

@@ -128,3 +128,25 @@ def test_prefill_encode_quick_mode_prints_its_figures():
     for key in ("ms_per_batch", "ratio_per_request_over_batched", "ratio_vs_floor"):
         assert set(result[key]) == {"sparse_floor", "one_hot", "full_fp32"}
         assert all(set(v) == {"B1", "B16"} and all(x > 0 for x in v.values()) for v in result[key].values())
+
+
+def test_recompute_quick_mode_prints_its_peak_memory_beside_sglangs_one_hot():
+    """The recompute benchmark in quick mode reports its peak memory per B beside SGLang's
+    one-hot rows, with the method. Behaviour, not values: the measure sees the allocations
+    it claims to (SGLang's (B, 1, V) fp32 one-hot is B x V x 4 bytes, and the recompute's
+    peak holds at least q' of that size), and says how it measured."""
+    pytest.importorskip("torch")
+    proc = _run(str(BENCH / "recompute.py"), "--quick", timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "recompute" and result["quick"] is True
+    peaks = result["peak_memory"]
+    if importlib.util.find_spec("sglang") is None:
+        assert peaks == {"skipped": "SGLang is not installed"}
+        return
+    assert "torch.profiler(profile_memory=True)" in peaks["method"] or "cuda" in peaks["method"], peaks
+    for b in ("B1", "B16"):
+        row = peaks[b]
+        assert abs(row["sglang_one_hot_mb"] - row["q_prime_mb"]) <= 0.1, row
+        assert row["recompute_peak_mb"] >= row["q_prime_mb"], row
+    assert result["peak_over_one_hot_largest_B"] == peaks["B16"]["ratio"]
