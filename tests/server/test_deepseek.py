@@ -14,7 +14,13 @@ request sent to the prefill and one decode without a router (``workload.generate
   fault switch on its head, whose gating file holds the spec in force: ``head`` (every
   rank's head fails: every request falls back to the one-hot at the prefill's X, which is
   SGLang's own proposal, so this phase is the same-topology stock reference), then
-  ``head:1`` (one DP rank's head fails), then no file (recompute everywhere).
+  ``head:1`` (one DP rank's head fails), then no file (recompute everywhere);
+- ``attn_tp2``: the same default on a decode with attention TP 2 (``--tp-size 2 --dp-size 1
+  --enable-dp-attention --enable-dp-lm-head``): the draft head gathers its logits over the
+  attention-TP group, under the overlap scheduler issued on the forward stream.
+
+Every decode and the aggregated reference run SGLang's overlap scheduler (the tier's
+``overlap_spec_cpu``), as on a GPU.
 
 An aggregated server on the same models is the reference for outputs and acceptance.
 
@@ -27,6 +33,9 @@ An aggregated server on the same models is the reference for outputs and accepta
   same-topology stock phase and of recompute equal aggregated serving's up to its
   near-ties; acceptance within aggregated's band and above the stock phase's one-hot; a fault on one rank's head: that rank's requests fall back, the other's
   recompute, no hang, each request counted once in ``/metrics``.
+- Attention TP 2: every request served, greedy outputs equal aggregated serving's up to its
+  near-ties, acceptance within aggregated's band and above the stock decode's one-hot
+  (a rate whose law depends only on the models), each request recomputed once.
 """
 
 from __future__ import annotations
@@ -60,13 +69,14 @@ class DeepSeek:
     stock: h.Server
     recompute: h.Server
     dp: h.Server
+    attn_tp2: h.Server
     switch: Path
     #: figures a later test compares with (module order: TP 1 first, then the DP phases)
     seen: dict[str, object] = field(default_factory=dict)
 
     @property
     def servers(self) -> list[h.Server]:
-        return [self.agg, self.prefill, self.stock, self.recompute, self.dp]
+        return [self.agg, self.prefill, self.stock, self.recompute, self.dp, self.attn_tp2]
 
 
 def deepseek_models(server_models: dict[str, Path]) -> h.Models:
@@ -103,6 +113,15 @@ def ds(server_models: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.T
                     "tp": 2,
                     "extra_args": dp_args,
                     "env_extra": {FAULT: "head", FAULT_WHILE: str(switch)},
+                },
+            ),
+            (
+                "ds-decode-attn-tp2",
+                {
+                    "role": "decode",
+                    "config": cfg,
+                    "tp": 2,
+                    "extra_args": [*metrics, "--enable-dp-attention", "--dp-size", "1", "--enable-dp-lm-head"],
                 },
             ),
         ):
@@ -148,9 +167,16 @@ def test_every_decode_and_the_reference_run_the_overlap_scheduler(ds: DeepSeek) 
     """The production path: every decode (the DP-attention one included) and the aggregated
     reference run SGLang's overlap scheduler (cpu_gaps' ``overlap_spec_cpu``); the prefill
     does not (the tier's ``prefill_host_indices`` gap relies on it)."""
-    for srv in (ds.agg, ds.stock, ds.recompute, ds.dp):
+    for srv in (ds.agg, ds.stock, ds.recompute, ds.dp, ds.attn_tp2):
         assert h.overlapped(srv), srv.name
     assert not h.overlapped(ds.prefill)
+    # The attention-TP 2 head gathers, so it is issued on the forward stream on both ranks;
+    # the DP decode's (attention TP 1) gathers nothing and runs where it is called.
+    log = ds.attn_tp2.log(10**8)
+    for rank in (0, 1):
+        line = f"TP{rank}] pd-middleware recompute active on the decode: draft DeepseekV3ForCausalLMNextN"
+        assert line in log and "head issued on the forward stream" in log, rank
+    assert "head issued on the scheduler's stream" in ds.dp.log(10**8)
 
 
 def test_greedy_outputs_of_both_decodes_equal_aggregated(ds: DeepSeek) -> None:
@@ -176,7 +202,7 @@ def test_recompute_matches_aggregated_acceptance_and_beats_sglangs_one_hot(ds: D
     a = w.first_verify_rate(w.generate(ds.agg.url, texts, temperature=1.0, max_new_tokens=2))
     o = w.first_verify_rate(_pd(ds, ds.stock, texts, temperature=1.0, max_new_tokens=2))
     r = w.first_verify_rate(_pd(ds, ds.recompute, texts, temperature=1.0, max_new_tokens=2))
-    ds.seen["aggregated"] = a
+    ds.seen["aggregated"], ds.seen["one_hot"] = a, o
     print(f"DeepSeek + NextN, first-verify acceptance: aggregated {a}, PD + recompute {r}, PD stock one-hot {o}")
     assert 0.2 < a.p < 0.9, f"the trained pair's aggregated acceptance {a} cannot tell one-hot from recompute"
     assert abs(w.z_diff(r, a)) <= Z_SAME
@@ -236,4 +262,26 @@ def test_dp_attention_recompute_matches_aggregated_and_its_stock_outputs(ds: Dee
     assert abs(w.z_diff(r, a)) <= Z_SAME
     assert w.z_diff(r, o) >= Z_BETTER
     assert _rc(delta, "recomputed") == n, delta  # /metrics counts each request once, both DP ranks summed
+    assert not [k for k in delta if "fallback" in k], delta
+
+
+def test_attention_tp2_recompute_serves_at_aggregated_level(ds: DeepSeek) -> None:
+    """``--tp 2 --dp 1 --enable-dp-attention --enable-dp-lm-head``, overlapped: the draft
+    head's attention-TP gather is a real collective between the two ranks, issued on the
+    forward stream. Every request served; greedy outputs equal aggregated serving's up to
+    its near-ties; first-verify acceptance within aggregated's band and above the stock
+    decode's one-hot; each request recomputed once (rank 0 reports), none fell back."""
+    if "aggregated" not in ds.seen or "one_hot" not in ds.seen or "greedy" not in ds.seen:
+        pytest.skip("needs the aggregated outputs and rate and the stock one-hot rate (earlier tests of this module)")
+    before = w.settled_events(ds.attn_tp2.url)
+    greedy = _pd(ds, ds.attn_tp2, w.prompts(N_GREEDY, offset=7), temperature=0.0, max_new_tokens=GREEDY_TOKENS)
+    r = w.first_verify_rate(_pd(ds, ds.attn_tp2, w.prompts(N, offset=2), temperature=1.0, max_new_tokens=2))
+    delta = _events_delta(before, w.settled_events(ds.attn_tp2.url))
+    a, o = ds.seen["aggregated"], ds.seen["one_hot"]
+    assert isinstance(a, w.Rate) and isinstance(o, w.Rate)
+    print(f"attention TP 2 (overlapped): aggregated {a}, recompute {r}, stock one-hot {o}; events {delta}")
+    _agree("attention-TP 2 decode, recompute", greedy, ds.seen["greedy"])  # type: ignore[arg-type]
+    assert abs(w.z_diff(r, a)) <= Z_SAME
+    assert w.z_diff(r, o) >= Z_BETTER
+    assert _rc(delta, "recomputed") == N_GREEDY + N, delta
     assert not [k for k in delta if "fallback" in k], delta
