@@ -56,6 +56,8 @@ class Servers:
         self.onehot: h.Pair = shared.onehot  # type: ignore[assignment]
         self.dropin = dropin
         self.sent_dropin = 0
+        #: Of those, greedy (temperature 0): a shipped arm proposes them one-hot at the argmax.
+        self.greedy_dropin = 0
         #: Starts a prefill like the pair's in place of a stopped one (same ports).
         self.restart = restart
 
@@ -118,6 +120,7 @@ def test_greedy_outputs_equal_aggregated(servers: Servers) -> None:
     pd = w.generate(servers.dropin.router.url, texts, temperature=0.0, max_new_tokens=12)  # type: ignore[union-attr]
     base = w.generate(servers.onehot.router.url, texts, temperature=0.0, max_new_tokens=12)  # type: ignore[union-attr]
     servers.sent_dropin += len(pd)
+    servers.greedy_dropin += len(pd)
     assert all(r.status == 200 for r in agg + pd + base), [r.error for r in agg + pd + base if r.status != 200]
     assert [r.output_ids for r in pd] == [r.output_ids for r in agg]
     assert [r.output_ids for r in base] == [r.output_ids for r in agg]
@@ -222,13 +225,20 @@ def test_counters_on_both_nodes_count_each_request_once(servers: Servers) -> Non
     def event(values: dict[str, float], part: str, name: str) -> float:
         return sum(v for k, v in values.items() if f'part="{part}"' in k and f'event="{name}"' in k)
 
-    # Every request's proposal came from the prefill's payload (arms sparse and one_hot) or
-    # was recomputed by the decode's draft head (arm recompute), once each, none from a fallback.
-    recomputed = event(events, "recompute", "recomputed")
-    assert recomputed > 0 and event(events, "decode", "proposal:prefill") + recomputed == sent
-    assert event(events, "decode", "attached:prefill") == sent  # each row read and attached once
+    # Every request's proposal came from the prefill's payload (arms sparse and one_hot), was
+    # recomputed by the decode's draft head (arm recompute), or, a greedy request on a shipped
+    # arm, is the one-hot at the argmax the prefill sent X-only (proposal:local, as SGLang
+    # proposes greedy rows): once each, none from a fallback.
+    recomputed, local = event(events, "recompute", "recomputed"), event(events, "decode", "proposal:local")
+    assert recomputed > 0 and event(events, "decode", "proposal:prefill") + local + recomputed == sent
+    assert local <= servers.greedy_dropin, (local, servers.greedy_dropin)
+    # Each row read and attached once: a distribution for every sampled request, none (X-only)
+    # for a greedy one, whichever arm it went to.
+    assert event(events, "decode", "attached:prefill") == sent - servers.greedy_dropin
+    assert event(events, "decode", "attached:no_distribution") == servers.greedy_dropin
     assert not [k for k, v in events.items() if 'part="recompute"' in k and "fallback" in k and v], events
-    assert event(events, "decode", "proposal:local") == 0
+    # The prefill proposed every greedy request at its argmax (its health checks apart).
+    assert event(published, "prefill", "greedy") - event(published, "prefill", "probe") == servers.greedy_dropin
     assert event(events, "inband", "inband:read") >= sent
     # The prefill staged one payload per request (its warmups and health checks apart), and
     # its own /metrics says so.
