@@ -679,7 +679,9 @@ def overlapped(srv: Server) -> bool:
     the ``server_args`` its log prints at start, the value SGLang resolved (on the CPU its
     own refusal sets it True for speculative decoding unless ``cpu_gaps``' ``overlap_spec_cpu``
     is on). Raises AssertionError when the log has no such line."""
-    found = re.findall(r"'disable_overlap_schedule': (True|False)", srv.log(10**8))
+    # A dict's repr from 0.5.19 on ('disable_overlap_schedule': False), ServerArgs' on 0.5.18
+    # (disable_overlap_schedule=False).
+    found = re.findall(r"\bdisable_overlap_schedule'?(?:: |=)(True|False)", srv.log(10**8))
     assert found, f"{srv.name}: no server_args line with disable_overlap_schedule in its log"
     return found[0] == "False"
 
