@@ -38,6 +38,7 @@ Every wait is bounded; every port is on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -50,7 +51,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -454,6 +455,33 @@ def wait_exit(srv: Server, timeout_s: float = START_TIMEOUT_S) -> int:
         raise ServerFailed(
             f"{srv.name} still running after {timeout_s:.0f} s", name=srv.name, log=srv.log(), returncode=None
         ) from None
+
+
+@contextlib.contextmanager
+def interpreters(
+    script: str, envs: Mapping[str, Mapping[str, str]], args: Sequence[str] = ()
+) -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """``python -c script *args`` in one fresh interpreter per key of ``envs`` (its
+    environment, e.g. :func:`server_env` of a release), all started at once (each is an
+    import of SGLang's modules: together they take the time of the slowest, not the sum);
+    yields the processes by key (read them with ``communicate(timeout=...)``). Every one still
+    running when the block ends is killed."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for key, env in envs.items():
+            procs[key] = subprocess.Popen(
+                [sys.executable, "-c", script, *args],
+                env=dict(env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
 
 
 def stop(srv: Server, grace_s: float = 15.0) -> None:

@@ -521,27 +521,16 @@ def overlap_resolutions() -> Iterator[dict[str, subprocess.Popen[str]]]:
     from server import harness as h
 
     models = Path(cpu_gaps.__file__).resolve().parents[1] / "models" / "trained"
-    procs: dict[str, subprocess.Popen[str]] = {}
-    try:
-        for release in [cpu_gaps.CURRENT, *sorted(cpu_gaps.RELEASES)]:
-            folder = None if release == cpu_gaps.CURRENT else release
-            if folder is not None and not (h.release_dir(folder) / "sglang").is_dir():
-                continue
-            env = h.server_env(None, release=folder)
-            env.pop(cpu_gaps.ENV_GAPS, None)
-            procs[release] = subprocess.Popen(
-                [sys.executable, "-c", _RESOLVE_OVERLAP, str(models)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+    envs: dict[str, dict[str, str]] = {}
+    for release in [cpu_gaps.CURRENT, *sorted(cpu_gaps.RELEASES)]:
+        folder = None if release == cpu_gaps.CURRENT else release
+        if folder is not None and not (h.release_dir(folder) / "sglang").is_dir():
+            continue
+        env = h.server_env(None, release=folder)
+        env.pop(cpu_gaps.ENV_GAPS, None)
+        envs[release] = env
+    with h.interpreters(_RESOLVE_OVERLAP, envs, [str(models)]) as procs:
         yield procs
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
 
 
 @pytest.mark.sglang

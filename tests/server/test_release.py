@@ -48,7 +48,6 @@ import json
 import math
 import random
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -430,23 +429,13 @@ def override_checks(request: pytest.FixtureRequest) -> Iterator[dict[str, subpro
         for it in request.session.items
         if getattr(it, "originalname", None) == name
     }
-    procs: dict[str, subprocess.Popen[str]] = {}
-    try:
-        for v in RELEASES:
-            if v in selected and (h.release_dir(v) / "sglang").is_dir():
-                procs[v] = subprocess.Popen(
-                    [sys.executable, "-c", _CHECK],
-                    env=h.server_env(None, {"PDM_CPU_GAPS": "torchvision_meta"}, release=v),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
+    envs = {
+        v: h.server_env(None, {"PDM_CPU_GAPS": "torchvision_meta"}, release=v)
+        for v in RELEASES
+        if v in selected and (h.release_dir(v) / "sglang").is_dir()
+    }
+    with h.interpreters(_CHECK, envs) as procs:
         yield procs
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
 
 
 @pytest.mark.parametrize("version", RELEASES)

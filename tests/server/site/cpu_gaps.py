@@ -317,14 +317,27 @@ def _add_amx(module: types.ModuleType, orig: Any) -> None:
 DETERMINISTIC_REFUSAL = "Deterministic rejection sampling is currently supported only on"
 
 
-def _refusal_present(orig: Any) -> str:
-    try:
-        src = inspect.getsource(orig)
-    except (OSError, TypeError) as exc:
-        return f"_handle_eagle_family's source cannot be read ({exc})"
-    if DETERMINISTIC_REFUSAL not in src or 'not cfg.device.startswith("cuda")' not in src:
-        return "_handle_eagle_family no longer refuses deterministic rejection sampling off CUDA (drop the override)"
-    return ""
+def _source_says(name: str, needles: tuple[str, ...], gone: str) -> Callable[[Any], str]:
+    """A check that function ``name``'s source still holds every one of ``needles`` (the
+    refusal an override lifts); ``gone``: what it no longer does when one is missing."""
+
+    def check(orig: Any) -> str:
+        try:
+            src = inspect.getsource(orig)
+        except (OSError, TypeError) as exc:
+            return f"{name}'s source cannot be read ({exc})"
+        if any(n not in src for n in needles):
+            return f"{name} no longer {gone} (drop the override)"
+        return ""
+
+    return check
+
+
+_refusal_present = _source_says(
+    "_handle_eagle_family",
+    (DETERMINISTIC_REFUSAL, 'not cfg.device.startswith("cuda")'),
+    "refuses deterministic rejection sampling off CUDA",
+)
 
 
 def cpu_hash_registered() -> bool:
@@ -390,14 +403,11 @@ def _batch_invariant_off_cpu(module: types.ModuleType, orig: Any) -> Any:
 OVERLAP_REFUSAL = "Overlap schedule is not implemented for speculative decoding on CPU"
 
 
-def _overlap_refusal_present(orig: Any) -> str:
-    try:
-        src = inspect.getsource(orig)
-    except (OSError, TypeError) as exc:
-        return f"_disable_overlap_schedule_for_cpu's source cannot be read ({exc})"
-    if OVERLAP_REFUSAL not in src or "disable_overlap_schedule" not in src:
-        return "_disable_overlap_schedule_for_cpu no longer turns the overlap schedule off on CPU (drop the override)"
-    return ""
+_overlap_refusal_present = _source_says(
+    "_disable_overlap_schedule_for_cpu",
+    (OVERLAP_REFUSAL, "disable_overlap_schedule"),
+    "turns the overlap schedule off on CPU",
+)
 
 
 def _keep_overlap(module: types.ModuleType, orig: Any) -> Any:
