@@ -322,10 +322,12 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
     batches where one rank differs from the other: its head fails (a bf16 head, and a bf16
     head whose output is fp32: ``enable_lm_head_fp32``, the switch of ``--enable-fp32-lm-head``),
     its hidden state is missing, it draws another X', its row is invalid and its prefill X
-    differs, the staging of its write fails, its head fails in one chunk of rows of three, and (last: on a build where that rank skips the
-    gather, the ranks are left in different collectives) the copy of its batch to the head's
-    device fails. Each runs both ranks' ``prepare`` in lockstep,
-    bounded (a rank left alone in a collective is reported ``hung``, and no later scenario runs).
+    differs, the staging of its write fails, its head fails in one chunk of rows of three,
+    and (last: on a build where that rank skips the gather, the ranks are left in different
+    collectives) the copy of its batch to the head's device fails, reading its rows in the
+    builder's split fails, and the copy fails with the blank inputs that stand in for it.
+    Each runs both ranks' ``prepare`` in lockstep, bounded (a rank left alone in a
+    collective is reported ``hung``, and no later scenario runs).
     Per scenario: the X each request hands SGLang, the agreed rows, the count deltas, and every
     gather's (dtype, shape)."""
     import torch
@@ -495,7 +497,22 @@ def _tp2_scenarios(rank: int, source: Any, sched: Any, draft: Callable[..., Any]
         b = _SplitFails(reqs=b.reqs, model_config=b.model_config, sampling_info=b.sampling_info)
     built = wrap_build(lambda batch, last, future: None, source.inst)
     out["builder_source_is_recompute"] = source.inst.source is source
-    run("split_fails_on_one_rank", b, call=lambda batch: built(batch, None, None))
+    if not run("split_fails_on_one_rank", b, call=lambda batch: built(batch, None, None)):
+        return out
+    # Rank 1's copy of the batch to the head's device fails, and so does building the blank
+    # inputs that stand in for it (an OOM on that rank). Last: where that rank skips the
+    # gather, the two ranks sit in different collectives and nothing after could run.
+    bind(draft(torch.float32))
+    b = _batch(torch, 2, seed=29)
+    if rank == 1:
+        b.seq_lens = _FailingCopy(b.seq_lens)
+
+        def no_memory(rows: int) -> Any:
+            raise torch.OutOfMemoryError(f"injected: no memory for {rows} blank rows on this rank")
+
+        source._blank = no_memory
+    run("blank_fails_on_one_rank", b)
+    source.__dict__.pop("_blank", None)
     return out
 
 

@@ -356,3 +356,26 @@ def test_a_split_that_fails_on_one_rank_in_the_builder_still_enters_the_heads_ga
     assert s0["counts"] == {"batches": 1, "retracted": 1, "fallback:peer_failed": 1}, s0["counts"]
     assert s1["counts"] == {"batches": 1, "retracted": 1, "fallback:failed": 1}, s1["counts"]
     assert s1["guard"] == {"guard:recompute:RuntimeError": 1} and s0["guard"] == {}, (s0["guard"], s1["guard"])
+
+
+def test_a_rank_that_cannot_build_blank_inputs_still_enters_the_heads_gather():
+    """Rank 1's copy of the batch to the head's device fails, and then so does building the
+    blank inputs that stand in for it (``RecomputeSource._blank`` raises
+    ``torch.OutOfMemoryError``: an OOM on that rank alone). It still enters SGLang's gather,
+    with rows that carry no features: its head refuses them before any kernel and sends
+    zeros of the dtype and width its peer sends. Then it votes "not ok": both ranks hand
+    SGLang the prefill's X, one-hot, each request counted once on each rank (rank 1
+    ``failed``, its OOM counted apart, rank 0 ``peer_failed``). Negative control tried: the
+    landed ``_votes`` (``_blank``'s failure raised out of the vote before the head's gather)
+    leaves rank 1 in the vote's all-reduce and rank 0 in the gather; each rank's wait is
+    bounded (``SCENARIO_WAIT_S``), so the scenario is reported hung and this test fails
+    instead of hanging the run."""
+    s0, s1 = scenario("blank_fails_on_one_rank")
+    for s in (s0, s1):
+        assert s["gathers"] == [["torch.float32", [2, 64]]], s["gathers"]  # once, the same bytes on both
+        assert s["x"] == [5, 5] and s["agreed"] is None, s
+    assert s0["counts"] == {"batches": 1, "fallback:peer_failed": 2}, s0["counts"]
+    assert s1["counts"] == {"batches": 1, "fallback:failed": 2}, s1["counts"]
+    assert s0["guard"] == {}, s0["guard"]
+    # The copy's failure is the rank's vote; the OOM that followed it is counted too.
+    assert s1["guard"] == {"guard:recompute:RuntimeError": 1, "guard:recompute_blank:OutOfMemoryError": 1}, s1["guard"]

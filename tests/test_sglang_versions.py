@@ -473,7 +473,7 @@ def test_every_recommended_config_installs_on_its_release(version) -> None:
 @pytest.mark.parametrize("version", RELEASES)
 def test_each_release_says_which_sampler_draws_recompute_x(version, capsys) -> None:
     """Issue 45 item 3: up to 0.5.22 SGLang's fast_sample takes no seed and the drop-in draws X'
-    with its own seeded inverse-CDF draw (recompute.py's ``_unseeded``); from 0.5.23 SGLang's
+    with its own seeded inverse-CDF draw (recompute_capture.py's ``_unseeded``); from 0.5.23 SGLang's
     seeded fast_sample draws it. Under the overlap scheduler at TP > 1 the head runs on the
     forward stream on every release (nothing refused there)."""
     seeded = version == "0.5.23"

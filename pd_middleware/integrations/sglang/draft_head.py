@@ -136,7 +136,8 @@ class SGLangDraftHead:
     (:func:`check_servable`).
 
     **The gather runs on every rank, always, on the same bytes**: a failure of this rank's
-    part before it (its norm or matmul) is remembered, the gather runs on zeros of the
+    part before it (hidden states of another width, refused before any kernel, or its norm
+    or matmul) is remembered, the gather runs on zeros of the
     dtype and width a real output of this part had at construction (``out_dtype``,
     ``local_width``: fp32 under ``--enable-fp32-lm-head`` whatever the weight's dtype),
     and the failure is raised after it, so no rank leaves the others waiting in the
@@ -211,6 +212,13 @@ class SGLangDraftHead:
         with torch.no_grad(), self.order() as ordered, self.scope():
             failed: BaseException | None = None
             try:
+                if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+                    # Refused before any kernel: a rank's stand-in rows without features
+                    # (recompute's _featureless) still gather zeros below.
+                    raise ValidationError(
+                        f"the draft head reads (B, {self.hidden_size}) hidden states, got {tuple(hidden.shape)}",
+                        field="hidden",
+                    )
                 logits = self._local(hidden)
                 if logits.dtype != self.out_dtype or tuple(logits.shape) != (b, self.local_width):
                     raise ValidationError(

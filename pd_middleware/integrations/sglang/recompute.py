@@ -15,8 +15,10 @@ time), with the synthesizer's own law and draw (:meth:`~pd_middleware.decode.rec
   context (``draft_tp_context(draft_worker.parallel_layout)``, as SGLang wraps every draft
   call), so its vocab-parallel gather uses the group SGLang uses for this draft;
 - X' drawn from q' by the engine's seeded sampler, offered to the synthesizer as its
-  ``seeded_draw`` capability: SGLang's ``fast_sample(q', sampling_seed, positions=seq_lens)``,
-  seeded by the request's sampling seed (``--enable-deterministic-inference``), or without
+  ``seeded_draw`` capability: from 0.5.23 SGLang's ``fast_sample(q', sampling_seed,
+  positions=seq_lens)`` (before, its ``fast_sample`` takes no seed, and X' is the drop-in's
+  seeded inverse-CDF draw: same law, rank-agreed), seeded by the request's sampling seed
+  (``--enable-deterministic-inference``), or without
   one by a seed derived from its bootstrap room, so every TP rank draws the same X'.
   ``seq_lens`` of the prebuilt batch is the prompt length, the position the prefill drew
   its own X at, with the draft stream's salt and draft step 0: the very stream aggregated
@@ -31,9 +33,10 @@ prefill X any rank holds). A failure on one rank is its vote; the head's gathers
 chunk) still run on every rank, on the same bytes (:class:`~.draft_head.SGLangDraftHead`): every step
 before the gather (reading the batch, copying it to the head's device:
 :meth:`RecomputeSource._inputs`) runs inside the vote, and a rank whose step failed runs
-the head on blank inputs of the same shapes, then votes "not ok". Everything that can
-fail on one rank runs before the vote (:meth:`RecomputeSource._stage`); after it a rank
-only assigns what it staged. Each per-rank step is a method of its own (``_hidden``,
+the head on blank inputs of the same shapes (where even those fail, an OOM, on rows
+without features, which the head refuses before any kernel), then votes "not ok".
+Everything that can fail on one rank runs before the vote (:meth:`RecomputeSource._stage`);
+after it a rank only assigns what it staged. Each per-rank step is a method of its own (``_hidden``,
 ``_inputs``, ``_stage``; the head's ``_local``), so a deployment's fault injection wraps
 one without reaching into the vote (the server tier's does: ``docs/server.md``). X' and q'(X') are written into each agreed request's
 ``output_topk_index``/``output_topk_p`` (the fields the builder reads), and q' itself
@@ -41,64 +44,33 @@ is the builder's ``pd_first_draft_proposal``. All of it happens inside the origi
 call, so **before** ``future_map.stash`` copies the draft input under the overlap
 scheduler.
 
-Where it runs, and what is refused at startup (:func:`capture`, with the checks of
-:mod:`.startup` and :mod:`.draft_head`; ``docs/sglang.md``):
-the builder runs on the scheduler thread (``Scheduler.get_new_prebuilt_batch`` ->
-``process_prebuilt``). A head with no collective (TP 1, or DP attention with
-``--enable-dp-lm-head`` at attention-TP 1) is safe there. A vocab-parallel head (TP > 1)
-all-gathers its logits (over the attention-TP group with ``--enable-dp-lm-head`` at
-attention TP > 1): every TP rank of a node builds the same prebuilt batch at the same
-point of its event loop (SGLang's transfer polls are all-reduced over the TP group), and
-under the overlap scheduler the head is issued on the scheduler's forward stream
-(:mod:`.ordering`), so its gather sits between the forward in flight and the next in one
-stream's order on every rank. A draft whose LogitsProcessor
-gathers hidden states over every DP rank (DP attention without ``--enable-dp-lm-head``,
-for a draft that shares the target's layout) is refused: DP ranks' prebuilt batches are
-not synchronised. A token map that is not the identity, a draft vocabulary whose width
-is not the target's, and a quantised or LoRA ``lm_head``
-(:func:`~.draft_head.check_servable`) are refused at startup too.
-
-This module is the source alone: the head adapter is :mod:`.draft_head`, the placement
-and width checks are :mod:`.startup`'s.
+This module is the source, per batch. At scheduler start :func:`~.recompute_capture.capture`
+finds the draft model, checks it and where its gather runs (what is refused, and why:
+:mod:`.recompute_capture`), and binds the source; the head adapter is :mod:`.draft_head`,
+the placement and width checks are :mod:`.startup`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...core._errors import ConfigError, PluginError, ValidationError
+from ...core._errors import ConfigError, ValidationError
 from ...core.draft_head import DRAFT_HEAD
 from ...core.events import Events
 from ...decode.recompute import SEEDED_DRAW, Recomputed, RecomputeSynthesizer, seed_from_room
 from .agreement import NEUTRAL, Verdict, agree, group_of
 from .common import is_probe, one_hot_at
-from .draft_head import SGLangDraftHead, copy_without_softcap, find_draft_model
-from .ordering import forward_order
-from .patching import (
-    LOGITS_MODULE,
-    SCHEDULER_MODULE,
-    SPEC_UTILS_MODULE,
-    WORKER_MODULE,
-    Feature,
-    Symbols,
-    read,
-    register_feature,
-)
+from .draft_head import SGLangDraftHead
+from .patching import register_feature
 from .proposer import request_tokens
+from .recompute_capture import FEATURE, capture
 from .sources import ProposalSource
-from .startup import check_placement, check_token_map, check_width, draft_worker_of, token_map_of
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
-
-LP = f"{LOGITS_MODULE}.LogitsProcessor"
-FAST_SAMPLE = f"{SPEC_UTILS_MODULE}.fast_sample"
-DRAFT_TP_CONTEXT = f"{SPEC_UTILS_MODULE}.draft_tp_context"
 
 
 @dataclass
@@ -284,8 +256,10 @@ class RecomputeSource(ProposalSource):
         The head's gathers (one a chunk of rows: ``head_probs``) are entered whatever
         happened before them: every step that reads the batch or moves it to the head's
         device runs in one ``try`` (:meth:`_inputs`); a failure there leaves the head inputs
-        of the same shapes (:meth:`_blank`), the head and its gathers run on those, and the
-        failure is raised after them. Nothing else runs between the vote's start and them."""
+        of the same shapes (:meth:`_blank`), or, where even those fail (an OOM on this
+        rank), rows without features (:func:`_featureless`); the head and its gathers run on
+        those, and the first failure is raised after them. Nothing else runs between the
+        vote's start and them."""
         assert self.synth is not None and self.head is not None
         b = len(reqs)
         failed: BaseException | None = None
@@ -296,17 +270,25 @@ class RecomputeSource(ProposalSource):
             inputs = self._inputs(batch, reqs)
         except Exception as exc:  # this rank votes "not ok", after the head's gather
             failed = exc
-            inputs = self._blank(b)
+            try:
+                inputs = self._blank(b)
+            except Exception as blank_exc:  # raising here would skip the gather its peers wait in
+                seen["blank_failed"] = blank_exc  # counted after the vote (_settle)
+                inputs = _featureless(b)
         # The head (and its gather) runs whatever happened above.
-        rec = self.synth.recompute(
-            inputs.hidden,
-            temperatures=inputs.temperatures,
-            seeds=inputs.seeds,
-            positions=inputs.positions,
-            greedy=inputs.greedy,
-        )
+        try:
+            rec = self.synth.recompute(
+                inputs.hidden,
+                temperatures=inputs.temperatures,
+                seeds=inputs.seeds,
+                positions=inputs.positions,
+                greedy=inputs.greedy,
+            )
+        except Exception:
+            if failed is None:
+                raise
         if failed is not None:
-            raise failed
+            raise failed  # this rank's own failure, not the head's on rows without features
         tokens = rec.tokens
         if self.head.draft_id_of is not None:
             tokens = self.head.draft_id_of[tokens]  # the builder's X is a draft id: SGLang maps it through the map
@@ -337,7 +319,9 @@ class RecomputeSource(ProposalSource):
 
     def _blank(self, b: int) -> _HeadInputs:
         """Head inputs of the shapes :meth:`_inputs` gives, for a rank whose own failed: the
-        head's gather sees the bytes a real batch of ``b`` rows sends (what is drawn is discarded)."""
+        head runs its own part as its peers do, and its gather sees the bytes a real batch of
+        ``b`` rows sends (what is drawn is discarded). It allocates on the head's device, so
+        it can fail where :func:`_featureless` cannot."""
         assert self.head is not None
         head = self.head
         zeros = torch.zeros(b, dtype=torch.int64, device=head.device)
@@ -406,10 +390,13 @@ class RecomputeSource(ProposalSource):
                 reqs[i].output_topk_index = staged.x[i]
                 reqs[i].output_topk_p = staged.p[i]
             state = Prepared(staged.rec, agreed, user)
+        events = self.inst.events if self.inst is not None else self.events
         try:
+            blank_failed = seen.get("blank_failed")
+            if blank_failed is not None:
+                events.failed("recompute_blank", blank_failed, "the head's gathers on rows without features")
             self._count(verdict, staged, agreed, user)
         except Exception as exc:  # counting never changes what this rank hands SGLang after the vote
-            events = self.inst.events if self.inst is not None else self.events
             events.failed("recompute_count", exc, "the batch as agreed (its counts are lost)")
         return state
 
@@ -459,6 +446,14 @@ class RecomputeSource(ProposalSource):
         return {"recompute": dict(self.counts)}
 
 
+def _featureless(b: int) -> _HeadInputs:
+    """Head inputs of ``b`` rows and no features, on the CPU (nothing on the head's device),
+    for a rank whose blank inputs failed too. The head refuses their width before any kernel
+    and gathers zeros of its peers' dtype and width (:meth:`.SGLangDraftHead.logits`)."""
+    zeros = torch.zeros(b, dtype=torch.int64)
+    return _HeadInputs(torch.empty((b, 0)), temperatures=torch.ones((b, 1)), seeds=zeros, positions=zeros, greedy=None)
+
+
 class _NoHidden(ValidationError):
     """A request of the batch arrived without the prefill's hidden state (fallback ``no_hidden``)."""
 
@@ -467,224 +462,5 @@ class _Shape(ValidationError):
     """The hidden states are not the draft head's width (fallback ``shape``)."""
 
 
-# --------------------------------------------------------------------- scheduler start
-
-
-def capture(source: RecomputeSource, scheduler: Any, *, vocab_size: int, num_steps: int, rs: bool) -> None:
-    """At scheduler start (decode): find the draft model, check it and its placement, bind."""
-    model = find_draft_model(scheduler)
-    if model is None:
-        raise ConfigError(
-            'synthesizer = "recompute" needs the decode\'s EAGLE draft worker (scheduler.draft_worker), and this '
-            "scheduler has none (no speculative algorithm, or not the last pipeline stage); use a shipped strategy",
-            path="synthesizer",
-        )
-    symbols = source.inst.symbols if source.inst is not None else Symbols()
-    worker = draft_worker_of(scheduler)
-    if type(worker).__name__ == "EagleDraftWorker":
-        symbols.check_instance(worker, f"{WORKER_MODULE}.EagleDraftWorker")
-    if type(scheduler).__name__ == "Scheduler":
-        symbols.check_instance(scheduler, f"{SCHEDULER_MODULE}.Scheduler")
-    hot = token_map_of(worker)
-    check_token_map(hot, vocab_size)
-    head: SGLangDraftHead | None
-    try:
-        head = SGLangDraftHead(
-            model, vocab_size, hot_token_id=hot, scope=_draft_scope(worker, symbols), symbols=symbols
-        )
-    except PluginError as exc:
-        logger.warning("pd-middleware recompute: %s; every request falls back to one-hot (counted)", exc)
-        head = None
-    if head is not None:
-        symbols.check_instance(head.lp, LP)
-        check_width(head)
-        overlap = bool(getattr(scheduler, "enable_overlap", False))
-        check_placement(head.lp, enable_overlap=overlap, forward_stream=getattr(scheduler, "forward_stream", None))
-        head.order = forward_order(scheduler, gathers=bool(getattr(head.lp, "do_tensor_parallel_all_gather", False)))
-    source.bind_head(
-        head,
-        vocab_size=vocab_size,
-        num_steps=num_steps,
-        rejection_sampling=rs,
-        group=getattr(scheduler, "attn_tp_cpu_group", None),
-        draw=_sglang_draw(symbols, head),
-    )
-    logger.info(
-        "pd-middleware recompute active on the decode: draft %s, V=%d, S=%d, X' drawn by %s, head issued on %s",
-        head.arch if head is not None else type(model).__name__,
-        vocab_size,
-        num_steps,
-        source.sampler,
-        "the forward stream" if head is not None and head.order.active else "the scheduler's stream",
-    )
-
-
-def _draft_scope(worker: Any, symbols: Symbols) -> Callable[[], Any]:
-    """SGLang's draft TP context for ``worker`` (a no-op without one). The table's row for
-    the release adapts ``draft_tp_context`` to ``enter(worker)``: each release enters it
-    from what its draft worker holds (:func:`_enter_by`)."""
-    enter = symbols.get(DRAFT_TP_CONTEXT)
-    if enter is None or worker is None:
-        return contextlib.nullcontext
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        with enter(worker):
-            yield
-
-    return scope
-
-
-def _enter_by(how: Callable[[Any, Any], Any]) -> Callable[[Any], Any]:
-    """A ``draft_tp_context`` row's adapter: ``enter(worker)`` = ``how(draft_tp_context, worker)``,
-    a no-op for a worker without the attribute the release enters by (a stand-in)."""
-
-    def adapt(ctx: Any) -> Callable[[Any], Any]:
-        def enter(worker: Any) -> Any:
-            try:
-                return how(ctx, worker)
-            except AttributeError:
-                return contextlib.nullcontext()
-
-        return enter
-
-    return adapt
-
-
-def _by_layout(ctx: Any, worker: Any) -> Any:
-    # 0.5.23: the worker's resolved DraftParallelLayout (None: no draft TP group of its own).
-    layout = worker.parallel_layout
-    return contextlib.nullcontext() if layout is None else ctx(layout)
-
-
-def _by_owns_attention(ctx: Any, worker: Any) -> Any:
-    # 0.5.22: draft_tp_context(owns_attention), as the worker enters it.
-    return ctx(worker.draft_owns_attention)
-
-
-def _by_worker_context(ctx: Any, worker: Any) -> Any:
-    # 0.5.21: the worker's own draft_tp_context (SGLang's, or an empty context without DP
-    # attention) on its draft runner's TP group, with its attention ownership.
-    return worker.draft_tp_context(worker.draft_runner.tp_group, owns_attention=worker.draft_owns_attention)
-
-
-def _by_worker_group(ctx: Any, worker: Any) -> Any:
-    # 0.5.18-0.5.20: the worker's own draft_tp_context on its draft runner's TP group.
-    return worker.draft_tp_context(worker.draft_runner.tp_group)
-
-
-def _unseeded(fast_sample: Any) -> None:
-    """``fast_sample`` before 0.5.23 takes no seed: it cannot give every rank the same X'.
-    None: the drop-in draws X' with its seeded inverse-CDF draw (same law, rank-agreed)."""
-    return None
-
-
-def _sglang_draw(symbols: Symbols, head: SGLangDraftHead | None) -> Any:
-    """SGLang's seeded ``fast_sample`` as a :data:`~pd_middleware.decode.recompute.Draw`, probed once on
-    the head's device; None where it cannot run (sgl-kernel without its CPU ops: logged)."""
-    fast_sample = symbols.get(FAST_SAMPLE)
-    if fast_sample is None or head is None:
-        return None
-
-    def sglang_draw(probs: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out: tuple[torch.Tensor, torch.Tensor] = fast_sample(probs, 1, sampling_seed=s, positions=pos)
-        return out
-
-    try:
-        one = torch.ones(1, dtype=torch.int64, device=head.device)
-        sglang_draw(torch.full((1, 2), 0.5, device=head.device), one, one)
-    except (ImportError, AttributeError, RuntimeError, NotImplementedError) as exc:
-        # A probe: ImportError without sgl-kernel, AttributeError/RuntimeError where its
-        # package is present but its CPU ops (murmur_hash32_cpu) are not built.
-        logger.warning(
-            "pd-middleware recompute: SGLang's seeded fast_sample is unavailable on %s (%s); drawing X' "
-            "with the seeded inverse-CDF draw of pd_middleware.decode.recompute instead (same law, rank-agreed)",
-            head.device,
-            exc,
-        )
-        return None
-    return sglang_draw
-
-
-register_feature(
-    Feature(
-        "recompute",
-        (
-            read(
-                SPEC_UTILS_MODULE,
-                "fast_sample",
-                ("probs", "num_samples", "sampling_seed", "positions", "draft_step"),
-                since="0.5.23",
-            ),
-            read(SPEC_UTILS_MODULE, "fast_sample", ("probs", "num_samples"), until="0.5.22", adapt=_unseeded),
-            read(SPEC_UTILS_MODULE, "draft_tp_context", ("layout",), since="0.5.23", adapt=_enter_by(_by_layout)),
-            read(
-                SPEC_UTILS_MODULE,
-                "draft_tp_context",
-                ("owns_attention",),
-                since="0.5.22",
-                until="0.5.22",
-                adapt=_enter_by(_by_owns_attention),
-            ),
-            read(
-                SPEC_UTILS_MODULE,
-                "draft_tp_context",
-                ("tp_group", "owns_attention"),
-                since="0.5.21",
-                until="0.5.21",
-                adapt=_enter_by(_by_worker_context),
-            ),
-            read(
-                SPEC_UTILS_MODULE, "draft_tp_context", ("tp_group",), until="0.5.20", adapt=_enter_by(_by_worker_group)
-            ),
-            read(LOGITS_MODULE, "fused_softcap"),
-            read(
-                LOGITS_MODULE,
-                "LogitsProcessor._compute_lm_head",
-                ("self", "hidden_states", "lm_head", "embedding_bias", "out"),
-                since="0.5.23",
-            ),
-            read(
-                LOGITS_MODULE,
-                "LogitsProcessor._compute_lm_head",
-                ("self", "hidden_states", "lm_head", "embedding_bias"),
-                until="0.5.22",
-            ),
-            read(LOGITS_MODULE, "LogitsProcessor._gather_attn_tp_logits", ("self", "logits")),
-            read(
-                LOGITS_MODULE,
-                "LogitsProcessor._copy_logits_to_buffer",
-                ("self", "logits", "logits_metadata", "use_buffer", "softcap"),
-                since="0.5.22",
-            ),
-            read(
-                LOGITS_MODULE,
-                "LogitsProcessor._copy_logits_to_buffer",
-                ("self", "logits", "logits_metadata", "use_buffer"),
-                until="0.5.21",
-                adapt=copy_without_softcap,
-            ),
-            *(
-                read(LOGITS_MODULE, f"LogitsProcessor.{name}", instance=True)
-                for name in (
-                    "_logits_gatherer",
-                    "logit_scale",
-                    "do_tensor_parallel_all_gather",
-                    "do_tensor_parallel_all_gather_dp_attn",
-                    "use_attn_tp_group",
-                    "final_logit_softcapping",
-                    "vocab_size",
-                )
-            ),
-            read(WORKER_MODULE, "EagleDraftWorker.parallel_layout", instance=True, since="0.5.23"),
-            read(WORKER_MODULE, "EagleDraftWorker.draft_owns_attention", instance=True, since="0.5.21", until="0.5.22"),
-            read(WORKER_MODULE, "EagleDraftWorker.draft_tp_context", instance=True, until="0.5.21"),
-            read(WORKER_MODULE, "EagleDraftWorker.hot_token_id", instance=True),
-            read(WORKER_MODULE, "EagleDraftWorker.draft_runner", instance=True),
-            # Where a gathering head is issued under the overlap scheduler (ordering.py).
-            read(SCHEDULER_MODULE, "Scheduler.forward_stream", instance=True),
-        ),
-        lambda plan: "recompute" in plan.features,
-        summary="decode-only recompute: the draft head's logits, a seeded rank-agreed draw of X', the draft TP context",
-    )
-)
+# After the modules this one imports (sources' "decode"): the table's order, as before the split.
+register_feature(FEATURE)
