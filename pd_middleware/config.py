@@ -142,8 +142,16 @@ class SGLangConfig(msgspec.Struct, **_STRUCT):
     # decode-only recompute: its prefill is stock and sends step 1's pool only), decided
     # by the SGLang drop-in from the source it chose.
     draft_kv: Literal["all_steps", "first_step"] | None = None
+    # channel = "sidechannel", decode: the longest a request whose KV transfer is done
+    # waits for its payload (SGLang's transfer poll reports it still transferring, so the
+    # scheduler loop never blocks), while a prefill is connected to the decode's receiver.
+    # Past it the request verifies one-hot (fallback:missing); 0 never waits.
+    sidechannel_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
+        w = self.sidechannel_wait_s
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= 60:
+            raise OptionValueError("sidechannel_wait_s", f"must be a number of seconds in [0, 60], got {w!r}")
         c = self.capacity_bytes
         if not 256 <= c <= 8 << 20 or c % 64:
             raise OptionValueError("capacity_bytes", f"must be a multiple of 64 in [256, 8388608], got {c}")

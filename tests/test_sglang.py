@@ -674,6 +674,7 @@ def test_real_multi_layer_chain(ed) -> None:
 def _row_for(ed, x, vocab, delivered=None):
     """The q SGLang's function hands the verifier when the request drafted x."""
     store = S.current().store
+    store.clear()  # each call is a request of its own (room 5 each time): no earlier build's mark
     if delivered is not None:
         store.put(delivered)
     with spec():

@@ -199,6 +199,11 @@ class Payload(msgspec.Struct, frozen=True):
     hidden_dtype: HiddenDType = "bf16"
     provenance: Provenance = Provenance()
     proposal: EncodedProposal | None = None
+    #: Which life of the request this payload is for, or None (one life only). An engine
+    #: that serves one request id more than once (SGLang's rebootstrap after a retraction
+    #: sends the same room again, with a longer prompt) tells the lives apart by it; the
+    #: SGLang drop-in sends the draw's position (the tokens the prefill ran).
+    life: int | None = None
 
     def __post_init__(self) -> None:
         # Written for the receive path (tens of thousands of payloads per second):
@@ -264,6 +269,9 @@ class Payload(msgspec.Struct, frozen=True):
             )
         if type(self.provenance) is not Provenance:
             raise ValidationError("must be a Provenance", field="provenance", request_id=rid)
+        life = self.life
+        if life is not None and (type(life) is not int or life < 0):
+            raise ValidationError(f"must be None or an int >= 0, got {life!r}", field="life", request_id=rid)
         prop = self.proposal
         if prop is not None and type(prop) is not DenseEncoding and type(prop) is not SparseEncoding:
             raise ValidationError(
@@ -278,7 +286,7 @@ class Payload(msgspec.Struct, frozen=True):
             f"Payload(request_id={self.request_id!r}, draft_tokens={self.draft_tokens!r}, "
             f"draft_probs={self.draft_probs!r}, vocab_size={self.vocab_size}, "
             f"hidden=<{_nbytes(self.hidden)} bytes {self.hidden_dtype}>, provenance={self.provenance!r}, "
-            f"proposal={self.proposal!r})"
+            f"proposal={self.proposal!r}" + ("" if self.life is None else f", life={self.life}") + ")"
         )
 
     def check_fits(self, vocab_size: int, num_steps: int) -> None:

@@ -1,7 +1,8 @@
 """The decode's payload admission: what becomes of each message's payload, and its release.
 
 A payload header from a connected peer is admitted (:meth:`Admission.on_payload`): a
-request id the peer already has live (delivered, not released) is ``wire:duplicate``, one
+request id whose same life (``Payload.life``) the peer already has live (delivered, not
+released) is ``wire:duplicate``, one
 another peer owns (live there, expected from it, or recently arrived from it) ``wire:peer``; else its frames or slot ranges are resolved (:mod:`.wire`), bulk integrity
 is checked (:mod:`.integrity`), and the pipeline's outcome is queued for the scheduler.
 A message refused before that is counted and answered by :meth:`Admission.reject`,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # annotation only: the pipeline owns (and imports) its metric
 _perf_counter = time.perf_counter
 # Failures whose request id is another delivery's or another peer's: never named in the Failure.
 _NOT_OWNED = frozenset(("duplicate", "peer"))
-# [peer, request id, seq, slot, slot generation, delivered?, inline bytes, released?, waited on?]
+# [peer, (request id, life), seq, slot, slot generation, delivered?, inline bytes, released?, waited on?]
 # of a payload, recorded once its releaser is called (by the scheduler, or by the pipeline at
 # once when the payload failed). "Waited on": a slot the prefill may need, or a consumed ack.
 _Release = list[Any]
@@ -126,10 +127,12 @@ class Admission:
         # Releases that wake the loop at once; the rest are found within ACK_INTERVAL_S.
         self._release_batch = max(1, config.slots.per_peer >> 3)
         self.waiting = 0  # releases the loop waits for: held slots, inline bytes, consumed acks
-        # Request ids delivered and not yet released -> the identity of the peer they came
-        # from. The id stays its owner's for as long as it is live (here, or expected from
-        # it): no count window. Bounded by limits.max_live_requests (the loop stops reading).
-        self.live: dict[str, str] = {}
+        # (request id, life) delivered and not yet released -> the identity of the peer it
+        # came from. The id stays its owner's for as long as it is live (here, or expected
+        # from it): no count window. Bounded by limits.max_live_requests (the loop stops
+        # reading). Keyed by the life too (Payload.life): a request served again (SGLang's
+        # rebootstrap) is a new life, never a duplicate of the one its decode still holds.
+        self.live: dict[tuple[str, int | None], str] = {}
         self._max_live = config.limits.max_live_requests
         self.double_releases = 0  # releases of a delivery already released (no-ops)
 
@@ -185,7 +188,7 @@ class Admission:
         """
         self.metrics.bytes["control"] += nbytes
         rid = exc.request_id
-        if rid is not None and (peer is None or self._other_owner(rid, peer) is not None):
+        if rid is not None and (peer is None or self._other_owner(rid, None, peer) is not None):
             rid = None  # the claimed id stays in the reason
         name = peer.name if peer is not None else None
         f = self.pipeline.fail(Failure(request_id=rid, stage="wire", reason=str(exc), field=exc.field, peer=name))
@@ -201,11 +204,11 @@ class Admission:
         else:
             self._replies.send_to(ident, msg, nonce)
 
-    def _other_owner(self, rid: str, peer: Peer) -> str | None:
-        """The identity of another peer that owns ``rid`` (live there: delivered and not
-        released; expected from it; or recently arrived from it), or None when ``peer``
-        may send it."""
-        owner = self.live.get(rid)
+    def _other_owner(self, rid: str, life: int | None, peer: Peer) -> str | None:
+        """The identity of another peer that owns ``rid`` (this life live there: delivered
+        and not released; expected from it; or recently arrived from it), or None when
+        ``peer`` may send it."""
+        owner = self.live.get((rid, life))
         if owner is None:
             owner = self._expects.owner(rid)
         return owner if owner is not None and owner != peer.name else None
@@ -216,9 +219,9 @@ class Admission:
         try:
             # Neither of these failures names the request: it is another delivery's (or
             # another peer's) id, and a keyed store must not let it replace that outcome.
-            if self.live.get(rid) == peer.name:
+            if self.live.get((rid, h.life)) == peer.name:
                 raise WireError("this peer already has this request outstanding", field="duplicate", request_id=rid)
-            other = self._other_owner(rid, peer)
+            other = self._other_owner(rid, h.life, peer)
             if other is not None:
                 raise WireError(f"it belongs to {other!r}, sent by {peer.name!r}", field="peer", request_id=rid)
             payload, slot = payload_codec.payload_from_header(h, body, self._limits, peer.resolver)
@@ -256,13 +259,14 @@ class Admission:
         by_plane["inline"] += inline
         self._expects.arrived(rid, peer.name)
         consumed = self._consumed_acks
-        item: _Release = [peer, rid, h.seq, slot, gen, False, inline, False, slot >= 0 or consumed]
+        key = (rid, h.life)
+        item: _Release = [peer, key, h.seq, slot, gen, False, inline, False, slot >= 0 or consumed]
         releaser = partial(self.release, item)
         out = self.pipeline.process(payload, ReceiveContext(peer.name, "default", _perf_counter()), releaser)
         self._queue.put(out, inline)
         if type(out) is Delivery:
             item[5] = True
-            self.live[rid] = peer.name  # its owner's until released (bounded: max_live_requests)
+            self.live[key] = peer.name  # its owner's until released (bounded: max_live_requests)
             if inline:  # its bytes count against max_queued_inline_bytes until released
                 self.waiting += 1
             if consumed:
@@ -279,13 +283,13 @@ class Admission:
         peers = self._peers
         queue = self._queue
         while released:
-            peer, rid, seq, slot, gen, delivered, inline, _, _ = released.popleft()
+            peer, key, seq, slot, gen, delivered, inline, _, _ = released.popleft()
             if inline:
                 queue.freed(inline)
                 if delivered:
                     self.waiting -= 1
-            if delivered and self.live.get(rid) == peer.name:
-                del self.live[rid]
+            if delivered and self.live.get(key) == peer.name:
+                del self.live[key]
             if slot >= 0:
                 done, owner = pool.release(slot, gen)  # type: ignore[union-attr]  # slot >= 0 only with a pool
                 if done:  # else stale: the slot was freed or reused since; never free a later use

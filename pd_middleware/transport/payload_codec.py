@@ -111,6 +111,7 @@ def payload_from_header(
                 hidden_dtype=h.hidden_dtype,
                 provenance=prov,
                 proposal=proposal,
+                life=h.life,
             ),
             slot,
         )
@@ -377,5 +378,6 @@ def build_header(
         hidden=hidden,
         provenance=WireProvenance(rule=pv.rule, temperature=pv.temperature, sampled_from=pv.sampled_from),
         proposal=meta,
+        life=payload.life,
     )
     return header, parts

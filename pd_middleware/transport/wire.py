@@ -147,6 +147,8 @@ class PayloadHeader(Message, tag="payload", frozen=True):
     hidden: TensorRef | None
     provenance: WireProvenance
     proposal: DenseMeta | SparseMeta | None = None
+    # Which life of the request (Payload.life), or None.
+    life: NonNeg | None = None
 
 
 class Hello(Message, tag="hello", frozen=True):

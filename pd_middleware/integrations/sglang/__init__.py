@@ -58,6 +58,7 @@ import msgspec
 from ...core._errors import ConfigError, PDMiddlewareError, PluginError
 
 # The feature modules register their part of the table at import (the order is the table's).
+from . import arrivals as _arrivals  # noqa: F401  # registers "arrival_wait"
 from . import chain as _chain  # noqa: F401  # registers "chain"
 from . import draft_kv as _draft_kv  # noqa: F401  # registers "draft_kv", "peer_check"
 from . import live_ab as _live_ab  # noqa: F401  # registers "live_ab", "metrics_export"

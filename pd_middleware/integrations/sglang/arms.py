@@ -161,6 +161,11 @@ class ArmedSource(ProposalSource):
         if facts.role == "decode":
             self.recompute.bind(facts, scheduler)
 
+    def hold(self, keys: list[tuple[str | None, int | None]]) -> list[bool] | None:
+        # Every arm's request awaits its shipped row on the side channel: the prefill ships
+        # each one, and the shipped pipeline routes it.
+        return self.shipped.hold(keys)
+
     def on_commit(self, queue: Any, decode_req: Any, group: Any) -> None:
         self.shipped.on_commit(queue, decode_req, group)
 

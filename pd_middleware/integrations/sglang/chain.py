@@ -112,6 +112,7 @@ class ChainDraw:
                     vocab_size=self.publisher.vocab_size,
                     provenance=self.steps[0][3][i],
                     proposal=join_steps([st[2][i] for st in self.steps]),
+                    life=self.positions[i] if i < len(self.positions) else None,
                 )
             )
         return out

@@ -2,7 +2,8 @@
 
 Nothing here reads SGLang: these are the conventions the rooms agree on.
 
-- :func:`room_key`: the request id a bootstrap room travels under;
+- :func:`room_key`: the request id a bootstrap room travels under; :func:`life_of`: which
+  life of it (SGLang serves a room again after a retraction's rebootstrap);
 - :func:`is_probe`: SGLang's own warmups and health checks, never counted;
 - :data:`LOCAL_PROVENANCE`: how X was drawn when only SGLang's own fields are known;
 - :class:`RequestProposal` (``req.pd_middleware``): what the decode attached to a request;
@@ -58,6 +59,26 @@ def room_key(room: Any) -> str | None:
     if room is None:
         return None
     return str(int(room))
+
+
+#: Req attribute (decode): the life (:func:`life_of`) of the transfer that last committed.
+LIFE_ATTR = "pd_middleware_life"
+
+
+def life_of(req: Any) -> int | None:
+    """Which life of its room ``req`` is: the tokens the prefill runs for it,
+    ``len(origin_input_ids) + len(output_ids)`` (None when either is missing).
+
+    On a prefill this is the draw's position (:func:`~.prefill.draw_position`), read before
+    SGLang appends the first token. On a decode it is the same number read before the
+    transfer commits: a fresh request has no output yet; a rebootstrapped one (the same Req,
+    retracted) sends the prompt plus its output so far as the prefill's new prompt, so each
+    life has its own, longer, number."""
+    ids = getattr(req, "origin_input_ids", None)
+    out = getattr(req, "output_ids", None)
+    if ids is None or out is None:
+        return None
+    return len(ids) + len(out)
 
 
 @dataclass(slots=True)

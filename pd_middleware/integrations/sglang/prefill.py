@@ -60,7 +60,7 @@ from ...core.events import Events
 from ...core.payload import Payload, Provenance
 from ...sampling.draws import encode_requests, takes_uniforms
 from .agreement import NEUTRAL, Verdict, agree, group_of
-from .common import LOCAL_PROVENANCE, is_probe, room_key
+from .common import LOCAL_PROVENANCE, is_probe, life_of, room_key
 from .patching import PREFILL_MODULE, Feature, Hook, Target, register_feature
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
@@ -272,6 +272,8 @@ class ProposalPublisher:
                 vocab_size=self.vocab_size,
                 provenance=provenances[i],
                 proposal=proposals[i],
+                # The life the decode binds it to: the draw's position (None: unkeyed).
+                life=None if positions is None else positions[i],
             )
             for i, room in enumerate(rooms)
         ]
@@ -660,6 +662,7 @@ def _finish(publisher: ProposalPublisher, batch: Any, seen: _Batch, why: list[st
                 draft_probs=tuple(p_own[k, : own.shape[1]].tolist()),
                 vocab_size=publisher.vocab_size,
                 provenance=LOCAL_PROVENANCE,
+                life=life_of(reqs[j]),
             )
             for k, j in enumerate(bare)
         ],

@@ -32,7 +32,7 @@ from ...core.metrics import Metrics
 from ...core.payload import Payload
 from ...core.proposal import OneHotProposal
 from ...decode.pipeline import Delivery, Failure
-from .common import ATTACH_ATTR, LOCAL_PROVENANCE, RequestProposal, is_probe, room_key
+from .common import ATTACH_ATTR, LIFE_ATTR, LOCAL_PROVENANCE, RequestProposal, is_probe, room_key
 from .store import ProposalStore
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
@@ -195,18 +195,29 @@ class DecodeProposer:
         rid = room_key(getattr(req, "bootstrap_room", None))
         if isinstance(att, RequestProposal) and att.proposal is not None:
             self._count("token_mismatch")
-        outcome = self.store.take(rid) if self.store is not None else None
+        store = self.store
+        outcome = store.take(rid) if store is not None else None
+        life = getattr(req, LIFE_ATTR, None)  # set by the side channel's wait, before the commit
         if isinstance(outcome, Delivery):
-            if outcome.payload.draft_tokens == tokens and outcome.proposal is not None:
+            got = outcome.payload.life
+            if got is not None and life is not None and got != life:
+                # Another life's payload (a request served again): its q is not the law of
+                # this life's X, even when the tokens agree.
+                outcome.release()
+                self._count("other_life")
+                store.built(rid, life)  # type: ignore[union-attr]  # an outcome came from it
+            elif outcome.payload.draft_tokens == tokens and outcome.proposal is not None:
                 self.counts["proposal:prefill"] += 1
                 setattr(req, ATTACH_ATTR, RequestProposal(tokens, None, outcome.arm, "prefill", True))
                 return outcome.proposal, outcome
-            outcome.release()
-            self._count("token_mismatch")
+            else:
+                outcome.release()
+                self._count("token_mismatch")
         elif isinstance(outcome, Failure):
             self._count(f"failed:{outcome.key}")
-        elif self.store is not None:
+        elif store is not None:
             self._count("missing")
+            store.built(rid, life)  # its payload, should it come now, is released at once
         proposal, arm = self._local(mw, req, rid, tokens, vocab)
         if not isinstance(att, RequestProposal):
             setattr(req, ATTACH_ATTR, RequestProposal(tokens, None, arm, "local", True))

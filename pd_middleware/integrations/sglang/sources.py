@@ -50,7 +50,7 @@ from .common import ATTACH_ATTR, RequestProposal, Scope, check_proposal, one_hot
 from .patching import BUILDER_MODULE, Feature, Hook, Target, register_feature
 from .prefill import ProposalPublisher
 from .proposer import DecodeProposer, request_tokens
-from .store import ProposalStore
+from .store import ArrivalWait, ProposalStore
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -83,6 +83,12 @@ class ProposalSource:
 
     def prepare(self, batch: Any) -> Any:
         """Decode: the prebuilt ``batch``'s first draft input is about to be built."""
+        return None
+
+    def hold(self, keys: list[tuple[str | None, int | None]]) -> list[bool] | None:
+        """Decode, in SGLang's transfer poll (:mod:`.arrivals`), per request whose KV
+        transfer is done, ``(request id, life)``: whether it still waits for something
+        this source needs (None: nothing is awaited)."""
         return None
 
     def propose(self, batch: Any, state: Any, topk_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -242,6 +248,9 @@ class SideChannelSource(PipelineSource):
     decode's TP rank 0 (or the one given at install), a sender on the prefill."""
 
     name = "sidechannel"
+    features = frozenset({"prefill", "arrival_wait"})
+    #: The bounded wait for each request's payload (:mod:`.arrivals`), on the receiving rank.
+    arrivals: ArrivalWait | None = None
 
     def _bind_decode(self, facts: Any) -> None:
         inst = self.inst
@@ -251,6 +260,36 @@ class SideChannelSource(PipelineSource):
             inst.receiver = open_receiver(inst.config.transport, self.proposer.middleware.pipeline)
             self.proposer.store = ProposalStore(inst.receiver)
             logger.info("pd-middleware decode receiver listening on %s", inst.receiver.address)
+        if self.proposer.store is not None and self.arrivals is None:
+            self.arrivals = self.wait_for(self.proposer.store, inst.receiver)
+
+    def wait_for(self, store: ProposalStore, receiver: Any) -> ArrivalWait:
+        """The bounded wait on ``store``: held only while ``receiver`` has a prefill connected."""
+        events = self.proposer.events
+
+        def expecting() -> bool:
+            try:
+                return receiver is not None and bool(receiver.peers)
+            except RuntimeError:  # the receive thread changed its table meanwhile: ask next poll
+                return True
+
+        def count(key: str) -> None:
+            if key == "wait:expired":
+                events.count(
+                    key,
+                    log=lambda: (
+                        f"pd-middleware side channel: a payload did not arrive within sidechannel_wait_s="
+                        f"{self.inst.config.sglang.sidechannel_wait_s} s of its KV; the request verifies one-hot "
+                        "(fallback:missing) and its payload, if it comes, is released at once"
+                    ),
+                )
+            else:
+                events.count(key)
+
+        return ArrivalWait(store, self.inst.config.sglang.sidechannel_wait_s, expecting=expecting, count=count)
+
+    def hold(self, keys: list[tuple[str | None, int | None]]) -> list[bool] | None:
+        return None if self.arrivals is None else self.arrivals.hold(keys)
 
     def _publisher(self, facts: Any) -> ProposalPublisher:
         addr = os.environ.get(ENV_DECODE_ADDRESS)
