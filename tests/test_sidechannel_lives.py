@@ -302,3 +302,46 @@ def test_the_prefill_sends_each_payload_with_its_life() -> None:
     assert [p.life for p in tx.sent] == [6, 9] == [life_of(fresh), life_of(again)]
     pub.publish([23], draft_rows(1))
     assert tx.sent[-1].life is None
+
+
+@pytest.mark.sglang
+def test_sglangs_own_poll_holds_a_request_until_its_payload_is_stored(sglang_importable, zctx, monkeypatch) -> None:
+    """SGLang's real ``poll_and_all_reduce`` (its real ``_apply_metadata_gate``, wrapped by the
+    drop-in, and the real side-channel decode with its receiver on loopback): a request whose
+    KV is done is reported transferring while its payload is missing and a prefill is
+    connected, and done once the payload is stored. The ranks' MIN all-reduce is the one
+    stand-in (one rank: the identity), and so are the KV receivers (their poll says done)."""
+    import importlib
+
+    from pd_middleware.integrations import sglang as S
+
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    monkeypatch.setattr(utils, "_all_reduce_polls", lambda polls, group: polls)
+    facts = S.EngineFacts(role="decode", vocab_size=16, num_steps=1, algorithm="EAGLE", topk=1, rejection_sampling=True)
+    inst = S.install(make_config(), S.InstallOptions(channel="sidechannel", facts=facts))
+    assert inst.receiver is not None and isinstance(inst.source.arrivals, ArrivalWait)
+    poll = utils.KVPoll
+    r = SimpleNamespace(bootstrap_room=77, bootstrap_host="127.0.0.1", rid="u", origin_input_ids=[1] * 5, output_ids=[])
+    decode_req = SimpleNamespace(req=r, metadata_buffer_index=0)
+    buffers = SimpleNamespace(bootstrap_room=torch.tensor([[77]]))
+    done = SimpleNamespace(poll=lambda: poll.Success)
+
+    def polled() -> int:
+        return utils.poll_and_all_reduce([done], None, decode_reqs=[decode_req], metadata_buffers=buffers)[0]
+
+    assert polled() == poll.Success  # no prefill connected: nothing is awaited
+    s = _peer(zctx, inst.receiver.address)
+    deadline = time.monotonic() + 5.0
+    while not inst.receiver.peers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert polled() == poll.Transferring and getattr(r, LIFE_ATTR) == 5
+    s.send_multipart(inline_frames(Payload("77", (3,), (0.5,), 16, provenance=Provenance(), life=5), 1))
+    deadline = time.monotonic() + 5.0
+    got = polled()
+    while got != poll.Success and time.monotonic() < deadline:
+        time.sleep(0.01)
+        got = polled()
+    assert got == poll.Success
+    counts = inst.source.proposer.counts
+    assert counts["wait:held"] == 1 and counts["wait:arrived"] == 1
+    s.close(0)
