@@ -346,6 +346,12 @@ def start_server(
     ]
     if sleep_on_idle:
         cmd.append("--sleep-on-idle")
+    if release is not None:
+        # Up to 0.5.22 SGLang takes its torch.distributed port from the kernel's ephemeral
+        # range at start and binds it tens of seconds later; another server's ZMQ or
+        # Mooncake socket took it once (EADDRINUSE at init_process_group, a 0.5.21 decode
+        # of six started together). One from free_port(), below that range, instead.
+        cmd += ["--nccl-port", str(free_port())]
     boot = None
     if role != "null":
         cmd += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "mooncake"]
