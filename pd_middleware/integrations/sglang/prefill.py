@@ -434,17 +434,14 @@ def draw_position(req: Any) -> int | None:
     (seed, room, rid) alone) only for a target that is no Req: a room or a stand-in
     without a room, as a benchmark or a harness passes.
     """
-    ids = getattr(req, "origin_input_ids", None)
-    out = getattr(req, "output_ids", None)
-    if ids is None or out is None:
-        if getattr(req, "bootstrap_room", None) is not None:
-            missing = [n for n, v in (("origin_input_ids", ids), ("output_ids", out)) if v is None]
-            raise DrawPositionError(
-                f"request {getattr(req, 'rid', '?')} has no {' / '.join(missing)}: its draw cannot be keyed on "
-                "its position (this SGLang names the Req's fields otherwise); sent X only"
-            )
-        return None
-    return len(ids) + len(out)
+    position = life_of(req)  # the one formula, shared with the decode's life of a request
+    if position is None and getattr(req, "bootstrap_room", None) is not None:
+        missing = [n for n in ("origin_input_ids", "output_ids") if getattr(req, n, None) is None]
+        raise DrawPositionError(
+            f"request {getattr(req, 'rid', '?')} has no {' / '.join(missing)}: its draw cannot be keyed on "
+            "its position (this SGLang names the Req's fields otherwise); sent X only"
+        )
+    return position
 
 
 def draw_keys(reqs: Sequence[Any]) -> tuple[list[str], list[int | None]]:
