@@ -24,10 +24,38 @@ from typing import Any
 
 from .common import LIFE_ATTR, is_probe, life_of, room_key
 from .patching import UTILS_MODULE, Feature, Hook, Target, read, register_feature
+from .store import ArrivalWait, ProposalStore
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
 KVPOLL = f"{UTILS_MODULE}.KVPoll"
+
+
+def wait_on(store: ProposalStore, receiver: Any, wait_s: float, events: Any) -> ArrivalWait:
+    """The side channel's bounded wait on ``store``: a request is held only while
+    ``receiver`` has a prefill connected, for at most ``wait_s``; ``events`` counts it
+    (``wait:expired`` logged once)."""
+
+    def expecting() -> bool:
+        try:
+            return receiver is not None and bool(receiver.peers)
+        except RuntimeError:  # the receive thread changed its table meanwhile: ask next poll
+            return True
+
+    def count(key: str) -> None:
+        if key != "wait:expired":
+            events.count(key)
+            return
+        events.count(
+            key,
+            log=lambda: (
+                f"pd-middleware side channel: a payload did not arrive within sidechannel_wait_s={wait_s} s of "
+                "its KV; the request verifies one-hot (fallback:missing) and its payload, if it comes, is "
+                "released at once"
+            ),
+        )
+
+    return ArrivalWait(store, wait_s, expecting=expecting, count=count)
 
 
 def hold_arrivals(inst: Any, polls: list[Any], decode_reqs: Any) -> None:

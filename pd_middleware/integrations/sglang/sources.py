@@ -46,6 +46,7 @@ import torch
 from ...core._errors import ConfigError, ExactnessError
 from ...core.draft_head import DRAFT_HEAD
 from .agreement import NEUTRAL, agree, group_of
+from .arrivals import wait_on
 from .common import ATTACH_ATTR, RequestProposal, Scope, check_proposal, one_hot_at
 from .patching import BUILDER_MODULE, Feature, Hook, Target, register_feature
 from .prefill import ProposalPublisher
@@ -261,32 +262,8 @@ class SideChannelSource(PipelineSource):
             self.proposer.store = ProposalStore(inst.receiver)
             logger.info("pd-middleware decode receiver listening on %s", inst.receiver.address)
         if self.proposer.store is not None and self.arrivals is None:
-            self.arrivals = self.wait_for(self.proposer.store, inst.receiver)
-
-    def wait_for(self, store: ProposalStore, receiver: Any) -> ArrivalWait:
-        """The bounded wait on ``store``: held only while ``receiver`` has a prefill connected."""
-        events = self.proposer.events
-
-        def expecting() -> bool:
-            try:
-                return receiver is not None and bool(receiver.peers)
-            except RuntimeError:  # the receive thread changed its table meanwhile: ask next poll
-                return True
-
-        def count(key: str) -> None:
-            if key == "wait:expired":
-                events.count(
-                    key,
-                    log=lambda: (
-                        f"pd-middleware side channel: a payload did not arrive within sidechannel_wait_s="
-                        f"{self.inst.config.sglang.sidechannel_wait_s} s of its KV; the request verifies one-hot "
-                        "(fallback:missing) and its payload, if it comes, is released at once"
-                    ),
-                )
-            else:
-                events.count(key)
-
-        return ArrivalWait(store, self.inst.config.sglang.sidechannel_wait_s, expecting=expecting, count=count)
+            wait_s = inst.config.sglang.sidechannel_wait_s
+            self.arrivals = wait_on(self.proposer.store, inst.receiver, wait_s, self.proposer.events)
 
     def hold(self, keys: list[tuple[str | None, int | None]]) -> list[bool] | None:
         return None if self.arrivals is None else self.arrivals.hold(keys)
