@@ -87,7 +87,7 @@ setup-releases: setup-server
 # The per-release modules are left to test-releases (they skip without their folders), and
 # so is test_recompute_tp2's 0.5.21 decode (its id v0521).
 test-server: setup-server
-	$(PY) -m pytest -q -m server tests/server -rsP --deselect tests/server/test_release.py -k "not v0521"
+	$(PY) -m pytest -q -m server tests/server -rsP --durations=25 --deselect tests/server/test_release.py -k "not v0521"
 
 # Each older SGLang release: the drop-in against its real modules, one interpreter per
 # release (tests/test_sglang_releases.py, which test-sglang runs before these folders
@@ -95,7 +95,7 @@ test-server: setup-server
 # overlapped TP 2 decode on 0.5.21 (tests/server/test_recompute_tp2.py's v0521), and SGLang's
 # own resolution of the tier's flags per release with and without overlap_spec_cpu.
 test-releases: setup-releases
-	PDM_SGLANG_RELEASES=$${PDM_SGLANG_RELEASES:-$(RELEASES_DIR)} $(PY) -m pytest -q -m "sglang or server" tests/test_sglang_releases.py tests/server/test_release.py tests/server/test_recompute_tp2.py tests/server/test_cpu_gaps.py::test_sglang_turns_the_overlap_schedule_off_on_cpu_without_the_override -k "not v0523" -rsP
+	PDM_SGLANG_RELEASES=$${PDM_SGLANG_RELEASES:-$(RELEASES_DIR)} $(PY) -m pytest -q -m "sglang or server" tests/test_sglang_releases.py tests/server/test_release.py tests/server/test_recompute_tp2.py tests/server/test_cpu_gaps.py::test_sglang_turns_the_overlap_schedule_off_on_cpu_without_the_override -k "not v0523" -rsP --durations=25
 
 # A PD pair with the drop-in behind a router on this laptop (docs/server.md).
 server-demo: setup-server

@@ -444,6 +444,9 @@ def main() -> None:
     report["recompute_head"] = recompute_head_check()
     report["nextn_head"] = nextn_head_check()
     report["chain"] = chain_check()
+    from _sglang_release_inband import registration_check
+
+    report["inband"] = registration_check(version)
     print("PDM-RELEASE-CHECK " + json.dumps(report))
 
 

@@ -208,3 +208,47 @@ def test_the_chain_draws_every_step_from_the_encoder_on_the_releases_sampler(ver
     assert chain["steps"] == 3 and not chain["broken"] and chain["failures"] == []
     # Each row's shipped chain is the X the prefill fed to the next step.
     assert chain["payload_tokens"] == [list(col) for col in zip(*chain["xs"], strict=True)]
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+def test_the_metadata_channels_registration_peer_check_and_slot_reset_on_the_real_release(version) -> None:
+    """Issue 45 item 1 (``tests/_sglang_release_inband.py``, the release's real receiver, zmq,
+    parser, queue and allocator). Before 0.5.23 the decode's registration is SGLang's inline
+    one, and SGLang lists every aux buffer (the negative control), which a stock prefill's
+    ``send_aux`` walks with its own item lengths (IndexError). With the drop-in the proposal
+    buffer's address rides the trailing frame: a stock prefill reads SGLang's buffers only,
+    every other field unchanged; the drop-in's prefill reads them plus ours, last, and the
+    layout. Before 0.5.22 that prefill checks each session at its first aux transfer: a
+    matching decode and one without the drop-in are served, another layout fails every
+    transfer and sends nothing. The queue binds its allocator, whose free clears our row's
+    header (0.5.23: SGLang's ``clear_slot`` does, so free alone does not)."""
+    got = report(version)["inband"]
+    old = parse_version(version) <= parse_version("0.5.22")
+    stock, dropin, seen = got["stock"], got["dropin"], got["stock_reads_dropin"]
+    aux = [0x10000, 0x20000]
+    assert stock["aux"] == [*aux, dropin["row_ptr"]]  # SGLang's registration: every buffer, ours too
+    assert dropin["frames"] == stock["frames"] + 1
+    assert dropin["aux"] == [*aux, dropin["row_ptr"]] and dropin["layout"] == dropin["mine"]
+    assert seen["other_fields_equal"] is True
+    slot = got["slot_reset"]
+    if old:
+        assert stock["send_aux"] == "IndexError", stock
+        assert seen["aux"] == aux
+        assert "queue_error" not in got, got["queue_error"]
+        assert slot == {"bound": True, "header_after_free": 0, "rest_after_free": 112, "other_row": 448}
+    else:
+        assert seen["aux"] == [*aux, dropin["row_ptr"]]  # 0.5.23's prefill pairs them by count itself
+        assert slot["bound"] is False and slot["header_after_free"] > 0
+    if parse_version(version) <= parse_version("0.5.21"):
+        sa = got["send_aux"]
+        assert sa["returns"] == {
+            "match": 0,
+            "match_again": 0,
+            "without_dropin": 0,
+            "without_dropin_again": 0,
+            "other_layout": 1,
+            "other_layout_again": 1,
+        }
+        assert sa["sent"] == [["match", 3], ["match", 3], ["without_dropin", 2], ["without_dropin", 2]]
+    else:
+        assert "send_aux" not in got  # SGLang's _validate_peer_state_layout carries the check

@@ -83,9 +83,7 @@ def test_each_release_selects_the_rows_its_sglang_has(version) -> None:
 
 def test_features_refused_by_release_with_their_line() -> None:
     want = {
-        "metadata": {"0.5.23"},
         "draft_kv": {"0.5.23"},
-        "peer_check": {"0.5.22", "0.5.23"},
     }
     for name, f in FEATURES.items():
         have = {v for v in RELEASES if f.refusal(parse_version(v)) is None}
@@ -295,11 +293,6 @@ def test_a_refused_feature_refuses_the_install_whole() -> None:
             )
         assert f"SGLang {version}: feature 'draft_kv' is not available" in e.value.detail
         assert m.build_eagle_disagg_draft_input is build and m.EagleDraftInput is cls and S.current() is None
-    with pytest.raises(PluginError, match=r"SGLang 0\.5\.22: feature 'metadata' is not available"):
-        S.install(
-            cfg(draft_kv="first_step"),
-            S.InstallOptions(channel="metadata", modules=SGLangModules(builder=m, only_given=True), version="0.5.22"),
-        )
     assert S.current() is None
 
 
@@ -395,7 +388,11 @@ CHAIN_SIDECHANNEL = (
     "(PD_MIDDLEWARE_DECODE_ADDRESS on the prefill): this release's metadata path cannot carry the chain"
 )
 BEHIND_STOCK = "; behind a stock prefill: configs/sglang.toml on the decode only (an exact one-hot chain)"
-CHAIN_BY_RELEASE = {**dict.fromkeys(RELEASES[:-1], CHAIN_SIDECHANNEL), "0.5.23": CHAIN_INBAND}
+CHAIN_INBAND_FIRST_STEP = (
+    "configs/multi_layer.yaml on both nodes (the shipped chain in SGLang's PD metadata; draft_kv left out "
+    'is "first_step" on this release: the first step\'s draft KV, as SGLang transfers it)'
+)
+CHAIN_BY_RELEASE = {**dict.fromkeys(RELEASES[:-1], CHAIN_INBAND_FIRST_STEP), "0.5.23": CHAIN_INBAND}
 
 
 def configs_printed(out: str) -> list[str]:
@@ -427,6 +424,7 @@ def test_configs_follow_availability_not_presence() -> None:
     refused = {**every, "metadata": False, "draft_kv": False}
     assert configs_for(every)["multi-layer MTP chain"].startswith(CHAIN_INBAND)
     assert configs_for(refused)["multi-layer MTP chain"].startswith(CHAIN_SIDECHANNEL)
+    assert configs_for({**every, "draft_kv": False})["multi-layer MTP chain"].startswith(CHAIN_INBAND_FIRST_STEP)
     assert configs_for({**refused, "chain": False})["multi-layer MTP chain"].startswith(
         "no shipped chain on this release"
     )

@@ -28,18 +28,20 @@ Claims, per release:
   fails), so their drop-in is compared with 0.5.22's one-hot rate on the same models and
   prompts (a two-sample test of rates whose law depends only on the models).
 
-**Multi-layer** (:data:`CHAIN_RELEASES`, 0.5.22 and 0.5.21): the same four servers with
-the tier's multi-layer MTP draft (``--enable-multi-layer-eagle``, as test_multi_layer.py)
-and the same decode-only default on the drop-in decode, which cannot recompute a chain
-and serves SGLang's one-hot chain (exact; the drop-in's own proposal on 0.5.21, which has
-none), counted as a fallback. Negative control: 0.5.21's stock decode fails the first
-sampled verify (no proposal at all); 0.5.22's serves its one-hot chain. The drop-in decode
-serves every request, greedy outputs equal the same release's aggregated server's, and
-its first-verify rate is within the stock one-hot chain's band where that one serves
-(0.5.22). On :data:`SIDECHANNEL` (0.5.21) two more servers, a drop-in prefill and a
-drop-in decode, serve the shipped chain on the side channel (``pd-middleware sglang``'s
-advice before 0.5.23): greedy outputs equal aggregated's, the first verify within
-aggregated's band and above the decode-only default's one-hot chain.
+**Multi-layer** (:data:`CHAIN_RELEASES`, 0.5.22 and 0.5.21): the same servers with the
+tier's multi-layer MTP draft (``--enable-multi-layer-eagle``, as test_multi_layer.py), the
+drop-in decode with ``configs/multi_layer.yaml`` as shipped, and one more server: a prefill
+with the same file. Behind the stock prefill the drop-in decode reads an unwritten row for
+every request and serves the exact one-hot chain (``fallback:not_sent``: its registration
+still pairs with a stock prefill, the proposal buffer's address riding the drop-in's
+trailing frame); its first-verify rate is within the stock one-hot chain's band where that
+one serves (0.5.22). Behind the drop-in prefill, the shipped chain in SGLang's PD metadata
+(``draft_kv`` left out: the first step's pool before 0.5.23): greedy outputs equal
+aggregated's, every proposal from the prefill, the first verify within aggregated's band.
+Negative control: 0.5.21's stock decode fails the first sampled verify (no proposal at
+all); 0.5.22's serves its one-hot chain. On :data:`SIDECHANNEL` (0.5.21) two more servers,
+a drop-in prefill and decode, serve the shipped chain on the side channel: every proposal
+from the prefill (``fallback:missing`` 0), the first verify within aggregated's band.
 """
 
 from __future__ import annotations
@@ -78,12 +80,15 @@ STOCK = ("0.5.22", "0.5.21")
 N_ACCEPT = 160
 N_GREEDY = 8
 Z_SAME, Z_BETTER = 3.29, 2.33
+#: Releases whose set also serves ``configs/sparse_floor.toml`` in-band with a TP 2 decode.
+INBAND_TP2 = ("0.5.21",)
+N_TP2 = 64
 #: Releases served with the multi-layer draft, 0.5.22 first.
 CHAIN_RELEASES = ("0.5.22", "0.5.21")
 MULTI_LAYER = ["--enable-multi-layer-eagle", "--disable-hybrid-swa-memory"]
 N_CHAIN = 64
-#: Chain releases that also serve the shipped chain with the drop-in on both nodes, on the
-#: side channel (SGLang's PD metadata cannot carry it before 0.5.23: ``pd-middleware sglang``).
+#: Chain releases that also serve the shipped chain with the drop-in on both nodes on the
+#: side channel (for engines and deployments whose metadata cannot change).
 SIDECHANNEL = ("0.5.21",)
 N_SHIPPED = N_CHAIN
 #: One-hot first-verify rates measured by a stock decode, by release (0.5.22's).
@@ -100,12 +105,25 @@ class Release:
     #: the drop-in on both nodes with the shipped chain on the side channel (SIDECHANNEL's
     #: chain sets only): its prefill, its decode
     shipped: tuple[h.Server, h.Server] | None = None
+    #: a drop-in prefill shipping in SGLang's PD metadata to ``dropin`` (the chain sets)
+    inband: h.Server | None = None
+    #: ``configs/sparse_floor.toml`` in-band: a prefill and a TP 2 decode (:data:`INBAND_TP2`)
+    tp2: tuple[h.Server, h.Server] | None = None
     #: first-verify rates measured by test_first_verify_acceptance, by server name
     rates: dict[str, w.Rate] = field(default_factory=dict)
 
     @property
     def servers(self) -> list[h.Server]:
-        return [s for s in (self.agg, self.prefill, self.stock, self.dropin, *(self.shipped or ())) if s is not None]
+        servers = (
+            self.agg,
+            self.prefill,
+            self.stock,
+            self.dropin,
+            self.inband,
+            *(self.shipped or ()),
+            *(self.tp2 or ()),
+        )
+        return [s for s in servers if s is not None]
 
 
 def start_release(
@@ -116,9 +134,13 @@ def start_release(
     *,
     extra_args: list[str] | None = None,
     shipped_config: Path | None = None,
+    inband_config: Path | None = None,
+    tp2_config: Path | None = None,
 ) -> Release:
-    """The four servers of ``version`` (three where it is not in :data:`STOCK`; two more with
-    ``shipped_config``: a drop-in prefill and decode on the side channel), started together;
+    """The four servers of ``version`` (three where it is not in :data:`STOCK`; one more with
+    ``inband_config``: a drop-in prefill shipping in-band to the drop-in decode; two more with
+    ``shipped_config``: a drop-in prefill and decode on the side channel; two more with
+    ``tp2_config``: a drop-in prefill and a TP 2 drop-in decode, in-band), started together;
     all healthy, or every one stopped and ServerFailed."""
     args = list(extra_args or [])
     starts = {
@@ -142,6 +164,39 @@ def start_release(
     if version in STOCK:
         starts["stock"] = lambda: h.start_server(
             "decode-stock", models, log_dir, role="decode", extra_args=args, sleep_on_idle=True, release=version
+        )
+    if inband_config is not None:
+        starts["inband"] = lambda: h.start_server(
+            "prefill-inband",
+            models,
+            log_dir,
+            role="prefill",
+            config=inband_config,
+            extra_args=args,
+            sleep_on_idle=True,
+            release=version,
+        )
+    if tp2_config is not None:
+        starts["tp2_prefill"] = lambda: h.start_server(
+            "prefill-sparse",
+            models,
+            log_dir,
+            role="prefill",
+            config=tp2_config,
+            extra_args=args,
+            sleep_on_idle=True,
+            release=version,
+        )
+        starts["tp2_decode"] = lambda: h.start_server(
+            "decode-sparse-tp2",
+            models,
+            log_dir,
+            role="decode",
+            config=tp2_config,
+            extra_args=[*args, "--enable-metrics"],
+            tp=2,
+            sleep_on_idle=True,
+            release=version,
         )
     if shipped_config is not None:
         port = _side_channel_config(shipped_config)
@@ -171,7 +226,10 @@ def start_release(
         h.stop_all(list(out.values()))
         raise error
     shipped = (out["shipped_prefill"], out["shipped_decode"]) if shipped_config is not None else None
-    return Release(version, out["agg"], out["prefill"], out.get("stock"), out["dropin"], shipped)
+    tp2 = (out["tp2_prefill"], out["tp2_decode"]) if tp2_config is not None else None
+    return Release(
+        version, out["agg"], out["prefill"], out.get("stock"), out["dropin"], shipped, out.get("inband"), tp2
+    )
 
 
 def _side_channel_config(path: Path) -> int:
@@ -201,7 +259,10 @@ def rel(
         pytest.skip(f"SGLang {version}: no release folder at {h.release_dir(version)} (make setup-releases)")
     cfg = h.server_config(REPO / "configs" / "sglang.toml", tmp_path_factory.mktemp("cfg") / "sglang.toml")
     models = h.Models(server_models["target"], server_models["eagle3"])
-    r = start_release(version, models, log_dir / version, cfg)
+    tp2 = None
+    if version in INBAND_TP2:
+        tp2 = h.server_config(REPO / "configs" / "sparse_floor.toml", tmp_path_factory.mktemp("cfg") / "sparse.toml")
+    r = start_release(version, models, log_dir / version, cfg, tp2_config=tp2)
     attach_logs(r.servers)
     try:
         yield r
@@ -221,11 +282,18 @@ def chain(
         pytest.skip(f"SGLang {version}: no release folder at {h.release_dir(version)} (make setup-releases)")
     if "trained_multi_layer" not in server_models:
         pytest.skip("PDM_SERVER_MODELS holds no multi-layer draft: the tier's built models have one")
-    cfg = h.server_config(REPO / "configs" / "sglang.toml", tmp_path_factory.mktemp("cfg") / "sglang.toml")
+    # configs/multi_layer.yaml as shipped on the drop-in decode and the in-band prefill.
+    cfg = h.server_config(REPO / "configs" / "multi_layer.yaml", tmp_path_factory.mktemp("cfg") / "multi_layer.yaml")
     models = h.Models(server_models["trained_target"], server_models["trained_multi_layer"], algorithm="EAGLE")
     shipped = tmp_path_factory.mktemp("cfg") / "multi_layer_sidechannel.yaml" if version in SIDECHANNEL else None
     r = start_release(
-        version, models, log_dir / f"{version}-chain", cfg, extra_args=MULTI_LAYER, shipped_config=shipped
+        version,
+        models,
+        log_dir / f"{version}-chain",
+        cfg,
+        extra_args=MULTI_LAYER,
+        shipped_config=shipped,
+        inband_config=cfg,
     )
     attach_logs(r.servers)
     try:
@@ -235,7 +303,7 @@ def chain(
 
 
 def test_every_server_runs_the_release_and_only_the_drop_in_decode_the_drop_in(rel: Release) -> None:
-    for srv in rel.servers:
+    for srv in (s for s in (rel.agg, rel.prefill, rel.stock, rel.dropin) if s is not None):
         log = srv.log(10**8)
         assert f"[cpu-gaps] SGLang {rel.version}" in log, srv.name  # said by the server's own processes
         assert ("pd-middleware active" in log) is (srv is rel.dropin), srv.name
@@ -298,6 +366,52 @@ def test_the_stock_decode_fails_the_seed_way_or_serves_one_hot(rel: Release) -> 
     assert "expected Tensor as element 0" in log and "NoneType" in log, log[-3000:]
 
 
+def test_a_shipped_strategy_in_band_reaches_a_tp2_decode(rel: Release) -> None:
+    """:data:`INBAND_TP2`: ``configs/sparse_floor.toml`` as shipped on a TP 1 prefill and a
+    TP 2 decode (before 0.5.23 the metadata channel is the only one at TP > 1: the side
+    channel serves rank 0 only). Both decode ranks register with the prefill, each its own
+    row's address in the trailing frame; the prefill sends the row to both. Every request
+    served; greedy outputs the same on two sends (not compared with aggregated serving at
+    TP 1: a TP 2 all-reduce order alone changes a greedy token of one prompt in twelve on
+    these models, test_recompute_tp2.py); every sampled request's proposal from the
+    prefill, no ``fallback:*``; the first verify within aggregated serving's band."""
+    if rel.tp2 is None:
+        pytest.skip(f"SGLang {rel.version}: the TP 2 in-band pair is served on {INBAND_TP2} (budget)")
+    prefill, decode = rel.tp2
+    assert "pd-middleware active: prefill node, channel metadata" in prefill.log(10**8)
+    texts = w.prompts(N_GREEDY, offset=4)
+    first = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
+    again = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
+    bad = [r.error for r in first + again if r.status != 200]
+    assert not bad, bad
+    assert [r.output_ids for r in first] == [r.output_ids for r in again]
+    sampled = w.prompts(N_TP2, offset=2)
+    before = w.settled_events(decode.url)
+    got = w.generate_pd(prefill, decode, sampled, temperature=1.0, max_new_tokens=2)
+    assert all(r.status == 200 for r in got), [r.error for r in got if r.status != 200]
+    after = w.settled_events(decode.url)
+    shipped = w.first_verify_rate(got)
+    a = w.first_verify_rate(w.generate(rel.agg.url, sampled, temperature=1.0, max_new_tokens=2))
+
+    def delta(key: str) -> float:
+        return w.event(after, "decode", key) - w.event(before, "decode", key)
+
+    fallbacks = {
+        k: v for k, v in after.items() if 'event="fallback:' in k and 'part="decode"' in k and v != before.get(k, 0)
+    }
+    z = w.z_diff(shipped, a)
+    print(
+        f"SGLang {rel.version} sparse_floor in-band to a TP 2 decode, first-verify acceptance: aggregated {a}, "
+        f"shipped {shipped} (z {z:.2f}) with {delta('proposal:prefill'):.0f} of {delta('requests'):.0f} proposals "
+        f"from the prefill; decode events {after}"
+    )
+    assert delta("requests") == N_TP2 and delta("proposal:prefill") == N_TP2, (before, after)
+    assert not fallbacks, fallbacks
+    assert abs(z) <= Z_SAME, (shipped, a)
+    for srv in rel.tp2:
+        assert _our_tracebacks(srv) == [], f"a traceback through pd_middleware in {srv.name}'s log"
+
+
 def _fail_one_request(rel: Release, signs: tuple[str, ...]) -> str:
     """One sampled request through the stock decode, sent aside and not waited for once the
     decode's log shows one of ``signs`` (the prefill then waits for the dead decode until
@@ -328,8 +442,16 @@ def test_a_multi_layer_chain_is_served_exactly_by_the_drop_in_decode(chain: Rele
     assert not bad, bad
     assert w.greedy_mismatches(pd, agg) == []
     sampled = w.prompts(N_CHAIN, offset=2)  # N_SHIPPED's prompts too
+    before = w.settled_events(chain.dropin.url)
     d = w.first_verify_rate(w.generate_pd(chain.prefill, chain.dropin, sampled, temperature=1.0, max_new_tokens=2))
+    after = w.settled_events(chain.dropin.url)
     chain.rates["dropin"] = d
+    # Behind a stock prefill the decode's registration still pairs (its proposal row's address
+    # rides the drop-in's trailing frame before 0.5.23, which a stock prefill ignores): every
+    # request reads an unwritten row and verifies SGLang's exact one-hot chain.
+    not_sent = w.event(after, "decode", "fallback:not_sent") - w.event(before, "decode", "fallback:not_sent")
+    from_prefill = w.event(after, "decode", "proposal:prefill") - w.event(before, "decode", "proposal:prefill")
+    assert not_sent == N_CHAIN and from_prefill == 0, (before, after)
     a = w.first_verify_rate(w.generate(chain.agg.url, sampled, temperature=1.0, max_new_tokens=2))
     line = f"SGLang {chain.version} multi-layer first-verify acceptance: aggregated {a}, drop-in decode {d}"
     if chain.version not in SEED_FAILS:
@@ -388,6 +510,48 @@ def test_the_shipped_chain_with_the_drop_in_on_both_nodes_serves_at_aggregated_l
     assert missing == 0 and from_prefill == N_SHIPPED, (before, after)
     assert abs(z) <= Z_SAME, (shipped, a)
     for srv in chain.shipped:
+        assert _our_tracebacks(srv) == [], f"a traceback through pd_middleware in {srv.name}'s log"
+
+
+def test_the_shipped_chain_in_band_serves_at_aggregated_level(chain: Release) -> None:
+    """``configs/multi_layer.yaml`` as shipped on both nodes (the chain in SGLang's PD metadata,
+    ``draft_kv`` left out: the first step's pool before 0.5.23): every request served, greedy
+    outputs equal aggregated's, every sampled request's proposal from the prefill (no
+    ``fallback:*``: in-band, the row lands with the KV) and the first verify within
+    aggregated serving's band."""
+    prefill, decode = chain.inband, chain.dropin
+    assert prefill is not None
+    assert "pd-middleware active: prefill node, channel metadata" in prefill.log(10**8)
+    texts = w.prompts(N_GREEDY, offset=1)
+    agg = w.generate(chain.agg.url, texts, temperature=0.0, max_new_tokens=8, top_logprobs=2)
+    pd = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
+    bad = [r.error for r in agg + pd if r.status != 200]
+    assert not bad, bad
+    assert w.greedy_mismatches(pd, agg) == []
+    sampled = w.prompts(N_SHIPPED, offset=2)
+    before = w.settled_events(decode.url)
+    got = w.generate_pd(prefill, decode, sampled, temperature=1.0, max_new_tokens=2)
+    assert all(r.status == 200 for r in got), [r.error for r in got if r.status != 200]
+    after = w.settled_events(decode.url)
+    shipped = w.first_verify_rate(got)
+    a = w.first_verify_rate(w.generate(chain.agg.url, sampled, temperature=1.0, max_new_tokens=2))
+
+    def delta(key: str) -> float:
+        return w.event(after, "decode", key) - w.event(before, "decode", key)
+
+    fallbacks = {
+        k: v for k, v in after.items() if 'event="fallback:' in k and 'part="decode"' in k and v != before.get(k, 0)
+    }
+    z = w.z_diff(shipped, a)
+    print(
+        f"SGLang {chain.version} shipped chain in-band, first-verify acceptance: aggregated {a}, shipped {shipped} "
+        f"(z {z:.2f}) with {delta('proposal:prefill'):.0f} of {delta('requests'):.0f} proposals from the prefill; "
+        f"decode events {after}"
+    )
+    assert delta("requests") == N_SHIPPED and delta("proposal:prefill") == N_SHIPPED, (before, after)
+    assert not fallbacks, fallbacks
+    assert abs(z) <= Z_SAME, (shipped, a)
+    for srv in (prefill, decode):
         assert _our_tracebacks(srv) == [], f"a traceback through pd_middleware in {srv.name}'s log"
 
 

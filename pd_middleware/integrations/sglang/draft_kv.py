@@ -71,7 +71,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .patching import MOONCAKE_MODULE, Feature, Hook, Refusal, Target, register_feature
+from .metadata_inline import wrap_send_aux
+from .patching import FEATURES, MOONCAKE_MODULE, Feature, Hook, Refusal, Target, register_feature
 from .startup import STAGING_ENV, EngineFacts
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
@@ -451,10 +452,13 @@ def _all_steps(plan: Any) -> bool:
     """``[sglang].draft_kv`` as this node runs it: left out, "all_steps" only when the
     source ships proposals (its features hold ``prefill``); a source that ships nothing
     (decode-only recompute, ``channel = "none"``) runs behind a stock prefill, which sends
-    step 1's pool only: "all_steps" there would only patch SGLang's transfer for nothing."""
+    step 1's pool only: "all_steps" there would only patch SGLang's transfer for nothing.
+    Left out on a release without the carrier (before 0.5.23): "first_step"."""
     chosen = plan.config.sglang.draft_kv
     if chosen is None:
-        return "prefill" in plan.features
+        # Left out: every step's pool where the release can carry it (0.5.23+), else SGLang's
+        # first step (the chain still ships; its later steps' draft KV is the decode's own).
+        return "prefill" in plan.features and FEATURES["draft_kv"].refusal(plan.release) is None
     return bool(chosen == "all_steps")
 
 
@@ -512,16 +516,20 @@ register_feature(
                 ("self", "registration_info"),
                 Hook.AROUND,
                 wrap_validate,
+                since="0.5.22",
+            ),
+            # Before SGLang's per-session hook: the same check at the session's first aux
+            # transfer, which a mismatch fails (metadata_inline).
+            Target(
+                MOONCAKE_MODULE,
+                "MooncakeKVManager.send_aux",
+                ("self", "req", "prefill_aux_index", "dst_aux_ptrs"),
+                Hook.AROUND,
+                wrap_send_aux,
+                until="0.5.21",
             ),
         ),
         lambda plan: "metadata" in plan.features or _all_steps(plan),
         summary="the prefill's check of each decode session: its KV buffer count (draft_kv) and its proposal row layout",
-        refused=(
-            Refusal(
-                "no MooncakeKVManager._validate_peer_state_layout before SGLang 0.5.22",
-                'run [sglang].channel = "sidechannel" for a shipped strategy and [sglang].draft_kv = "first_step"',
-                until="0.5.21",
-            ),
-        ),
     )
 )

@@ -57,13 +57,13 @@ from ...codecs.inband import (
 from ...core._errors import ConfigError
 from ...core.events import Events
 from ...core.payload import Payload
+from .metadata_inline import host_only, wrap_free, wrap_queue_init, wrap_register_kv_args
 from .patching import (
     DECODE_QUEUE_MODULE,
     MOONCAKE_MODULE,
     UTILS_MODULE,
     Feature,
     Hook,
-    Refusal,
     Target,
     read,
     register_feature,
@@ -93,10 +93,25 @@ def row_tag(row: np.ndarray) -> int:
 LAYOUT_ATTR = "pd_middleware_layout"
 
 
+#: Separates the layout from the proposal buffer's address in the trailing frame (before
+#: 0.5.23 the address rides there, not in SGLang's aux list: :mod:`.metadata_inline`).
+PTR_SEP = b";ptr="
+
+
+def parse_frame(msg: Any) -> tuple[str | None, int | None]:
+    """The layout our trailing frame names in a registration message and the proposal
+    buffer's address it carries: (None, None) without our frame, (layout, None) from a
+    0.5.23 decode (its address is in SGLang's aux list). ValueError on a malformed address."""
+    last = bytes(msg[-1]) if len(msg) else b""
+    if not last.startswith(FRAME_MARK):
+        return None, None
+    layout, sep, ptr = last[len(FRAME_MARK) :].partition(PTR_SEP)
+    return layout.decode("ascii", "replace"), (int(ptr.decode("ascii")) if sep else None)
+
+
 def layout_of(msg: Any) -> str | None:
     """The layout our trailing frame names in a registration message, or None (no frame)."""
-    last = bytes(msg[-1]) if len(msg) else b""
-    return last[len(FRAME_MARK) :].decode("ascii", "replace") if last.startswith(FRAME_MARK) else None
+    return parse_frame(msg)[0]
 
 
 class MetadataChannel:
@@ -113,6 +128,8 @@ class MetadataChannel:
         self.capacity_bytes = capacity_bytes
         self.on_row = on_row
         self.layout: RowLayout | None = None
+        #: Addresses of this process's proposal buffers (the decode's own, at registration).
+        self.row_ptrs: set[int] = set()
         self.events = Events("inband", logger=logger)
         self.counts: Counter[str] = self.events.counts
 
@@ -260,6 +277,7 @@ class MetadataChannel:
         buf = buffers.__dict__.get(BUFFER_ATTR)
         if buf is None:  # made before the drop-in was installed
             return ptrs, data_lens, item_lens
+        self.row_ptrs.add(buf.data_ptr())
         return [*ptrs, buf.data_ptr()], [*data_lens, buf.nbytes], [*item_lens, buf[0].nbytes]
 
     def clear(self, buffers: Any, idx: int) -> None:
@@ -277,9 +295,11 @@ class MetadataChannel:
             return  # SGLang's warmup/fake transfer: no prefill wrote anything; the builder answers one-hot
         self.on_row(req, self.read(queue.metadata_buffers, decode_req.metadata_buffer_index, req))
 
-    def registration_frame(self) -> bytes:
-        """The trailing frame of the decode's registration (SGLang's parser reads fixed positions)."""
-        return FRAME_MARK + self.describe().encode("ascii")
+    def registration_frame(self, row_ptr: int | None = None) -> bytes:
+        """The trailing frame of the decode's registration (SGLang's parser reads fixed
+        positions); ``row_ptr``: the proposal buffer's address where it rides this frame."""
+        frame = FRAME_MARK + self.describe().encode("ascii")
+        return frame if row_ptr is None else frame + PTR_SEP + str(int(row_ptr)).encode("ascii")
 
     def validate(self, manager: Any, info: Any) -> str | None:
         """Prefill ``_validate_peer_state_layout`` tail: why this decode session must be rejected.
@@ -418,11 +438,13 @@ def wrap_from_zmq(func: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     def from_zmq(cls: Any, msg: Any) -> Any:
         info = func(cls, msg)
         try:
-            layout = layout_of(msg)
+            layout, ptr = parse_frame(msg)
         except Exception as exc:
-            inst.events.failed("from_zmq", exc, "no layout (the session is rejected)")
-            layout = None
+            inst.events.failed("from_zmq", exc, "no layout (served as a decode without the drop-in, or rejected)")
+            layout, ptr = None, None
         setattr(info, LAYOUT_ATTR, layout)
+        if ptr is not None:  # before 0.5.23: our row's address, last after SGLang's (as our buffer here)
+            info.dst_aux_ptrs = [*info.dst_aux_ptrs, ptr]
         return info
 
     return from_zmq
@@ -438,8 +460,28 @@ register_feature(
             Target(UTILS_MODULE, "MetadataBuffers.__init__", None, Hook.AROUND, wrap_metadata_init),
             Target(UTILS_MODULE, "MetadataBuffers.get_buf_infos", ("self",), Hook.AROUND, wrap_buf_infos),
             Target(UTILS_MODULE, "MetadataBuffers.set_buf", ("self", "req"), Hook.AROUND, wrap_set_buf),
-            Target(UTILS_MODULE, "MetadataBuffers.clear_slot", ("self", "idx"), Hook.AROUND, wrap_clear_slot),
-            read(UTILS_MODULE, "_is_fake_transfer", ("req",)),
+            # The slot reset: SGLang's own from 0.5.23, inline before (metadata_inline).
+            Target(
+                UTILS_MODULE,
+                "MetadataBuffers.clear_slot",
+                ("self", "idx"),
+                Hook.AROUND,
+                wrap_clear_slot,
+                since="0.5.23",
+            ),
+            Target(
+                DECODE_QUEUE_MODULE, "DecodeTransferQueue.__init__", None, Hook.AROUND, wrap_queue_init, until="0.5.22"
+            ),
+            Target(
+                UTILS_MODULE,
+                "ReqToMetadataIdxAllocator.free",
+                ("self", "free_index"),
+                Hook.AROUND,
+                wrap_free,
+                until="0.5.22",
+            ),
+            read(UTILS_MODULE, "_is_fake_transfer", ("req",), since="0.5.19"),
+            read(UTILS_MODULE, "_is_fake_transfer", ("req", "server_args"), until="0.5.18", adapt=host_only),
             Target(
                 DECODE_QUEUE_MODULE,
                 "DecodeTransferQueue._commit_transfer_to_req",
@@ -447,25 +489,26 @@ register_feature(
                 Hook.AROUND,
                 wrap_commit,
             ),
+            # The registration's layout frame: SGLang's builder from 0.5.23, inline before.
             Target(
                 MOONCAKE_MODULE,
                 "MooncakeKVManager.build_receiver_registration_message",
                 ("self",),
                 Hook.AROUND,
                 wrap_registration,
+                since="0.5.23",
+            ),
+            Target(
+                MOONCAKE_MODULE,
+                "MooncakeKVReceiver._register_kv_args",
+                ("self",),
+                Hook.AROUND,
+                wrap_register_kv_args,
+                until="0.5.22",
             ),
             Target(MOONCAKE_MODULE, "KVArgsRegisterInfo.from_zmq", ("cls", "msg"), Hook.AROUND, wrap_from_zmq),
         ),
         lambda plan: "metadata" in plan.features,
         summary='the in-band row in SGLang\'s PD metadata buffers ([sglang].channel = "metadata")',
-        refused=(
-            Refusal(
-                "no MetadataBuffers.clear_slot nor MooncakeKVManager.build_receiver_registration_message before "
-                "SGLang 0.5.23: the slot reset and the Mooncake registration are inline there",
-                'run a shipped strategy on [sglang].channel = "sidechannel" (drop-in on both nodes), or the decode-only '
-                'default (synthesizer = "recompute", channel = "none")',
-                until="0.5.22",
-            ),
-        ),
     )
 )

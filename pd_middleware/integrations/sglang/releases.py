@@ -24,6 +24,11 @@ def configs_for(available: dict[str, bool]) -> dict[str, str]:
     """The config to run per draft kind, given which features the release has."""
     if available.get("metadata") and available.get("draft_kv"):
         chain = 'configs/multi_layer.yaml on both nodes (the shipped chain in SGLang\'s PD metadata, draft_kv = "all_steps")'
+    elif available.get("metadata") and available.get("chain") and available.get("prefill"):
+        chain = (
+            "configs/multi_layer.yaml on both nodes (the shipped chain in SGLang's PD metadata; draft_kv left out "
+            'is "first_step" on this release: the first step\'s draft KV, as SGLang transfers it)'
+        )
     elif available.get("chain") and available.get("prefill"):
         chain = (
             'configs/multi_layer.yaml on both nodes with [sglang] channel = "sidechannel" and draft_kv = "first_step" '
