@@ -51,9 +51,10 @@ import random
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,84 +144,39 @@ def start_release(
     ``tp2_config``: a drop-in prefill and a TP 2 drop-in decode, in-band), started together;
     all healthy, or every one stopped and ServerFailed."""
     args = list(extra_args or [])
-    starts = {
-        "agg": lambda: h.start_server(
-            "aggregated", models, log_dir, extra_args=args, sleep_on_idle=True, release=version
-        ),
-        "prefill": lambda: h.start_server(
-            "prefill", models, log_dir, role="prefill", extra_args=args, sleep_on_idle=True, release=version
-        ),
-        "dropin": lambda: h.start_server(
-            "decode-dropin",
+
+    def start(name: str, role: str = "null", config: Path | None = None, **kw: Any) -> Callable[[], h.Server]:
+        # A decode serves its counters on /metrics (the drop-in copies them there).
+        more = ["--enable-metrics"] if role == "decode" and config is not None else []
+        return lambda: h.start_server(
+            name,
             models,
             log_dir,
-            role="decode",
-            config=decode_config,
-            extra_args=[*args, "--enable-metrics"],
+            role=role,
+            config=config,
+            extra_args=[*args, *more],
             sleep_on_idle=True,
             release=version,
-        ),
+            **kw,
+        )
+
+    starts = {
+        "agg": start("aggregated"),
+        "prefill": start("prefill", "prefill"),
+        "dropin": start("decode-dropin", "decode", decode_config),
     }
     if version in STOCK:
-        starts["stock"] = lambda: h.start_server(
-            "decode-stock", models, log_dir, role="decode", extra_args=args, sleep_on_idle=True, release=version
-        )
+        starts["stock"] = start("decode-stock", "decode")
     if inband_config is not None:
-        starts["inband"] = lambda: h.start_server(
-            "prefill-inband",
-            models,
-            log_dir,
-            role="prefill",
-            config=inband_config,
-            extra_args=args,
-            sleep_on_idle=True,
-            release=version,
-        )
+        starts["inband"] = start("prefill-inband", "prefill", inband_config)
     if tp2_config is not None:
-        starts["tp2_prefill"] = lambda: h.start_server(
-            "prefill-sparse",
-            models,
-            log_dir,
-            role="prefill",
-            config=tp2_config,
-            extra_args=args,
-            sleep_on_idle=True,
-            release=version,
-        )
-        starts["tp2_decode"] = lambda: h.start_server(
-            "decode-sparse-tp2",
-            models,
-            log_dir,
-            role="decode",
-            config=tp2_config,
-            extra_args=[*args, "--enable-metrics"],
-            tp=2,
-            sleep_on_idle=True,
-            release=version,
-        )
+        starts["tp2_prefill"] = start("prefill-sparse", "prefill", tp2_config)
+        starts["tp2_decode"] = start("decode-sparse-tp2", "decode", tp2_config, tp=2)
     if shipped_config is not None:
         port = _side_channel_config(shipped_config)
-        starts["shipped_prefill"] = lambda: h.start_server(
-            "prefill-shipped",
-            models,
-            log_dir,
-            role="prefill",
-            config=shipped_config,
-            extra_args=args,
-            env_extra={"PD_MIDDLEWARE_DECODE_ADDRESS": f"tcp://127.0.0.1:{port}"},
-            sleep_on_idle=True,
-            release=version,
-        )
-        starts["shipped_decode"] = lambda: h.start_server(
-            "decode-shipped",
-            models,
-            log_dir,
-            role="decode",
-            config=shipped_config,
-            extra_args=[*args, "--enable-metrics"],
-            sleep_on_idle=True,
-            release=version,
-        )
+        address = {"PD_MIDDLEWARE_DECODE_ADDRESS": f"tcp://127.0.0.1:{port}"}
+        starts["shipped_prefill"] = start("prefill-shipped", "prefill", shipped_config, env_extra=address)
+        starts["shipped_decode"] = start("decode-shipped", "decode", shipped_config)
     out, error = h.start_together(starts)
     if error is not None:
         h.stop_all(list(out.values()))
@@ -379,35 +335,11 @@ def test_a_shipped_strategy_in_band_reaches_a_tp2_decode(rel: Release) -> None:
         pytest.skip(f"SGLang {rel.version}: the TP 2 in-band pair is served on {INBAND_TP2} (budget)")
     prefill, decode = rel.tp2
     assert "pd-middleware active: prefill node, channel metadata" in prefill.log(10**8)
-    texts = w.prompts(N_GREEDY, offset=4)
-    first = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
-    again = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
-    bad = [r.error for r in first + again if r.status != 200]
-    assert not bad, bad
-    assert [r.output_ids for r in first] == [r.output_ids for r in again]
-    sampled = w.prompts(N_TP2, offset=2)
-    before = w.settled_events(decode.url)
-    got = w.generate_pd(prefill, decode, sampled, temperature=1.0, max_new_tokens=2)
-    assert all(r.status == 200 for r in got), [r.error for r in got if r.status != 200]
-    after = w.settled_events(decode.url)
-    shipped = w.first_verify_rate(got)
-    a = w.first_verify_rate(w.generate(rel.agg.url, sampled, temperature=1.0, max_new_tokens=2))
-
-    def delta(key: str) -> float:
-        return w.event(after, "decode", key) - w.event(before, "decode", key)
-
-    fallbacks = {
-        k: v for k, v in after.items() if 'event="fallback:' in k and 'part="decode"' in k and v != before.get(k, 0)
-    }
-    z = w.z_diff(shipped, a)
-    print(
-        f"SGLang {rel.version} sparse_floor in-band to a TP 2 decode, first-verify acceptance: aggregated {a}, "
-        f"shipped {shipped} (z {z:.2f}) with {delta('proposal:prefill'):.0f} of {delta('requests'):.0f} proposals "
-        f"from the prefill; decode events {after}"
-    )
-    assert delta("requests") == N_TP2 and delta("proposal:prefill") == N_TP2, (before, after)
-    assert not fallbacks, fallbacks
-    assert abs(z) <= Z_SAME, (shipped, a)
+    got = _serve_shipped(prefill, decode, rel.agg, N_TP2, greedy_offset=4, greedy_vs_agg=False)
+    print(f"SGLang {rel.version} " + got.line("sparse_floor in-band to a TP 2 decode") + f"; decode events {got.after}")
+    assert got.delta("requests") == N_TP2 and got.delta("proposal:prefill") == N_TP2, (got.before, got.after)
+    assert not got.fallbacks, got.fallbacks
+    assert abs(got.z) <= Z_SAME, (got.rate, got.agg)
     for srv in rel.tp2:
         assert _our_tracebacks(srv) == [], f"a traceback through pd_middleware in {srv.name}'s log"
 
@@ -469,6 +401,63 @@ def _our_tracebacks(srv: h.Server) -> list[str]:
     return [ln for ln in srv.log(10**8).splitlines() if ln.lstrip().startswith('File "') and "pd_middleware" in ln]
 
 
+@dataclass
+class Shipped:
+    """What a pair with the drop-in on both nodes served: its first-verify rate, aggregated
+    serving's on the same prompts, and the decode's event samples around the sampled run."""
+
+    rate: w.Rate
+    agg: w.Rate
+    before: dict[str, float]
+    after: dict[str, float]
+
+    def delta(self, key: str) -> float:
+        return w.event(self.after, "decode", key) - w.event(self.before, "decode", key)
+
+    @property
+    def fallbacks(self) -> dict[str, float]:
+        """Every ``fallback:*`` event of the decode that moved during the sampled run."""
+        moved = {k: v - self.before.get(k, 0) for k, v in self.after.items() if v != self.before.get(k, 0)}
+        return {k: v for k, v in moved.items() if 'event="fallback:' in k and 'part="decode"' in k}
+
+    @property
+    def z(self) -> float:
+        return w.z_diff(self.rate, self.agg)
+
+    def line(self, what: str) -> str:
+        return (
+            f"{what}, first-verify acceptance: aggregated {self.agg}, shipped {self.rate} (z {self.z:.2f}) with "
+            f"{self.delta('proposal:prefill'):.0f} of {self.delta('requests'):.0f} proposals from the prefill"
+        )
+
+
+def _serve_shipped(
+    prefill: h.Server, decode: h.Server, agg: h.Server, n: int, *, greedy_offset: int, greedy_vs_agg: bool = True
+) -> Shipped:
+    """Greedy requests through the pair (equal to ``agg``'s, or with ``greedy_vs_agg`` False
+    the same on two sends), then ``n`` sampled first-verify requests through it and through
+    ``agg``; every request must be served."""
+    texts = w.prompts(N_GREEDY, offset=greedy_offset)
+    first = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
+    if greedy_vs_agg:
+        other = w.generate(agg.url, texts, temperature=0.0, max_new_tokens=8, top_logprobs=2)
+    else:
+        other = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
+    bad = [r.error for r in first + other if r.status != 200]
+    assert not bad, bad
+    if greedy_vs_agg:
+        assert w.greedy_mismatches(first, other) == []
+    else:
+        assert [r.output_ids for r in first] == [r.output_ids for r in other]
+    sampled = w.prompts(n, offset=2)
+    before = w.settled_events(decode.url)
+    got = w.generate_pd(prefill, decode, sampled, temperature=1.0, max_new_tokens=2)
+    assert all(r.status == 200 for r in got), [r.error for r in got if r.status != 200]
+    after = w.settled_events(decode.url)
+    a = w.first_verify_rate(w.generate(agg.url, sampled, temperature=1.0, max_new_tokens=2))
+    return Shipped(w.first_verify_rate(got), a, before, after)
+
+
 def test_the_shipped_chain_with_the_drop_in_on_both_nodes_serves_at_aggregated_level(chain: Release) -> None:
     """SIDECHANNEL: ``configs/multi_layer.yaml`` on both nodes with the side channel and
     ``draft_kv = "first_step"`` (what ``pd-middleware sglang`` says to run there): every
@@ -481,34 +470,15 @@ def test_the_shipped_chain_with_the_drop_in_on_both_nodes_serves_at_aggregated_l
     prefill, decode = chain.shipped
     for srv in chain.shipped:
         assert "pd-middleware active" in srv.log(10**8), srv.name
-    texts = w.prompts(N_GREEDY, offset=1)
-    agg = w.generate(chain.agg.url, texts, temperature=0.0, max_new_tokens=8, top_logprobs=2)
-    pd = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
-    bad = [r.error for r in agg + pd if r.status != 200]
-    assert not bad, bad
-    assert w.greedy_mismatches(pd, agg) == []
-    sampled = w.prompts(N_SHIPPED, offset=2)
-    before = w.settled_events(decode.url)
-    got = w.generate_pd(prefill, decode, sampled, temperature=1.0, max_new_tokens=2)
-    assert all(r.status == 200 for r in got), [r.error for r in got if r.status != 200]
-    after = w.settled_events(decode.url)
-    shipped = w.first_verify_rate(got)
-    a = w.first_verify_rate(w.generate(chain.agg.url, sampled, temperature=1.0, max_new_tokens=2))
-
-    def delta(key: str) -> float:
-        return w.event(after, "decode", key) - w.event(before, "decode", key)
-
-    n, from_prefill, missing = delta("requests"), delta("proposal:prefill"), delta("fallback:missing")
-    z = w.z_diff(shipped, a)
+    got = _serve_shipped(prefill, decode, chain.agg, N_SHIPPED, greedy_offset=1)
     print(
-        f"SGLang {chain.version} shipped chain on the side channel, first-verify acceptance: aggregated {a}, "
-        f"shipped {shipped} (z {z:.2f}) with {from_prefill:.0f} of {n:.0f} proposals from the prefill, "
-        f"fallback:missing {missing:.0f}, held for their payload {delta('wait:held'):.0f} (arrived "
-        f"{delta('wait:arrived'):.0f}, expired {delta('wait:expired'):.0f}); decode events {after}"
+        f"SGLang {chain.version} " + got.line("shipped chain on the side channel") + f", fallback:missing "
+        f"{got.delta('fallback:missing'):.0f}, held for their payload {got.delta('wait:held'):.0f} (arrived "
+        f"{got.delta('wait:arrived'):.0f}, expired {got.delta('wait:expired'):.0f}); decode events {got.after}"
     )
-    assert n == N_SHIPPED, (before, after)
-    assert missing == 0 and from_prefill == N_SHIPPED, (before, after)
-    assert abs(z) <= Z_SAME, (shipped, a)
+    assert got.delta("requests") == N_SHIPPED, (got.before, got.after)
+    assert got.delta("fallback:missing") == 0 and got.delta("proposal:prefill") == N_SHIPPED, (got.before, got.after)
+    assert abs(got.z) <= Z_SAME, (got.rate, got.agg)
     for srv in chain.shipped:
         assert _our_tracebacks(srv) == [], f"a traceback through pd_middleware in {srv.name}'s log"
 
@@ -522,35 +492,11 @@ def test_the_shipped_chain_in_band_serves_at_aggregated_level(chain: Release) ->
     prefill, decode = chain.inband, chain.dropin
     assert prefill is not None
     assert "pd-middleware active: prefill node, channel metadata" in prefill.log(10**8)
-    texts = w.prompts(N_GREEDY, offset=1)
-    agg = w.generate(chain.agg.url, texts, temperature=0.0, max_new_tokens=8, top_logprobs=2)
-    pd = w.generate_pd(prefill, decode, texts, temperature=0.0, max_new_tokens=8)
-    bad = [r.error for r in agg + pd if r.status != 200]
-    assert not bad, bad
-    assert w.greedy_mismatches(pd, agg) == []
-    sampled = w.prompts(N_SHIPPED, offset=2)
-    before = w.settled_events(decode.url)
-    got = w.generate_pd(prefill, decode, sampled, temperature=1.0, max_new_tokens=2)
-    assert all(r.status == 200 for r in got), [r.error for r in got if r.status != 200]
-    after = w.settled_events(decode.url)
-    shipped = w.first_verify_rate(got)
-    a = w.first_verify_rate(w.generate(chain.agg.url, sampled, temperature=1.0, max_new_tokens=2))
-
-    def delta(key: str) -> float:
-        return w.event(after, "decode", key) - w.event(before, "decode", key)
-
-    fallbacks = {
-        k: v for k, v in after.items() if 'event="fallback:' in k and 'part="decode"' in k and v != before.get(k, 0)
-    }
-    z = w.z_diff(shipped, a)
-    print(
-        f"SGLang {chain.version} shipped chain in-band, first-verify acceptance: aggregated {a}, shipped {shipped} "
-        f"(z {z:.2f}) with {delta('proposal:prefill'):.0f} of {delta('requests'):.0f} proposals from the prefill; "
-        f"decode events {after}"
-    )
-    assert delta("requests") == N_SHIPPED and delta("proposal:prefill") == N_SHIPPED, (before, after)
-    assert not fallbacks, fallbacks
-    assert abs(z) <= Z_SAME, (shipped, a)
+    got = _serve_shipped(prefill, decode, chain.agg, N_SHIPPED, greedy_offset=1)
+    print(f"SGLang {chain.version} " + got.line("shipped chain in-band") + f"; decode events {got.after}")
+    assert got.delta("requests") == N_SHIPPED and got.delta("proposal:prefill") == N_SHIPPED, (got.before, got.after)
+    assert not got.fallbacks, got.fallbacks
+    assert abs(got.z) <= Z_SAME, (got.rate, got.agg)
     for srv in (prefill, decode):
         assert _our_tracebacks(srv) == [], f"a traceback through pd_middleware in {srv.name}'s log"
 

@@ -434,15 +434,20 @@ def peer_mismatch(inst: Any, manager: Any, info: Any) -> str | None:
     return row
 
 
+def session_verdict(inst: Any, manager: Any, info: Any) -> str | None:
+    """:func:`peer_mismatch` that never raises: a check that fails rejects the session."""
+    try:
+        return peer_mismatch(inst, manager, info)
+    except Exception as exc:
+        inst.events.failed("validate_peer", exc, "rejecting the session")
+        return f"pd-middleware could not check the decode's registration (KV buffers, proposal rows): {exc}"
+
+
 def wrap_validate(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
     def _validate_peer_state_layout(self: Any, registration_info: Any) -> Any:
         fully_checked, mismatch = orig(self, registration_info)
         if mismatch is None:
-            try:
-                mismatch = peer_mismatch(inst, self, registration_info)
-            except Exception as exc:
-                inst.events.failed("validate_peer", exc, "rejecting the session")
-                mismatch = f"pd-middleware could not check the decode's registration (KV buffers, proposal rows): {exc}"
+            mismatch = session_verdict(inst, self, registration_info)
         return fully_checked, mismatch
 
     return _validate_peer_state_layout

@@ -130,18 +130,14 @@ def wrap_free(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
 
 
 def wrap_send_aux(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
-    from .draft_kv import peer_mismatch  # deferred: draft_kv registers its features at import
+    from .draft_kv import session_verdict  # deferred: draft_kv imports this module
 
     def send_aux(self: Any, req: Any, prefill_aux_index: int, dst_aux_ptrs: list[int]) -> Any:
         info = self.decode_kv_args_table.get(req.mooncake_session_id)
         if info is not None:
             why = getattr(info, VERDICT_ATTR, _UNCHECKED)
             if why is _UNCHECKED:
-                try:
-                    why = peer_mismatch(inst, self, info)
-                except Exception as exc:
-                    inst.events.failed("validate_peer", exc, "failing that session's transfers")
-                    why = f"pd-middleware could not check the decode's registration: {exc}"
+                why = session_verdict(inst, self, info)
                 setattr(info, VERDICT_ATTR, why)
             if why is not None:
                 return 1  # SGLang's transfer result: nonzero fails this request
