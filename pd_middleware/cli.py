@@ -122,6 +122,13 @@ class _FormOnlyRegistry:
         )
 
 
+def _row_name(target: str) -> str:
+    """A table row's short name: its function, with its class where it has one
+    (``DecodeTransferQueue.__init__``, ``fast_sample``)."""
+    parts = target.split(".")
+    return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2][:1].isupper() else parts[-1]
+
+
 def _cmd_sglang(args: argparse.Namespace) -> int:
     import json
 
@@ -163,9 +170,7 @@ def _cmd_sglang(args: argparse.Namespace) -> int:
     width = max(len(n) for n in rep["features"])
     for name, f in rep["features"].items():
         if f["available"]:
-            changed = [
-                f"{r['target'].rsplit('.', 1)[-1]} ({r['releases']})" for r in f["rows"] if r["releases"] != "all"
-            ]
+            changed = [f"{_row_name(r['target'])} ({r['releases']})" for r in f["rows"] if r["releases"] != "all"]
             note = f"  [release rows: {', '.join(changed)}]" if changed else ""
             print(f"  {name:<{width}}  supported: {f['summary']}{note}")
         else:

@@ -347,6 +347,9 @@ def test_cli_prints_each_release(version, capsys) -> None:
         assert (f"refused: {r.line(version, name)}" if r else f"{name}") in out
     if version in OLD:
         assert "EagleDraftInput (0.5.18-0.5.21)" in out and "never None" in out
+    # The metadata channel's inline-step rows, named with their class (not a bare "__init__").
+    inline = "DecodeTransferQueue.__init__ (0.5.18-0.5.22), ReqToMetadataIdxAllocator.free (0.5.18-0.5.22)"
+    assert (inline in out) is (version != "0.5.23"), out
     assert main(["sglang", "--release", version, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep == {**release_report(version), "source": "--release", "supported": True}
