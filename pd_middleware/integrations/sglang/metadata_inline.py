@@ -89,7 +89,9 @@ def wrap_register_kv_args(orig: Callable[..., Any], inst: Any) -> Callable[..., 
             try:
                 return rewrite_registration(inst.channel, self.kv_mgr.kv_args.aux_data_ptrs, msg)
             except Exception as exc:
-                inst.events.failed("registration", exc, "a registration without our frame (one-hot at that pair)")
+                inst.events.failed(
+                    "registration", exc, "SGLang's registration as built (a prefill with the drop-in rejects it)"
+                )
                 return msg
 
         def _connect_to_bootstrap_server(bootstrap_info: Any) -> Any:
