@@ -100,13 +100,13 @@ def registration_check(version: str) -> dict[str, Any]:
     from pd_middleware.config import parse_config
     from pd_middleware.integrations import sglang as S
     from pd_middleware.integrations.sglang import metadata_inline
-    from pd_middleware.integrations.sglang.metadata import LAYOUT_ATTR
     from pd_middleware.integrations.sglang.patching import (
         DECODE_QUEUE_MODULE,
         MOONCAKE_MODULE,
         UTILS_MODULE,
         parse_version,
     )
+    from pd_middleware.integrations.sglang.registration import LAYOUT_ATTR
 
     conn = import_sglang(MOONCAKE_MODULE)
     utils = import_sglang(UTILS_MODULE)
@@ -191,7 +191,7 @@ def registration_check(version: str) -> dict[str, Any]:
 def _send_aux_check(conn: Any, mine: str, good: Any) -> dict[str, Any]:
     """The prefill's check at the session's aux transfer (before 0.5.22): a matching decode,
     a decode without the drop-in and a decode of another layout, each its own session."""
-    from pd_middleware.integrations.sglang.metadata import LAYOUT_ATTR
+    from pd_middleware.integrations.sglang.registration import LAYOUT_ATTR
 
     sent: list[Any] = []
     mgr = SimpleNamespace(

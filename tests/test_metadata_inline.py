@@ -18,12 +18,13 @@ import torch
 
 from pd_middleware.codecs.inband import HEADER_BYTES
 from pd_middleware.core.events import Events
-from pd_middleware.integrations.sglang.metadata import FRAME_MARK, MetadataChannel, parse_frame, wrap_from_zmq
-from pd_middleware.integrations.sglang.metadata_inline import (
-    BUFFERS_ATTR,
+from pd_middleware.integrations.sglang.metadata import MetadataChannel
+from pd_middleware.integrations.sglang.metadata_inline import BUFFERS_ATTR, wrap_free, wrap_queue_init
+from pd_middleware.integrations.sglang.registration import (
+    FRAME_MARK,
+    parse_frame,
     rewrite_registration,
-    wrap_free,
-    wrap_queue_init,
+    wrap_from_zmq,
     wrap_register_kv_args,
 )
 

@@ -31,8 +31,9 @@ from pd_middleware.config import parse_config
 from pd_middleware.core.payload import Payload, Provenance
 from pd_middleware.integrations import sglang as S
 from pd_middleware.integrations.sglang import metadata as sglang_metadata
-from pd_middleware.integrations.sglang.metadata import FRAME_MARK, wrap_metadata_init, wrap_registration
+from pd_middleware.integrations.sglang.metadata import wrap_metadata_init
 from pd_middleware.integrations.sglang.prefill import wrap_prefill_result
+from pd_middleware.integrations.sglang.registration import FRAME_MARK, wrap_registration
 from pd_middleware.sampling.draws import request_uniforms
 from pd_middleware.sampling.encodings import sparse_law_tensor
 
@@ -1194,7 +1195,7 @@ def test_fault_metadata_wrappers_never_raise_and_sglangs_part_still_runs(sg) -> 
 
 def test_fault_from_zmq_with_a_corrupt_trailing_frame_reads_as_no_layout(sg) -> None:
     inst = activate(config(), role="prefill")
-    from pd_middleware.integrations.sglang.metadata import layout_of
+    from pd_middleware.integrations.sglang.registration import layout_of
 
     msg = _registration([1, 2], object())  # not bytes: a corrupt frame
     with pytest.raises(TypeError):  # negative control
@@ -1299,7 +1300,7 @@ def test_layout_self_check_passes_on_this_sglang_and_names_a_changed_field(sg) -
         return got
 
     from pd_middleware.core.events import Events
-    from pd_middleware.integrations.sglang.metadata import wrap_from_zmq
+    from pd_middleware.integrations.sglang.registration import wrap_from_zmq
 
     shim = classmethod(wrap_from_zmq(reads_frame_20, SimpleNamespace(events=Events("guard"))))
     with (

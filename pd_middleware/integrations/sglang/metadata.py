@@ -21,9 +21,9 @@ end of this module) each call one public method of :class:`MetadataChannel`:
   ``on_row(req, payload_or_fault)``, which runs the middleware pipeline and attaches the
   result to the Req. Never raises.
 
-Layout handshake (Mooncake backend): the decode appends a trailing frame
+Layout handshake (Mooncake backend, :mod:`.registration`): the decode appends a trailing frame
 ``pd-middleware-row <layout>`` to its KV-args registration
-(``MooncakeKVManager.build_receiver_registration_message``); SGLang's parser reads
+(``MooncakeKVManager.build_receiver_registration_message``; inline before 0.5.23); SGLang's parser reads
 fixed positions and ignores it (checked at scheduler start: :func:`~.startup.check_registration`
 round-trips ``KVArgsRegisterInfo.from_zmq`` with the frame). The prefill's ``_validate_peer_state_layout`` (SGLang's
 own per-session rejection hook, wrapped by the ``peer_check`` feature of :mod:`.draft_kv`) compares that layout and the aux buffer counts with
@@ -57,7 +57,7 @@ from ...codecs.inband import (
 from ...core._errors import ConfigError
 from ...core.events import Events
 from ...core.payload import Payload
-from .metadata_inline import host_only, wrap_free, wrap_queue_init, wrap_register_kv_args
+from .metadata_inline import host_only, wrap_free, wrap_queue_init
 from .patching import (
     DECODE_QUEUE_MODULE,
     MOONCAKE_MODULE,
@@ -68,6 +68,14 @@ from .patching import (
     read,
     register_feature,
 )
+from .registration import (
+    FRAME_MARK,
+    LAYOUT_ATTR,
+    PTR_SEP,
+    wrap_from_zmq,
+    wrap_register_kv_args,
+    wrap_registration,
+)
 
 logger = logging.getLogger("pd_middleware.integrations.sglang")
 
@@ -75,8 +83,6 @@ logger = logging.getLogger("pd_middleware.integrations.sglang")
 ROW_ATTR = "pd_middleware_row"
 #: MetadataBuffers attribute of the proposal buffer (a torch uint8 (rows, capacity)).
 BUFFER_ATTR = "pd_proposal"
-#: Marker of the layout frame appended to the decode's Mooncake registration.
-FRAME_MARK = b"pd-middleware-row "
 #: Column of SGLang's 16-wide ``output_topk_index`` row that carries the proposal row's
 #: binding tag. SGLang writes only the first ``topk * num_steps`` (<= 15) columns.
 TAG_COLUMN = 15
@@ -87,31 +93,6 @@ _TAG_WRITTEN = 1 << 32
 def row_tag(row: np.ndarray) -> int:
     """The binding tag of a written row: it goes into the same SGLang buffer as X."""
     return _TAG_WRITTEN | row_digest(row)
-
-
-#: KVArgsRegisterInfo attribute the decode's layout (or None) is parsed into.
-LAYOUT_ATTR = "pd_middleware_layout"
-
-
-#: Separates the layout from the proposal buffer's address in the trailing frame (before
-#: 0.5.23 the address rides there, not in SGLang's aux list: :mod:`.metadata_inline`).
-PTR_SEP = b";ptr="
-
-
-def parse_frame(msg: Any) -> tuple[str | None, int | None]:
-    """The layout our trailing frame names in a registration message and the proposal
-    buffer's address it carries: (None, None) without our frame, (layout, None) from a
-    0.5.23 decode (its address is in SGLang's aux list). ValueError on a malformed address."""
-    last = bytes(msg[-1]) if len(msg) else b""
-    if not last.startswith(FRAME_MARK):
-        return None, None
-    layout, sep, ptr = last[len(FRAME_MARK) :].partition(PTR_SEP)
-    return layout.decode("ascii", "replace"), (int(ptr.decode("ascii")) if sep else None)
-
-
-def layout_of(msg: Any) -> str | None:
-    """The layout our trailing frame names in a registration message, or None (no frame)."""
-    return parse_frame(msg)[0]
 
 
 class MetadataChannel:
@@ -420,34 +401,6 @@ def wrap_commit(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
         return out
 
     return _commit_transfer_to_req
-
-
-def wrap_registration(orig: Callable[..., Any], inst: Any) -> Callable[..., Any]:
-    def build_receiver_registration_message(self: Any) -> Any:
-        msg = orig(self)
-        try:
-            return [*msg, inst.channel.registration_frame()]
-        except Exception as exc:
-            inst.events.failed("registration", exc, "a registration without our frame (the prefill rejects it)")
-            return msg
-
-    return build_receiver_registration_message
-
-
-def wrap_from_zmq(func: Callable[..., Any], inst: Any) -> Callable[..., Any]:
-    def from_zmq(cls: Any, msg: Any) -> Any:
-        info = func(cls, msg)
-        try:
-            layout, ptr = parse_frame(msg)
-        except Exception as exc:
-            inst.events.failed("from_zmq", exc, "no layout (served as a decode without the drop-in, or rejected)")
-            layout, ptr = None, None
-        setattr(info, LAYOUT_ATTR, layout)
-        if ptr is not None:  # before 0.5.23: our row's address, last after SGLang's (as our buffer here)
-            info.dst_aux_ptrs = [*info.dst_aux_ptrs, ptr]
-        return info
-
-    return from_zmq
 
 
 #: SGLang's check that a request's transfer was a warmup's fake one (read at commit).

@@ -248,7 +248,7 @@ def check_registration(info_cls: Any, channel: Any) -> None:
     """Round-trip ``KVArgsRegisterInfo.from_zmq`` (ours around SGLang's) on a registration
     with and without our trailing frame: every SGLang field must be the same both ways, and
     our layout must come back. Raises PluginError naming the field."""
-    from .metadata import LAYOUT_ATTR  # deferred, as in check_layout
+    from .registration import LAYOUT_ATTR
 
     frames = registration_frames()
     try:
