@@ -64,6 +64,9 @@ def test_a_malformed_address_reads_as_no_layout_and_is_counted() -> None:
     got = parse(None, [b"None", FRAME_MARK + b"rowv1 x;ptr=zz"])
     assert got.pd_middleware_layout is None and got.dst_aux_ptrs == AUX
     assert inst.events.counts["guard:from_zmq:ValueError"] == 1
+    for spoofed in (b"0", b"-5", str(1 << 64).encode()):  # never handed to the transfer
+        got = parse(None, [b"None", FRAME_MARK + b"rowv1 x;ptr=" + spoofed])
+        assert got.pd_middleware_layout is None and got.dst_aux_ptrs == AUX
     got = parse(None, [b"None", FRAME_MARK + b"rowv1 x;ptr=4096"])
     assert got.pd_middleware_layout == "rowv1 x" and got.dst_aux_ptrs == [*AUX, 4096]
 

@@ -36,7 +36,10 @@ def parse_frame(msg: Any) -> tuple[str | None, int | None]:
     if not last.startswith(FRAME_MARK):
         return None, None
     layout, sep, ptr = last[len(FRAME_MARK) :].partition(PTR_SEP)
-    return layout.decode("ascii", "replace"), (int(ptr.decode("ascii")) if sep else None)
+    address = int(ptr.decode("ascii")) if sep else None
+    if address is not None and not 0 < address < 1 << 64:
+        raise ValueError(f"the proposal buffer's address {address} is not a 64-bit address")
+    return layout.decode("ascii", "replace"), address
 
 
 def layout_of(msg: Any) -> str | None:
